@@ -1,0 +1,52 @@
+"""The one place that decides how attention runs.
+
+The engine always hands transformers' modules an explicit attention mask, except
+when a batch is plain causal attention over the whole cache (one call that sees
+every context entry) and flash-attn is usable: then the mask is None and
+flash-attn's bottom-right-aligned causal kernel runs. Everything else, CPU
+included, runs SDPA with a boolean [1, 1, Q, K] mask (True = attend).
+
+FlexAttention is not used: on CPU it only beats SDPA when compiled (seconds per
+new shape, and shapes change every decode step here), and no GPU measurement has
+yet shown it paying on these masks.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
+
+NAME = "braid"
+
+try:  # optional extra `gpu`
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the install
+    flash_attn_func = None
+
+
+def flash_available(device: torch.device) -> bool:
+    return flash_attn_func is not None and device.type == "cuda"
+
+
+def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) -> bool:
+    """False only when the batch can go to flash-attn without a mask."""
+    return not (plain_causal and flash_available(device) and dtype in (torch.float16, torch.bfloat16))
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None)."""
+    if attention_mask is None and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+        out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                              softmax_scale=scaling, causal=True)
+        return out, None
+    # A None mask here comes from transformers' own mask builder (plain `generate`), which
+    # only omits it where SDPA's top-left causal flag is right.
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=attention_mask is None and query.shape[2] > 1,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, attention_forward)
+# So the model also runs outside the engine (e.g. `generate`), with the mask its backend expects.
+AttentionMaskInterface.register(NAME, flash_attention_mask if flash_attn_func is not None else sdpa_mask)

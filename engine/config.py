@@ -1,0 +1,41 @@
+"""Engine configuration: one validated dataclass."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    store_budget_bytes: int = 2 << 30  # message store capacity (KV bytes)
+    max_parallel_calls: int = 64
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model_path):
+            raise ValueError(f"model_path {self.model_path!r} is not a directory holding a checkpoint")
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ValueError(f"model_path {self.model_path!r} has no config.json")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.store_budget_bytes <= 0:
+            raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
+        if self.max_parallel_calls <= 0:
+            raise ValueError(f"max_parallel_calls must be positive, got {self.max_parallel_calls}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

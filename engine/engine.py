@@ -1,0 +1,285 @@
+"""The choreography API over a message store: prefill and decode of parallel calls.
+
+Every call is validated and planned before anything runs, and messages are
+inserted into the store only when the whole call has succeeded, so a failed call
+leaves the store exactly as it was.
+"""
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import (BraidError, ContextOverflowError, EmptyHeaderError, FingerprintMismatchError,
+                           InvalidOffsetError)
+from engine.model import load_model
+from engine.runner import ModelRunner, WorkCache
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.store import Message, MessageStore, new_message_id
+from kernels import rerotate_keys
+
+log = logging.getLogger(__name__)
+
+Tokens = str | Sequence[int]
+# Applied to each placed parent's KV copy [L, 2, H, T, D] before attention: the cache-mapper seam.
+KVTransform = Callable[[Message, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PrefillCall:
+    message: Tokens
+    parents: Sequence[str] = ()
+    offsets: Sequence[int | None] | None = None  # None entries: directly after the previous parent
+    new_offset: int | None = None  # None: directly after the last parent
+
+
+@dataclass
+class DecodeCall:
+    header: Tokens  # non-empty: the first generated token is predicted from its last token
+    parents: Sequence[str] = ()
+    offsets: Sequence[int | None] | None = None
+    new_offset: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenEvent:
+    call: int  # index of the call in the parallel batch
+    token_id: int
+    text: str  # text newly decodable with this token
+    finish_reason: str | None = None  # "stop" or "length" on a call's last token
+
+
+@dataclass
+class _Plan:
+    entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
+    visible: torch.Tensor  # bool [calls, entries + calls]
+    tokens: list[list[int]]  # the tokens each call encodes first (message or header)
+    new_offsets: list[int]
+    parents: list[tuple[str, ...]]
+    parent_offsets: list[tuple[int, ...]]
+
+    @property
+    def parent_ids(self) -> set[str]:
+        return {m.id for m, _ in self.entries}
+
+
+class DecodeStream:
+    """Iterate for TokenEvents; `ids` holds the new message ids once iteration ends."""
+
+    def __init__(self, events: Iterator[TokenEvent]):
+        self._events = events
+        self.ids: list[str] | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        self.ids = yield from self._events
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.lm = load_model(config)
+        self.spec = self.lm.spec
+        self.tokenizer = self.lm.tokenizer
+        self.fingerprint = self.lm.fingerprint
+        self.store = MessageStore(config.store_budget_bytes)
+        self.runner = ModelRunner(self.lm)
+        log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
+                 self.spec.max_positions)
+
+    # ---- messages -------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def message(self, message_id: str) -> Message:
+        return self.store.get(message_id)
+
+    def text(self, message_id: str) -> str:
+        return self.tokenizer.decode(list(self.store.get(message_id).token_ids))
+
+    def free(self, message_id: str) -> None:
+        self.store.free(message_id)
+
+    # ---- the choreography API -------------------------------------------------------------------
+    def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
+        """Encode each call's message in one forward; each message stays physically contiguous."""
+        plan = self._plan([c.message for c in calls], calls, [0] * len(calls), "message")
+        with self.store.pinned(plan.parent_ids):
+            cache = self._assemble(plan, extra_tokens=0, transform=None)
+            ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, self.lm.device)
+            base = cache.length
+            self.runner.forward(cache, plan.visible, ids, positions, owner, logit_rows=None)
+            return self._commit(plan, cache, plan.tokens, [[base + r for r in rs] for rs in rows])
+
+    def decode(self, calls: Sequence[DecodeCall], on_token: Callable[[TokenEvent], None] | None = None) -> list[str]:
+        stream = self.decode_stream(calls)
+        for event in stream:
+            if on_token is not None:
+                on_token(event)
+        return stream.ids
+
+    def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
+                      adapter: Callable[[], AbstractContextManager] | None = None) -> DecodeStream:
+        """Decode all calls together, one forward per step, masked so calls never see each other.
+
+        Validation happens here, before the first event; `transform` and `adapter` are the
+        seams for a cache mapper and a LoRA adapter (see engine.synthesis).
+        """
+        plan = self._plan([c.header for c in calls], calls, [c.sampling.max_tokens for c in calls], "header")
+        return DecodeStream(self._decode_events(plan, [c.sampling for c in calls], transform, adapter))
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
+        tokens = self.tokenize(value) if isinstance(value, str) else [int(t) for t in value]
+        if not tokens:
+            err = EmptyHeaderError if what == "header" else BraidError
+            raise err(f"call {call}: {what} is empty; it must hold at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise BraidError(f"call {call}: token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return tokens
+
+    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:
+        n = len(calls)
+        if n == 0:
+            raise BraidError("no calls given")
+        if n > self.config.max_parallel_calls:
+            raise BraidError(f"{n} parallel calls exceed max_parallel_calls={self.config.max_parallel_calls}")
+        limit = self.spec.max_positions
+        index: dict[tuple[str, int], int] = {}
+        entries: list[tuple[Message, int]] = []
+        call_entries, tokens, new_offsets, parent_offsets = [], [], [], []
+        for c, call in enumerate(calls):
+            toks = self._as_tokens(values[c], what, c)
+            parents = list(call.parents)
+            offsets = call.offsets
+            if offsets is not None and len(offsets) != len(parents):
+                raise InvalidOffsetError(f"call {c}: {len(offsets)} offsets given for {len(parents)} parents")
+            end, mine, placed = 0, [], []
+            for i, pid in enumerate(parents):
+                msg = self.store.get(pid)
+                if msg.fingerprint != self.fingerprint:
+                    raise FingerprintMismatchError(
+                        f"call {c}: parent {pid!r} was encoded by model {msg.fingerprint}, this engine runs "
+                        f"{self.fingerprint}; re-encode its text with this model")
+                off = end if offsets is None or offsets[i] is None else offsets[i]
+                if not isinstance(off, int) or off < 0 or off + msg.num_tokens > limit:
+                    raise InvalidOffsetError(
+                        f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
+                        f"it must be an int with 0 <= offset and offset + length <= {limit}")
+                mine.append(index.setdefault((pid, off), len(entries)))
+                if mine[-1] == len(entries):
+                    entries.append((msg, off))
+                placed.append(off)
+                end = off + msg.num_tokens
+            new_off = end if call.new_offset is None else call.new_offset
+            if not isinstance(new_off, int) or new_off < 0:
+                raise InvalidOffsetError(f"call {c}: new_offset {new_off!r} must be a non-negative int")
+            if new_off + len(toks) + extra_positions[c] > limit:
+                raise ContextOverflowError(
+                    f"call {c}: new_offset {new_off} + {len(toks)} {what} tokens + {extra_positions[c]} max new "
+                    f"tokens = {new_off + len(toks) + extra_positions[c]} exceeds the context of {limit} positions")
+            call_entries.append(mine)
+            tokens.append(toks)
+            new_offsets.append(new_off)
+            parent_offsets.append(tuple(placed))
+        visible = torch.zeros(n, len(entries) + n, dtype=torch.bool)
+        for c, mine in enumerate(call_entries):
+            visible[c, mine] = True
+            visible[c, len(entries) + c] = True
+        return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
+                     [tuple(c.parents) for c in calls], parent_offsets)
+
+    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None) -> WorkCache:
+        """A work cache holding copies of every parent, re-rotated to its offset."""
+        context = sum(m.num_tokens for m, _ in plan.entries)
+        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens)
+        for e, (msg, off) in enumerate(plan.entries):
+            start = cache.length
+            cache.append(msg.kv, segment=e)
+            if off != msg.offset:
+                placed = cache.kv[:, 0, :, start:cache.length]
+                delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=placed.device)
+                placed.copy_(rerotate_keys(placed, delta, self.lm.inv_freq))
+            if transform is not None:
+                block = cache.kv[:, :, :, start:cache.length]
+                block.copy_(transform(msg, block))
+        return cache
+
+    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter):
+        n = len(plan.tokens)
+        device = self.lm.device
+        stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
+        generators = [make_generator(p, device) for p in params]
+        generated: list[list[int]] = [[] for _ in range(n)]
+        emitted = [0] * n
+        with self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
+            cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
+            ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, device)
+            base = cache.length
+            logits = self.runner.forward(cache, plan.visible, ids, positions, owner,
+                                         torch.tensor([rs[-1] for rs in rows], device=device))
+            slots = [[base + r for r in rs] for rs in rows]
+            logit_calls = list(range(n))  # calls whose next token the current logits predict
+            while logit_calls:
+                sampled = _sample_rows(logits, [params[c] for c in logit_calls], [generators[c] for c in logit_calls])
+                still_running = []
+                for c, token in zip(logit_calls, sampled):
+                    generated[c].append(token)
+                    text = self.tokenizer.decode(generated[c])
+                    reason = None
+                    if token in stop_ids[c] or any(s in text for s in params[c].stop):
+                        reason = "stop"
+                    elif len(generated[c]) == params[c].max_tokens:
+                        reason = "length"
+                    else:
+                        still_running.append(c)
+                    delta = "" if reason is None and text.endswith("\ufffd") else text[emitted[c]:]
+                    emitted[c] += len(delta)
+                    yield TokenEvent(c, token, delta, reason)
+                # Every sampled token is fed once, finished calls included, so their last token gets KV.
+                feed = logit_calls
+                rows = [i for i, c in enumerate(feed) if c in still_running]
+                step_ids = torch.tensor([generated[c][-1] for c in feed], device=device)
+                step_pos = torch.tensor([plan.new_offsets[c] + len(plan.tokens[c]) + len(generated[c]) - 1
+                                         for c in feed], device=device)
+                start = cache.length
+                logits = self.runner.forward(cache, plan.visible, step_ids, step_pos,
+                                             torch.tensor(feed, device=device),
+                                             torch.tensor(rows, device=device) if rows else None)
+                for i, c in enumerate(feed):
+                    slots[c].append(start + i)
+                logit_calls = still_running
+            return self._commit(plan, cache, [t + g for t, g in zip(plan.tokens, generated)], slots)
+
+    def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]]) -> list[str]:
+        messages = [
+            Message(new_message_id(), tuple(tokens[c]),
+                    cache.gather(torch.tensor(slots[c], device=self.lm.device)), plan.new_offsets[c],
+                    plan.parents[c], plan.parent_offsets[c], self.fingerprint)
+            for c in range(len(tokens))
+        ]
+        self.store.add(messages)
+        self.store.touch(plan.parent_ids)
+        return [m.id for m in messages]
+
+
+def _flatten(tokens: list[list[int]], offsets: list[int], device):
+    """Rows for a parallel prefill: each call's tokens contiguous, at offset + i."""
+    ids, positions, owner, rows = [], [], [], []
+    for c, (toks, off) in enumerate(zip(tokens, offsets)):
+        rows.append(list(range(len(ids), len(ids) + len(toks))))
+        ids += toks
+        positions += range(off, off + len(toks))
+        owner += [c] * len(toks)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return as_tensor(ids), as_tensor(positions), as_tensor(owner), rows
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
+    greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
+    return [g if p.temperature == 0 else int(sample(logits[i], p, gen))
+            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]

@@ -1,0 +1,36 @@
+"""Errors raised by the engine. Each carries a `code` the gRPC layer maps to a status."""
+
+
+class BraidError(ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class UnknownMessageError(BraidError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self):  # KeyError would quote the message
+        return self.args[0] if self.args else ""
+
+
+class FingerprintMismatchError(BraidError):
+    code = "FAILED_PRECONDITION"
+
+
+class InvalidOffsetError(BraidError):
+    code = "INVALID_ARGUMENT"
+
+
+class EmptyHeaderError(BraidError):
+    code = "INVALID_ARGUMENT"
+
+
+class ContextOverflowError(BraidError):
+    code = "OUT_OF_RANGE"
+
+
+class StoreFullError(BraidError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class MessageInUseError(BraidError):
+    code = "FAILED_PRECONDITION"

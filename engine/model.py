@@ -1,0 +1,111 @@
+"""Loading a Hugging Face RoPE decoder-only checkpoint from a local directory."""
+
+import glob
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import attention
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# Rope types whose inv_freq is fixed, so re-rotation by a position delta is exact.
+# Dynamic types recompute frequencies from the sequence length: a key's rotation
+# then depends on when it was encoded, and cannot be moved by a pure rotation.
+REROTATABLE_ROPE = {"default", "linear", "llama3", "yarn"}
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+@dataclass
+class ModelSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int  # largest position + 1 any token may take
+    rope_type: str
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    inv_freq: torch.Tensor  # fp32 [head_dim / 2] on the model's device
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
+    """blake2b over config.json and every weight file, in name order."""
+    files = [os.path.join(path, "config.json")]
+    for pattern in WEIGHT_PATTERNS:
+        files += sorted(glob.glob(os.path.join(path, pattern)))
+    h = hashlib.blake2b(digest_size=16)
+    total = sum(os.path.getsize(f) for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="fingerprint", disable=total < (1 << 30)) as bar:
+        for f in files:
+            h.update(os.path.basename(f).encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(chunk):
+                    h.update(block)
+                    bar.update(len(block))
+    return h.hexdigest()
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def _max_positions(cfg) -> int:
+    limit = cfg.max_position_embeddings
+    # Sliding-window layers would drop keys older than the window; the engine's
+    # masks do not model that, so contexts are kept within the window instead.
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    uses_window = "sliding_attention" in layer_types or (cfg.model_type == "mistral" and window)
+    return min(limit, window) if uses_window and window else limit
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    device = torch.device(config.device)
+    log.info("loading %s (%s on %s)", config.model_path, config.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        config.model_path, dtype=config.torch_dtype, attn_implementation=attention.NAME
+    ).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    cfg = model.config
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in REROTATABLE_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} in {config.model_path} cannot be re-rotated exactly; "
+                         f"supported: {sorted(REROTATABLE_ROPE)}")
+    head_dim = model.model.layers[0].self_attn.head_dim
+    inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
+    if 2 * inv_freq.numel() != head_dim:
+        raise ValueError(f"partial rotary embeddings (rotary dim {2 * inv_freq.numel()} < head_dim {head_dim}) "
+                         "are not supported")
+    spec = ModelSpec(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        max_positions=_max_positions(cfg),
+        rope_type=rope_type,
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+    return LoadedModel(model, tokenizer, spec, inv_freq, fingerprint_checkpoint(config.model_path),
+                       device, config.torch_dtype)

@@ -1,0 +1,52 @@
+"""Sampling parameters and the per-step sampler."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id (0-d tensor) from fp32 logits [vocab]."""
+    if params.temperature == 0:
+        return logits.argmax()
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the top token
+        sorted_probs = sorted_probs * keep
+        return order[torch.multinomial(sorted_probs, 1, generator=generator)[0]]
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -1,0 +1,114 @@
+"""The message store: encoded messages with their KV, under a byte budget with LRU eviction."""
+
+import secrets
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
+
+
+def new_message_id() -> str:
+    return secrets.token_hex(12)  # unguessable: ids double as capabilities in the cluster
+
+
+@dataclass(eq=False)
+class Message:
+    id: str
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor  # [layers, 2 (k, v), kv_heads, tokens, head_dim]; keys rotated to `positions`
+    offset: int  # logical position of the first token
+    parents: tuple[str, ...]
+    parent_offsets: tuple[int, ...]
+    fingerprint: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.offset, self.offset + self.num_tokens)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class MessageStore:
+    """Messages by id, least recently used first. Pinned messages are never evicted or freed."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._messages: OrderedDict[str, Message] = OrderedDict()
+        self._pins: Counter[str] = Counter()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __contains__(self, message_id: str) -> bool:
+        return message_id in self._messages
+
+    def ids(self) -> list[str]:
+        """Ids in LRU order, least recently used first."""
+        return list(self._messages)
+
+    def get(self, message_id: str) -> Message:
+        try:
+            return self._messages[message_id]
+        except KeyError:
+            raise UnknownMessageError(f"unknown message id {message_id!r} (never stored, freed or evicted)") from None
+
+    def touch(self, message_ids) -> None:
+        for mid in message_ids:
+            if mid in self._messages:
+                self._messages.move_to_end(mid)
+
+    @contextmanager
+    def pinned(self, message_ids):
+        ids = list(message_ids)
+        self._pins.update(ids)
+        try:
+            yield
+        finally:
+            self._pins.subtract(ids)
+            self._pins += Counter()  # drop zero counts
+
+    def add(self, messages: list[Message]) -> None:
+        """Insert all messages or none, evicting unpinned LRU messages as needed."""
+        need = sum(m.nbytes for m in messages)
+        if need > self.budget_bytes:
+            raise StoreFullError(f"{need} bytes of new KV exceed the store budget of {self.budget_bytes} bytes")
+        victims, freed = [], 0
+        for mid, msg in self._messages.items():
+            if self.used_bytes - freed + need <= self.budget_bytes:
+                break
+            if not self._pins[mid]:
+                victims.append(mid)
+                freed += msg.nbytes
+        if self.used_bytes - freed + need > self.budget_bytes:
+            raise StoreFullError(f"store full: {self.used_bytes} of {self.budget_bytes} bytes used, mostly by "
+                                 f"messages in use; {need} more needed")
+        for mid in victims:
+            self._remove(mid)
+            self.evictions += 1
+        for msg in messages:
+            self._messages[msg.id] = msg
+            self.used_bytes += msg.nbytes
+
+    def free(self, message_id: str) -> None:
+        self.get(message_id)
+        if self._pins[message_id]:
+            raise MessageInUseError(f"message {message_id!r} is in use by a running call and cannot be freed")
+        self._remove(message_id)
+
+    def _remove(self, message_id: str) -> None:
+        self.used_bytes -= self._messages.pop(message_id).nbytes

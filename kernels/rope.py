@@ -1,0 +1,39 @@
+"""Re-rotating cached RoPE keys to a new position.
+
+Hugging Face checkpoints use the half-split (rotate_half) layout: dimension i pairs
+with i + D/2. A key stored at position p is k_raw * R(p) * s, where s is the rope
+type's `attention_scaling`. Moving it to p + delta needs only R(delta), because
+rotations compose and every supported rope type (default, linear, llama3, yarn)
+has a fixed per-frequency `inv_freq`; s is already inside the stored key, so it is
+not applied again. Angles and products are computed in fp32 whatever the key
+dtype, because repeated low-precision rotations drift.
+"""
+
+import torch
+
+
+def rerotate_keys_torch(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate `keys` [..., T, D] by `delta` [T] positions; returns a new tensor."""
+    half = keys.shape[-1] // 2
+    angles = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    x = keys.to(torch.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(keys.dtype)
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate `keys` [..., T, D] by `delta` [T] positions into a copy (stored KV is never mutated).
+
+    Uses the Triton kernel on CUDA, torch elsewhere.
+    """
+    if keys.shape[-1] != 2 * inv_freq.numel():
+        raise ValueError(f"head_dim {keys.shape[-1]} is not 2 * len(inv_freq) = {2 * inv_freq.numel()}")
+    if delta.shape != (keys.shape[-2],):
+        raise ValueError(f"delta must have shape ({keys.shape[-2]},), got {tuple(delta.shape)}")
+    if keys.is_cuda:
+        from kernels.rope_triton import rerotate_keys_triton
+
+        return rerotate_keys_triton(keys, delta, inv_freq)
+    return rerotate_keys_torch(keys, delta, inv_freq)
