@@ -1,0 +1,111 @@
+"""Parallel-Synthesis (seed 004, Algorithm 1) and its text re-prefill baseline.
+
+Branches are worker output messages: each was decoded after the shared prefix and
+its own branch context, so its KV sits at positions n + |c_j| + r. The cache path
+attends to copies of those messages re-rotated to a placement, prefills only the
+synthesizer prompt, and decodes. The text path re-prefills the branches' tokens
+after the shared prefix, reusing the prefix's KV as prefix caching would, so both
+run on the same engine with the same tokens.
+"""
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from engine.engine import DecodeCall, DecodeStream, Engine, Tokens
+from engine.errors import BraidError
+from engine.sampling import SamplingParams
+from engine.store import Message
+
+
+class Placement(str, Enum):
+    BRANCH_POINT = "branch_point"  # the paper's: every branch starts at the branch point n; prompt after the longest
+    SEQUENTIAL = "sequential"  # branches one after another from n; prompt after the last
+
+
+def place_branches(branch_point: int, lengths: Sequence[int], placement: Placement) -> tuple[list[int], int]:
+    """Offsets for each branch and for the synthesizer prompt."""
+    placement = Placement(placement)
+    if placement is Placement.BRANCH_POINT:
+        return [branch_point] * len(lengths), branch_point + max(lengths)
+    offsets, at = [], branch_point
+    for n in lengths:
+        offsets.append(at)
+        at += n
+    return offsets, at
+
+
+class CacheMapper(Protocol):
+    """Calibrates one placed branch's KV copy [L, 2, H, T, D]; returns a tensor of the same shape."""
+
+    def __call__(self, kv: torch.Tensor, *, branch: int, num_branches: int) -> torch.Tensor: ...
+
+
+@dataclass
+class SynthesisHooks:
+    """Where a trained cache mapper and a synthesizer LoRA adapter plug in."""
+
+    mapper: CacheMapper | None = None
+    adapter: Callable[[], AbstractContextManager] | None = None  # entered around the synthesizer's forwards
+
+
+def _check_branches(branches: Sequence[str]) -> None:
+    if not branches:
+        raise BraidError("synthesis needs at least one branch message id")
+
+
+def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
+                      placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
+                      hooks: SynthesisHooks | None = None) -> DecodeStream:
+    """Cache path: re-encoded branch KV + prefilled prompt, then decode."""
+    _check_branches(branches)
+    prefix_msgs = [engine.message(m) for m in prefix]
+    branch_msgs = [engine.message(m) for m in branches]
+    branch_point = sum(m.num_tokens for m in prefix_msgs)
+    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement)
+    call = DecodeCall(prompt, parents=[*prefix, *branches], offsets=[None] * len(prefix) + offsets,
+                      new_offset=prompt_offset, sampling=sampling)
+    hooks = hooks or SynthesisHooks()
+    transform = None
+    if hooks.mapper is not None:
+        index = {m.id: j for j, m in reversed(list(enumerate(branch_msgs)))}
+
+        def transform(msg: Message, kv: torch.Tensor) -> torch.Tensor:
+            if msg.id not in index:
+                return kv  # the shared prefix is the synthesizer's own context: left as is
+            return hooks.mapper(kv, branch=index[msg.id], num_branches=len(branch_msgs))
+
+    return engine.decode_stream([call], transform=transform, adapter=hooks.adapter)
+
+
+def synthesize_text_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
+                           sampling: SamplingParams = SamplingParams()) -> DecodeStream:
+    """Baseline: the branches' tokens re-prefilled as text after the cached shared prefix."""
+    _check_branches(branches)
+    header = [t for m in branches for t in engine.message(m).token_ids]
+    header += engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    return engine.decode_stream([DecodeCall(header, parents=list(prefix), sampling=sampling)])
+
+
+def _run(stream: DecodeStream, on_token) -> str:
+    for event in stream:
+        if on_token is not None:
+            on_token(event)
+    return stream.ids[0]
+
+
+def synthesize(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
+               placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
+               hooks: SynthesisHooks | None = None, on_token=None) -> str:
+    """Returns the id of the synthesized message (prompt + answer)."""
+    return _run(synthesize_stream(engine, branches, prompt, prefix, placement, sampling, hooks), on_token)
+
+
+def synthesize_text(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
+                    sampling: SamplingParams = SamplingParams(), on_token=None) -> str:
+    """Returns the id of the synthesized message (branch texts + prompt + answer)."""
+    return _run(synthesize_text_stream(engine, branches, prompt, prefix, sampling), on_token)

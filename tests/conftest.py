@@ -1,0 +1,44 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of triton
+
+import pytest  # noqa: E402
+
+from engine import Engine, EngineConfig  # noqa: E402
+from engine.checkpoints import make_random_checkpoint  # noqa: E402
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(family, **config overrides) -> path of a saved tiny random-weight model."""
+    made = {}
+
+    def make(family="llama", seed=0, **overrides):
+        key = (family, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{family}-ckpt")
+            made[key] = make_random_checkpoint(str(path), family, "tiny", seed=seed, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_engine(checkpoint):
+    return Engine(EngineConfig(checkpoint("llama")))
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_engine(request, checkpoint):
+    return Engine(EngineConfig(checkpoint(request.param)))
+
+
+@pytest.fixture
+def fresh_engine(checkpoint):
+    """An engine with its own empty store, for tests that inspect the store."""
+    return Engine(EngineConfig(checkpoint("llama")))

@@ -1,0 +1,115 @@
+"""Exactness of the choreography API against plain transformers on the same checkpoint."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import DecodeCall, PrefillCall, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def reference_greedy(path, ids, n):
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def test_linear_history_matches_generate(family_engine):
+    eng = family_engine
+    history = []
+    for turn in ["User: What is the capital of France?", "User: And of Italy, please?"]:
+        history += eng.prefill([PrefillCall(turn, parents=history)])
+        history += eng.decode([DecodeCall("Assistant:", parents=history, sampling=GREEDY)])
+    header = eng.tokenize("Assistant:")
+    context = [t for m in history[:-1] for t in eng.message(m).token_ids] + header
+    expected = reference_greedy(eng.config.model_path, context, GREEDY.max_tokens)
+    assert list(eng.message(history[-1]).token_ids[len(header):]) == expected
+    # positions are contiguous along the history
+    assert [eng.message(m).offset for m in history] == [0] + [eng.message(m).end for m in history[:-1]]
+
+
+def test_parallel_decode_equals_separate_decodes(llama_engine):
+    eng = llama_engine
+    docs = eng.prefill([PrefillCall(t) for t in ["Each branch writes a result.", "Question one asks for a sum.",
+                                                  "0 1 2 3 4 5"]])
+    calls = [
+        DecodeCall("Assistant:", parents=[docs[0]], sampling=SamplingParams(max_tokens=9, ignore_eos=True)),
+        DecodeCall("Answer: the", parents=[docs[1], docs[2]], sampling=SamplingParams(max_tokens=14, ignore_eos=True)),
+        DecodeCall("=", parents=[docs[2]], offsets=[40], sampling=SamplingParams(max_tokens=5, temperature=0.9,
+                                                                                 top_p=0.8, seed=7, ignore_eos=True)),
+        DecodeCall("Sum:", parents=[], new_offset=3, sampling=SamplingParams(max_tokens=11, ignore_eos=True)),
+    ]
+    together = eng.decode(calls)
+    alone = [eng.decode([c])[0] for c in calls]
+    for a, b in zip(together, alone):
+        ma, mb = eng.message(a), eng.message(b)
+        assert ma.token_ids == mb.token_ids and ma.offset == mb.offset
+        assert (ma.kv - mb.kv).abs().max() < 1e-5
+
+
+def test_parallel_prefill_equals_separate_prefills(llama_engine):
+    eng = llama_engine
+    base, = eng.prefill([PrefillCall("User: What is the capital of France?")])
+    calls = [PrefillCall("one two three", parents=[base]), PrefillCall("four five", parents=[base], offsets=[7]),
+             PrefillCall("six", new_offset=100)]
+    for a, b in zip(eng.prefill(calls), [eng.prefill([c])[0] for c in calls]):
+        ma, mb = eng.message(a), eng.message(b)
+        assert ma.token_ids == mb.token_ids and ma.positions == mb.positions
+        assert (ma.kv - mb.kv).abs().max() < 1e-5
+
+
+def test_prefilled_and_decoded_kv_agree(llama_engine):
+    """A decoded message's KV equals prefilling its tokens in the same place (last token included)."""
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: hello")])
+    d, = eng.decode([DecodeCall("Assistant:", parents=[p], sampling=GREEDY)])
+    again, = eng.prefill([PrefillCall(list(eng.message(d).token_ids), parents=[p])])
+    assert (eng.message(d).kv - eng.message(again).kv).abs().max() < 1e-5
+
+
+def test_streaming_and_stopping(llama_engine):
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("Question one asks for a sum")])
+    events = []
+    free_run, = eng.decode([DecodeCall("Answer:", parents=[p], sampling=GREEDY)], on_token=events.append)
+    generated = list(eng.message(free_run).token_ids[len(eng.tokenize("Answer:")):])
+    assert [e.token_id for e in events] == generated
+    assert [e.finish_reason for e in events] == [None] * (len(generated) - 1) + ["length"]
+    assert "".join(e.text for e in events) == eng.tokenizer.decode(generated)
+
+    stop_token = generated[4]
+    first = generated.index(stop_token)
+    by_token, = eng.decode([DecodeCall("Answer:", parents=[p], sampling=SamplingParams(
+        max_tokens=12, ignore_eos=True, stop_token_ids=(stop_token,)))])
+    assert list(eng.message(by_token).token_ids[-first - 1:]) == generated[: first + 1]
+
+    text = eng.tokenizer.decode(generated)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stream = eng.decode_stream([DecodeCall("Answer:", parents=[p], sampling=SamplingParams(
+        max_tokens=12, ignore_eos=True, stop=(stop,)))])
+    events = list(stream)
+    assert events[-1].finish_reason == "stop" and stop in "".join(e.text for e in events)
+    assert len(events) < len(generated)
+
+
+def test_seeded_sampling_is_reproducible(llama_engine):
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: hi")])
+    params = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, seed=123, ignore_eos=True)
+    a, b = (eng.decode([DecodeCall("Assistant:", parents=[p], sampling=params)])[0] for _ in range(2))
+    assert eng.message(a).token_ids == eng.message(b).token_ids
+    greedy, = eng.decode([DecodeCall("Assistant:", parents=[p], sampling=SamplingParams(max_tokens=16,
+                                                                                        ignore_eos=True))])
+    assert eng.message(a).token_ids != eng.message(greedy).token_ids  # temperature 1.3 on random weights
+
+
+def test_eos_ends_decoding(checkpoint):
+    from engine import Engine, EngineConfig
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    p, = eng.prefill([PrefillCall("User: hi")])
+    first = eng.message(eng.decode([DecodeCall("Assistant:", parents=[p], sampling=GREEDY)])[0]).token_ids
+    answer = list(first[len(eng.tokenize("Assistant:")):])
+    eng.spec.eos_token_ids = (answer[1],)  # pretend the 2nd answer token is EOS
+    events = list(eng.decode_stream([DecodeCall("Assistant:", parents=[p], sampling=SamplingParams(max_tokens=12))]))
+    assert len(events) == answer.index(answer[1]) + 1 and events[-1].finish_reason == "stop"
