@@ -1,0 +1,46 @@
+"""Message store: byte accounting, LRU eviction of unpinned messages, explicit free, atomic inserts."""
+
+import pytest
+import torch
+
+from engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
+from engine.store import Message, MessageStore
+
+
+def msg(mid, tokens=4):
+    kv = torch.zeros(2, 2, 1, tokens, 8)  # 4 bytes * 2*2*1*tokens*8 = 128 * tokens
+    return Message(mid, tuple(range(tokens)), kv, 0, (), (), "fp")
+
+
+def test_byte_accounting_and_free():
+    store = MessageStore(budget_bytes=10_000)
+    store.add([msg("a"), msg("b", 8)])
+    assert store.used_bytes == 128 * 4 + 128 * 8 and len(store) == 2
+    store.free("a")
+    assert store.used_bytes == 128 * 8 and "a" not in store
+    with pytest.raises(UnknownMessageError, match="'a'"):
+        store.free("a")
+
+
+def test_lru_eviction_skips_pinned_and_recent():
+    store = MessageStore(budget_bytes=128 * 12)
+    store.add([msg("a"), msg("b"), msg("c")])
+    store.touch(["a"])  # order now b, c, a
+    with store.pinned(["b"]):
+        store.add([msg("d")])  # needs 512 bytes: evicts c (b is pinned)
+    assert store.ids() == ["b", "a", "d"] and store.evictions == 1
+    store.add([msg("e")])  # b is no longer pinned: it is the LRU victim
+    assert store.ids() == ["a", "d", "e"]
+
+
+def test_failed_insert_changes_nothing():
+    store = MessageStore(budget_bytes=128 * 8)
+    store.add([msg("a"), msg("b")])
+    with store.pinned(["a", "b"]):
+        with pytest.raises(StoreFullError, match="in use"):
+            store.add([msg("c")])
+        with pytest.raises(MessageInUseError):
+            store.free("a")
+    with pytest.raises(StoreFullError, match="exceed the store budget"):
+        store.add([msg("big", 100)])
+    assert store.ids() == ["a", "b"] and store.used_bytes == 128 * 8 and store.evictions == 0
