@@ -6,6 +6,7 @@ leaves the store exactly as it was.
 """
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -68,10 +69,15 @@ class _Plan:
 
 
 class DecodeStream:
-    """Iterate for TokenEvents; `ids` holds the new message ids once iteration ends."""
+    """Iterate for TokenEvents; `ids` holds the new message ids once iteration ends.
 
-    def __init__(self, events: Iterator[TokenEvent]):
+    `timings` (seconds) fills in as it runs: `assemble` (placing parents into the work cache),
+    `first_token` (from the start of the call to the first sampled token), `decode` (the rest).
+    """
+
+    def __init__(self, events: Iterator[TokenEvent], timings: dict[str, float]):
         self._events = events
+        self.timings = timings
         self.ids: list[str] | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -128,8 +134,11 @@ class Engine:
         Validation happens here, before the first event; `transform` and `adapter` are the
         seams for a cache mapper and a LoRA adapter (see engine.synthesis).
         """
+        start = time.perf_counter()
         plan = self._plan([c.header for c in calls], calls, [c.sampling.max_tokens for c in calls], "header")
-        return DecodeStream(self._decode_events(plan, [c.sampling for c in calls], transform, adapter))
+        timings: dict[str, float] = {}
+        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings)
+        return DecodeStream(events, timings)
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -209,7 +218,7 @@ class Engine:
                 block.copy_(transform(msg, block))
         return cache
 
-    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter):
+    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings):
         n = len(plan.tokens)
         device = self.lm.device
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
@@ -218,6 +227,8 @@ class Engine:
         emitted = [0] * n
         with self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
             cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
+            _sync(device)  # once per call, so the split below is true on CUDA too
+            timings["assemble"] = time.perf_counter() - start
             ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, device)
             base = cache.length
             logits = self.runner.forward(cache, plan.visible, ids, positions, owner,
@@ -226,6 +237,7 @@ class Engine:
             logit_calls = list(range(n))  # calls whose next token the current logits predict
             while logit_calls:
                 sampled = _sample_rows(logits, [params[c] for c in logit_calls], [generators[c] for c in logit_calls])
+                timings.setdefault("first_token", time.perf_counter() - start)
                 still_running = []
                 for c, token in zip(logit_calls, sampled):
                     generated[c].append(token)
@@ -246,13 +258,14 @@ class Engine:
                 step_ids = torch.tensor([generated[c][-1] for c in feed], device=device)
                 step_pos = torch.tensor([plan.new_offsets[c] + len(plan.tokens[c]) + len(generated[c]) - 1
                                          for c in feed], device=device)
-                start = cache.length
+                first_slot = cache.length
                 logits = self.runner.forward(cache, plan.visible, step_ids, step_pos,
                                              torch.tensor(feed, device=device),
                                              torch.tensor(rows, device=device) if rows else None)
                 for i, c in enumerate(feed):
-                    slots[c].append(start + i)
+                    slots[c].append(first_slot + i)
                 logit_calls = still_running
+            timings["decode"] = time.perf_counter() - start - timings["first_token"]
             return self._commit(plan, cache, [t + g for t, g in zip(plan.tokens, generated)], slots)
 
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]]) -> list[str]:
@@ -277,6 +290,11 @@ def _flatten(tokens: list[list[int]], offsets: list[int], device):
         owner += [c] * len(toks)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return as_tensor(ids), as_tensor(positions), as_tensor(owner), rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:

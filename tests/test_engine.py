@@ -1,5 +1,7 @@
 """Exactness of the choreography API against plain transformers on the same checkpoint."""
 
+import time
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -113,3 +115,15 @@ def test_eos_ends_decoding(checkpoint):
     eng.spec.eos_token_ids = (answer[1],)  # pretend the 2nd answer token is EOS
     events = list(eng.decode_stream([DecodeCall("Assistant:", parents=[p], sampling=SamplingParams(max_tokens=12))]))
     assert len(events) == answer.index(answer[1]) + 1 and events[-1].finish_reason == "stop"
+
+
+def test_stream_timings_add_up(llama_engine):
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: hi")])
+    start = time.perf_counter()
+    stream = eng.decode_stream([DecodeCall("Assistant:", parents=[p], sampling=GREEDY)])
+    list(stream)
+    wall = time.perf_counter() - start
+    t = stream.timings
+    assert 0 <= t["assemble"] <= t["first_token"] and t["decode"] >= 0
+    assert t["first_token"] + t["decode"] <= wall

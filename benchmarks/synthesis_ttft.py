@@ -1,0 +1,173 @@
+"""Synthesis time-to-first-token: text re-prefill vs the cache path, side by side in one run.
+
+For each branch length, m worker branches follow a shared prefix and branch contexts
+of different lengths. Branch outputs are prefilled rather than decoded, which gives
+the same KV (tests/test_engine.py::test_prefilled_and_decoded_kv_agree) without
+spending minutes decoding. TTFT is measured from the synthesis call to the first
+sampled token, and includes planning, cache assembly (copy + re-rotation) and the
+prompt prefill; worker time is excluded, as in the paper.
+"""
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from engine.checkpoints import SHAPES, make_random_checkpoint
+from engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--checkpoint", help="use this checkpoint directory instead of building a random one")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="tokens per branch (default: 128 256 512 1024 on CPU, 512 1024 2048 4096 on CUDA)")
+    p.add_argument("--branches", type=int, default=4)
+    p.add_argument("--prefix-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median reported)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens for the batch-1 decode rate (0: skip)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
+    return p.parse_args(argv)
+
+
+def first_token_seconds(make_stream) -> float:
+    start = time.perf_counter()
+    stream = make_stream()
+    next(iter(stream))
+    return time.perf_counter() - start
+
+
+def median_run(make_stream, repeats):
+    """Median TTFT and the median of the stream's own split, after one warm-up run."""
+    first_token_seconds(make_stream)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stream = make_stream()
+        events = iter(stream)
+        next(events)
+        ttft = time.perf_counter() - start
+        list(events)
+        runs.append((ttft, stream.timings["assemble"]))
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def build_workflow(eng, gen, args, length):
+    rand = lambda n: torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    prefix = eng.prefill([PrefillCall(rand(args.prefix_tokens))])
+    contexts = eng.prefill([PrefillCall(rand(16 * (j + 1)), parents=prefix) for j in range(args.branches)])
+    branches = eng.prefill([PrefillCall(rand(length), parents=[*prefix, c]) for c in contexts])
+    return prefix, contexts, branches, rand(args.prompt_tokens)
+
+
+def decode_rate(eng, gen, n_tokens, context=512):
+    ctx = eng.prefill([PrefillCall(torch.randint(3, eng.spec.vocab_size, (context,), generator=gen).tolist())])
+    stream = eng.decode_stream([DecodeCall([5], parents=ctx, sampling=SamplingParams(max_tokens=n_tokens,
+                                                                                      ignore_eos=True))])
+    list(stream)
+    rate = (n_tokens - 1) / stream.timings["decode"]
+    eng.free(stream.ids[0]), eng.free(ctx[0])
+    return rate
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_random_checkpoint(
+            tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for length in tqdm(lengths, desc="branch lengths"):
+        prefix, contexts, branches, prompt = build_workflow(eng, gen, args, length)
+        modes = {
+            "text": lambda: synthesize_text_stream(eng, branches, prompt, prefix=prefix, sampling=FIRST_TOKEN),
+            "cache_branch_point": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
+                                                            placement=Placement.BRANCH_POINT, sampling=FIRST_TOKEN),
+            "cache_sequential": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
+                                                          placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN),
+        }
+        row = {"branch_tokens": length, "branches": args.branches}
+        for name, make in modes.items():
+            before = set(eng.store.ids())
+            row[f"{name}_ttft_ms"], row[f"{name}_assemble_ms"] = (1e3 * x for x in median_run(make, args.repeats))
+            for mid in set(eng.store.ids()) - before:
+                eng.free(mid)
+        row["speedup_branch_point"] = row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"]
+        row["speedup_sequential"] = row["text_ttft_ms"] / row["cache_sequential_ttft_ms"]
+        # The physical limit: text prefills branches + prompt, the cache path the prompt only.
+        row["token_ratio"] = (args.branches * length + args.prompt_tokens) / args.prompt_tokens
+        rows.append(row)
+        for mid in [*prefix, *contexts, *branches]:
+            eng.free(mid)
+    result = {
+        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "dtype": eng.config.dtype, "shape": args.shape if not args.checkpoint else args.checkpoint,
+        "parameters": sum(p.numel() for p in eng.lm.model.parameters()),
+        "torch": torch.__version__, "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens,
+        "rows": rows,
+    }
+    if args.decode_tokens:
+        result["decode_tokens_per_s_batch1"] = decode_rate(eng, gen, args.decode_tokens)
+    report(result, args.out)
+
+
+def report(result, out_dir):
+    header = f"{'tokens/branch':>13} {'text ms':>9} {'cache ms':>9} {'assemble ms':>11} {'speedup':>8} " \
+             f"{'seq ms':>8} {'seq speedup':>11}"
+    print(f"\n{result['device']} {result['dtype']} {result['parameters'] / 1e6:.0f}M params, "
+          f"{result['rows'][0]['branches']} branches\n{header}")
+    for r in result["rows"]:
+        print(f"{r['branch_tokens']:>13} {r['text_ttft_ms']:>9.1f} {r['cache_branch_point_ttft_ms']:>9.1f} "
+              f"{r['cache_branch_point_assemble_ms']:>11.1f} {r['speedup_branch_point']:>7.1f}x "
+              f"{r['cache_sequential_ttft_ms']:>8.1f} {r['speedup_sequential']:>10.1f}x")
+    if "decode_tokens_per_s_batch1" in result:
+        print(f"batch-1 decode: {result['decode_tokens_per_s_batch1']:.1f} tokens/s")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    xs = [r["branch_tokens"] for r in result["rows"]]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in [("text", "text re-prefill"), ("cache_branch_point", "cache, branch point"),
+                       ("cache_sequential", "cache, sequential")]:
+        ax[0].plot(xs, [r[f"{key}_ttft_ms"] for r in result["rows"]], marker="o", label=label)
+    ax[0].set(xscale="log", yscale="log", xlabel="tokens per branch", ylabel="TTFT (ms)",
+              title=f"Synthesis TTFT, {result['rows'][0]['branches']} branches")
+    ax[1].plot(xs, [r["speedup_branch_point"] for r in result["rows"]], marker="o", label="measured (branch point)")
+    ax[1].set(xscale="log", xlabel="tokens per branch", ylabel="text TTFT / cache TTFT", title="Speedup")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle(f"{result['device']}, {result['dtype']}, {result['parameters'] / 1e6:.0f}M params")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
