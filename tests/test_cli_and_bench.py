@@ -1,0 +1,47 @@
+"""The demo CLI and the benchmark script run end to end on a tiny model (function, not timing)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from engine.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "demo" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments(capsys, tmp_path):
+    assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--branches", "0"])
+
+
+def test_demo_runs(checkpoint, capsys):
+    assert main(["demo", "--model", checkpoint("llama"), "--branches", "3", "--branch-tokens", "5",
+                 "--answer-tokens", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 branches of 5 tokens" in out and "cache (re-encoded KV)" in out and "speedup" in out
+
+
+def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("synthesis_ttft", os.path.join(ROOT, "benchmarks",
+                                                                                  "synthesis_ttft.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--lengths", "16", "32", "--branches", "2",
+                "--repeats", "1", "--decode-tokens", "4", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "synthesis_ttft_cpu.json").read_text())
+    assert [r["branch_tokens"] for r in result["rows"]] == [16, 32]
+    for row in result["rows"]:
+        assert row["text_ttft_ms"] > 0 and row["cache_branch_point_ttft_ms"] > 0
+        assert row["speedup_branch_point"] == pytest.approx(row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"])
+    assert result["decode_tokens_per_s_batch1"] > 0
+    assert (tmp_path / "synthesis_ttft_cpu.png").stat().st_size > 0
