@@ -24,18 +24,18 @@ except ImportError:  # pragma: no cover - depends on the install
     flash_attn_func = None
 
 
-def flash_available(device: torch.device) -> bool:
-    return flash_attn_func is not None and device.type == "cuda"
+def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
+    return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) -> bool:
     """False only when the batch can go to flash-attn without a mask."""
-    return not (plain_causal and flash_available(device) and dtype in (torch.float16, torch.bfloat16))
+    return not (plain_causal and use_flash(device, dtype))
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None)."""
-    if attention_mask is None and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+    if attention_mask is None and use_flash(query.device, query.dtype):
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=True)
         return out, None

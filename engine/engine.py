@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.detokenize import Detokenizer
 from engine.errors import (BraidError, ContextOverflowError, EmptyHeaderError, FingerprintMismatchError,
                            InvalidOffsetError)
 from engine.model import load_model
@@ -223,8 +224,8 @@ class Engine:
         device = self.lm.device
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
         generators = [make_generator(p, device) for p in params]
-        generated: list[list[int]] = [[] for _ in range(n)]
-        emitted = [0] * n
+        detok = [Detokenizer(self.tokenizer, p.stop) for p in params]
+        generated = [d.tokens for d in detok]
         with self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
             cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
             _sync(device)  # once per call, so the split below is true on CUDA too
@@ -240,17 +241,16 @@ class Engine:
                 timings.setdefault("first_token", time.perf_counter() - start)
                 still_running = []
                 for c, token in zip(logit_calls, sampled):
-                    generated[c].append(token)
-                    text = self.tokenizer.decode(generated[c])
+                    delta = detok[c].add(token)
                     reason = None
-                    if token in stop_ids[c] or any(s in text for s in params[c].stop):
+                    if token in stop_ids[c] or detok[c].hit_stop(delta):
                         reason = "stop"
                     elif len(generated[c]) == params[c].max_tokens:
                         reason = "length"
                     else:
                         still_running.append(c)
-                    delta = "" if reason is None and text.endswith("\ufffd") else text[emitted[c]:]
-                    emitted[c] += len(delta)
+                    if reason is not None:
+                        delta += detok[c].flush()
                     yield TokenEvent(c, token, delta, reason)
                 # Every sampled token is fed once, finished calls included, so their last token gets KV.
                 feed = logit_calls

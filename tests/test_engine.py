@@ -127,3 +127,13 @@ def test_stream_timings_add_up(llama_engine):
     t = stream.timings
     assert 0 <= t["assemble"] <= t["first_token"] and t["decode"] >= 0
     assert t["first_token"] + t["decode"] <= wall
+
+
+def test_detokenizer_matches_full_decode(llama_engine):
+    from engine.detokenize import Detokenizer
+    tok = llama_engine.tokenizer
+    ids = tok.encode("Paris, naïve café — 3 + 4 = 7 ✓ done", add_special_tokens=False)
+    ids += [5, 200, 17, 300, 44]  # arbitrary ids, as a random model emits them
+    d = Detokenizer(tok)
+    text = "".join(d.add(t) for t in ids) + d.flush()
+    assert text == tok.decode(ids) == d.text
