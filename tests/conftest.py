@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.checkpoints import make_random_checkpoint  # noqa: E402
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 @pytest.fixture(scope="session")
