@@ -1,0 +1,1 @@
+"""The serving cluster: wires engines together with Ray Serve, gRPC and Redis."""

@@ -1,0 +1,100 @@
+"""A message's KV as a stream of checksummed chunks, and its reassembly.
+
+Every KV transport (gRPC streams, collectives, local) moves the same KVChunk units, so
+size limits, integrity and fingerprints are checked in one place. Chunks split the
+token axis (all layers per chunk) and fall back to splitting layers when a single
+token's KV is larger than the limit.
+"""
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from engine.config import DTYPES
+from engine.errors import BraidError, FingerprintMismatchError
+from protos.kv_pb2 import KVChunk
+
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ChunkError(BraidError):
+    code = "DATA_LOSS"
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: int = 1 << 20,
+                token_start: int = 0, total_tokens: int = 0) -> Iterator[KVChunk]:
+    """Chunks of kv [L, 2, H, T, D] (tokens token_start.. of the message), each payload <= max_bytes.
+
+    total_tokens is the message's full length when known (0 while it is still decoding).
+    """
+    layers, _, heads, tokens, head_dim = kv.shape
+    kv = kv.detach().cpu()
+    token_bytes = layers * 2 * heads * head_dim * kv.element_size()
+    per_chunk = max(1, max_bytes // token_bytes)
+    layer_step = layers if token_bytes <= max_bytes else max(1, max_bytes // (token_bytes // layers))
+    for t0 in range(0, tokens, per_chunk):
+        t1 = min(tokens, t0 + per_chunk)
+        for l0 in range(0, layers, layer_step):
+            l1 = min(layers, l0 + layer_step)
+            data = tensor_bytes(kv[l0:l1, :, :, t0:t1])
+            yield KVChunk(message_id=message_id, fingerprint=fingerprint, layer_start=l0, layer_end=l1,
+                          token_start=token_start + t0, token_end=token_start + t1, dtype=DTYPE_NAMES[kv.dtype],
+                          shape=[l1 - l0, 2, heads, t1 - t0, head_dim], data=data, crc32=zlib.crc32(data),
+                          total_layers=layers, total_tokens=total_tokens)
+
+
+class KVAssembler:
+    """Collects one message's chunks, in any order; `tensor()` once `complete`."""
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.message_id: str | None = None
+        self.total_tokens = 0
+        self.bytes_received = 0
+        self._pieces: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}  # token range -> layers
+        self._layers = 0
+
+    def add(self, chunk: KVChunk) -> None:
+        if chunk.fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(f"KV chunk of message {chunk.message_id!r} was encoded by model "
+                                           f"{chunk.fingerprint}, this engine runs {self.fingerprint}")
+        if self.message_id is None:
+            self.message_id = chunk.message_id
+        elif chunk.message_id != self.message_id:
+            raise ChunkError(f"chunk of message {chunk.message_id!r} sent into the stream of {self.message_id!r}")
+        if zlib.crc32(chunk.data) != chunk.crc32:
+            raise ChunkError(f"checksum mismatch in KV chunk of {chunk.message_id!r}, tokens "
+                             f"{chunk.token_start}-{chunk.token_end}, layers {chunk.layer_start}-{chunk.layer_end}")
+        if chunk.dtype not in DTYPES:
+            raise ChunkError(f"unknown KV dtype {chunk.dtype!r}")
+        piece = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(DTYPES[chunk.dtype])
+        piece = piece.reshape(tuple(chunk.shape))
+        self._pieces.setdefault((chunk.token_start, chunk.token_end), []).append(
+            (chunk.layer_start, chunk.layer_end, piece))
+        self._layers = chunk.total_layers
+        self.total_tokens = max(self.total_tokens, chunk.total_tokens)
+        self.bytes_received += len(chunk.data)
+
+    @property
+    def tokens_received(self) -> int:
+        return sum(t1 - t0 for (t0, t1), parts in self._pieces.items()
+                   if sum(l1 - l0 for l0, l1, _ in parts) == self._layers)
+
+    @property
+    def complete(self) -> bool:
+        return self.total_tokens > 0 and self.tokens_received == self.total_tokens
+
+    def tensor(self) -> torch.Tensor:
+        """The message's KV [L, 2, H, T, D], bit-identical to what was sent."""
+        if not self.complete:
+            raise ChunkError(f"KV of {self.message_id!r} incomplete: {self.tokens_received} of "
+                             f"{self.total_tokens or '?'} tokens received")
+        blocks = []
+        for (t0, _), parts in sorted(self._pieces.items()):
+            blocks.append(torch.cat([p for _, _, p in sorted(parts, key=lambda x: x[0])], dim=0))
+        return torch.cat(blocks, dim=3)

@@ -1,0 +1,267 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_TEXT: _ClassVar[Transport]
+    TRANSPORT_GRPC: _ClassVar[Transport]
+    TRANSPORT_COLLECTIVE: _ClassVar[Transport]
+    TRANSPORT_LOCAL: _ClassVar[Transport]
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_TEXT: Transport
+TRANSPORT_GRPC: Transport
+TRANSPORT_COLLECTIVE: Transport
+TRANSPORT_LOCAL: Transport
+
+class Sampling(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "stop", "stop_token_ids", "ignore_eos", "seed")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    seed: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class WorkflowRequest(_message.Message):
+    __slots__ = ("session_id", "task", "branch_prompts", "synthesis_prompt", "worker_sampling", "synthesis_sampling", "transport", "placement")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SYNTHESIS_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SYNTHESIS_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    task: str
+    branch_prompts: _containers.RepeatedScalarFieldContainer[str]
+    synthesis_prompt: str
+    worker_sampling: Sampling
+    synthesis_sampling: Sampling
+    transport: Transport
+    placement: str
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ...) -> None: ...
+
+class WorkflowEvent(_message.Message):
+    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done")
+    BRANCH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SYNTHESIS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    branch_token: BranchToken
+    synthesis_token: TokenEvent
+    decision: Decision
+    timings: Timings
+    done: WorkflowDone
+    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ...) -> None: ...
+
+class BranchToken(_message.Message):
+    __slots__ = ("branch", "token_id", "text", "finish_reason")
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    branch: int
+    token_id: int
+    text: str
+    finish_reason: str
+    def __init__(self, branch: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("transport", "reason")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    reason: str
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("ttft_ms", "last_branch_to_first_token_ms", "kv_transfer_ms", "kv_bytes")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_BRANCH_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    last_branch_to_first_token_ms: float
+    kv_transfer_ms: float
+    kv_bytes: int
+    def __init__(self, ttft_ms: _Optional[float] = ..., last_branch_to_first_token_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkflowDone(_message.Message):
+    __slots__ = ("session_id", "branch_message_ids", "answer_message_id", "answer_text")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_MESSAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    branch_message_ids: _containers.RepeatedScalarFieldContainer[str]
+    answer_message_id: str
+    answer_text: str
+    def __init__(self, session_id: _Optional[str] = ..., branch_message_ids: _Optional[_Iterable[str]] = ..., answer_message_id: _Optional[str] = ..., answer_text: _Optional[str] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("call", "token_id", "text", "finish_reason", "message_id")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    token_id: int
+    text: str
+    finish_reason: str
+    message_id: str
+    def __init__(self, call: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("session_id", "prompt", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt: str
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class PrefillCallSpec(_message.Message):
+    __slots__ = ("text", "tokens", "parents", "offsets", "new_offset")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    new_offset: int
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "calls")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    calls: _containers.RepeatedCompositeFieldContainer[PrefillCallSpec]
+    def __init__(self, session_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[PrefillCallSpec, _Mapping]]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("session_id", "message_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    message_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., message_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DecodeCallSpec(_message.Message):
+    __slots__ = ("header", "header_tokens", "parents", "offsets", "new_offset", "sampling")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    HEADER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    header: str
+    header_tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    new_offset: int
+    sampling: Sampling
+    def __init__(self, header: _Optional[str] = ..., header_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "calls")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    calls: _containers.RepeatedCompositeFieldContainer[DecodeCallSpec]
+    def __init__(self, session_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[DecodeCallSpec, _Mapping]]] = ...) -> None: ...
+
+class GetMessageRequest(_message.Message):
+    __slots__ = ("session_id", "message_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    message_id: str
+    def __init__(self, session_id: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
+
+class MessageInfo(_message.Message):
+    __slots__ = ("message_id", "text", "token_ids", "offset", "parents", "fingerprint", "kv_bytes")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: str
+    kv_bytes: int
+    def __init__(self, message_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "messages", "kv_bytes", "created_unix")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    messages: int
+    kv_bytes: int
+    created_unix: float
+    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("freed_messages",)
+    FREED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    freed_messages: int
+    def __init__(self, freed_messages: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "model_fingerprint")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    model_fingerprint: str
+    def __init__(self, status: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
