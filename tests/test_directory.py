@@ -1,0 +1,70 @@
+"""The Redis control plane, against a real redis-server."""
+
+import pytest
+
+from cluster.directory import Directory, DirectoryConfig, EmbeddedRedis, MessageRecord
+from engine.errors import UnknownMessageError
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = EmbeddedRedis()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def directory(redis_url):
+    d = Directory.connect(redis_url)
+    d.r.flushdb()
+    return d
+
+
+def rec(sid, mid, nbytes=100):
+    return MessageRecord(mid, sid, "worker-0", "fp", 7, nbytes)
+
+
+def test_sessions_and_messages(directory):
+    a, b = directory.create_session(), directory.create_session()
+    assert a != b and len(a) >= 20  # unguessable
+    directory.register(rec(a, "m1"))
+    directory.register(rec(a, "m2", 50))
+    assert directory.lookup(a, "m1") == rec(a, "m1")
+    info = directory.session(a)
+    assert (info.messages, info.kv_bytes) == (2, 150)
+    assert [s.session_id for s in directory.list_sessions()] == [a, b]
+
+
+def test_ids_are_scoped_to_their_session(directory):
+    a, b = directory.create_session(), directory.create_session()
+    directory.register(rec(a, "secret"))
+    with pytest.raises(UnknownMessageError, match="not in session"):
+        directory.lookup(b, "secret")
+
+
+def test_close_session_returns_messages_and_forgets_them(directory):
+    a, b = directory.create_session(), directory.create_session()
+    directory.register(rec(a, "m1"))
+    directory.register(rec(b, "keep"))
+    closed = directory.close_session(a)
+    assert [r.message_id for r in closed] == ["m1"]
+    with pytest.raises(UnknownMessageError, match="unknown session"):
+        directory.session(a)
+    with pytest.raises(UnknownMessageError):
+        directory.lookup(a, "m1")
+    assert directory.lookup(b, "keep").message_id == "keep"
+
+
+def test_keys_expire_with_the_session_ttl(redis_url):
+    d = Directory.connect(redis_url, session_ttl_s=60)
+    sid = d.create_session()
+    d.register(rec(sid, "m"))
+    for key in (f"braid:session:{sid}", f"braid:session:{sid}:messages", f"braid:msg:{sid}:m"):
+        assert 0 < d.r.ttl(key) <= 60
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="must start with redis://"):
+        DirectoryConfig(url="localhost:6379")
+    with pytest.raises(ValueError, match="session_ttl_s"):
+        DirectoryConfig(session_ttl_s=0)
