@@ -53,6 +53,7 @@ class TokenEvent:
     token_id: int
     text: str  # text newly decodable with this token
     finish_reason: str | None = None  # "stop" or "length" on a call's last token
+    message_id: str | None = None  # on a call's last token; stored once the whole stream has ended
 
 
 @dataclass
@@ -63,6 +64,7 @@ class _Plan:
     new_offsets: list[int]
     parents: list[tuple[str, ...]]
     parent_offsets: list[tuple[int, ...]]
+    new_ids: list[str]
 
     @property
     def parent_ids(self) -> set[str]:
@@ -201,7 +203,7 @@ class Engine:
             visible[c, mine] = True
             visible[c, len(entries) + c] = True
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
-                     [tuple(c.parents) for c in calls], parent_offsets)
+                     [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls])
 
     def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None) -> WorkCache:
         """A work cache holding copies of every parent, re-rotated to its offset."""
@@ -251,7 +253,7 @@ class Engine:
                         still_running.append(c)
                     if reason is not None:
                         delta += detok[c].flush()
-                    yield TokenEvent(c, token, delta, reason)
+                    yield TokenEvent(c, token, delta, reason, plan.new_ids[c] if reason else None)
                 # Every sampled token is fed once, finished calls included, so their last token gets KV.
                 feed = logit_calls
                 rows = [i for i, c in enumerate(feed) if c in still_running]
@@ -270,7 +272,7 @@ class Engine:
 
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]]) -> list[str]:
         messages = [
-            Message(new_message_id(), tuple(tokens[c]),
+            Message(plan.new_ids[c], tuple(tokens[c]),
                     cache.gather(torch.tensor(slots[c], device=self.lm.device)), plan.new_offsets[c],
                     plan.parents[c], plan.parent_offsets[c], self.fingerprint)
             for c in range(len(tokens))

@@ -78,6 +78,7 @@ def test_streaming_and_stopping(llama_engine):
     generated = list(eng.message(free_run).token_ids[len(eng.tokenize("Answer:")):])
     assert [e.token_id for e in events] == generated
     assert [e.finish_reason for e in events] == [None] * (len(generated) - 1) + ["length"]
+    assert [e.message_id for e in events] == [None] * (len(generated) - 1) + [free_run]
     assert "".join(e.text for e in events) == eng.tokenizer.decode(generated)
 
     stop_token = generated[4]

@@ -1,0 +1,133 @@
+"""The agent API over a real gRPC server and a real Redis, on one local engine."""
+
+import grpc
+import pytest
+
+from cluster.directory import Directory, EmbeddedRedis
+from cluster.grpc_server import start_server
+from cluster.service import AgentLogic
+from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from engine.synthesis import synthesize
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def api(checkpoint):
+    redis_server = EmbeddedRedis()
+    engine = Engine(EngineConfig(checkpoint("llama")))
+    logic = AgentLogic(engine, Directory.connect(redis_server.url))
+    server, port = start_server(logic)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield agent_pb2_grpc.AgentServiceStub(channel), logic
+    channel.close()
+    server.stop(0)
+    redis_server.stop()
+
+
+GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        list(result) if hasattr(result, "__iter__") else result
+    return err.value.code(), err.value.details()
+
+
+def test_choreography_round_trip(api):
+    stub, logic = api
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hello"),
+                                              pb.PrefillCallSpec(text="0 1 2", new_offset=50)]))
+    a, b = r.message_ids
+    events = list(stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[
+        pb.DecodeCallSpec(header="Assistant:", parents=[a, b], offsets=[-1, 20], sampling=GREEDY)])))
+    assert len(events) == 6 and events[-1].finish_reason == "length" and events[-1].message_id
+    info = stub.GetMessage(pb.GetMessageRequest(session_id=r.session_id, message_id=events[-1].message_id))
+    assert list(info.parents) == [a, b] and info.kv_bytes > 0
+    assert list(info.token_ids[-6:]) == [e.token_id for e in events]
+    # the same call in process gives the same tokens
+    eng = logic.engine
+    local, = eng.decode([DecodeCall("Assistant:", parents=[a, b], offsets=[None, 20],
+                                    sampling=SamplingParams(max_tokens=6, ignore_eos=True))])
+    assert eng.message(local).token_ids == tuple(info.token_ids)
+
+
+def test_workflow_matches_in_process_pipeline(api):
+    stub, logic = api
+    req = pb.WorkflowRequest(task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
+                             synthesis_prompt="Synthesizer:", worker_sampling=GREEDY, synthesis_sampling=GREEDY)
+    events = list(stub.RunWorkflow(req))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds.count("branch_token") == 12 and kinds.count("synthesis_token") == 6
+    assert kinds[-2:] == ["timings", "done"] and events[kinds.index("decision")].decision.transport == pb.TRANSPORT_LOCAL
+    answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
+
+    eng = logic.engine
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prefix = eng.prefill([PrefillCall(req.task)])
+    ctx = eng.prefill([PrefillCall(p, parents=prefix) for p in req.branch_prompts])
+    branches = eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=greedy) for c in ctx])
+    local = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
+    assert answer == list(eng.message(local).token_ids[-6:])
+    assert events[-1].done.answer_text == eng.text(local)
+
+    text_events = list(stub.RunWorkflow(pb.WorkflowRequest(
+        task=req.task, branch_prompts=req.branch_prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
+        synthesis_sampling=GREEDY, transport=pb.TRANSPORT_TEXT)))
+    assert [e.decision.transport for e in text_events if e.HasField("decision")] == [pb.TRANSPORT_TEXT]
+
+
+def test_bad_requests_get_clear_statuses_and_the_server_keeps_serving(api):
+    stub, logic = api
+    mine = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="mine")]))
+    other = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="theirs")]))
+    sid, theirs = mine.session_id, other.message_ids[0]
+    limit = logic.engine.spec.max_positions
+    cases = [
+        (grpc.StatusCode.NOT_FOUND, "not in session", lambda: stub.Decode(pb.DecodeRequest(
+            session_id=sid, calls=[pb.DecodeCallSpec(header="A:", parents=[theirs])]))),
+        (grpc.StatusCode.NOT_FOUND, "unknown session", lambda: stub.Prefill(pb.PrefillRequest(
+            session_id="no-such-session", calls=[pb.PrefillCallSpec(text="x")]))),
+        (grpc.StatusCode.NOT_FOUND, "not in session", lambda: stub.GetMessage(pb.GetMessageRequest(
+            session_id=sid, message_id=theirs))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "offset -5", lambda: stub.Decode(pb.DecodeRequest(session_id=sid, calls=[
+            pb.DecodeCallSpec(header="A:", parents=mine.message_ids, offsets=[-5])]))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "header is empty", lambda: stub.Decode(pb.DecodeRequest(
+            session_id=sid, calls=[pb.DecodeCallSpec(parents=mine.message_ids)]))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "top_p", lambda: stub.Generate(pb.GenerateRequest(
+            prompt="hi", sampling=pb.Sampling(top_p=2.0)))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "branch_prompts", lambda: stub.RunWorkflow(pb.WorkflowRequest(
+            task="t", synthesis_prompt="s"))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "placement", lambda: stub.RunWorkflow(pb.WorkflowRequest(
+            task="t", branch_prompts=["a"], synthesis_prompt="s", placement="diagonal"))),
+        (grpc.StatusCode.OUT_OF_RANGE, str(limit), lambda: stub.Generate(pb.GenerateRequest(
+            prompt="hi", sampling=pb.Sampling(max_tokens=limit)))),
+    ]
+    for code, needle, call in cases:
+        got, details = code_of(call)
+        assert got == code and needle in details, (code, needle, got, details)
+
+    budget = logic.engine.store.budget_bytes
+    logic.engine.store.budget_bytes = logic.engine.store.used_bytes  # full, and everything is evictable...
+    with logic.engine.store.pinned(logic.engine.store.ids()):  # ...unless in use
+        got, details = code_of(lambda: stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="x")])))
+    logic.engine.store.budget_bytes = budget
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "store full" in details
+
+    # nothing was lost: the other session still works
+    events = list(stub.Decode(pb.DecodeRequest(session_id=other.session_id, calls=[
+        pb.DecodeCallSpec(header="A:", parents=[theirs], sampling=GREEDY)])))
+    assert events[-1].message_id
+    assert stub.Health(pb.HealthRequest()).status == "SERVING"
+
+
+def test_sessions_list_and_close(api):
+    stub, logic = api
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="a"), pb.PrefillCallSpec(text="b")]))
+    listed = {s.session_id: s for s in stub.ListSessions(pb.ListSessionsRequest()).sessions}
+    assert listed[r.session_id].messages == 2
+    assert stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id)).freed_messages == 2
+    assert all(m not in logic.engine.store for m in r.message_ids)
+    assert code_of(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id)))[0] == \
+        grpc.StatusCode.NOT_FOUND
