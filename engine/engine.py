@@ -78,13 +78,26 @@ class DecodeStream:
     `first_token` (from the start of the call to the first sampled token), `decode` (the rest).
     """
 
-    def __init__(self, events: Iterator[TokenEvent], timings: dict[str, float]):
+    def __init__(self, events: Iterator[TokenEvent], timings: dict[str, float], live: dict):
         self._events = events
         self.timings = timings
+        self._live = live  # filled by the running call: its work cache, slots and tokens
         self.ids: list[str] | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         self.ids = yield from self._events
+
+    def encoded(self, call: int) -> int:
+        """How many of the call's tokens (header included) already have KV."""
+        return len(self._live["slots"][call]) if self._live else 0
+
+    def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
+        """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes."""
+        if not 0 <= start <= end <= self.encoded(call):
+            raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
+        slots = self._live["slots"][call][start:end]
+        cache = self._live["cache"]
+        return self._live["tokens"][call][start:end], cache.gather(torch.tensor(slots, device=cache.kv.device))
 
 
 class Engine:
@@ -111,6 +124,28 @@ class Engine:
 
     def free(self, message_id: str) -> None:
         self.store.free(message_id)
+
+    def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
+                       parents: Sequence[str] = (), parent_offsets: Sequence[int] = (),
+                       message_id: str | None = None) -> str:
+        """Store a message encoded elsewhere (shipped KV). Checked like any parent would be."""
+        s = self.spec
+        if fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(f"shipped message was encoded by model {fingerprint}, this engine runs "
+                                           f"{self.fingerprint}")
+        want = (s.num_layers, 2, s.num_kv_heads, len(token_ids), s.head_dim)
+        if tuple(kv.shape) != want or kv.dtype != self.lm.dtype:
+            raise BraidError(f"shipped KV has shape {tuple(kv.shape)} and dtype {kv.dtype}; this engine needs "
+                             f"{want} and {self.lm.dtype}")
+        if not token_ids or offset < 0 or offset + len(token_ids) > s.max_positions:
+            raise InvalidOffsetError(f"shipped message of {len(token_ids)} tokens at offset {offset} does not fit "
+                                     f"in {s.max_positions} positions")
+        if message_id is not None and message_id in self.store:
+            raise BraidError(f"message id {message_id!r} already exists")
+        msg = Message(message_id or new_message_id(), tuple(int(t) for t in token_ids),
+                      kv.to(self.lm.device).contiguous(), offset, tuple(parents), tuple(parent_offsets), fingerprint)
+        self.store.add([msg])
+        return msg.id
 
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
@@ -140,8 +175,9 @@ class Engine:
         start = time.perf_counter()
         plan = self._plan([c.header for c in calls], calls, [c.sampling.max_tokens for c in calls], "header")
         timings: dict[str, float] = {}
-        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings)
-        return DecodeStream(events, timings)
+        live: dict = {}
+        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings, live)
+        return DecodeStream(events, timings, live)
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -221,7 +257,7 @@ class Engine:
                 block.copy_(transform(msg, block))
         return cache
 
-    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings):
+    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings, live):
         n = len(plan.tokens)
         device = self.lm.device
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
@@ -237,6 +273,7 @@ class Engine:
             logits = self.runner.forward(cache, plan.visible, ids, positions, owner,
                                          torch.tensor([rs[-1] for rs in rows], device=device))
             slots = [[base + r for r in rs] for rs in rows]
+            live.update(cache=cache, slots=slots, tokens=_MessageTokens(plan.tokens, generated))
             logit_calls = list(range(n))  # calls whose next token the current logits predict
             while logit_calls:
                 sampled = _sample_rows(logits, [params[c] for c in logit_calls], [generators[c] for c in logit_calls])
@@ -280,6 +317,16 @@ class Engine:
         self.store.add(messages)
         self.store.touch(plan.parent_ids)
         return [m.id for m in messages]
+
+
+class _MessageTokens:
+    """tokens[c] = header + generated so far, without copying on every step."""
+
+    def __init__(self, headers: list[list[int]], generated: list[list[int]]):
+        self.headers, self.generated = headers, generated
+
+    def __getitem__(self, c: int) -> list[int]:
+        return self.headers[c] + self.generated[c]
 
 
 def _flatten(tokens: list[list[int]], offsets: list[int], device):

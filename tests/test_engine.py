@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -138,3 +139,41 @@ def test_detokenizer_matches_full_decode(llama_engine):
     d = Detokenizer(tok)
     text = "".join(d.add(t) for t in ids) + d.flush()
     assert text == tok.decode(ids) == d.text
+
+
+def test_partial_kv_while_decoding_equals_final_and_import_round_trips(llama_engine):
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: hi")])
+    stream = eng.decode_stream([DecodeCall("Assistant:", parents=[p], sampling=GREEDY),
+                                DecodeCall("Sum:", sampling=SamplingParams(max_tokens=4, ignore_eos=True))])
+    pieces, shipped = [], 0
+    for event in stream:
+        if event.call == 0 and stream.encoded(0) - shipped >= 3:  # ship every 3 encoded tokens
+            pieces.append(stream.partial_kv(0, shipped, stream.encoded(0)))
+            shipped = stream.encoded(0)
+    final = eng.message(stream.ids[0])
+    pieces.append(stream.partial_kv(0, shipped, final.num_tokens))
+    tokens = [t for toks, _ in pieces for t in toks]
+    kv = torch.cat([k for _, k in pieces], dim=3)
+    assert tuple(tokens) == final.token_ids and torch.equal(kv, final.kv)
+
+    copy = eng.import_message(tokens, kv, final.offset, eng.fingerprint, parents=[p])
+    again, = eng.decode([DecodeCall("More:", parents=[p, copy], sampling=GREEDY)])
+    direct, = eng.decode([DecodeCall("More:", parents=[p, stream.ids[0]], sampling=GREEDY)])
+    assert eng.message(again).token_ids == eng.message(direct).token_ids
+
+
+def test_import_rejects_foreign_or_misshapen_kv(llama_engine):
+    from engine.errors import BraidError, FingerprintMismatchError
+    eng = llama_engine
+    m = eng.message(eng.prefill([PrefillCall("one two")])[0])
+    before = eng.store.ids()
+    with pytest.raises(FingerprintMismatchError, match="other"):
+        eng.import_message(m.token_ids, m.kv, 0, "other")
+    with pytest.raises(BraidError, match="shape"):
+        eng.import_message(m.token_ids[:-1], m.kv, 0, eng.fingerprint)
+    with pytest.raises(BraidError, match="dtype"):
+        eng.import_message(m.token_ids, m.kv.double(), 0, eng.fingerprint)
+    with pytest.raises(BraidError, match="does not fit"):
+        eng.import_message(m.token_ids, m.kv, eng.spec.max_positions, eng.fingerprint)
+    assert eng.store.ids() == before
