@@ -27,10 +27,12 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: int = 1 << 20,
-                token_start: int = 0, total_tokens: int = 0) -> Iterator[KVChunk]:
+                token_start: int = 0, total_tokens: int = 0, token_ids=(), offset: int = 0,
+                stream_id: str = "") -> Iterator[KVChunk]:
     """Chunks of kv [L, 2, H, T, D] (tokens token_start.. of the message), each payload <= max_bytes.
 
-    total_tokens is the message's full length when known (0 while it is still decoding).
+    total_tokens is the message's full length when known (0 while it is still decoding);
+    token_ids, if given, are the tokens of this range.
     """
     layers, _, heads, tokens, head_dim = kv.shape
     kv = kv.detach().cpu()
@@ -45,7 +47,8 @@ def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: 
             yield KVChunk(message_id=message_id, fingerprint=fingerprint, layer_start=l0, layer_end=l1,
                           token_start=token_start + t0, token_end=token_start + t1, dtype=DTYPE_NAMES[kv.dtype],
                           shape=[l1 - l0, 2, heads, t1 - t0, head_dim], data=data, crc32=zlib.crc32(data),
-                          total_layers=layers, total_tokens=total_tokens)
+                          total_layers=layers, total_tokens=total_tokens, stream_id=stream_id, offset=offset,
+                          token_ids=list(token_ids[t0:t1]) if l0 == 0 else [])
 
 
 class KVAssembler:
@@ -55,7 +58,9 @@ class KVAssembler:
         self.fingerprint = fingerprint
         self.message_id: str | None = None
         self.total_tokens = 0
+        self.offset = 0
         self.bytes_received = 0
+        self._tokens: dict[int, list[int]] = {}  # token_start -> ids
         self._pieces: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}  # token range -> layers
         self._layers = 0
 
@@ -78,6 +83,9 @@ class KVAssembler:
             (chunk.layer_start, chunk.layer_end, piece))
         self._layers = chunk.total_layers
         self.total_tokens = max(self.total_tokens, chunk.total_tokens)
+        self.offset = chunk.offset
+        if chunk.token_ids:
+            self._tokens[chunk.token_start] = list(chunk.token_ids)
         self.bytes_received += len(chunk.data)
 
     @property
@@ -88,6 +96,9 @@ class KVAssembler:
     @property
     def complete(self) -> bool:
         return self.total_tokens > 0 and self.tokens_received == self.total_tokens
+
+    def token_ids(self) -> list[int]:
+        return [t for start in sorted(self._tokens) for t in self._tokens[start]]
 
     def tensor(self) -> torch.Tensor:
         """The message's KV [L, 2, H, T, D], bit-identical to what was sent."""

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens")
+    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class KVChunk(_message.Message):
     CRC32_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     fingerprint: str
     layer_start: int
@@ -32,4 +35,15 @@ class KVChunk(_message.Message):
     crc32: int
     total_layers: int
     total_tokens: int
-    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    stream_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("bytes", "chunks")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    chunks: int
+    def __init__(self, bytes: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos import kv_pb2 as protos_dot_kv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,78 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class KVTransferStub:
+    """Direct engine-to-engine KV shipping (workers -> synthesizer), across nodes.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Push = channel.stream_unary(
+                '/braid.v1.KVTransfer/Push',
+                request_serializer=protos_dot_kv__pb2.KVChunk.SerializeToString,
+                response_deserializer=protos_dot_kv__pb2.PushAck.FromString,
+                _registered_method=True)
+
+
+class KVTransferServicer:
+    """Direct engine-to-engine KV shipping (workers -> synthesizer), across nodes.
+    """
+
+    def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=protos_dot_kv__pb2.KVChunk.FromString,
+                    response_serializer=protos_dot_kv__pb2.PushAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'braid.v1.KVTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('braid.v1.KVTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVTransfer:
+    """Direct engine-to-engine KV shipping (workers -> synthesizer), across nodes.
+    """
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/braid.v1.KVTransfer/Push',
+            protos_dot_kv__pb2.KVChunk.SerializeToString,
+            protos_dot_kv__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
