@@ -116,6 +116,11 @@ class KVSender:
             self.bytes += len(chunk.data)
             self._queue.put(chunk)
 
+    def abort(self) -> None:
+        """Give up on the stream (the sending side failed); the receiver sees it end incomplete."""
+        self._future.cancel()
+        self._channel.close()
+
     def close(self, timeout: float = 60) -> kv_pb2.PushAck:
         self._queue.put(None)
         try:

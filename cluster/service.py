@@ -55,7 +55,7 @@ class AgentLogic:
             if mid not in self.engine.store:
                 raise UnknownMessageError(f"message {mid!r} was evicted from {self.config.replica}'s store")
 
-    def _register(self, session_id: str, ids: list[str]) -> None:
+    def register(self, session_id: str, ids: list[str]) -> None:
         for mid in ids:
             m = self.engine.message(mid)
             self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
@@ -65,7 +65,7 @@ class AgentLogic:
         """Token events (each call's last one names its message); registers the messages at the end."""
         for event in stream:
             yield convert.token_event(event)
-        self._register(session_id, stream.ids)
+        self.register(session_id, stream.ids)
 
     # ---- RPCs -----------------------------------------------------------------------------------
     def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
@@ -78,7 +78,7 @@ class AgentLogic:
         with self.lock:
             self._resolve(sid, {p for c in calls for p in c.parents})
             ids = self.engine.prefill(calls)
-            self._register(sid, ids)
+            self.register(sid, ids)
         return pb.PrefillResponse(session_id=sid, message_ids=ids)
 
     def Decode(self, request: pb.DecodeRequest) -> Iterator[pb.TokenEvent]:
@@ -141,7 +141,7 @@ class AgentLogic:
                 yield pb.WorkflowEvent(branch_token=pb.BranchToken(branch=e.call, token_id=e.token_id, text=e.text,
                                                                    finish_reason=e.finish_reason or ""))
             branches_done = time.perf_counter()
-            self._register(sid, prefix + contexts + workers.ids)
+            self.register(sid, prefix + contexts + workers.ids)
             text_mode = request.transport == pb.TRANSPORT_TEXT
             yield pb.WorkflowEvent(decision=pb.Decision(
                 transport=pb.TRANSPORT_TEXT if text_mode else pb.TRANSPORT_LOCAL,

@@ -82,11 +82,11 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     return engine.decode_stream([call], transform=transform, adapter=hooks.adapter)
 
 
-def synthesize_text_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
-                           sampling: SamplingParams = SamplingParams()) -> DecodeStream:
-    """Baseline: the branches' tokens re-prefilled as text after the cached shared prefix."""
+def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,
+                           prefix: Sequence[str] = (), sampling: SamplingParams = SamplingParams()) -> DecodeStream:
+    """Baseline: the branches' tokens (message ids, or token lists) re-prefilled after the cached shared prefix."""
     _check_branches(branches)
-    header = [t for m in branches for t in engine.message(m).token_ids]
+    header = [t for b in branches for t in (engine.message(b).token_ids if isinstance(b, str) else b)]
     header += engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     return engine.decode_stream([DecodeCall(header, parents=list(prefix), sampling=sampling)])
 

@@ -59,18 +59,34 @@ class WorkflowRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class WorkflowEvent(_message.Message):
-    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done")
+    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt")
     BRANCH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SYNTHESIS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     branch_token: BranchToken
     synthesis_token: TokenEvent
     decision: Decision
     timings: Timings
     done: WorkflowDone
-    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ...) -> None: ...
+    kv_receipt: KVReceipt
+    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ...) -> None: ...
+
+class KVReceipt(_message.Message):
+    __slots__ = ("branch", "bytes", "crc32", "crc32_sent", "transfer_ms")
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32_SENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    branch: int
+    bytes: int
+    crc32: int
+    crc32_sent: int
+    transfer_ms: float
+    def __init__(self, branch: _Optional[int] = ..., bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., crc32_sent: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class BranchToken(_message.Message):
     __slots__ = ("branch", "token_id", "text", "finish_reason")

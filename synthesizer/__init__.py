@@ -1,0 +1,1 @@
+"""The synthesizer: a Ray Serve deployment that receives branch KV and answers from it."""

@@ -1,0 +1,156 @@
+"""The cluster on a real local Ray, Serve's gRPC proxy and a real Redis, on CPU."""
+
+import os
+import socket
+import time
+
+import grpc
+import pytest
+
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray.serve.config import gRPCOptions  # noqa: E402
+
+from cluster.app import SERVICER, build_app  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.directory import EmbeddedRedis  # noqa: E402
+from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams  # noqa: E402
+from engine.synthesis import synthesize, synthesize_text  # noqa: E402
+
+GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
+METADATA = (("application", "braid"),)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ray(tmp):
+    for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
+        try:
+            return ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                            _temp_dir=str(tmp))
+        except Exception:  # noqa: BLE001
+            ray.shutdown()
+            if attempt:
+                raise
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint, tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    redis_server = EmbeddedRedis()
+    start_ray(tmp_path_factory.mktemp("ray"))
+    port = free_port()
+    config = ClusterConfig(checkpoint("llama"), grpc_port=port, kv_transport="grpc", kv_schedule=(2, 3),
+                           kv_wait_timeout_s=30)
+    serve.start(grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[SERVICER]))
+    serve.run(build_app(config, redis_server.url), name="braid", route_prefix="/braid")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=60)
+    yield agent_pb2_grpc.AgentServiceStub(channel), config
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+    redis_server.stop()
+
+
+def run(stub, **kw):
+    return list(stub.RunWorkflow(pb.WorkflowRequest(**kw), metadata=METADATA, timeout=120))
+
+
+def in_process(path, task, prompts, text_mode):
+    eng = Engine(EngineConfig(path))
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prefix = eng.prefill([PrefillCall(task)])
+    ctx = eng.prefill([PrefillCall(p, parents=prefix) for p in prompts])
+    branches = eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=greedy) for c in ctx])
+    if text_mode:
+        answer = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
+    else:
+        answer = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
+    return list(eng.message(answer).token_ids[-6:])
+
+
+@pytest.mark.parametrize("transport", [pb.TRANSPORT_GRPC, pb.TRANSPORT_TEXT])
+def test_workflow_over_grpc_matches_in_process(cluster, transport):
+    stub, config = cluster
+    task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
+    events = run(stub, task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
+                 synthesis_sampling=GREEDY, transport=transport)
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "decision" and events[0].decision.transport == transport
+    assert kinds.count("branch_token") == 18 and kinds.count("synthesis_token") == 6
+    receipts = [e.kv_receipt for e in events if e.HasField("kv_receipt")]
+    if transport == pb.TRANSPORT_GRPC:
+        assert sorted(r.branch for r in receipts) == [0, 1, 2]
+        assert all(r.crc32 == r.crc32_sent and r.bytes > 0 for r in receipts)  # bit-identical at the synthesizer
+        assert events[-2].timings.kv_bytes == sum(r.bytes for r in receipts)
+    else:
+        assert receipts == []
+    answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
+    assert answer == in_process(config.model_path, task, prompts, transport == pb.TRANSPORT_TEXT)
+    assert events[-1].done.answer_message_id and events[-2].timings.ttft_ms > 0
+
+
+def test_session_calls_and_bad_requests_through_the_proxy(cluster):
+    stub, _ = cluster
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hi")]), metadata=METADATA)
+    events = list(stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[pb.DecodeCallSpec(
+        header="A:", parents=r.message_ids, sampling=GREEDY)]), metadata=METADATA))
+    assert len(events) == 6 and events[-1].message_id
+    other = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="other")]), metadata=METADATA)
+    bad = [
+        (grpc.StatusCode.NOT_FOUND, lambda: list(stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[
+            pb.DecodeCallSpec(header="A:", parents=other.message_ids)]), metadata=METADATA))),
+        (grpc.StatusCode.INVALID_ARGUMENT, lambda: run(stub, task="t", synthesis_prompt="s")),
+        (grpc.StatusCode.INVALID_ARGUMENT, lambda: run(stub, task="t", branch_prompts=["a"], synthesis_prompt="s",
+                                                       transport=pb.TRANSPORT_COLLECTIVE)),
+        (grpc.StatusCode.NOT_FOUND, lambda: run(stub, session_id="nope", task="t", branch_prompts=["a"],
+                                                synthesis_prompt="s")),
+        (grpc.StatusCode.OUT_OF_RANGE, lambda: stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(
+            text="x", new_offset=10 ** 9)]), metadata=METADATA)),
+    ]
+    for i, (code, call) in enumerate(bad):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == code, (i, code, err.value.details())
+        assert err.value.details()
+    assert stub.Health(pb.HealthRequest(), metadata=METADATA).status == "SERVING"
+    closed = stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id), metadata=METADATA)
+    assert closed.freed_messages == 2
+
+
+def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
+    stub, _ = cluster
+    long = pb.Sampling(max_tokens=400, ignore_eos=True)
+    stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
+                                                 worker_sampling=long, synthesis_sampling=GREEDY),
+                              metadata=METADATA, timeout=120)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for event in stream:
+            if event.HasField("branch_token"):
+                seen += 1
+                if seen == 5:
+                    workers = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                               if "Worker" in a["name"]]
+                    for a in workers:
+                        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker failed" in err.value.details()
+    deadline = time.monotonic() + 90
+    while True:  # Serve replaces the replica; the next workflow completes
+        try:
+            events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
+                         synthesis_sampling=GREEDY)
+            break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    assert events[-1].HasField("done")

@@ -1,0 +1,1 @@
+"""Worker agents: Ray Serve deployments that decode branches and ship their KV."""
