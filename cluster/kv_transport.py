@@ -34,7 +34,13 @@ class ReceivedMessage:
     kv: torch.Tensor
     offset: int
     bytes: int
-    seconds: float  # first chunk to last
+    tail_bytes: int  # the final burst, sent once the message was complete (it carries total_tokens)
+    tail_seconds: float  # from the final burst's first chunk to its last: what shipping adds after decode
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """Measured on the final burst only; earlier chunks are paced by decoding, not by the link."""
+        return self.tail_bytes / self.tail_seconds if self.tail_seconds > 0 else None
 
 
 class _Stream:
@@ -42,7 +48,8 @@ class _Stream:
         self.assembler = KVAssembler(fingerprint)
         self.done = threading.Event()
         self.error: Exception | None = None
-        self.first_chunk: float | None = None
+        self.tail_start: float | None = None
+        self.tail_bytes = 0
         self.finished: float | None = None
 
 
@@ -65,8 +72,10 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         try:
             for chunk in request_iterator:
                 stream = stream or self._stream(chunk.stream_id)
-                stream.first_chunk = stream.first_chunk or time.perf_counter()
                 stream.assembler.add(chunk)
+                if chunk.total_tokens:
+                    stream.tail_start = stream.tail_start or time.perf_counter()
+                    stream.tail_bytes += len(chunk.data)
                 chunks += 1
             if stream is not None and stream.assembler.complete:
                 stream.finished = time.perf_counter()
@@ -92,7 +101,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             raise stream.error
         a = stream.assembler
         return ReceivedMessage(a.message_id, a.token_ids(), a.tensor(), a.offset, a.bytes_received,
-                               stream.finished - stream.first_chunk)
+                               stream.tail_bytes, stream.finished - stream.tail_start)
 
     def stop(self) -> None:
         self._server.stop(0)

@@ -71,10 +71,12 @@ class Synthesizer:
             for j in range(req["branches"]):
                 got = self.receiver.wait(f"{req['workflow']}:{j}", self.config.kv_wait_timeout_s)
                 received.append(got)
-                rate = got.bytes / max(got.seconds, 1e-6)
-                self.link_bytes_per_s = rate if self.link_bytes_per_s is None else 0.8 * self.link_bytes_per_s + 0.2 * rate
+                rate = got.link_bytes_per_s
+                if rate is not None:
+                    old = self.link_bytes_per_s
+                    self.link_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
             yield {"receipts": [{"branch": j, "bytes": g.bytes, "crc32": zlib.crc32(tensor_bytes(g.kv)),
-                                 "transfer_ms": 1e3 * g.seconds} for j, g in enumerate(received)]}
+                                 "transfer_ms": 1e3 * g.tail_seconds} for j, g in enumerate(received)]}
         with self.agent.lock:
             prefix = eng.prefill([PrefillCall(req["task"])])
             if req["mode"] == "kv":

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engine.cli import main
+from cluster.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_cli_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
-    assert exit_.value.code == 0 and "demo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(cmd in out for cmd in ("demo", "serve", "run"))
 
 
 def test_cli_rejects_bad_arguments(capsys, tmp_path):

@@ -31,6 +31,7 @@ def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine):
         ack = sender.close()
         got = receiver.wait("wf:0", timeout=10)
         assert ack.bytes == sender.bytes == got.bytes == msg.nbytes and ack.chunks > 3
+        assert 0 < got.tail_bytes < got.bytes and got.tail_seconds >= 0
         assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
         assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv))
     finally:
