@@ -14,6 +14,7 @@ from cluster.decision import choose_transport
 from cluster.directory import Directory
 from cluster.grpc_server import grpc_status
 from cluster.kv_transport import TransferError
+from cluster.metrics import metrics
 from engine.errors import BraidError
 from engine.synthesis import Placement
 from protos import agent_pb2 as pb
@@ -119,6 +120,8 @@ class AgentIngress:
                                              info["link_bytes_per_s"], info["prefill_tokens_per_s"])
         yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
         kv_mode = transport == pb.TRANSPORT_GRPC
+        tags = {"transport": "kv" if kv_mode else "text"}
+        metrics()["requests"].inc(tags=tags)
         workflow = secrets.token_hex(8)
         synth_req = {"workflow": workflow, "session": sid, "task": request.task or " ",
                      "prompt": request.synthesis_prompt, "placement": placement, "sampling": answer_sampling,
@@ -171,6 +174,7 @@ class AgentIngress:
                                                                      finish_reason=finish, message_id=mid))
             else:
                 d = item["done"]
+                metrics()["ttft"].observe(first - start, tags=tags)
                 yield pb.WorkflowEvent(timings=pb.Timings(
                     ttft_ms=1e3 * (first - start), last_branch_to_first_token_ms=1e3 * (first - branches_done),
                     kv_transfer_ms=kv_ms, kv_bytes=int(kv_bytes)))

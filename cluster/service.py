@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import redis
+
 from cluster import convert
 from cluster.directory import Directory, MessageRecord
 from engine import DecodeCall, Engine, PrefillCall
@@ -55,11 +57,19 @@ class AgentLogic:
             if mid not in self.engine.store:
                 raise UnknownMessageError(f"message {mid!r} was evicted from {self.config.replica}'s store")
 
-    def register(self, session_id: str, ids: list[str]) -> None:
-        for mid in ids:
-            m = self.engine.message(mid)
-            self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
-                                                  m.num_tokens, m.nbytes))
+    def register(self, session_id: str, ids: list[str]) -> bool:
+        """Record new messages in the directory. Best effort: losing Redis must not lose a running
+        request, so a failure is logged and reported (False); the messages stay in the store."""
+        try:
+            for mid in ids:
+                m = self.engine.message(mid)
+                self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
+                                                      m.num_tokens, m.nbytes))
+            return True
+        except redis.RedisError as e:
+            log.warning("control plane unavailable, %d messages of session %s not registered: %s",
+                        len(ids), session_id, e)
+            return False
 
     def _stream(self, session_id: str, stream) -> Iterator[pb.TokenEvent]:
         """Token events (each call's last one names its message); registers the messages at the end."""

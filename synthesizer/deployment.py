@@ -16,6 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.directory import Directory
 from cluster.kv_chunks import tensor_bytes
 from cluster.kv_transport import KVReceiver
+from cluster.metrics import metrics
 from cluster.service import AgentLogic, ServiceConfig
 from engine import Engine, PrefillCall
 from engine.synthesis import synthesize_stream, synthesize_text_stream
@@ -88,9 +89,20 @@ class Synthesizer:
                 branches = []
                 stream = synthesize_text_stream(eng, req["branch_tokens"], req["prompt"], prefix=prefix,
                                                 sampling=req["sampling"])
+            generated = 0
             for event in stream:
+                generated += 1
                 yield {"token": (event.token_id, event.text, event.finish_reason or "", event.message_id or "")}
-            self.agent.register(req["session"], prefix + branches + stream.ids)
+            m = metrics()
+            if not self.agent.register(req["session"], prefix + branches + stream.ids):
+                m["control_plane_errors"].inc()
+            transport = {"transport": req["mode"]}
+            if generated > 1:
+                m["tpot"].observe(stream.timings["decode"] / (generated - 1), tags=transport)
+            for g in received:
+                m["kv_bytes"].inc(g.bytes, tags=transport)
+                m["kv_seconds"].observe(g.tail_seconds, tags=transport)
+            m["store_bytes"].set(eng.store.used_bytes)
             yield {"done": {"answer_id": stream.ids[0], "answer_text": eng.text(stream.ids[0]),
                             "cache_ms": 1e3 * stream.timings["assemble"],
                             "first_token_ms": 1e3 * stream.timings["first_token"]}}

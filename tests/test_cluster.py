@@ -30,11 +30,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ray(tmp):
+def start_ray(tmp, metrics_port):
     for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
         try:
             return ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                            _temp_dir=str(tmp))
+                            _temp_dir=str(tmp), _metrics_export_port=metrics_port)
         except Exception:  # noqa: BLE001
             ray.shutdown()
             if attempt:
@@ -45,7 +45,8 @@ def start_ray(tmp):
 def cluster(checkpoint, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     redis_server = EmbeddedRedis()
-    start_ray(tmp_path_factory.mktemp("ray"))
+    metrics_port = free_port()
+    start_ray(tmp_path_factory.mktemp("ray"), metrics_port)
     port = free_port()
     config = ClusterConfig(checkpoint("llama"), grpc_port=port, kv_transport="grpc", kv_schedule=(2, 3),
                            kv_wait_timeout_s=30)
@@ -53,7 +54,7 @@ def cluster(checkpoint, tmp_path_factory):
     serve.run(build_app(config, redis_server.url), name="braid", route_prefix="/braid")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
-    yield agent_pb2_grpc.AgentServiceStub(channel), config
+    yield agent_pb2_grpc.AgentServiceStub(channel), config, redis_server, metrics_port
     channel.close()
     serve.shutdown()
     ray.shutdown()
@@ -79,7 +80,7 @@ def in_process(path, task, prompts, text_mode):
 
 @pytest.mark.parametrize("transport", [pb.TRANSPORT_GRPC, pb.TRANSPORT_TEXT])
 def test_workflow_over_grpc_matches_in_process(cluster, transport):
-    stub, config = cluster
+    stub, config, *_ = cluster
     task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
     events = run(stub, task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
                  synthesis_sampling=GREEDY, transport=transport)
@@ -99,7 +100,7 @@ def test_workflow_over_grpc_matches_in_process(cluster, transport):
 
 
 def test_session_calls_and_bad_requests_through_the_proxy(cluster):
-    stub, _ = cluster
+    stub, *_ = cluster
     r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hi")]), metadata=METADATA)
     events = list(stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[pb.DecodeCallSpec(
         header="A:", parents=r.message_ids, sampling=GREEDY)]), metadata=METADATA))
@@ -127,7 +128,7 @@ def test_session_calls_and_bad_requests_through_the_proxy(cluster):
 
 
 def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
-    stub, _ = cluster
+    stub, *_ = cluster
     long = pb.Sampling(max_tokens=400, ignore_eos=True)
     stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
                                                  worker_sampling=long, synthesis_sampling=GREEDY),
@@ -154,3 +155,41 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
                 raise
             time.sleep(2)
     assert events[-1].HasField("done")
+
+
+def test_losing_redis_does_not_lose_a_running_request(cluster):
+    stub, _, redis_server, _ = cluster
+    stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a", "b"], synthesis_prompt="s",
+                                                 worker_sampling=pb.Sampling(max_tokens=40, ignore_eos=True),
+                                                 synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC),
+                              metadata=METADATA, timeout=120)
+    events = []
+    try:
+        for event in stream:
+            events.append(event)
+            if len(events) == 3:
+                redis_server.stop()  # the control plane goes away mid-request
+    finally:
+        redis_server.start()
+    assert events[-1].HasField("done") and events[-1].done.answer_text is not None
+    assert sum(e.HasField("synthesis_token") for e in events) == 6
+
+
+def test_metrics_reach_the_prometheus_export(cluster):
+    import urllib.request
+    stub, _, _, metrics_port = cluster
+    run(stub, task="t", branch_prompts=["a"], synthesis_prompt="s", worker_sampling=GREEDY,
+        synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC)
+    wanted = ["ray_braid_time_to_first_token_seconds", "ray_braid_time_per_output_token_seconds",
+              "ray_braid_kv_bytes_shipped_total", "ray_braid_kv_transfer_seconds", "ray_braid_synthesis_requests_total",
+              "ray_braid_store_bytes"]
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        if all(w in text for w in wanted):
+            break
+        time.sleep(2)
+    missing = [w for w in wanted if w not in text]
+    assert not missing, missing
+    shipped = [line for line in text.splitlines() if line.startswith("ray_braid_kv_bytes_shipped_total{")]
+    assert any('transport="kv"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in shipped)

@@ -1,0 +1,28 @@
+"""Serve metrics (Ray dashboard and its Prometheus export, prefixed `ray_`), named as a vLLM user expects."""
+
+from functools import cache
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+@cache
+def metrics() -> dict:
+    """Created once per replica process (Ray metrics must be made where they are recorded)."""
+    return {
+        "ttft": Histogram("braid_time_to_first_token_seconds", "Workflow request to first synthesizer token.",
+                          boundaries=LATENCY_BUCKETS, tag_keys=("transport",)),
+        "tpot": Histogram("braid_time_per_output_token_seconds", "Synthesizer decode time per output token.",
+                          boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5],
+                          tag_keys=("transport",)),
+        "kv_bytes": Counter("braid_kv_bytes_shipped", "KV bytes shipped from workers to the synthesizer.",
+                            tag_keys=("transport",)),
+        "kv_seconds": Histogram("braid_kv_transfer_seconds", "Final KV burst of a branch, after its last token.",
+                                boundaries=LATENCY_BUCKETS, tag_keys=("transport",)),
+        "requests": Counter("braid_synthesis_requests", "Workflows by transport: KV reuse or text fallback.",
+                            tag_keys=("transport",)),
+        # Serve tags every metric with its deployment and replica itself.
+        "store_bytes": Gauge("braid_store_bytes", "Bytes of KV held in an engine's message store."),
+        "control_plane_errors": Counter("braid_control_plane_errors", "Redis operations that failed mid-request."),
+    }
