@@ -126,14 +126,15 @@ class AgentIngress:
         synth_req = {"workflow": workflow, "session": sid, "task": request.task or " ",
                      "prompt": request.synthesis_prompt, "placement": placement, "sampling": answer_sampling,
                      "mode": "kv" if kv_mode else "text", "branches": n}
-        synth = None
+        synth, kv_address = None, None
         if kv_mode:  # open the synthesis first: its replica's KV endpoint is where workers push
             synth = self.synth.options(stream=True).synthesize.remote(synth_req)
             kv_address = (await synth.__anext__())["kv_address"]
-        workers = [self.worker.options(stream=True).run_branch.remote({
-            "task": request.task or " ", "branch_prompt": p, "branch": j, "sampling": worker_sampling,
-            "kv_address": kv_address if kv_mode else None, "stream_id": f"{workflow}:{j}"})
-            for j, p in enumerate(request.branch_prompts)]
+        # Branches are spread over the worker replicas; each group decodes in one batch.
+        groups = [list(range(j, n, self.config.worker_replicas)) for j in range(min(n, self.config.worker_replicas))]
+        workers = [self.worker.options(stream=True).run_branches.remote({
+            "task": request.task or " ", "sampling": worker_sampling, "kv_address": kv_address,
+            "branches": [(j, request.branch_prompts[j], f"{workflow}:{j}") for j in group]}) for group in groups]
         done = {}
         try:
             async for item in _merge(workers):
