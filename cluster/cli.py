@@ -64,36 +64,23 @@ def serve_cmd(args) -> int:
 
     if args.no_auth:
         os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from cluster.app import SERVICER, build_app
     from cluster.config import ClusterConfig
-    from cluster.directory import EmbeddedRedis
+    from cluster.local import start_local_cluster
 
     log = logging.getLogger("braid.serve")
     path = args.model or os.environ.get("BRAID_MODEL") or _default_model(log)
     config = ClusterConfig(path, worker_replicas=args.workers, synthesizer_replicas=args.synthesizers,
                            kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port)
-    redis_server = None if config.redis_url else EmbeddedRedis()
-    redis_url = config.redis_url or redis_server.url
-    ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, dashboard_host="127.0.0.1")
+    cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
     try:
-        serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER]),
-                    http_options={"host": "127.0.0.1"})
-        serve.run(build_app(config, redis_url), name="braid", route_prefix="/braid")
         print(f"braid: serving the agent API over gRPC on port {config.grpc_port} (model {path}, "
-              f"redis {redis_url}); Ctrl-C stops", flush=True)
+              f"redis {cluster.redis_url}); Ctrl-C stops", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         stop.wait()
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if redis_server:
-            redis_server.stop()
+        cluster.stop()
     return 0
 
 

@@ -6,19 +6,14 @@ import time
 
 import grpc
 import pytest
+import ray
 
+from cluster.config import ClusterConfig
+from cluster.local import start_local_cluster
+from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from engine.synthesis import synthesize, synthesize_text
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc
-
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray.serve.config import gRPCOptions  # noqa: E402
-
-from cluster.app import SERVICER, build_app  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.directory import EmbeddedRedis  # noqa: E402
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams  # noqa: E402
-from engine.synthesis import synthesize, synthesize_text  # noqa: E402
 
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
 METADATA = (("application", "braid"),)
@@ -30,35 +25,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ray(tmp, metrics_port):
-    for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
-        try:
-            return ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                            _temp_dir=str(tmp), _metrics_export_port=metrics_port)
-        except Exception:  # noqa: BLE001
-            ray.shutdown()
-            if attempt:
-                raise
-
-
 @pytest.fixture(scope="module")
 def cluster(checkpoint, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    redis_server = EmbeddedRedis()
     metrics_port = free_port()
-    start_ray(tmp_path_factory.mktemp("ray"), metrics_port)
-    port = free_port()
-    config = ClusterConfig(checkpoint("llama"), grpc_port=port, kv_transport="grpc", kv_schedule=(2, 3),
+    config = ClusterConfig(checkpoint("llama"), grpc_port=free_port(), kv_transport="grpc", kv_schedule=(2, 3),
                            kv_wait_timeout_s=30)
-    serve.start(grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[SERVICER]))
-    serve.run(build_app(config, redis_server.url), name="braid", route_prefix="/braid")
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    local = start_local_cluster(config, num_cpus=2, metrics_port=metrics_port,
+                                temp_dir=str(tmp_path_factory.mktemp("ray")))
+    channel = grpc.insecure_channel(local.address)
     grpc.channel_ready_future(channel).result(timeout=60)
-    yield agent_pb2_grpc.AgentServiceStub(channel), config, redis_server, metrics_port
+    yield agent_pb2_grpc.AgentServiceStub(channel), config, local.redis_server, metrics_port
     channel.close()
-    serve.shutdown()
-    ray.shutdown()
-    redis_server.stop()
+    local.stop()
 
 
 def run(stub, **kw):

@@ -1,0 +1,151 @@
+"""Cluster benchmarks, side by side in one run on a local cluster:
+
+1. KV transfer throughput over the gRPC transport (sender -> receiver, loopback), per chunk size.
+2. Parallel-synthesis workflows over the gRPC agent API, KV mode vs text mode, alternating:
+   end-to-end TTFT (request to first answer token, worker decoding included) and the time
+   from the last branch token to the first answer token (what shipping KV saves).
+"""
+
+import argparse
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from cluster.config import ClusterConfig
+from cluster.kv_transport import KVReceiver, KVSender
+from cluster.local import start_local_cluster
+from engine.checkpoints import SHAPES, make_random_checkpoint
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="small", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--checkpoint", help="use this checkpoint directory instead of a random one")
+    p.add_argument("--branches", type=int, default=4)
+    p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256], help="tokens each worker decodes")
+    p.add_argument("--repeats", type=int, default=3, help="workflows per mode and length (median reported)")
+    p.add_argument("--transfer-mib", type=int, default=64, help="size of the transfer-throughput payload")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
+    return p.parse_args(argv)
+
+
+def transfer_throughput(mib: int, chunk_sizes=(1 << 20, 4 << 20)) -> list[dict]:
+    tokens = mib * (1 << 20) // (2 * 8 * 128 * 4)  # one layer, 8 KV heads of 128, fp32
+    kv = torch.randn(1, 2, 8, tokens, 128)
+    rows = []
+    receiver = KVReceiver("fp")
+    try:
+        for chunk in chunk_sizes:
+            runs = []
+            for r in range(3):
+                start = time.perf_counter()
+                sender = KVSender(receiver.address, f"t{chunk}:{r}", "m", "fp", offset=0, max_chunk_bytes=chunk)
+                sender.send(list(range(kv.shape[3])), kv, 0, total_tokens=kv.shape[3])
+                sender.close()
+                receiver.wait(f"t{chunk}:{r}", timeout=120)
+                runs.append(time.perf_counter() - start)
+            rows.append({"transport": "grpc", "chunk_bytes": chunk, "payload_bytes": kv.numel() * 4,
+                         "seconds": statistics.median(runs), "gb_per_s": kv.numel() * 4 / statistics.median(runs) / 1e9})
+    finally:
+        receiver.stop()
+    return rows
+
+
+def workflow(stub, args, length, transport):
+    sampling = pb.Sampling(max_tokens=length, ignore_eos=True)
+    req = pb.WorkflowRequest(task="User: combine what the workers found.", synthesis_prompt="Synthesizer:",
+                             branch_prompts=[f"Worker {j}: look at part {j}." + " Think." * j
+                                             for j in range(args.branches)],
+                             worker_sampling=sampling, synthesis_sampling=pb.Sampling(max_tokens=4, ignore_eos=True),
+                             transport=transport)
+    events = list(stub.RunWorkflow(req, metadata=(("application", "braid"),), timeout=600))
+    t = next(e.timings for e in events if e.HasField("timings"))
+    return {"ttft_ms": t.ttft_ms, "last_branch_to_first_token_ms": t.last_branch_to_first_token_ms,
+            "kv_bytes": t.kv_bytes, "kv_tail_ms": t.kv_transfer_ms}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster
+    result = {"transfer": transfer_throughput(args.transfer_mib), "workflows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_random_checkpoint(tmp, "llama", args.shape)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cluster = start_local_cluster(ClusterConfig(path, grpc_port=port), num_cpus=2)
+        try:
+            with grpc.insecure_channel(cluster.address) as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                workflow(stub, args, 8, pb.TRANSPORT_GRPC)  # warm-up
+                for length in tqdm(args.lengths, desc="branch lengths"):
+                    runs = {"kv": [], "text": []}
+                    for _ in range(args.repeats):  # alternate, so drift hits both modes alike
+                        runs["kv"].append(workflow(stub, args, length, pb.TRANSPORT_GRPC))
+                        runs["text"].append(workflow(stub, args, length, pb.TRANSPORT_TEXT))
+                    row = {"branch_tokens": length, "branches": args.branches}
+                    for mode, rs in runs.items():
+                        for key in rs[0]:
+                            row[f"{mode}_{key}"] = statistics.median(r[key] for r in rs)
+                    row["handoff_speedup"] = (row["text_last_branch_to_first_token_ms"]
+                                              / row["kv_last_branch_to_first_token_ms"])
+                    result["workflows"].append(row)
+        finally:
+            cluster.stop()
+    result["model"] = args.checkpoint or args.shape
+    report(result, args.out)
+
+
+def report(result, out_dir):
+    print("\nKV transfer over gRPC (loopback, this machine)")
+    for r in result["transfer"]:
+        print(f"  chunk {r['chunk_bytes'] >> 20} MiB: {r['payload_bytes'] / 2**20:.0f} MiB in {r['seconds']:.2f} s "
+              f"= {r['gb_per_s']:.2f} GB/s")
+    print(f"\nWorkflows over the agent API, model {result['model']}, medians")
+    print(f"{'tokens/branch':>13} {'KV TTFT':>9} {'text TTFT':>10} {'KV handoff':>11} {'text handoff':>13} "
+          f"{'handoff x':>9} {'KV MB':>7} {'KV tail ms':>10}")
+    for r in result["workflows"]:
+        print(f"{r['branch_tokens']:>13} {r['kv_ttft_ms']:>8.0f}ms {r['text_ttft_ms']:>8.0f}ms "
+              f"{r['kv_last_branch_to_first_token_ms']:>9.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
+              f"{r['handoff_speedup']:>8.1f}x {r['kv_kv_bytes'] / 1e6:>7.2f} {r['kv_kv_tail_ms']:>10.1f}")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "cluster_workflow_cpu")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    xs = [r["branch_tokens"] for r in result["workflows"]]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in ("kv", "text"):
+        ax[0].plot(xs, [r[f"{mode}_ttft_ms"] for r in result["workflows"]], marker="o", label=mode)
+        ax[1].plot(xs, [r[f"{mode}_last_branch_to_first_token_ms"] for r in result["workflows"]], marker="o",
+                   label=mode)
+    ax[0].set(xlabel="tokens per branch", ylabel="ms", title="End-to-end TTFT (workers included)")
+    ax[1].set(xlabel="tokens per branch", ylabel="ms", title="Last branch token to first answer token")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Starting the cluster on a local Ray: `braid serve`, the tests and the benchmarks share this."""
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from cluster.app import SERVICER, build_app
+from cluster.config import ClusterConfig
+from cluster.directory import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+APP = "braid"
+
+
+@dataclass
+class LocalCluster:
+    config: ClusterConfig
+    redis_url: str
+    redis_server: EmbeddedRedis | None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.config.grpc_port}"
+
+    def stop(self) -> None:
+        serve.shutdown()
+        ray.shutdown()
+        if self.redis_server:
+            self.redis_server.stop()
+
+
+def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dashboard: bool = False,
+                        metrics_port: int | None = None, temp_dir: str | None = None) -> LocalCluster:
+    redis_server = None if config.redis_url else EmbeddedRedis()
+    redis_url = config.redis_url or redis_server.url
+    for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                     log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                     _metrics_export_port=metrics_port)
+            break
+        except Exception:  # noqa: BLE001
+            ray.shutdown()
+            if attempt:
+                if redis_server:
+                    redis_server.stop()
+                raise
+    serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER]),
+                http_options={"host": "127.0.0.1"})
+    serve.run(build_app(config, redis_url), name=APP, route_prefix=f"/{APP}")
+    log.info("cluster up: agent API on %s, redis %s", config.grpc_port, redis_url)
+    return LocalCluster(config, redis_url, redis_server)
