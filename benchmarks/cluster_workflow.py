@@ -7,17 +7,16 @@
 """
 
 import argparse
-import json
 import logging
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 
 import grpc
 import torch
+from common import pyplot, write_json
 from tqdm import tqdm
 
 from cluster.config import ClusterConfig
@@ -120,16 +119,9 @@ def report(result, out_dir):
         print(f"{r['branch_tokens']:>13} {r['kv_ttft_ms']:>8.0f}ms {r['text_ttft_ms']:>8.0f}ms "
               f"{r['kv_last_branch_to_first_token_ms']:>9.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
               f"{r['handoff_speedup']:>8.1f}x {r['kv_kv_bytes'] / 1e6:>7.2f} {r['kv_kv_tail_ms']:>10.1f}")
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, "cluster_workflow_cpu")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    stem = write_json(out_dir, "cluster_workflow_cpu", result)
+    plt = pyplot()
+    if plt is None:
         return
     xs = [r["branch_tokens"] for r in result["workflows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))

@@ -9,15 +9,13 @@ prompt prefill; worker time is excluded, as in the paper.
 """
 
 import argparse
-import json
 import logging
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
+from common import pyplot, write_json
 from tqdm import tqdm
 
 from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
@@ -133,16 +131,9 @@ def report(result, out_dir):
               f"{r['cache_sequential_ttft_ms']:>8.1f} {r['speedup_sequential']:>10.1f}x")
     if "decode_tokens_per_s_batch1" in result:
         print(f"batch-1 decode: {result['decode_tokens_per_s_batch1']:.1f} tokens/s")
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    stem = write_json(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}", result)
+    plt = pyplot()
+    if plt is None:
         return
     xs = [r["branch_tokens"] for r in result["rows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))

@@ -16,7 +16,6 @@ from cluster.grpc_server import grpc_status
 from cluster.kv_transport import TransferError
 from cluster.metrics import metrics
 from engine.errors import BraidError
-from engine.synthesis import Placement
 from protos import agent_pb2 as pb
 from synthesizer.deployment import Synthesizer
 from workers.deployment import Worker
@@ -97,19 +96,11 @@ class AgentIngress:
     async def _workflow(self, request: pb.WorkflowRequest):
         start = time.perf_counter()
         n = len(request.branch_prompts)
-        if not 1 <= n <= self.config.max_branches:
-            raise BraidError(f"{n} branch_prompts given; a workflow takes 1 to {self.config.max_branches}")
-        if not request.synthesis_prompt:
-            raise BraidError("synthesis_prompt is empty")
+        params = convert.workflow_params(request, self.config.default_max_tokens, self.config.max_branches)
         if request.transport in (pb.TRANSPORT_COLLECTIVE, pb.TRANSPORT_LOCAL):
             raise BraidError(f"transport {pb.Transport.Name(request.transport)} is not available in this cluster; "
                              "use TRANSPORT_GRPC, TRANSPORT_TEXT or leave it unspecified")
-        try:
-            placement = Placement(request.placement or Placement.BRANCH_POINT)
-        except ValueError:
-            raise BraidError(f"placement {request.placement!r} is not one of {[p.value for p in Placement]}") from None
-        worker_sampling = convert.sampling(request.worker_sampling, self.config.default_max_tokens)
-        answer_sampling = convert.sampling(request.synthesis_sampling, self.config.default_max_tokens)
+        worker_sampling, answer_sampling = params.worker_sampling, params.answer_sampling
         sid = request.session_id or self.directory.create_session()
         self.directory.session(sid)
 
@@ -124,7 +115,7 @@ class AgentIngress:
         metrics()["requests"].inc(tags=tags)
         workflow = secrets.token_hex(8)
         synth_req = {"workflow": workflow, "session": sid, "task": request.task or " ",
-                     "prompt": request.synthesis_prompt, "placement": placement, "sampling": answer_sampling,
+                     "prompt": request.synthesis_prompt, "placement": params.placement, "sampling": answer_sampling,
                      "mode": "kv" if kv_mode else "text", "branches": n}
         synth, kv_address = None, None
         if kv_mode:  # open the synthesis first: its replica's KV endpoint is where workers push

@@ -1,8 +1,33 @@
 """Between agent-API protos and engine calls; bad fields become BraidErrors (INVALID_ARGUMENT)."""
 
+from dataclasses import dataclass
+
 from engine import DecodeCall, PrefillCall, SamplingParams
 from engine.errors import BraidError
+from engine.synthesis import Placement
 from protos import agent_pb2 as pb
+
+
+@dataclass
+class WorkflowParams:
+    placement: Placement
+    worker_sampling: SamplingParams
+    answer_sampling: SamplingParams
+
+
+def workflow_params(request: pb.WorkflowRequest, default_max_tokens: int, max_branches: int) -> WorkflowParams:
+    """The checks every workflow request gets, wherever it runs."""
+    n = len(request.branch_prompts)
+    if not 1 <= n <= max_branches:
+        raise BraidError(f"{n} branch_prompts given; a workflow takes 1 to {max_branches}")
+    if not request.synthesis_prompt:
+        raise BraidError("synthesis_prompt is empty")
+    try:
+        placement = Placement(request.placement or Placement.BRANCH_POINT)
+    except ValueError:
+        raise BraidError(f"placement {request.placement!r} is not one of {[p.value for p in Placement]}") from None
+    return WorkflowParams(placement, sampling(request.worker_sampling, default_max_tokens),
+                          sampling(request.synthesis_sampling, default_max_tokens))
 
 
 def sampling(msg: pb.Sampling, default_max_tokens: int) -> SamplingParams:

@@ -8,7 +8,6 @@ Every key carries the session TTL, renewed on use.
 """
 
 import logging
-import os
 import secrets
 import socket
 import subprocess

@@ -18,7 +18,7 @@ from cluster import convert
 from cluster.directory import Directory, MessageRecord
 from engine import DecodeCall, Engine, PrefillCall
 from engine.errors import BraidError, UnknownMessageError
-from engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+from engine.synthesis import synthesize_stream, synthesize_text_stream
 from protos import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class ServiceConfig:
     replica: str = "local"
     default_max_tokens: int = 128
+    max_branches: int = 16
     worker_header: str = "Worker:"  # opens each worker's answer
 
     def __post_init__(self):
@@ -127,26 +128,16 @@ class AgentLogic:
     def RunWorkflow(self, request: pb.WorkflowRequest) -> Iterator[pb.WorkflowEvent]:
         """Workers and synthesizer on this one engine: KV moves without a copy, or as text."""
         start = time.perf_counter()
-        if not request.branch_prompts:
-            raise BraidError("branch_prompts is empty: a workflow needs at least one worker")
-        if not request.synthesis_prompt:
-            raise BraidError("synthesis_prompt is empty")
+        params = convert.workflow_params(request, self.config.default_max_tokens, self.config.max_branches)
         if request.transport not in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_LOCAL, pb.TRANSPORT_TEXT):
             raise BraidError(f"transport {pb.Transport.Name(request.transport)} needs separate worker and "
                              "synthesizer engines; this server runs one engine (use TRANSPORT_LOCAL or TEXT)")
-        try:
-            placement = Placement(request.placement or Placement.BRANCH_POINT)
-        except ValueError:
-            raise BraidError(f"placement {request.placement!r} is not one of "
-                             f"{[p.value for p in Placement]}") from None
-        worker = convert.sampling(request.worker_sampling, self.config.default_max_tokens)
-        answer = convert.sampling(request.synthesis_sampling, self.config.default_max_tokens)
         sid = self._session(request.session_id)
         with self.lock:
             prefix = self.engine.prefill([PrefillCall(request.task or " ")])
             contexts = self.engine.prefill([PrefillCall(p, parents=prefix) for p in request.branch_prompts])
             workers = self.engine.decode_stream([DecodeCall(self.config.worker_header, parents=[*prefix, c],
-                                                            sampling=worker) for c in contexts])
+                                                            sampling=params.worker_sampling) for c in contexts])
             for e in workers:
                 yield pb.WorkflowEvent(branch_token=pb.BranchToken(branch=e.call, token_id=e.token_id, text=e.text,
                                                                    finish_reason=e.finish_reason or ""))
@@ -158,10 +149,10 @@ class AgentLogic:
                 reason="requested" if request.transport else "colocated engines: KV is reused in place"))
             if text_mode:
                 synth = synthesize_text_stream(self.engine, workers.ids, request.synthesis_prompt, prefix=prefix,
-                                               sampling=answer)
+                                               sampling=params.answer_sampling)
             else:
                 synth = synthesize_stream(self.engine, workers.ids, request.synthesis_prompt, prefix=prefix,
-                                          placement=placement, sampling=answer)
+                                          placement=params.placement, sampling=params.answer_sampling)
             first = None
             for event in self._stream(sid, synth):
                 if first is None:

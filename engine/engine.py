@@ -15,8 +15,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenize import Detokenizer
-from engine.errors import (BraidError, ContextOverflowError, EmptyHeaderError, FingerprintMismatchError,
-                           InvalidOffsetError)
+from engine.errors import (
+    BraidError,
+    ContextOverflowError,
+    EmptyHeaderError,
+    FingerprintMismatchError,
+    InvalidOffsetError,
+)
 from engine.model import load_model
 from engine.runner import ModelRunner, WorkCache
 from engine.sampling import SamplingParams, make_generator, sample

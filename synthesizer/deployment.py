@@ -33,7 +33,7 @@ class Synthesizer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.agent = AgentLogic(self.engine, Directory.connect(redis_url, config.session_ttl_s),
                                 ServiceConfig(replica=replica, default_max_tokens=config.default_max_tokens,
-                                              worker_header=config.worker_header))
+                                              max_branches=config.max_branches, worker_header=config.worker_header))
         self.prefill_tokens_per_s = self._measure_prefill()
         self.link_bytes_per_s: float | None = None  # from completed transfers
         log.info("synthesizer %s: KV at %s, prefill %.0f tok/s", replica, self.receiver.address,

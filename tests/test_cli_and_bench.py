@@ -32,7 +32,8 @@ def test_demo_runs(checkpoint, capsys):
     assert "3 branches of 5 tokens" in out and "cache (re-encoded KV)" in out and "speedup" in out
 
 
-def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
+def test_benchmark_writes_json_and_plot(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # as when run as a script
     spec = importlib.util.spec_from_file_location("synthesis_ttft", os.path.join(ROOT, "benchmarks",
                                                                                   "synthesis_ttft.py"))
     bench = importlib.util.module_from_spec(spec)

@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from engine.errors import (BraidError, ContextOverflowError, EmptyHeaderError, FingerprintMismatchError,
-                           InvalidOffsetError, StoreFullError, UnknownMessageError)
+from engine.errors import (
+    BraidError,
+    ContextOverflowError,
+    EmptyHeaderError,
+    FingerprintMismatchError,
+    InvalidOffsetError,
+    StoreFullError,
+    UnknownMessageError,
+)
 
 
 def snapshot(eng):

@@ -3,7 +3,6 @@
 import zlib
 
 import pytest
-import torch
 
 from cluster.kv_chunks import tensor_bytes
 from cluster.kv_transport import KVReceiver, KVSender, TransferError
