@@ -270,9 +270,10 @@ class Engine:
         detok = [Detokenizer(self.tokenizer, p.stop) for p in params]
         generated = [d.tokens for d in detok]
         with self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
+            assemble_start = time.perf_counter()
             cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
             _sync(device)  # once per call, so the split below is true on CUDA too
-            timings["assemble"] = time.perf_counter() - start
+            timings["assemble"] = time.perf_counter() - assemble_start
             ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, device)
             base = cache.length
             logits = self.runner.forward(cache, plan.visible, ids, positions, owner,
