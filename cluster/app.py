@@ -43,7 +43,7 @@ def _fail(context, exc: Exception):
 class AgentIngress:
     """Method names equal the RPC names: Serve's gRPC proxy calls them with the request proto."""
 
-    def __init__(self, worker: DeploymentHandle, synthesizer: DeploymentHandle, config: ClusterConfig,
+    def __init__(self, worker: DeploymentHandle | None, synthesizer: DeploymentHandle, config: ClusterConfig,
                  redis_url: str):
         self.worker, self.synth, self.config = worker, synthesizer, config
         self.directory = Directory.connect(redis_url, config.session_ttl_s)
@@ -87,6 +87,10 @@ class AgentIngress:
 
     # ---- the parallel-synthesis workflow ------------------------------------------------------
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
+        if self.worker is None:  # colocated: the synthesizer's engine runs the branches too
+            async for event in self._stream("RunWorkflow", request, grpc_context):
+                yield event
+            return
         try:
             async for event in self._workflow(request):
                 yield event
@@ -205,12 +209,15 @@ async def _merge(generators):
 
 
 def build_app(config: ClusterConfig, redis_url: str):
-    """The Serve application. Workers and the synthesizer get a GPU each when GPUs exist."""
+    """The Serve application. Workers and the synthesizer get a GPU each when GPUs exist;
+    colocated, there are no Worker replicas and the synthesizer's engine does both jobs."""
     import torch
 
     gpu = 1 if torch.cuda.is_available() else 0
-    worker = Worker.options(num_replicas=config.worker_replicas, ray_actor_options={
-        "num_gpus": gpu if config.gpus_per_worker is None else config.gpus_per_worker, "num_cpus": 0})
     synth = Synthesizer.options(num_replicas=config.synthesizer_replicas, ray_actor_options={
         "num_gpus": gpu if config.gpus_per_synthesizer is None else config.gpus_per_synthesizer, "num_cpus": 0})
-    return AgentIngress.bind(worker.bind(config), synth.bind(config, redis_url), config, redis_url)
+    worker = None
+    if not config.colocate:
+        worker = Worker.options(num_replicas=config.worker_replicas, ray_actor_options={
+            "num_gpus": gpu if config.gpus_per_worker is None else config.gpus_per_worker, "num_cpus": 0}).bind(config)
+    return AgentIngress.bind(worker, synth.bind(config, redis_url), config, redis_url)

@@ -69,7 +69,8 @@ def serve_cmd(args) -> int:
 
     log = logging.getLogger("braid.serve")
     path = args.model or os.environ.get("BRAID_MODEL") or _default_model(log)
-    config = ClusterConfig(path, worker_replicas=args.workers, synthesizer_replicas=args.synthesizers,
+    config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
+                           synthesizer_replicas=args.synthesizers,
                            kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port)
     cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
     try:
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--redis-url", help="Redis for the control plane (default: an embedded redis-server)")
     p.add_argument("--workers", type=int, default=1, help="worker replicas (default: 1)")
     p.add_argument("--synthesizers", type=int, default=1, help="synthesizer replicas (default: 1)")
+    p.add_argument("--colocate", action="store_true",
+                   help="workers and synthesizer share one engine per replica (one GPU): KV is reused in place")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "grpc", "text"],
                    help="ship KV or re-prefill text (default: auto, decided per request)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")

@@ -11,6 +11,7 @@ TRANSPORTS = ("auto", "grpc", "text")
 @dataclass
 class ClusterConfig:
     model_path: str
+    colocate: bool = False  # one engine per replica runs workers and synthesis: KV reused in place, no copy
     worker_replicas: int = 1
     synthesizer_replicas: int = 1
     gpus_per_worker: float | None = None  # None: 1 when CUDA is visible, else 0 (CPU)

@@ -35,7 +35,7 @@ def cluster(checkpoint, tmp_path_factory):
                                 temp_dir=str(tmp_path_factory.mktemp("ray")))
     channel = grpc.insecure_channel(local.address)
     grpc.channel_ready_future(channel).result(timeout=60)
-    yield agent_pb2_grpc.AgentServiceStub(channel), config, local.redis_server, metrics_port
+    yield agent_pb2_grpc.AgentServiceStub(channel), config, local.redis_server, metrics_port, local
     channel.close()
     local.stop()
 
@@ -137,7 +137,7 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
 
 
 def test_losing_redis_does_not_lose_a_running_request(cluster):
-    stub, _, redis_server, _ = cluster
+    stub, _, redis_server, *_ = cluster
     stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a", "b"], synthesis_prompt="s",
                                                  worker_sampling=pb.Sampling(max_tokens=40, ignore_eos=True),
                                                  synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC),
@@ -156,7 +156,7 @@ def test_losing_redis_does_not_lose_a_running_request(cluster):
 
 def test_metrics_reach_the_prometheus_export(cluster):
     import urllib.request
-    stub, _, _, metrics_port = cluster
+    stub, _, _, metrics_port, _ = cluster
     run(stub, task="t", branch_prompts=["a"], synthesis_prompt="s", worker_sampling=GREEDY,
         synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC)
     wanted = ["ray_braid_time_to_first_token_seconds", "ray_braid_time_per_output_token_seconds",
@@ -172,3 +172,25 @@ def test_metrics_reach_the_prometheus_export(cluster):
     assert not missing, missing
     shipped = [line for line in text.splitlines() if line.startswith("ray_braid_kv_bytes_shipped_total{")]
     assert any('transport="kv"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in shipped)
+
+
+def test_colocated_cluster_reuses_kv_in_place(cluster):
+    """A second app on the same Serve: no Worker replicas, one engine does both jobs."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    stub, config, _, _, local = cluster
+    colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port)
+    serve.run(build_app(colocated, local.redis_url), name="braid-colocated", route_prefix="/colocated")
+    try:
+        task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
+        events = list(stub.RunWorkflow(pb.WorkflowRequest(
+            task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
+            synthesis_sampling=GREEDY), metadata=(("application", "braid-colocated"),), timeout=120))
+        decision = next(e.decision for e in events if e.HasField("decision"))
+        assert decision.transport == pb.TRANSPORT_LOCAL and not any(e.HasField("kv_receipt") for e in events)
+        answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
+        assert answer == in_process(config.model_path, task, prompts, text_mode=False)
+    finally:
+        serve.delete("braid-colocated")
