@@ -101,9 +101,9 @@ class AgentIngress:
         start = time.perf_counter()
         n = len(request.branch_prompts)
         params = convert.workflow_params(request, self.config.default_max_tokens, self.config.max_branches)
-        if request.transport in (pb.TRANSPORT_COLLECTIVE, pb.TRANSPORT_LOCAL):
-            raise BraidError(f"transport {pb.Transport.Name(request.transport)} is not available in this cluster; "
-                             "use TRANSPORT_GRPC, TRANSPORT_TEXT or leave it unspecified")
+        if request.transport == pb.TRANSPORT_LOCAL:
+            raise BraidError("TRANSPORT_LOCAL needs a colocated cluster (braid serve --colocate); use "
+                             "TRANSPORT_GRPC, TRANSPORT_COLLECTIVE, TRANSPORT_TEXT or leave it unspecified")
         worker_sampling, answer_sampling = params.worker_sampling, params.answer_sampling
         sid = request.session_id or self.directory.create_session()
         self.directory.session(sid)
@@ -114,13 +114,14 @@ class AgentIngress:
                                              branch_tokens * info["kv_bytes_per_token"], branch_tokens,
                                              info["link_bytes_per_s"], info["prefill_tokens_per_s"])
         yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
-        kv_mode = transport == pb.TRANSPORT_GRPC
-        tags = {"transport": "kv" if kv_mode else "text"}
+        mode = pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower()  # grpc, collective or text
+        kv_mode = mode != "text"
+        tags = {"transport": mode}
         metrics()["requests"].inc(tags=tags)
         workflow = secrets.token_hex(8)
         synth_req = {"workflow": workflow, "session": sid, "task": request.task or " ",
                      "prompt": request.synthesis_prompt, "placement": params.placement, "sampling": answer_sampling,
-                     "mode": "kv" if kv_mode else "text", "branches": n}
+                     "mode": mode, "branches": n}
         synth, kv_address = None, None
         if kv_mode:  # open the synthesis first: its replica's KV endpoint is where workers push
             synth = self.synth.options(stream=True).synthesize.remote(synth_req)
@@ -128,7 +129,7 @@ class AgentIngress:
         # Branches are spread over the worker replicas; each group decodes in one batch.
         groups = [list(range(j, n, self.config.worker_replicas)) for j in range(min(n, self.config.worker_replicas))]
         workers = [self.worker.options(stream=True).run_branches.remote({
-            "task": request.task or " ", "sampling": worker_sampling, "kv_address": kv_address,
+            "task": request.task or " ", "sampling": worker_sampling, "kv_address": kv_address, "transport": mode,
             "branches": [(j, request.branch_prompts[j], f"{workflow}:{j}") for j in group]}) for group in groups]
         done = {}
         try:

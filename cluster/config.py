@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from engine import EngineConfig
 
-TRANSPORTS = ("auto", "grpc", "text")
+TRANSPORTS = ("auto", "grpc", "collective", "text")
 
 
 @dataclass
@@ -18,7 +18,8 @@ class ClusterConfig:
     gpus_per_synthesizer: float | None = None
     dtype: str = "auto"
     store_budget_bytes: int = 2 << 30
-    kv_transport: str = "auto"  # auto: decide per request from measured bandwidth vs prefill throughput
+    kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
+    # collective: NCCL between GPUs (gloo on CPU)
     kv_chunk_bytes: int = 1 << 20  # under gRPC's 4 MiB default message limit
     kv_schedule: tuple[int, ...] = (8, 128, 256)  # staircase: ship after 8 tokens, then every 128, then 256
     kv_wait_timeout_s: float = 120.0

@@ -6,12 +6,10 @@ from protos import agent_pb2 as pb
 def choose_transport(requested: int, configured: str, kv_bytes: int, branch_tokens: int,
                      link_bytes_per_s: float | None, prefill_tokens_per_s: float) -> tuple[int, str]:
     """(transport, reason). Shipping wins when moving the KV takes less time than re-prefilling its text."""
-    if requested in (pb.TRANSPORT_TEXT, pb.TRANSPORT_GRPC):
+    if requested in (pb.TRANSPORT_TEXT, pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):
         return requested, "requested by the client"
-    if configured == "text":
-        return pb.TRANSPORT_TEXT, "configured: kv_transport=text"
-    if configured == "grpc":
-        return pb.TRANSPORT_GRPC, "configured: kv_transport=grpc"
+    if configured != "auto":
+        return pb.Transport.Value(f"TRANSPORT_{configured.upper()}"), f"configured: kv_transport={configured}"
     prefill_s = branch_tokens / prefill_tokens_per_s
     if link_bytes_per_s is None:
         return pb.TRANSPORT_GRPC, f"no link measured yet; re-prefill would take ~{1e3 * prefill_s:.0f} ms"

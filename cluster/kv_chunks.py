@@ -23,19 +23,12 @@ class ChunkError(BraidError):
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: int = 1 << 20,
-                token_start: int = 0, total_tokens: int = 0, token_ids=(), offset: int = 0,
-                stream_id: str = "") -> Iterator[KVChunk]:
-    """Chunks of kv [L, 2, H, T, D] (tokens token_start.. of the message), each payload <= max_bytes.
-
-    total_tokens is the message's full length when known (0 while it is still decoding);
-    token_ids, if given, are the tokens of this range.
-    """
+def iter_pieces(kv: torch.Tensor, max_bytes: int):
+    """(layer_start, layer_end, token_start, token_end, piece) covering kv [L, 2, H, T, D], pieces <= max_bytes."""
     layers, _, heads, tokens, head_dim = kv.shape
-    kv = kv.detach().cpu()
     token_bytes = layers * 2 * heads * head_dim * kv.element_size()
     per_chunk = max(1, max_bytes // token_bytes)
     layer_step = layers if token_bytes <= max_bytes else max(1, max_bytes // (token_bytes // layers))
@@ -43,12 +36,25 @@ def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: 
         t1 = min(tokens, t0 + per_chunk)
         for l0 in range(0, layers, layer_step):
             l1 = min(layers, l0 + layer_step)
-            data = tensor_bytes(kv[l0:l1, :, :, t0:t1])
-            yield KVChunk(message_id=message_id, fingerprint=fingerprint, layer_start=l0, layer_end=l1,
-                          token_start=token_start + t0, token_end=token_start + t1, dtype=DTYPE_NAMES[kv.dtype],
-                          shape=[l1 - l0, 2, heads, t1 - t0, head_dim], data=data, crc32=zlib.crc32(data),
-                          total_layers=layers, total_tokens=total_tokens, stream_id=stream_id, offset=offset,
-                          token_ids=list(token_ids[t0:t1]) if l0 == 0 else [])
+            yield l0, l1, t0, t1, kv[l0:l1, :, :, t0:t1].contiguous()
+
+
+def iter_chunks(message_id: str, fingerprint: str, kv: torch.Tensor, max_bytes: int = 1 << 20,
+                token_start: int = 0, total_tokens: int = 0, token_ids=(), offset: int = 0,
+                stream_id: str = "", link_id: str = ""):
+    """(KVChunk, piece) pairs for kv [L, 2, H, T, D] (tokens token_start.. of the message).
+
+    total_tokens is the message's full length when known (0 while it is still decoding);
+    token_ids, if given, are the tokens of this range. With a link_id the chunk carries no
+    data: the piece travels on that collective link, and the CRC-32 covers it all the same.
+    """
+    for l0, l1, t0, t1, piece in iter_pieces(kv, max_bytes):
+        data = tensor_bytes(piece)
+        yield KVChunk(message_id=message_id, fingerprint=fingerprint, layer_start=l0, layer_end=l1,
+                      token_start=token_start + t0, token_end=token_start + t1, dtype=DTYPE_NAMES[kv.dtype],
+                      shape=list(piece.shape), data=b"" if link_id else data, crc32=zlib.crc32(data),
+                      total_layers=kv.shape[0], total_tokens=total_tokens, stream_id=stream_id, offset=offset,
+                      token_ids=list(token_ids[t0:t1]) if l0 == 0 else [], link_id=link_id), piece
 
 
 class KVAssembler:
@@ -64,7 +70,8 @@ class KVAssembler:
         self._pieces: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}  # token range -> layers
         self._layers = 0
 
-    def add(self, chunk: KVChunk) -> None:
+    def add(self, chunk: KVChunk, piece: torch.Tensor | None = None) -> None:
+        """A chunk, with its payload in `chunk.data` or, from a collective link, as `piece`."""
         if chunk.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(f"KV chunk of message {chunk.message_id!r} was encoded by model "
                                            f"{chunk.fingerprint}, this engine runs {self.fingerprint}")
@@ -72,13 +79,15 @@ class KVAssembler:
             self.message_id = chunk.message_id
         elif chunk.message_id != self.message_id:
             raise ChunkError(f"chunk of message {chunk.message_id!r} sent into the stream of {self.message_id!r}")
-        if zlib.crc32(chunk.data) != chunk.crc32:
+        data = chunk.data if piece is None else tensor_bytes(piece)
+        if zlib.crc32(data) != chunk.crc32:
             raise ChunkError(f"checksum mismatch in KV chunk of {chunk.message_id!r}, tokens "
                              f"{chunk.token_start}-{chunk.token_end}, layers {chunk.layer_start}-{chunk.layer_end}")
         if chunk.dtype not in DTYPES:
             raise ChunkError(f"unknown KV dtype {chunk.dtype!r}")
-        piece = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(DTYPES[chunk.dtype])
-        piece = piece.reshape(tuple(chunk.shape))
+        if piece is None:
+            piece = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(DTYPES[chunk.dtype])
+            piece = piece.reshape(tuple(chunk.shape))
         self._pieces.setdefault((chunk.token_start, chunk.token_end), []).append(
             (chunk.layer_start, chunk.layer_end, piece))
         self._layers = chunk.total_layers
@@ -86,7 +95,7 @@ class KVAssembler:
         self.offset = chunk.offset
         if chunk.token_ids:
             self._tokens[chunk.token_start] = list(chunk.token_ids)
-        self.bytes_received += len(chunk.data)
+        self.bytes_received += len(data)
 
     @property
     def tokens_received(self) -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset")
+    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset", "link_id")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class KVChunk(_message.Message):
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     fingerprint: str
     layer_start: int
@@ -38,7 +39,24 @@ class KVChunk(_message.Message):
     stream_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     offset: int
-    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+    link_id: str
+    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., link_id: _Optional[str] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("link_id", "backend")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    link_id: str
+    backend: str
+    def __init__(self, link_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class LinkInfo(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("bytes", "chunks")

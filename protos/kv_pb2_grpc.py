@@ -40,6 +40,11 @@ class KVTransferStub:
                 request_serializer=protos_dot_kv__pb2.KVChunk.SerializeToString,
                 response_deserializer=protos_dot_kv__pb2.PushAck.FromString,
                 _registered_method=True)
+        self.OpenLink = channel.unary_unary(
+                '/braid.v1.KVTransfer/OpenLink',
+                request_serializer=protos_dot_kv__pb2.LinkRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__pb2.LinkInfo.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -52,6 +57,13 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLink(self, request, context):
+        """Sets up a two-rank process group (receiver rank 0, sender rank 1) for tensor payloads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=protos_dot_kv__pb2.KVChunk.FromString,
                     response_serializer=protos_dot_kv__pb2.PushAck.SerializeToString,
+            ),
+            'OpenLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLink,
+                    request_deserializer=protos_dot_kv__pb2.LinkRequest.FromString,
+                    response_serializer=protos_dot_kv__pb2.LinkInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +106,33 @@ class KVTransfer:
             '/braid.v1.KVTransfer/Push',
             protos_dot_kv__pb2.KVChunk.SerializeToString,
             protos_dot_kv__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/braid.v1.KVTransfer/OpenLink',
+            protos_dot_kv__pb2.LinkRequest.SerializeToString,
+            protos_dot_kv__pb2.LinkInfo.FromString,
             options,
             channel_credentials,
             insecure,

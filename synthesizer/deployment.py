@@ -63,12 +63,13 @@ class Synthesizer:
         yield from getattr(self.agent, name)(request)
 
     def synthesize(self, req: dict):
-        """req: workflow, session, task, prompt, placement, sampling, mode ("kv" or "text"), branches
-        (count, kv mode) or branch_tokens (text mode). Yields kv_address first, then receipts, tokens, done."""
+        """req: workflow, session, task, prompt, placement, sampling, mode ("grpc", "collective" or "text"),
+        branches (count) and, in text mode, branch_tokens. Yields kv_address first, then receipts, tokens, done."""
         yield {"kv_address": self.receiver.address}
         eng = self.engine
         received = []
-        if req["mode"] == "kv":
+        kv_mode = req["mode"] != "text"
+        if kv_mode:
             for j in range(req["branches"]):
                 got = self.receiver.wait(f"{req['workflow']}:{j}", self.config.kv_wait_timeout_s)
                 received.append(got)
@@ -80,7 +81,7 @@ class Synthesizer:
                                  "transfer_ms": 1e3 * g.tail_seconds} for j, g in enumerate(received)]}
         with self.agent.lock:
             prefix = eng.prefill([PrefillCall(req["task"])])
-            if req["mode"] == "kv":
+            if kv_mode:
                 branches = [eng.import_message(g.token_ids, g.kv, g.offset, eng.fingerprint)
                             for g in received]
                 stream = synthesize_stream(eng, branches, req["prompt"], prefix=prefix, placement=req["placement"],

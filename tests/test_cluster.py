@@ -57,7 +57,8 @@ def in_process(path, task, prompts, text_mode):
     return list(eng.message(answer).token_ids[-6:])
 
 
-@pytest.mark.parametrize("transport", [pb.TRANSPORT_GRPC, pb.TRANSPORT_TEXT])
+@pytest.mark.parametrize("transport", [pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE, pb.TRANSPORT_TEXT],
+                         ids=["grpc", "gloo", "text"])
 def test_workflow_over_grpc_matches_in_process(cluster, transport):
     stub, config, *_ = cluster
     task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
@@ -67,7 +68,7 @@ def test_workflow_over_grpc_matches_in_process(cluster, transport):
     assert kinds[0] == "decision" and events[0].decision.transport == transport
     assert kinds.count("branch_token") == 18 and kinds.count("synthesis_token") == 6
     receipts = [e.kv_receipt for e in events if e.HasField("kv_receipt")]
-    if transport == pb.TRANSPORT_GRPC:
+    if transport != pb.TRANSPORT_TEXT:
         assert sorted(r.branch for r in receipts) == [0, 1, 2]
         assert all(r.crc32 == r.crc32_sent and r.bytes > 0 for r in receipts)  # bit-identical at the synthesizer
         assert events[-2].timings.kv_bytes == sum(r.bytes for r in receipts)
@@ -90,7 +91,7 @@ def test_session_calls_and_bad_requests_through_the_proxy(cluster):
             pb.DecodeCallSpec(header="A:", parents=other.message_ids)]), metadata=METADATA))),
         (grpc.StatusCode.INVALID_ARGUMENT, lambda: run(stub, task="t", synthesis_prompt="s")),
         (grpc.StatusCode.INVALID_ARGUMENT, lambda: run(stub, task="t", branch_prompts=["a"], synthesis_prompt="s",
-                                                       transport=pb.TRANSPORT_COLLECTIVE)),
+                                                       transport=pb.TRANSPORT_LOCAL)),
         (grpc.StatusCode.NOT_FOUND, lambda: run(stub, session_id="nope", task="t", branch_prompts=["a"],
                                                 synthesis_prompt="s")),
         (grpc.StatusCode.OUT_OF_RANGE, lambda: stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(
@@ -171,7 +172,7 @@ def test_metrics_reach_the_prometheus_export(cluster):
     missing = [w for w in wanted if w not in text]
     assert not missing, missing
     shipped = [line for line in text.splitlines() if line.startswith("ray_braid_kv_bytes_shipped_total{")]
-    assert any('transport="kv"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in shipped)
+    assert any('transport="grpc"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in shipped)
 
 
 def test_colocated_cluster_reuses_kv_in_place(cluster):

@@ -1,38 +1,49 @@
-"""Shipping a decoding branch's KV over a real gRPC stream, chunk by chunk, bit-identically."""
+"""Shipping decoding branches' KV over a real gRPC stream, with payloads inline or on a gloo link."""
 
 import zlib
 
 import pytest
 
 from cluster.kv_chunks import tensor_bytes
-from cluster.kv_transport import KVReceiver, KVSender, TransferError
+from cluster.kv_transport import KVReceiver, KVSender, TransferError, open_link
 from engine import DecodeCall, PrefillCall, SamplingParams
 
 
-def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine):
+def ship_two_branches(eng, receiver, sender):
+    """Decode two branches in parallel, shipping every 4 encoded tokens; returns their messages."""
+    p, = eng.prefill([PrefillCall("User: add these.")])
+    stream = eng.decode_stream([DecodeCall("Worker:", parents=[p], sampling=SamplingParams(
+        max_tokens=n, ignore_eos=True)) for n in (20, 13)])
+    offset = eng.message(p).end
+    shipped = [0, 0]
+    for event in stream:
+        c = event.call
+        if stream.encoded(c) - shipped[c] >= 4:
+            toks, kv = stream.partial_kv(c, shipped[c], stream.encoded(c))
+            sender.send(f"wf:{c}", f"b{c}", offset, toks, kv, shipped[c])
+            shipped[c] = stream.encoded(c)
+    messages = [eng.message(m) for m in stream.ids]
+    for c, msg in enumerate(messages):
+        toks, kv = stream.partial_kv(c, shipped[c], msg.num_tokens)
+        sender.send(f"wf:{c}", f"b{c}", offset, toks, kv, shipped[c], total_tokens=msg.num_tokens)
+    return messages, sender.close()
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["grpc", "gloo"])
+def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine, collective):
     eng = llama_engine
     receiver = KVReceiver(eng.fingerprint)
     try:
-        p, = eng.prefill([PrefillCall("User: add these.")])
-        stream = eng.decode_stream([DecodeCall("Worker:", parents=[p], sampling=SamplingParams(
-            max_tokens=20, ignore_eos=True))])
-        sender = KVSender(receiver.address, "wf:0", "branch-0", eng.fingerprint, offset=eng.message(p).end,
-                          max_chunk_bytes=700)
-        shipped = 0
-        for _ in stream:
-            if stream.encoded(0) - shipped >= 4:
-                toks, kv = stream.partial_kv(0, shipped, stream.encoded(0))
-                sender.send(toks, kv, shipped)
-                shipped = stream.encoded(0)
-        msg = eng.message(stream.ids[0])
-        toks, kv = stream.partial_kv(0, shipped, msg.num_tokens)
-        sender.send(toks, kv, shipped, total_tokens=msg.num_tokens)
-        ack = sender.close()
-        got = receiver.wait("wf:0", timeout=10)
-        assert ack.bytes == sender.bytes == got.bytes == msg.nbytes and ack.chunks > 3
-        assert 0 < got.tail_bytes < got.bytes and got.tail_seconds >= 0
-        assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
-        assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv))
+        link = open_link(receiver.address, "worker-1", "gloo") if collective else None
+        sender = KVSender(receiver.address, eng.fingerprint, max_chunk_bytes=700, link=link,
+                          link_id="worker-1" if collective else "")
+        messages, ack = ship_two_branches(eng, receiver, sender)
+        assert ack.bytes == sender.bytes == sum(m.nbytes for m in messages) and ack.chunks > 6
+        for c, msg in enumerate(messages):
+            got = receiver.wait(f"wf:{c}", timeout=10)
+            assert got.bytes == msg.nbytes and 0 < got.tail_bytes < got.bytes and got.tail_seconds >= 0
+            assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
+            assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv))
     finally:
         receiver.stop()
 
@@ -42,14 +53,19 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
     receiver = KVReceiver(eng.fingerprint)
     try:
         kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv
-        half = KVSender(receiver.address, "s1", "m", eng.fingerprint, offset=0)
-        half.send([1, 2], kv[:, :, :, :2], 0)  # total never announced
+        half = KVSender(receiver.address, eng.fingerprint)
+        half.send("s1", "m", 0, [1, 2], kv[:, :, :, :2], 0)  # total never announced
         with pytest.raises(TransferError, match="DATA_LOSS.*incomplete"):
             half.close()
-        foreign = KVSender(receiver.address, "s2", "m", "another-model", offset=0)
-        foreign.send([1], kv[:, :, :, :1], 0, total_tokens=1)
+        foreign = KVSender(receiver.address, "another-model")
+        foreign.send("s2", "m", 0, [1], kv[:, :, :, :1], 0, total_tokens=1)
         with pytest.raises(TransferError, match="FAILED_PRECONDITION"):
             foreign.close()
+        unknown_link = KVSender(receiver.address, eng.fingerprint)
+        unknown_link.link_id = "never-opened"
+        unknown_link.send("s3", "m", 0, [1], kv[:, :, :, :1], 0, total_tokens=1)
+        with pytest.raises(TransferError, match="never opened"):
+            unknown_link.close()
         with pytest.raises(TransferError, match="did not arrive"):
             receiver.wait("never", timeout=0.1)
     finally:

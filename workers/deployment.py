@@ -11,7 +11,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.kv_chunks import tensor_bytes
-from cluster.kv_transport import KVSender
+from cluster.kv_transport import KVSender, collective_backend, open_link
 from engine import DecodeCall, Engine, PrefillCall
 from engine.sampling import SamplingParams
 
@@ -24,9 +24,20 @@ class Worker:
         self.config = config
         self.engine = Engine(config.engine_config("cuda" if torch.cuda.is_available() else "cpu"))
         self.lock = threading.Lock()  # the engine serves one call at a time
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.links = {}  # synthesizer KV address -> CollectiveLink, set up once per pair
+
+    def _sender(self, address: str, transport: str) -> KVSender:
+        if transport != "collective":
+            return KVSender(address, self.engine.fingerprint, self.config.kv_chunk_bytes)
+        link_id = f"{self.replica}->{address}"
+        if address not in self.links:
+            self.links[address] = open_link(address, link_id, collective_backend())
+        return KVSender(address, self.engine.fingerprint, self.config.kv_chunk_bytes, self.links[address], link_id)
 
     def run_branches(self, req: dict):
-        """req: task, branches [(index, prompt, stream_id)], sampling (SamplingParams), kv_address or None.
+        """req: task, branches [(index, prompt, stream_id)], sampling (SamplingParams), kv_address or None,
+        transport ("grpc" or "collective").
 
         Yields {"token": (branch, id, text, finish)} per token, then {"done": ...} per branch.
         """
@@ -40,32 +51,35 @@ class Worker:
         contexts = eng.prefill([PrefillCall(prompt, parents=prefix) for _, prompt, _ in branches])
         stream = eng.decode_stream([DecodeCall(self.config.worker_header, parents=[*prefix, c], sampling=sampling)
                                     for c in contexts])
-        senders = []
-        if req["kv_address"]:
-            senders = [KVSender(req["kv_address"], stream_id, f"{stream_id}:branch", eng.fingerprint,
-                                offset=eng.message(c).end, max_chunk_bytes=self.config.kv_chunk_bytes)
-                       for (_, _, stream_id), c in zip(branches, contexts)]
+        sender = self._sender(req["kv_address"], req["transport"]) if req["kv_address"] else None
+        offsets = [eng.message(c).end for c in contexts]
+
+        def ship(c: int, end: int, total: int = 0) -> None:
+            tokens, kv = stream.partial_kv(c, shipped[c], end)
+            stream_id = branches[c][2]
+            sender.send(stream_id, f"{stream_id}:branch", offsets[c], tokens, kv, shipped[c], total)
+            shipped[c], chunks[c] = end, chunks[c] + 1
+
         shipped, chunks = [0] * len(branches), [0] * len(branches)
         try:
             for event in stream:
                 c = event.call
                 yield {"token": (branches[c][0], event.token_id, event.text, event.finish_reason or "")}
-                if senders and stream.encoded(c) - shipped[c] >= self.config.ship_after(chunks[c]):
-                    tokens, kv = stream.partial_kv(c, shipped[c], stream.encoded(c))
-                    senders[c].send(tokens, kv, shipped[c])
-                    shipped[c], chunks[c] = stream.encoded(c), chunks[c] + 1
-            for c, mid in enumerate(stream.ids):
-                msg = eng.message(mid)
-                if senders:
-                    tokens, kv = stream.partial_kv(c, shipped[c], msg.num_tokens)
-                    senders[c].send(tokens, kv, shipped[c], total_tokens=msg.num_tokens)
-                    senders[c].close()
+                if sender and stream.encoded(c) - shipped[c] >= self.config.ship_after(chunks[c]):
+                    ship(c, stream.encoded(c))
+            messages = [eng.message(mid) for mid in stream.ids]
+            if sender:
+                for c, msg in enumerate(messages):
+                    ship(c, msg.num_tokens, total=msg.num_tokens)
+                sender.close()
+                sender = None
+            for c, msg in enumerate(messages):
                 yield {"done": {"branch": branches[c][0], "token_ids": list(msg.token_ids), "offset": msg.offset,
                                 "kv_bytes": msg.nbytes, "crc32": zlib.crc32(tensor_bytes(msg.kv))}}
-            senders = []
         finally:
-            for sender in senders:  # only left here when the call failed midway
+            if sender is not None:  # only left here when the call failed midway
                 sender.abort()
+                self.links.pop(req["kv_address"], None)  # a broken pair is set up afresh next time
             for mid in [*prefix, *contexts, *(stream.ids or [])]:  # the branches now live at the synthesizer
                 if mid in eng.store:
                     eng.free(mid)
