@@ -1,7 +1,7 @@
 """Cluster benchmarks, side by side in one run on a local cluster:
 
-1. KV transfer throughput over the gRPC transport (sender -> receiver, loopback), per chunk size.
-2. Parallel-synthesis workflows over the gRPC agent API, KV mode vs text mode, alternating:
+1. KV transfer throughput per transport (gRPC inline payloads; a gloo collective link), loopback.
+2. Parallel-synthesis workflows over the gRPC agent API, KV over gRPC, KV over gloo and text, alternating:
    end-to-end TTFT (request to first answer token, worker decoding included) and the time
    from the last branch token to the first answer token (what shipping KV saves).
 """
@@ -20,7 +20,7 @@ from common import pyplot, write_json
 from tqdm import tqdm
 
 from cluster.config import ClusterConfig
-from cluster.kv_transport import KVReceiver, KVSender
+from cluster.kv_transport import KVReceiver, KVSender, open_link
 from cluster.local import start_local_cluster
 from engine.checkpoints import SHAPES, make_random_checkpoint
 from protos import agent_pb2 as pb
@@ -45,17 +45,22 @@ def transfer_throughput(mib: int, chunk_sizes=(1 << 20, 4 << 20)) -> list[dict]:
     rows = []
     receiver = KVReceiver("fp")
     try:
-        for chunk in chunk_sizes:
+        link = open_link(receiver.address, "bench", "gloo")
+        for transport, chunk in [("grpc", c) for c in chunk_sizes] + [("gloo", c) for c in chunk_sizes]:
             runs = []
             for r in range(3):
+                stream_id = f"{transport}{chunk}:{r}"
                 start = time.perf_counter()
-                sender = KVSender(receiver.address, f"t{chunk}:{r}", "m", "fp", offset=0, max_chunk_bytes=chunk)
-                sender.send(list(range(kv.shape[3])), kv, 0, total_tokens=kv.shape[3])
+                sender = KVSender(receiver.address, "fp", max_chunk_bytes=chunk,
+                                  link=link if transport == "gloo" else None,
+                                  link_id="bench" if transport == "gloo" else "")
+                sender.send(stream_id, "m", 0, list(range(tokens)), kv, 0, total_tokens=tokens)
                 sender.close()
-                receiver.wait(f"t{chunk}:{r}", timeout=120)
+                receiver.wait(stream_id, timeout=120)
                 runs.append(time.perf_counter() - start)
-            rows.append({"transport": "grpc", "chunk_bytes": chunk, "payload_bytes": kv.numel() * 4,
-                         "seconds": statistics.median(runs), "gb_per_s": kv.numel() * 4 / statistics.median(runs) / 1e9})
+            seconds = statistics.median(runs)
+            rows.append({"transport": transport, "chunk_bytes": chunk, "payload_bytes": kv.numel() * 4,
+                         "seconds": seconds, "gb_per_s": kv.numel() * 4 / seconds / 1e9})
     finally:
         receiver.stop()
     return rows
@@ -88,18 +93,21 @@ def main(argv=None):
         try:
             with grpc.insecure_channel(cluster.address) as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
-                workflow(stub, args, 8, pb.TRANSPORT_GRPC)  # warm-up
+                for transport in (pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):  # warm-up, and the gloo link
+                    workflow(stub, args, 8, transport)
                 for length in tqdm(args.lengths, desc="branch lengths"):
-                    runs = {"kv": [], "text": []}
-                    for _ in range(args.repeats):  # alternate, so drift hits both modes alike
-                        runs["kv"].append(workflow(stub, args, length, pb.TRANSPORT_GRPC))
-                        runs["text"].append(workflow(stub, args, length, pb.TRANSPORT_TEXT))
+                    modes = {"kv": pb.TRANSPORT_GRPC, "gloo": pb.TRANSPORT_COLLECTIVE, "text": pb.TRANSPORT_TEXT}
+                    runs = {mode: [] for mode in modes}
+                    for _ in range(args.repeats):  # alternate, so drift hits every mode alike
+                        for mode, transport in modes.items():
+                            runs[mode].append(workflow(stub, args, length, transport))
                     row = {"branch_tokens": length, "branches": args.branches}
                     for mode, rs in runs.items():
                         for key in rs[0]:
                             row[f"{mode}_{key}"] = statistics.median(r[key] for r in rs)
-                    row["handoff_speedup"] = (row["text_last_branch_to_first_token_ms"]
-                                              / row["kv_last_branch_to_first_token_ms"])
+                    for mode in ("kv", "gloo"):
+                        row[f"{mode}_handoff_speedup"] = (row["text_last_branch_to_first_token_ms"]
+                                                          / row[f"{mode}_last_branch_to_first_token_ms"])
                     result["workflows"].append(row)
         finally:
             cluster.stop()
@@ -108,27 +116,29 @@ def main(argv=None):
 
 
 def report(result, out_dir):
-    print("\nKV transfer over gRPC (loopback, this machine)")
+    print("\nKV transfer per transport (loopback, this machine)")
     for r in result["transfer"]:
-        print(f"  chunk {r['chunk_bytes'] >> 20} MiB: {r['payload_bytes'] / 2**20:.0f} MiB in {r['seconds']:.2f} s "
-              f"= {r['gb_per_s']:.2f} GB/s")
-    print(f"\nWorkflows over the agent API, model {result['model']}, medians")
-    print(f"{'tokens/branch':>13} {'KV TTFT':>9} {'text TTFT':>10} {'KV handoff':>11} {'text handoff':>13} "
-          f"{'handoff x':>9} {'KV MB':>7} {'KV tail ms':>10}")
+        print(f"  {r['transport']:>5}, chunk {r['chunk_bytes'] >> 20} MiB: {r['payload_bytes'] / 2**20:.0f} MiB "
+              f"in {r['seconds']:.2f} s = {r['gb_per_s']:.2f} GB/s")
+    print(f"\nWorkflows over the agent API, model {result['model']}, medians (handoff: last branch token to "
+          "first answer token)")
+    print(f"{'tokens/branch':>13} {'TTFT grpc':>10} {'TTFT gloo':>10} {'TTFT text':>10} {'handoff grpc':>13} "
+          f"{'handoff gloo':>13} {'handoff text':>13} {'KV MB':>7}")
     for r in result["workflows"]:
-        print(f"{r['branch_tokens']:>13} {r['kv_ttft_ms']:>8.0f}ms {r['text_ttft_ms']:>8.0f}ms "
-              f"{r['kv_last_branch_to_first_token_ms']:>9.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
-              f"{r['handoff_speedup']:>8.1f}x {r['kv_kv_bytes'] / 1e6:>7.2f} {r['kv_kv_tail_ms']:>10.1f}")
+        print(f"{r['branch_tokens']:>13} {r['kv_ttft_ms']:>8.0f}ms {r['gloo_ttft_ms']:>8.0f}ms "
+              f"{r['text_ttft_ms']:>8.0f}ms {r['kv_last_branch_to_first_token_ms']:>11.1f}ms "
+              f"{r['gloo_last_branch_to_first_token_ms']:>11.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
+              f"{r['kv_kv_bytes'] / 1e6:>7.2f}")
     stem = write_json(out_dir, "cluster_workflow_cpu", result)
     plt = pyplot()
     if plt is None:
         return
     xs = [r["branch_tokens"] for r in result["workflows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("kv", "text"):
-        ax[0].plot(xs, [r[f"{mode}_ttft_ms"] for r in result["workflows"]], marker="o", label=mode)
+    for mode, label in (("kv", "KV over gRPC"), ("gloo", "KV over gloo"), ("text", "text re-prefill")):
+        ax[0].plot(xs, [r[f"{mode}_ttft_ms"] for r in result["workflows"]], marker="o", label=label)
         ax[1].plot(xs, [r[f"{mode}_last_branch_to_first_token_ms"] for r in result["workflows"]], marker="o",
-                   label=mode)
+                   label=label)
     ax[0].set(xlabel="tokens per branch", ylabel="ms", title="End-to-end TTFT (workers included)")
     ax[1].set(xlabel="tokens per branch", ylabel="ms", title="Last branch token to first answer token")
     for a in ax:

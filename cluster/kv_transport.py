@@ -191,10 +191,10 @@ def open_link(address: str, link_id: str, backend: str) -> CollectiveLink:
 
 
 class KVSender:
-    """One gRPC stream to a KVReceiver carrying any number of messages; send() never blocks on the network.
+    """One gRPC stream to a KVReceiver carrying any number of messages.
 
-    With a link, payloads go over it from a background thread that keeps headers and payloads
-    in one order.
+    send() only queues the tensor: serialising, checksumming and (with a link) the collective
+    sends happen on a background thread, in one order, off the caller's decode loop.
     """
 
     def __init__(self, address: str, fingerprint: str, max_chunk_bytes: int = 1 << 20,
@@ -202,50 +202,44 @@ class KVSender:
         self.fingerprint, self.max_chunk_bytes = fingerprint, max_chunk_bytes
         self.link, self.link_id = link, link_id
         self.bytes = 0
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # chunks, as the gRPC stream consumes them
         self._channel = grpc.insecure_channel(address, options=GRPC_LIMITS)
         self._future = kv_pb2_grpc.KVTransferStub(self._channel).Push.future(iter(self._queue.get, None))
-        self._payloads: queue.Queue | None = None
+        self._work: queue.Queue = queue.Queue()  # send() arguments, in order
         self._error: Exception | None = None
-        if link is not None:
-            self._payloads = queue.Queue()
-            self._thread = threading.Thread(target=self._pump, daemon=True, name="kv-link-sender")
-            self._thread.start()
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="kv-sender")
+        self._thread.start()
 
     def _pump(self):
-        for chunk, piece in iter(self._payloads.get, None):
-            self._queue.put(chunk)
-            try:
-                self.link.send(piece)
-            except Exception as e:  # noqa: BLE001 - surfaced by close()
-                self._error = e
-                return
+        try:
+            for args in iter(self._work.get, None):
+                for chunk, piece in iter_chunks(*args):
+                    self._queue.put(chunk)
+                    if self.link is not None:
+                        self.link.send(piece)
+        except Exception as e:  # noqa: BLE001 - surfaced by close()
+            self._error = e
 
     def send(self, stream_id: str, message_id: str, offset: int, token_ids: list[int], kv: torch.Tensor,
              token_start: int, total_tokens: int = 0) -> None:
-        for chunk, piece in iter_chunks(message_id, self.fingerprint, kv, self.max_chunk_bytes, token_start,
-                                        total_tokens, token_ids, offset, stream_id, self.link_id):
-            self.bytes += piece.numel() * piece.element_size()
-            if self._payloads is not None:
-                self._payloads.put((chunk, piece))
-            else:
-                self._queue.put(chunk)
+        """Queue tokens [token_start, ...) of a message; kv must not change afterwards (pass a copy)."""
+        self.bytes += kv.numel() * kv.element_size()
+        self._work.put((message_id, self.fingerprint, kv, self.max_chunk_bytes, token_start, total_tokens,
+                        token_ids, offset, stream_id, self.link_id))
 
     def abort(self) -> None:
         """Give up (the sending side failed); the receiver sees its streams end incomplete."""
-        if self._payloads is not None:
-            self._payloads.put(None)
+        self._work.put(None)
         self._future.cancel()
         self._channel.close()
 
     def close(self, timeout: float = 120) -> kv_pb2.PushAck:
-        if self._payloads is not None:
-            self._payloads.put(None)
-            self._thread.join(timeout)
+        self._work.put(None)
+        self._thread.join(timeout)
         self._queue.put(None)
         try:
             if self._error is not None:
-                raise TransferError(f"collective send failed: {self._error}")
+                raise TransferError(f"KV send failed: {type(self._error).__name__}: {self._error}")
             return self._future.result(timeout=timeout)
         except grpc.RpcError as e:
             raise TransferError(f"KV push failed: {e.code().name}: {e.details()}") from None
