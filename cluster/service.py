@@ -24,6 +24,10 @@ from protos import agent_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+class SessionElsewhereError(BraidError):
+    code = "FAILED_PRECONDITION"
+
+
 @dataclass
 class ServiceConfig:
     replica: str = "local"
@@ -54,7 +58,12 @@ class AgentLogic:
 
     def _resolve(self, session_id: str, ids) -> None:
         for mid in ids:
-            self.directory.lookup(session_id, mid)
+            rec = self.directory.lookup(session_id, mid)
+            if rec.replica != self.config.replica:
+                raise SessionElsewhereError(
+                    f"message {mid!r} is held by synthesizer replica {rec.replica}, but this call reached "
+                    f"{self.config.replica}; run session calls with one synthesizer replica "
+                    "(synthesizer_replicas=1) until session-affine routing lands")
             if mid not in self.engine.store:
                 raise UnknownMessageError(f"message {mid!r} was evicted from {self.config.replica}'s store")
 

@@ -131,3 +131,14 @@ def test_sessions_list_and_close(api):
     assert all(m not in logic.engine.store for m in r.message_ids)
     assert code_of(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id)))[0] == \
         grpc.StatusCode.NOT_FOUND
+
+
+def test_a_message_held_by_another_replica_is_refused_clearly(api):
+    stub, logic = api
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="held elsewhere")]))
+    rec = logic.directory.lookup(r.session_id, r.message_ids[0])
+    rec.replica = "another-replica"
+    logic.directory.register(rec)  # as if another synthesizer replica had encoded it
+    got, details = code_of(lambda: stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[
+        pb.DecodeCallSpec(header="A:", parents=r.message_ids)])))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "another-replica" in details
