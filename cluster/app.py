@@ -176,7 +176,8 @@ class AgentIngress:
                     ttft_ms=1e3 * (first - start), last_branch_to_first_token_ms=1e3 * (first - branches_done),
                     kv_transfer_ms=kv_ms, kv_bytes=int(kv_bytes)))
                 yield pb.WorkflowEvent(done=pb.WorkflowDone(session_id=sid, answer_message_id=d["answer_id"],
-                                                            answer_text=d["answer_text"]))
+                                                            answer_text=d["answer_text"],
+                                                            branch_message_ids=d["branch_ids"]))
 
 
 async def _merge(generators):

@@ -7,7 +7,6 @@ token's KV is larger than the limit.
 """
 
 import zlib
-from collections.abc import Iterator
 
 import torch
 

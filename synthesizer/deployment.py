@@ -104,6 +104,6 @@ class Synthesizer:
                 m["kv_bytes"].inc(g.bytes, tags=transport)
                 m["kv_seconds"].observe(g.tail_seconds, tags=transport)
             m["store_bytes"].set(eng.store.used_bytes)
-            yield {"done": {"answer_id": stream.ids[0], "answer_text": eng.text(stream.ids[0]),
+            yield {"done": {"answer_id": stream.ids[0], "answer_text": eng.text(stream.ids[0]), "branch_ids": branches,
                             "cache_ms": 1e3 * stream.timings["assemble"],
                             "first_token_ms": 1e3 * stream.timings["first_token"]}}

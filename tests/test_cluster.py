@@ -70,6 +70,11 @@ def test_workflow_over_grpc_matches_in_process(cluster, transport):
     receipts = [e.kv_receipt for e in events if e.HasField("kv_receipt")]
     if transport != pb.TRANSPORT_TEXT:
         assert sorted(r.branch for r in receipts) == [0, 1, 2]
+        assert len(events[-1].done.branch_message_ids) == 3  # imported, and usable as parents in the session
+        info = stub.GetMessage(pb.GetMessageRequest(session_id=events[-1].done.session_id,
+                                                    message_id=events[-1].done.branch_message_ids[0]),
+                               metadata=METADATA)
+        assert info.kv_bytes == next(r.bytes for r in receipts if r.branch == 0)
         assert all(r.crc32 == r.crc32_sent and r.bytes > 0 for r in receipts)  # bit-identical at the synthesizer
         assert events[-2].timings.kv_bytes == sum(r.bytes for r in receipts)
     else:
