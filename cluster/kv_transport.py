@@ -167,11 +167,12 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     def wait(self, stream_id: str, timeout: float) -> ReceivedMessage:
         """Block until the stream's message is complete; raises TransferError on error or timeout."""
         stream = self._stream(stream_id)
-        if not stream.done.wait(timeout):
+        arrived = stream.done.wait(timeout)
+        with self._lock:  # forget the stream either way: an abandoned one must not keep its KV here
+            self._streams.pop(stream_id, None)
+        if not arrived:
             raise TransferError(f"KV for {stream_id!r} did not arrive within {timeout:.0f} s "
                                 f"({stream.assembler.tokens_received} tokens received)")
-        with self._lock:
-            self._streams.pop(stream_id, None)
         if stream.error is not None:
             raise stream.error
         a = stream.assembler

@@ -68,5 +68,6 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
             unknown_link.close()
         with pytest.raises(TransferError, match="did not arrive"):
             receiver.wait("never", timeout=0.1)
+        assert "never" not in receiver._streams  # a timed-out stream is not kept
     finally:
         receiver.stop()
