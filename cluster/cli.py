@@ -5,55 +5,71 @@ import logging
 import os
 import sys
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "braid", "random-small-llama")
+# The reference model trained by train/train.py and committed with the repository.
+REFERENCE_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "braid-reference")
 
 
-def _default_model(log) -> str:
-    """Until the project's trained reference model lands, the embedded default is a random-weight Llama."""
-    from engine.checkpoints import make_random_checkpoint
+def _model_path(args) -> str:
+    path = args.model or os.environ.get("BRAID_MODEL") or REFERENCE_MODEL
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no checkpoint at {path}: pass --model DIR or set BRAID_MODEL")
+    return path
 
-    if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
-        log.info("building a random-weight demo model in %s", DEFAULT_MODEL_DIR)
-        make_random_checkpoint(DEFAULT_MODEL_DIR, "llama", "small")
-    return DEFAULT_MODEL_DIR
+
+def eval_cmd(args) -> int:
+    """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
+    import json
+
+    from engine import Engine, EngineConfig
+    from evals.harness import BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks, report
+
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+    length = ints(args.length, "--length")
+    if len(length) != 2:
+        raise ValueError(f"--length must be MIN,MAX, got {args.length!r}")
+    config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=ints(args.branches, "--branches"),
+                        samples=args.samples, seed=args.seed, length=length)
+    by_name = {m.name: m for m in BASE_MODES}
+    unknown = [m for m in args.modes.split(",") if m not in by_name]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(by_name)}")
+    path = _model_path(args)
+    engine = Engine(EngineConfig(path, dtype=args.dtype, device=args.device))
+    modes = [by_name[m] for m in args.modes.split(",")]
+    for spec in args.hooks:
+        modes += hooked_modes(*load_hooks(spec, engine))
+    results = evaluate(engine, config, modes)
+    out = report(config, path, engine.fingerprint, modes, results)
+    print(format_table(out["summary"]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 def demo(args) -> int:
-    """Parallel workers, then synthesis from their KV (cache path) and from their text (baseline)."""
-    from tqdm import tqdm
+    """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
+    from engine import Engine, EngineConfig
+    from evals.harness import BASE_MODES, EvalConfig, run_task
+    from evals.tasks import generate
 
-    from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-    from engine.synthesis import synthesize_stream, synthesize_text_stream
-
-    log = logging.getLogger("braid.demo")
-    path = args.model or os.environ.get("BRAID_MODEL") or _default_model(log)
-    eng = Engine(EngineConfig(path, dtype=args.dtype, device=args.device))
-    if path == DEFAULT_MODEL_DIR:
-        print("note: random weights, so the text is noise; the timings and the data flow are real.\n")
-    prefix = eng.prefill([PrefillCall(f"System: {args.branches} workers each solve part of the task.\n"
-                                      "User: add up every worker's partial result.\n")])
-    contexts = eng.prefill([PrefillCall(f"Worker {j}: your part is number {j * 7 + 3}.\n" + "Think. " * j,
-                                        parents=prefix) for j in range(args.branches)])
-    worker = SamplingParams(max_tokens=args.branch_tokens, temperature=0.8, seed=0, ignore_eos=True)
-    stream = eng.decode_stream([DecodeCall("Worker:", parents=[*prefix, c], sampling=worker) for c in contexts])
-    with tqdm(total=args.branches * args.branch_tokens, desc="workers decoding in parallel", unit="tok") as bar:
-        for _ in stream:
-            bar.update()
-    branches = stream.ids
-    print(f"workers: {args.branches} branches of {args.branch_tokens} tokens in "
-          f"{stream.timings['first_token'] + stream.timings['decode']:.2f} s")
-    answer = SamplingParams(max_tokens=args.answer_tokens, ignore_eos=True)
-    results = {}
-    for name, make in [("cache (re-encoded KV)", lambda: synthesize_stream(eng, branches, "Synthesizer:",
-                                                                           prefix=prefix, sampling=answer)),
-                       ("text re-prefill", lambda: synthesize_text_stream(eng, branches, "Synthesizer:",
-                                                                          prefix=prefix, sampling=answer))]:
-        s = make()
-        text = "".join(e.text for e in s)
-        results[name] = s.timings["first_token"]
-        print(f"\n[{name}] TTFT {1e3 * s.timings['first_token']:.1f} ms\n  {text!r}")
-    cache_ttft, text_ttft = results.values()
-    print(f"\nsynthesis TTFT speedup, cache vs text: {text_ttft / cache_ttft:.1f}x")
+    task = generate(args.task, args.seed, args.branches)
+    engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device))
+    result = run_task(engine, task, BASE_MODES, EvalConfig(tasks=(task.name,), branches=(args.branches,)))
+    print(f"task {task.name} (seed {task.seed}): {task.system}")
+    for j, (branch, said) in enumerate(zip(task.branches, result.worker_outputs)):
+        print(f"  branch {j}: {branch.context}" + (f"\n     worker: {said.strip()}" if branch.output else ""))
+    print(f"question: {task.question}  expected: {task.answer}\n")
+    for mode in BASE_MODES:
+        print(f"  {mode.name:<20} {'right' if result.correct[mode.name] else 'wrong':<6} "
+              f"TTFT {1e3 * result.ttft[mode.name]:6.1f} ms   {result.answers[mode.name].strip()!r}")
     return 0
 
 
@@ -68,7 +84,7 @@ def serve_cmd(args) -> int:
     from cluster.local import start_local_cluster
 
     log = logging.getLogger("braid.serve")
-    path = args.model or os.environ.get("BRAID_MODEL") or _default_model(log)
+    path = _model_path(args)
     config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
                            synthesizer_replicas=args.synthesizers,
                            kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port)
@@ -131,7 +147,7 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("serve", help="run the cluster on a local Ray (embedded Redis, default model)",
                        description=serve_cmd.__doc__)
-    p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else a random-weight demo model)")
+    p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port of the agent API (default: 9000)")
     p.add_argument("--redis-url", help="Redis for the control plane (default: an embedded redis-server)")
     p.add_argument("--workers", type=int, default=1, help="worker replicas (default: 1)")
@@ -155,27 +171,41 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],
                    help="force a transport (default: the cluster decides)")
-    p.add_argument("--placement", default="branch_point", choices=["branch_point", "sequential"])
+    p.add_argument("--placement", default="branch_point", choices=["branch_point", "sequential", "none"])
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
     p.set_defaults(func=run_cmd)
+    p = sub.add_parser("eval", help="measure answer quality and TTFT of every synthesis mode on synthetic tasks",
+                       description=eval_cmd.__doc__)
+    p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
+    p.add_argument("--tasks", default="chain,vote,trail,multiqa", help="comma-separated (default: all four)")
+    p.add_argument("--branches", default="2,3,4,5,6,7,8", help="branch counts (default: 2,3,4,5,6,7,8)")
+    p.add_argument("--samples", type=int, default=100, help="tasks per task and branch count (default: 100)")
+    p.add_argument("--seed", type=int, default=0, help="first task seed (default: 0)")
+    p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work (default: 2,6)")
+    p.add_argument("--modes", default="text,cache:none,cache:branch_point,cache:sequential",
+                   help="synthesis modes (default: all four)")
+    p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
+                   help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
+    p.add_argument("--json", help="write the table and every answer to this JSON file")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
+    p.set_defaults(func=eval_cmd)
     p = sub.add_parser("demo", help="run a local parallel-synthesis workflow in this process",
                        description=demo.__doc__)
-    p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else a random-weight demo model)")
-    p.add_argument("--branches", type=int, default=4, help="parallel worker branches (default: 4)")
-    p.add_argument("--branch-tokens", type=int, default=256, help="tokens each worker generates (default: 256)")
-    p.add_argument("--answer-tokens", type=int, default=24, help="tokens the synthesizer generates (default: 24)")
+    p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
+    p.add_argument("--task", default="chain", choices=["chain", "vote", "trail", "multiqa"],
+                   help="which synthetic task (default: chain)")
+    p.add_argument("--branches", type=int, default=4, help="parallel worker branches, 2..8 (default: 4)")
+    p.add_argument("--seed", type=int, default=0, help="task seed (default: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.set_defaults(func=demo)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, value in [("--branches", getattr(args, "branches", 1)),
-                        ("--branch-tokens", getattr(args, "branch_tokens", 1)),
-                        ("--answer-tokens", getattr(args, "answer_tokens", 1)),
-                        ("--max-tokens", getattr(args, "max_tokens", 1))]:
-        if value < 1:
+    for name, value in [("--branches", getattr(args, "branches", 1)), ("--max-tokens", getattr(args, "max_tokens", 1))]:
+        if isinstance(value, int) and value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     try:
         return args.func(args)

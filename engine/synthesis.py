@@ -25,11 +25,17 @@ from engine.store import Message
 class Placement(str, Enum):
     BRANCH_POINT = "branch_point"  # the paper's: every branch starts at the branch point n; prompt after the longest
     SEQUENTIAL = "sequential"  # branches one after another from n; prompt after the last
+    NONE = "none"  # no re-encoding: each branch stays where it was decoded; prompt after the furthest end
 
 
-def place_branches(branch_point: int, lengths: Sequence[int], placement: Placement) -> tuple[list[int], int]:
-    """Offsets for each branch and for the synthesizer prompt."""
+def place_branches(branch_point: int, lengths: Sequence[int], placement: Placement,
+                   decoded_at: Sequence[int] = ()) -> tuple[list[int], int]:
+    """Offsets for each branch and for the synthesizer prompt. `decoded_at`: the branches' own offsets."""
     placement = Placement(placement)
+    if placement is Placement.NONE:
+        if len(decoded_at) != len(lengths):
+            raise ValueError("placement 'none' needs every branch's own offset")
+        return list(decoded_at), max(o + n for o, n in zip(decoded_at, lengths))
     if placement is Placement.BRANCH_POINT:
         return [branch_point] * len(lengths), branch_point + max(lengths)
     offsets, at = [], branch_point
@@ -66,7 +72,8 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     prefix_msgs = [engine.message(m) for m in prefix]
     branch_msgs = [engine.message(m) for m in branches]
     branch_point = sum(m.num_tokens for m in prefix_msgs)
-    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement)
+    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement,
+                                            [m.offset for m in branch_msgs])
     call = DecodeCall(prompt, parents=[*prefix, *branches], offsets=[None] * len(prefix) + offsets,
                       new_offset=prompt_offset, sampling=sampling)
     hooks = hooks or SynthesisHooks()

@@ -1,4 +1,4 @@
-"""The demo CLI and the benchmark script run end to end on a tiny model (function, not timing)."""
+"""The CLI and the benchmark script run end to end on a tiny model (function, not timing)."""
 
 import importlib.util
 import json
@@ -15,21 +15,21 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and all(cmd in out for cmd in ("demo", "serve", "run"))
+    assert exit_.value.code == 0 and all(cmd in out for cmd in ("demo", "serve", "run", "eval"))
 
 
 def test_cli_rejects_bad_arguments(capsys, tmp_path):
     assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "no checkpoint at" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--branches", "0"])
 
 
-def test_demo_runs(checkpoint, capsys):
-    assert main(["demo", "--model", checkpoint("llama"), "--branches", "3", "--branch-tokens", "5",
-                 "--answer-tokens", "3", "--device", "cpu"]) == 0
+def test_demo_runs_a_task_in_every_mode(checkpoint, capsys):
+    assert main(["demo", "--model", checkpoint("llama"), "--task", "trail", "--branches", "3", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "3 branches of 5 tokens" in out and "cache (re-encoded KV)" in out and "speedup" in out
+    assert "task trail" in out and out.count("branch ") == 3 and "expected:" in out
+    assert all(mode in out for mode in ("text", "cache:none", "cache:branch_point", "cache:sequential"))
 
 
 def test_benchmark_writes_json_and_plot(checkpoint, tmp_path, monkeypatch):

@@ -1,0 +1,1 @@
+"""Synthetic multi-agent tasks, their chat template, and the quality evaluation harness (`braid eval`)."""

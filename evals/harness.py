@@ -1,0 +1,181 @@
+"""Quality evaluation: every task through the engine in every synthesis mode, side by side.
+
+For each task the workers run once, in parallel, on the shared system prompt and
+their own contexts (MultiQA's branches are its questions, prefilled instead). The
+same branch messages then go to each mode: text re-prefill, or the cached KV with
+no re-encoding or re-encoded per placement, optionally through SynthesisHooks (a
+cache mapper and a LoRA adapter). Answers are scored by exact match; results are
+paired across modes.
+"""
+
+import importlib
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from engine import DecodeCall, Engine, PrefillCall, SamplingParams
+from engine.synthesis import Placement, SynthesisHooks, synthesize_stream, synthesize_text_stream
+from evals.chat import END, header, turn
+from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from evals.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    placement: Placement | None = None  # None: text re-prefill
+    hooks: SynthesisHooks | None = None
+
+
+TEXT = Mode("text")
+BASE_MODES = (TEXT, Mode("cache:none", Placement.NONE), Mode("cache:branch_point", Placement.BRANCH_POINT),
+              Mode("cache:sequential", Placement.SEQUENTIAL))
+
+
+def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
+    """The cached modes again, through a mapper/adapter: `cache:<placement>+<name>`."""
+    return [Mode(f"{m.name}+{name}", m.placement, hooks) for m in BASE_MODES if m.placement is not None]
+
+
+def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:
+    """'name=package.module:factory', where factory(engine) returns SynthesisHooks."""
+    name, sep, target = spec.partition("=")
+    module, colon, attr = target.partition(":")
+    if not (sep and colon and name and module and attr):
+        raise ValueError(f"hooks {spec!r} must look like name=package.module:factory")
+    hooks = getattr(importlib.import_module(module), attr)(engine)
+    if not isinstance(hooks, SynthesisHooks):
+        raise ValueError(f"{target} returned {type(hooks).__name__}, not SynthesisHooks")
+    return name, hooks
+
+
+@dataclass
+class EvalConfig:
+    tasks: tuple[str, ...] = TASKS
+    branches: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
+    samples: int = 100  # tasks per (task, branch count)
+    seed: int = 0
+    length: tuple[int, int] = DEFAULT_LENGTH
+    worker_max_tokens: int = 48
+    answer_max_tokens: int = 48
+
+    def __post_init__(self):
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown or not self.tasks:
+            raise ValueError(f"tasks must be among {', '.join(TASKS)}; got {', '.join(self.tasks) or 'none'}")
+        if not self.branches or any(not 2 <= m <= MAX_BRANCHES for m in self.branches):
+            raise ValueError(f"branch counts must be in 2..{MAX_BRANCHES}, got {self.branches}")
+        if self.samples < 1 or self.worker_max_tokens < 1 or self.answer_max_tokens < 1:
+            raise ValueError("samples, worker_max_tokens and answer_max_tokens must be >= 1")
+
+
+@dataclass
+class TaskResult:
+    task: str
+    seed: int
+    branches: int
+    expected: str
+    workers_correct: bool  # every worker wrote its reference reply
+    worker_outputs: list[str] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)
+    correct: dict[str, bool] = field(default_factory=dict)
+    ttft: dict[str, float] = field(default_factory=dict)  # seconds, synthesizer call to first answer token
+
+
+def _drain(stream) -> list[str]:
+    texts: dict[int, list[str]] = {}
+    for event in stream:
+        texts.setdefault(event.call, []).append(event.text)
+    return ["".join(texts.get(c, [])) for c in range(len(texts))]
+
+
+def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConfig) -> TaskResult:
+    made: list[str] = []
+    try:
+        prefix = engine.prefill([PrefillCall(turn("system", task.system))])
+        made += prefix
+        if task.has_workers:
+            contexts = engine.prefill([PrefillCall(turn("user", b.context), parents=prefix) for b in task.branches])
+            made += contexts
+            worker = SamplingParams(max_tokens=config.worker_max_tokens)
+            stream = engine.decode_stream([DecodeCall(header("worker"), parents=[*prefix, c], sampling=worker)
+                                           for c in contexts])
+            outputs = _drain(stream)
+            branches = stream.ids
+            made += branches
+            outputs = [o.removesuffix(END).strip() for o in outputs]
+            workers_correct = all(o == b.output for o, b in zip(outputs, task.branches))
+        else:
+            branches = engine.prefill([PrefillCall(b.message(), parents=prefix) for b in task.branches])
+            made += branches
+            outputs, workers_correct = [], True
+        result = TaskResult(task.name, task.seed, len(task.branches), task.answer, workers_correct, outputs)
+        answer = SamplingParams(max_tokens=config.answer_max_tokens)
+        for mode in modes:
+            if mode.placement is None:
+                stream = synthesize_text_stream(engine, branches, task.prompt(), prefix=prefix, sampling=answer)
+            else:
+                stream = synthesize_stream(engine, branches, task.prompt(), prefix=prefix, placement=mode.placement,
+                                           sampling=answer, hooks=mode.hooks)
+            text = _drain(stream)[0]
+            made += stream.ids
+            result.answers[mode.name] = text
+            result.correct[mode.name] = task.correct(text)
+            result.ttft[mode.name] = stream.timings["first_token"]
+        return result
+    finally:
+        for message_id in reversed(made):
+            engine.free(message_id)
+
+
+def evaluate(engine: Engine, config: EvalConfig, modes: Sequence[Mode], progress: bool = True) -> list[TaskResult]:
+    jobs = [(name, m) for name in config.tasks for m in config.branches]
+    results = []
+    with tqdm(total=len(jobs) * config.samples, desc="evaluating", unit="task", disable=not progress) as bar:
+        for name, m in jobs:
+            for task in sample(name, config.samples, config.seed, m, config.length):
+                results.append(run_task(engine, task, modes, config))
+                bar.update()
+    return results
+
+
+def summarize(results: Sequence[TaskResult], modes: Sequence[Mode]) -> list[dict]:
+    """One row per (task, branch count, mode): accuracy with 95% CI, paired difference to text, McNemar p, TTFT."""
+    groups: dict[tuple[str, int], list[TaskResult]] = {}
+    for r in results:
+        groups.setdefault((r.task, r.branches), []).append(r)
+    rows = []
+    for (task, m), group in groups.items():
+        base = [r.correct[TEXT.name] for r in group] if TEXT.name in group[0].correct else None
+        for mode in modes:
+            correct = [r.correct[mode.name] for r in group]
+            acc = accuracy_ci(correct)
+            row = {"task": task, "branches": m, "mode": mode.name, "n": len(group), "accuracy": acc.value,
+                   "ci95": [acc.low, acc.high], "workers_correct": sum(r.workers_correct for r in group) / len(group),
+                   "ttft_ms_median": 1e3 * statistics.median(r.ttft[mode.name] for r in group)}
+            if base is not None and mode.name != TEXT.name:
+                diff = paired_difference_ci(correct, base)
+                row.update(vs_text=diff.value, vs_text_ci95=[diff.low, diff.high], mcnemar_p=mcnemar_p(correct, base))
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    lines = [f"{'task':<8} {'m':>2} {'mode':<28} {'n':>4} {'accuracy [95% CI]':>22} {'vs text [95% CI]':>24} "
+             f"{'McNemar p':>10} {'TTFT ms':>8}"]
+    for r in rows:
+        acc = f"{100 * r['accuracy']:5.1f} [{100 * r['ci95'][0]:5.1f},{100 * r['ci95'][1]:5.1f}]"
+        diff = (f"{100 * r['vs_text']:+6.1f} [{100 * r['vs_text_ci95'][0]:+6.1f},{100 * r['vs_text_ci95'][1]:+6.1f}]"
+                if "vs_text" in r else "")
+        p = f"{r['mcnemar_p']:.3g}" if "mcnemar_p" in r else ""
+        lines.append(f"{r['task']:<8} {r['branches']:>2} {r['mode']:<28} {r['n']:>4} {acc:>22} {diff:>24} {p:>10} "
+                     f"{r['ttft_ms_median']:8.1f}")
+    return "\n".join(lines)
+
+
+def report(config: EvalConfig, model: str, fingerprint: str, modes: Sequence[Mode],
+           results: Sequence[TaskResult]) -> dict:
+    return {"model": model, "fingerprint": fingerprint, "config": asdict(config), "modes": [m.name for m in modes],
+            "summary": summarize(results, modes), "results": [asdict(r) for r in results]}

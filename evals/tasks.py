@@ -1,0 +1,189 @@
+"""Seeded synthetic multi-agent tasks, each scored by exact match.
+
+A task is a workflow: a shared system prompt (the branch point), one branch per
+worker (its own context, of its own length, and the reply the worker should
+write), and a synthesizer question whose answer needs the branches together.
+They cover Parallel-Synthesis's three scenarios (seed 004) and Prompt
+Choreography's MultiQA (seed 000):
+
+- chain (distinct sub-tasks): each worker looks up one fact in its own records;
+  the answer chains a person's city from one branch with that city's country
+  from another.
+- vote (candidates of varying reliability): every worker proposes an answer with
+  a confidence; the answer is the most confident one.
+- trail (trajectories of different lengths): each worker retraces its own
+  search, of its own length; one of them found the key, the answer is where.
+- multiqa: each branch is a separately encoded question (a labelled sum of two
+  digits); the answer must answer all of them.
+
+`generate(name, seed, num_branches, length)` is a pure function of its arguments:
+the same seed gives the same task on any machine. `length` is the (min, max) size
+of each branch's work, drawn per branch, so branches differ in length.
+"""
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from evals.chat import END, header, turn
+
+PEOPLE = ["ann", "bob", "cal", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee", "max", "ned",
+          "ola", "pam", "ray", "sue", "tom", "uma", "vic", "wes", "yan", "zoe"]
+CITIES = ["rome", "oslo", "lima", "kyiv", "riga", "bern", "doha", "baku", "suva", "apia", "nuuk", "lome",
+          "quito", "sofia", "tunis", "hanoi", "dakar", "minsk", "cairo", "seoul"]
+COUNTRIES = ["peru", "chad", "fiji", "iran", "laos", "mali", "oman", "togo", "cuba", "niger", "nepal", "spain",
+             "japan", "kenya", "ghana", "chile", "italy", "egypt", "yemen", "qatar"]
+WORDS = ["the", "plan", "looks", "fine", "but", "check", "again", "maybe", "step", "two", "fails", "so", "try",
+         "another", "path", "then", "verify", "result", "it", "holds", "we", "think", "this", "is", "right"]
+MAX_BRANCHES = 8
+DEFAULT_LENGTH = (2, 6)
+
+
+@dataclass(frozen=True)
+class Branch:
+    context: str  # the worker's own user turn, after the shared system prompt
+    output: str | None  # the reply the worker should write; None: the branch is the user turn itself (MultiQA)
+
+    def message(self) -> str:
+        """What the synthesizer sees of this branch."""
+        return turn("user", self.context) if self.output is None else turn("worker", self.output)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    seed: int
+    system: str
+    branches: tuple[Branch, ...]
+    question: str
+    answer: str
+
+    @property
+    def has_workers(self) -> bool:
+        return self.branches[0].output is not None
+
+    def prompt(self) -> str:
+        """The synthesizer's own turn after the branches, up to where it starts answering."""
+        return turn("user", self.question) + header("synthesizer")
+
+    def correct(self, prediction: str) -> bool:
+        return _NORMALIZE.get(self.name, _strip)(prediction) == _NORMALIZE.get(self.name, _strip)(self.answer)
+
+
+def _strip(text: str) -> str:
+    return text.removesuffix(END).strip()
+
+
+def _answer_set(text: str) -> tuple[str, ...]:
+    # MultiQA answers are labelled, so in any order they are the same answer: with
+    # the questions overlapping at one position there is no "first" question.
+    return tuple(sorted(part.strip() for part in _strip(text).split(",")))
+
+
+_NORMALIZE: dict[str, Callable[[str], object]] = {"multiqa": _answer_set}
+
+
+def _lengths(rng: random.Random, m: int, length: tuple[int, int]) -> list[int]:
+    return [rng.randint(*length) for _ in range(m)]
+
+
+def _chain(rng: random.Random, m: int, length: tuple[int, int]):
+    if m < 2:
+        raise ValueError("chain needs at least 2 branches: one with the person, one with the city")
+    people, cities, countries = rng.sample(PEOPLE, m), rng.sample(CITIES, 2 * m), rng.sample(COUNTRIES, m)
+    n_people = max(1, m // 2)
+    lives = {p: cities[i] for i, p in enumerate(people[:n_people])}
+    target = rng.choice(people[:n_people])
+    # the target's city is always located; the other city branches locate other people's cities or strangers
+    located = [lives[target]] + rng.sample([c for c in cities if c != lives[target]], m - n_people - 1)
+    facts = [("who", p, lives[p]) for p in people[:n_people]] + [("where", c, countries[i]) for i, c in enumerate(located)]
+    rng.shuffle(facts)
+    branches = []
+    for (kind, key, value), n in zip(facts, _lengths(rng, m, length)):
+        pool = PEOPLE if kind == "who" else CITIES
+        records = [(key, value)] + [(k, rng.choice(CITIES if kind == "who" else COUNTRIES))
+                                    for k in rng.sample([k for k in pool if k != key], n - 1)]
+        rng.shuffle(records)
+        table = "; ".join(f"{k} {v}" for k, v in records)
+        said = f"{key} lives in {value}" if kind == "who" else f"{key} is in {value}"
+        branches.append(Branch(f"records: {table}. {kind}: {key}", said))
+    country = dict((k, v) for kind, k, v in facts if kind == "where")[lives[target]]
+    return ("workers look up records. the synthesizer chains their facts.", branches,
+            f"which country does {target} live in?", country)
+
+
+def _vote(rng: random.Random, m: int, length: tuple[int, int]):
+    confidences = rng.sample(range(1, 10), m)
+    answers = [rng.randint(10, 99) for _ in range(m)]
+    branches = []
+    for a, c, n in zip(answers, confidences, _lengths(rng, m, length)):
+        notes = " ".join(rng.choice(WORDS) for _ in range(2 * n))
+        branches.append(Branch(f"notes: {notes}. answer {a} confidence {c}", f"answer {a} confidence {c}"))
+    best = answers[confidences.index(max(confidences))]
+    return ("workers solve the same problem. the synthesizer trusts the most confident.", branches,
+            "which answer is most confident?", str(best))
+
+
+def _trail(rng: random.Random, m: int, length: tuple[int, int]):
+    lengths = _lengths(rng, m, length)
+    rooms = rng.sample(range(10, 100), sum(lengths))
+    finder = rng.randrange(m)
+    branches, start = [], 0
+    for j, n in enumerate(lengths):
+        path = rooms[start:start + n]
+        start += n
+        found = j == finder
+        log = ", ".join(f"{r} {'key' if found and i == n - 1 else 'empty'}" for i, r in enumerate(path))
+        said = " ".join(map(str, path)) + (f" key in {path[-1]}" if found else " key none")
+        branches.append(Branch(f"search: {log}", f"visited {said}"))
+    key_room = rooms[sum(lengths[:finder]) + lengths[finder] - 1]
+    return ("workers search rooms for the key. the synthesizer reports where it is.", branches,
+            "where is the key?", str(key_room))
+
+
+def _multiqa(rng: random.Random, m: int, length: tuple[int, int]):
+    labels = rng.sample(PEOPLE, m)
+    branches, answers = [], []
+    for label, n in zip(labels, _lengths(rng, m, length)):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        aside = " ".join(rng.choice(WORDS) for _ in range(n))
+        branches.append(Branch(f"{label} asks: {aside}. what is {a} plus {b}?", None))
+        answers.append(f"{label} {a + b}")
+    return ("answer every question.", branches, "answer all questions.", ", ".join(answers))
+
+
+GENERATORS = {"chain": _chain, "vote": _vote, "trail": _trail, "multiqa": _multiqa}
+TASKS = tuple(GENERATORS)
+
+
+def generate(name: str, seed: int, num_branches: int, length: tuple[int, int] = DEFAULT_LENGTH) -> Task:
+    if name not in GENERATORS:
+        raise ValueError(f"task {name!r} is not one of {', '.join(TASKS)}")
+    if not 1 <= num_branches <= MAX_BRANCHES:
+        raise ValueError(f"num_branches must be in 1..{MAX_BRANCHES}, got {num_branches}")
+    lo, hi = length
+    if not 1 <= lo <= hi <= 12:
+        raise ValueError(f"length must be (min, max) with 1 <= min <= max <= 12, got {length}")
+    rng = random.Random(f"{name}:{seed}:{num_branches}:{lo}:{hi}")
+    system, branches, question, answer = GENERATORS[name](rng, num_branches, (lo, hi))
+    return Task(name, seed, system, tuple(branches), question, answer)
+
+
+def sample(name: str, n: int, seed: int, num_branches: int, length: tuple[int, int] = DEFAULT_LENGTH) -> list[Task]:
+    """n tasks; task i depends only on (name, seed + i, num_branches, length)."""
+    return [generate(name, seed + i, num_branches, length) for i in range(n)]
+
+
+def synthesizer_trace(task: Task) -> list[tuple[str, bool]]:
+    """The text-concatenated synthesizer turn as (segment, supervised) pieces, one per message."""
+    return ([(turn("system", task.system), False)] + [(b.message(), False) for b in task.branches]
+            + [(task.prompt(), False), (task.answer + END, True)])
+
+
+def worker_trace(task: Task, j: int) -> list[tuple[str, bool]]:
+    """Worker j's turn: the shared system prompt, its own context, its reply."""
+    b = task.branches[j]
+    if b.output is None:
+        raise ValueError(f"{task.name} branches are questions, not worker turns")
+    return [(turn("system", task.system), False), (turn("user", b.context), False),
+            (header("worker"), False), (b.output + END, True)]

@@ -1,0 +1,87 @@
+"""`braid eval` and its harness: every mode on the same branches, the hooks seam, and the reference model."""
+
+import contextlib
+import json
+import os
+
+import pytest
+
+from cluster.cli import REFERENCE_MODEL, main
+from engine import Engine, EngineConfig
+from engine.synthesis import SynthesisHooks
+from evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
+from evals.tasks import generate
+
+RECORDED = os.path.join(REFERENCE_MODEL, "eval_sample.json")
+
+
+def test_hooks_plug_into_every_cached_mode(llama_engine):
+    seen, entered = [], []
+
+    def identity(kv, *, branch, num_branches):
+        seen.append((branch, num_branches, tuple(kv.shape)))
+        return kv
+
+    @contextlib.contextmanager
+    def adapter():
+        entered.append(True)
+        yield
+
+    hooked = hooked_modes("identity", SynthesisHooks(identity, adapter))
+    assert [m.name for m in hooked] == ["cache:none+identity", "cache:branch_point+identity",
+                                        "cache:sequential+identity"]
+    task = generate("vote", 0, 3)
+    config = EvalConfig(answer_max_tokens=4, worker_max_tokens=6)
+    result = run_task(llama_engine, task, [*BASE_MODES, *hooked], config)
+    for mode in hooked:  # an identity mapper changes nothing
+        assert result.answers[mode.name] == result.answers[mode.name.split("+")[0]]
+    assert sorted({(b, m) for b, m, _ in seen}) == [(0, 3), (1, 3), (2, 3)] and len(entered) == 3
+    assert set(result.ttft) == {m.name for m in [*BASE_MODES, *hooked]}
+
+
+def test_run_task_frees_everything(fresh_engine):
+    before = fresh_engine.store.used_bytes
+    run_task(fresh_engine, generate("multiqa", 1, 3), BASE_MODES, EvalConfig(answer_max_tokens=3))
+    run_task(fresh_engine, generate("trail", 1, 2), BASE_MODES, EvalConfig(answer_max_tokens=3, worker_max_tokens=4))
+    assert fresh_engine.store.used_bytes == before
+
+
+def test_summary_pairs_every_mode_with_text(llama_engine):
+    config = EvalConfig(tasks=("chain",), branches=(2, 3), samples=3, answer_max_tokens=3, worker_max_tokens=4)
+    results = evaluate(llama_engine, config, BASE_MODES, progress=False)
+    rows = summarize(results, BASE_MODES)
+    assert [(r["branches"], r["mode"]) for r in rows] == [(m, mode.name) for m in (2, 3) for mode in BASE_MODES]
+    for r in rows:
+        assert r["n"] == 3 and r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] and r["ttft_ms_median"] > 0
+        assert ("vs_text" in r) == (r["mode"] != TEXT.name)
+
+
+def test_eval_cli_writes_json_and_refuses_bad_input(checkpoint, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", checkpoint("llama"), "--tasks", "vote", "--branches", "2", "--samples", "2",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["summary"]] == [m.name for m in BASE_MODES]
+    assert len(result["results"]) == 2 and "cache:sequential" in capsys.readouterr().out
+    for bad, message in [(["--modes", "text,magic"], "unknown mode"), (["--branches", "1"], "branch counts"),
+                         (["--tasks", "sum"], "tasks must be"), (["--length", "3"], "MIN,MAX"),
+                         (["--hooks", "nohooks"], "name=package.module:factory")]:
+        assert main(["eval", "--model", checkpoint("llama"), "--samples", "1", *bad]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
+    """The committed checkpoint, through the path loader, answers a fixed sample exactly as recorded."""
+    recorded = json.load(open(RECORDED))
+    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))
+    assert engine.fingerprint == recorded["fingerprint"]
+    cfg = recorded["config"]
+    config = EvalConfig(tasks=tuple(cfg["tasks"]), branches=tuple(cfg["branches"]), samples=cfg["samples"],
+                        seed=cfg["seed"], length=tuple(cfg["length"]))
+    modes = [m for m in BASE_MODES if m.name in recorded["modes"]]
+    got = report(config, REFERENCE_MODEL, engine.fingerprint, modes, evaluate(engine, config, modes, progress=False))
+    accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}
+    assert accuracy == {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in recorded["summary"]}
+    for (task, m, mode), acc in accuracy.items():
+        if mode == TEXT.name:
+            assert acc >= 0.9, f"{task} at {m} branches: text re-prefill accuracy {acc}"

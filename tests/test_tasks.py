@@ -1,0 +1,117 @@
+"""Task generators: deterministic per seed, answers right by an independent reading, exact-match scoring."""
+
+import re
+
+import pytest
+
+from evals.chat import END, header, turn
+from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from evals.tasks import TASKS, generate, sample, synthesizer_trace, worker_trace
+
+
+def solve(task) -> str:
+    """Answer a task from what the synthesizer sees (the branch messages), written apart from the generators."""
+    seen = [b.output if b.output is not None else b.context for b in task.branches]
+    if task.name == "chain":
+        lives = dict(re.fullmatch(r"(\w+) lives in (\w+)", s).groups() for s in seen if " lives in " in s)
+        country = dict(re.fullmatch(r"(\w+) is in (\w+)", s).groups() for s in seen if " is in " in s)
+        person = re.fullmatch(r"which country does (\w+) live in\?", task.question).group(1)
+        return country[lives[person]]
+    if task.name == "vote":
+        scored = [tuple(map(int, re.fullmatch(r"answer (\d+) confidence (\d)", s).groups())) for s in seen]
+        return str(max(scored, key=lambda ac: ac[1])[0])
+    if task.name == "trail":
+        (room,) = [re.search(r"key in (\d+)$", s).group(1) for s in seen if "key in" in s]
+        return room
+    sums = [re.fullmatch(r"(\w+) asks: .*what is (\d) plus (\d)\?", s).groups() for s in seen]
+    return ", ".join(f"{name} {int(a) + int(b)}" for name, a, b in sums)
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_generators_are_deterministic_and_seeded(name):
+    assert generate(name, 7, 5) == generate(name, 7, 5)
+    assert sample(name, 3, 10, 4) == [generate(name, s, 4) for s in (10, 11, 12)]
+    assert len({generate(name, s, 4) for s in range(20)}) == 20
+    assert generate(name, 7, 5, (1, 3)) != generate(name, 7, 5, (4, 6))
+
+
+@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_answers_follow_from_the_branches(name, m):
+    for task in sample(name, 50, 0, m):
+        assert len(task.branches) == m
+        assert solve(task) == task.answer, task
+        assert task.correct(task.answer) and task.correct(f"  {task.answer}{END}")
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_branches_have_their_own_lengths(name):
+    lengths = {len(b.context) for t in sample(name, 20, 0, 6, (1, 8)) for b in t.branches}
+    assert len(lengths) > 5
+    if name != "multiqa":  # multiqa's branches are the questions themselves
+        assert all(t.has_workers for t in sample(name, 5, 0, 3))
+
+
+def test_known_wrong_answers_score_wrong():
+    chain = generate("chain", 3, 4)
+    person = re.search(r"does (\w+) live", chain.question).group(1)
+    city = next(b.output.split()[-1] for b in chain.branches if b.output.startswith(f"{person} lives"))
+    other_countries = [b.output.split()[-1] for b in chain.branches if " is in " in b.output
+                       and b.output.split()[-1] != chain.answer]
+    assert not chain.correct(city)  # stopped after one hop
+    assert not any(chain.correct(c) for c in other_countries)
+    assert not chain.correct(chain.answer + " " + chain.answer) and not chain.correct("")
+
+    vote = generate("vote", 3, 5)
+    least = min(vote.branches, key=lambda b: int(b.output.split()[-1])).output.split()[1]
+    assert least != vote.answer and not vote.correct(least)
+
+    trail = generate("trail", 3, 4)
+    empty_room = next(b.output.split()[1] for b in trail.branches if b.output.endswith("key none"))
+    assert not trail.correct(empty_room)
+
+    qa = generate("multiqa", 3, 3)
+    parts = qa.answer.split(", ")
+    assert qa.correct(", ".join(reversed(parts)))  # labelled answers: order is free
+    assert not qa.correct(", ".join(parts[:-1]))  # one question left unanswered
+    name, value = parts[0].split()
+    assert not qa.correct(", ".join([f"{name} {int(value) + 1}", *parts[1:]]))
+
+
+def test_traces_use_the_chat_roles():
+    task = generate("chain", 0, 3)
+    synth = synthesizer_trace(task)
+    assert synth[0] == (turn("system", task.system), False)
+    assert [s for s, _ in synth[1:4]] == [turn("worker", b.output) for b in task.branches]
+    assert synth[-2][0].endswith(header("synthesizer")) and synth[-1] == (task.answer + END, True)
+    work = worker_trace(task, 1)
+    assert work[1][0] == turn("user", task.branches[1].context) and work[-1] == (task.branches[1].output + END, True)
+    with pytest.raises(ValueError, match="questions"):
+        worker_trace(generate("multiqa", 0, 2), 0)
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="not one of"):
+        generate("sum", 0, 2)
+    with pytest.raises(ValueError, match="num_branches"):
+        generate("vote", 0, 9)
+    with pytest.raises(ValueError, match="at least 2"):
+        generate("chain", 0, 1)
+    with pytest.raises(ValueError, match="length"):
+        generate("trail", 0, 3, (5, 2))
+    with pytest.raises(ValueError, match="role"):
+        header("assistant")
+
+
+def test_confidence_intervals_and_mcnemar():
+    ci = accuracy_ci([True] * 90 + [False] * 10)
+    assert ci.value == pytest.approx(0.9) and 0.82 < ci.low < 0.9 < ci.high <= 0.96
+    assert accuracy_ci([True] * 20) == accuracy_ci([True] * 20) and accuracy_ci([True] * 20).low == 1.0
+    a, b = [True] * 10 + [False] * 5, [False] * 10 + [False] * 5
+    assert mcnemar_p(a, b) == pytest.approx(2 / 2 ** 10)  # 10 discordant pairs, all one way
+    assert mcnemar_p(a, a) == 1.0 and mcnemar_p(a, b) == mcnemar_p(b, a)
+    assert mcnemar_p([True, False] * 10, [False, True] * 10) == 1.0
+    diff = paired_difference_ci(a, b)
+    assert diff.value == pytest.approx(10 / 15) and diff.low > 0.3
+    with pytest.raises(ValueError):
+        paired_difference_ci([True], [True, False])

@@ -1,0 +1,1 @@
+"""Training Braid's reference model from scratch on synthetic workflow traces."""

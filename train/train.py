@@ -1,0 +1,297 @@
+"""Train Braid's reference model from scratch on text-concatenated workflow traces.
+
+    python -m train.train --out models/braid-reference
+
+Every step draws fresh tasks (all four, 2-8 branches, random branch lengths) from
+the generators, renders each as a synthesizer trace (system, the workers' replies,
+the question, the answer) and one worker trace (system, its context, its reply),
+and packs them into fixed-width rows with block-diagonal causal masks, so no
+compute goes to padding. Loss is on the turns the model writes: worker replies and
+synthesizer answers. Everything is a function of the seed; the run writes the
+checkpoint (safetensors), its tokenizer, `training.json` (config, time, sizes, loss
+and held-out answer accuracy over steps) and `loss.png`.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from engine import attention
+from evals.chat import END, PAD
+from evals.tasks import MAX_BRANCHES, TASKS, generate, synthesizer_trace, worker_trace
+from train.tokenizer import train_tokenizer
+
+log = logging.getLogger("braid.train")
+TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
+
+
+@dataclass
+class TrainConfig:
+    out: str = "models/braid-reference"
+    seed: int = 0
+    steps: int = 7000
+    rows: int = 8  # packed rows per step
+    row_tokens: int = 512
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.05
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate_size: int = 768
+    vocab_size: int = 768
+    max_length: int = 8  # largest per-branch length drawn in training
+    eval_every: int = 250
+    bf16: bool = True  # autocast matmuls to bfloat16 (weights and optimizer stay fp32); ~1.35x on AVX512-BF16 CPUs
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default
+
+    def __post_init__(self):
+        for name in ("steps", "rows", "row_tokens", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
+            raise ValueError("num_heads must divide hidden_size, and num_kv_heads must divide num_heads")
+        if not 0 < self.lr < 1 or self.warmup < 0:
+            raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
+        if not 1 <= self.max_length <= 12:
+            raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
+        if self.row_tokens < 320:
+            raise ValueError(f"row_tokens must fit the longest trace (8 branches of length {self.max_length}): >= 320")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def draw_task(rng: random.Random, max_length: int):
+    name = rng.choice(TASKS)
+    lo = rng.randint(1, max_length)
+    return generate(name, rng.randrange(TRAIN_SEEDS, 2 * TRAIN_SEEDS), rng.randint(2, MAX_BRANCHES),
+                    (lo, rng.randint(lo, max_length)))
+
+
+def traces(task, rng: random.Random) -> list[list[tuple[str, bool]]]:
+    out = [synthesizer_trace(task)]
+    if task.has_workers:
+        out.append(worker_trace(task, rng.randrange(len(task.branches))))
+    return out
+
+
+def encode(tokenizer, trace: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids of a trace, each message encoded on its own as the engine does, and which are supervised."""
+    ids, supervised = [], []
+    for text, sup in trace:
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        supervised += [sup] * len(piece)
+    return ids, supervised
+
+
+def pack(sequences: list[tuple[list[int], list[bool]]], rows: int, width: int, pad_id: int):
+    """First-fit packing into rows: (ids, positions, doc ids, supervised) tensors of [rows, width].
+
+    Sequences that do not fit are dropped; the caller draws enough to fill the rows.
+    """
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((rows, width), dtype=torch.long)
+    docs = torch.full((rows, width), -1, dtype=torch.long)
+    supervised = torch.zeros((rows, width), dtype=torch.bool)
+    used = [0] * rows
+    for d, (toks, sup) in enumerate(sequences):
+        r = next((r for r in range(rows) if used[r] + len(toks) <= width), None)
+        if r is None:
+            continue
+        a, b = used[r], used[r] + len(toks)
+        ids[r, a:b] = torch.tensor(toks)
+        positions[r, a:b] = torch.arange(len(toks))
+        docs[r, a:b] = d
+        supervised[r, a:b] = torch.tensor(sup)
+        used[r] = b
+    return ids, positions, docs, supervised, sum(used)
+
+
+def batch(cfg: TrainConfig, tokenizer, rng: random.Random):
+    seqs, budget = [], cfg.rows * cfg.row_tokens
+    while budget > 0:
+        for trace in traces(draw_task(rng, cfg.max_length), rng):
+            seqs.append(encode(tokenizer, trace))
+            budget -= len(seqs[-1][0])
+    return pack(seqs, cfg.rows, cfg.row_tokens, tokenizer.pad_token_id)
+
+
+def supervised_loss(model, ids, positions, docs, supervised, device):
+    """Mean next-token cross-entropy on supervised tokens, and per-target correctness."""
+    ids, positions, docs, supervised = (t.to(device) for t in (ids, positions, docs, supervised))
+    width = ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    mask = (docs[:, :, None] == docs[:, None, :]) & causal & (docs[:, :, None] >= 0)
+    mask |= torch.eye(width, dtype=torch.bool, device=device)  # padding rows attend to themselves: no NaN
+    hidden = model.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).last_hidden_state
+    # token t is predicted at t - 1: targets are supervised tokens whose predecessor is in the same sequence
+    target = supervised[:, 1:] & (docs[:, 1:] == docs[:, :-1])
+    logits = model.lm_head(hidden[:, :-1][target]).float()
+    labels = ids[:, 1:][target]
+    return F.cross_entropy(logits, labels), logits.argmax(-1) == labels, target
+
+
+def build_tokenizer(cfg: TrainConfig):
+    rng = random.Random(f"tokenizer:{cfg.seed}")
+    texts = [text for _ in range(4000) for trace in traces(draw_task(rng, cfg.max_length), rng)
+             for text, _ in trace]
+    return train_tokenizer(texts, cfg.vocab_size)
+
+
+def build_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
+    end_id, pad_id = tokenizer.convert_tokens_to_ids([END, PAD])
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.hidden_size // cfg.num_heads, intermediate_size=cfg.intermediate_size,
+                         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=end_id, pad_token_id=pad_id)
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(config)
+    model.config._attn_implementation = attention.NAME
+    model.generation_config = GenerationConfig(eos_token_id=end_id, pad_token_id=pad_id)
+    return model
+
+
+def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple]:
+    """Fixed held-out synthesizer traces per task (training seeds never reach these)."""
+    out = {}
+    for name in TASKS:
+        rng = random.Random(f"held-out:{name}")
+        seqs = [encode(tokenizer, synthesizer_trace(generate(name, -1 - i, rng.randint(2, MAX_BRANCHES))))
+                for i in range(per_task)]
+        rows = math.ceil(len(seqs) / 2)  # two traces always fit a row
+        out[name] = (pack(seqs, rows, cfg.row_tokens, tokenizer.pad_token_id), len(seqs))
+    return out
+
+
+@torch.no_grad()
+def answer_accuracy(model, held, device) -> dict[str, float]:
+    """Teacher-forced: the share of held-out answers whose every token is the argmax."""
+    model.eval()
+    acc = {}
+    for name, ((ids, positions, docs, supervised, _), n) in held.items():
+        _, correct, target = supervised_loss(model, ids, positions, docs, supervised, device)
+        doc_of_target = docs[:, 1:].to(device)[target]
+        wrong = torch.zeros(int(docs.max()) + 1, dtype=torch.bool, device=device)
+        wrong.index_put_((doc_of_target,), ~correct, accumulate=True)
+        acc[name] = 1 - wrong.float().sum().item() / n
+    model.train()
+    return acc
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: TrainConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    started = time.perf_counter()
+    tokenizer = build_tokenizer(cfg)
+    model = build_model(cfg, tokenizer).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    log.info("model: %.2fM parameters, vocab %d, on %s", params / 1e6, len(tokenizer), device)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    rng = random.Random(f"train:{cfg.seed}")
+    held = held_out(cfg, tokenizer)
+    history, evals, tokens_seen = [], [], 0
+    model.train()
+    bar = tqdm(range(cfg.steps), desc="training", unit="step")
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        ids, positions, docs, supervised, used = batch(cfg, tokenizer, rng)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, _, _ = supervised_loss(model, ids, positions, docs, supervised, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens_seen += used
+        history.append(round(loss.item(), 5))
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            acc = answer_accuracy(model, held, device)
+            evals.append({"step": step + 1, **acc})
+            log.info("step %d loss %.4f held-out answer accuracy %s", step + 1, loss.item(),
+                     " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
+    seconds = time.perf_counter() - started
+    os.makedirs(cfg.out, exist_ok=True)
+    model.config._attn_implementation = "sdpa"  # what a reader of the checkpoint gets by default
+    model.save_pretrained(cfg.out)
+    tokenizer.save_pretrained(cfg.out)
+    report = {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1), "parameters": params,
+              "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
+              "model_bytes": sum(os.path.getsize(os.path.join(cfg.out, f)) for f in os.listdir(cfg.out)
+                                 if f.endswith(".safetensors")),
+              "torch": torch.__version__, "device": str(device), "loss": history, "held_out_accuracy": evals}
+    with open(os.path.join(cfg.out, "training.json"), "w") as f:
+        json.dump(report, f)
+    plot(report, os.path.join(cfg.out, "loss.png"))
+    log.info("trained in %.1f min, %d tokens; saved to %s", seconds / 60, tokens_seen, cfg.out)
+    return report
+
+
+def plot(report: dict, path: str) -> None:
+    from benchmarks.common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    loss = report["loss"]
+    window = max(1, len(loss) // 100)
+    smooth = [sum(loss[max(0, i - window + 1):i + 1]) / len(loss[max(0, i - window + 1):i + 1])
+              for i in range(len(loss))]
+    a.plot(range(1, len(loss) + 1), loss, alpha=0.3, label="per step")
+    a.plot(range(1, len(loss) + 1), smooth, label=f"mean of {window}")
+    a.set(yscale="log", xlabel="step", ylabel="cross-entropy on written turns", title="training loss")
+    a.legend()
+    for name in TASKS:
+        b.plot([e["step"] for e in report["held_out_accuracy"]], [e[name] for e in report["held_out_accuracy"]],
+               marker="o", label=name)
+    b.set(xlabel="step", ylabel="share of answers right (teacher-forced)", ylim=(0, 1.02),
+          title="held-out synthesizer answers")
+    b.legend()
+    fig.suptitle(f"{report['parameters'] / 1e6:.2f}M-parameter Llama, {report['train_seconds'] / 60:.0f} min "
+                 f"on {report['device']}, {report['tokens_seen'] / 1e6:.1f}M tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    train(TrainConfig(**vars(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
