@@ -83,7 +83,6 @@ def serve_cmd(args) -> int:
     from cluster.config import ClusterConfig
     from cluster.local import start_local_cluster
 
-    log = logging.getLogger("braid.serve")
     path = _model_path(args)
     config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
                            synthesizer_replicas=args.synthesizers,
@@ -166,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
     p.add_argument("--task", required=True, help="the shared task every worker sees")
     p.add_argument("--branch", action="append", required=True, help="one worker's instruction (repeat per worker)")
-    p.add_argument("--prompt", default="Synthesizer:", help="the synthesizer's prompt (default: 'Synthesizer:')")
+    p.add_argument("--prompt", default="<|synthesizer|>",
+                   help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],

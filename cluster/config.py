@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from engine import EngineConfig
+from engine.chat import WORKER_HEADER
 
 TRANSPORTS = ("auto", "grpc", "collective", "text")
 
@@ -28,7 +29,7 @@ class ClusterConfig:
     redis_url: str | None = None  # None: the embedded server
     grpc_port: int = 9000
     session_ttl_s: int = 3600
-    worker_header: str = "Worker:"
+    worker_header: str = WORKER_HEADER  # opens each worker's answer (the reference model's chat role)
 
     def __post_init__(self):
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):

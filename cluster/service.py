@@ -20,6 +20,7 @@ from engine import DecodeCall, Engine, PrefillCall
 from engine.errors import BraidError, UnknownMessageError
 from engine.synthesis import synthesize_stream, synthesize_text_stream
 from protos import agent_pb2 as pb
+from engine.chat import WORKER_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class ServiceConfig:
     replica: str = "local"
     default_max_tokens: int = 128
     max_branches: int = 16
-    worker_header: str = "Worker:"  # opens each worker's answer
+    worker_header: str = WORKER_HEADER  # opens each worker's answer (the reference model's chat role)
 
     def __post_init__(self):
         if self.default_max_tokens < 1:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from engine import DecodeCall, Engine, PrefillCall, SamplingParams
 from engine.synthesis import Placement, SynthesisHooks, synthesize_stream, synthesize_text_stream
-from evals.chat import END, header, turn
+from engine.chat import END, header, turn
 from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from evals.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
 
@@ -59,7 +59,7 @@ class EvalConfig:
     seed: int = 0
     length: tuple[int, int] = DEFAULT_LENGTH
     worker_max_tokens: int = 48
-    answer_max_tokens: int = 48
+    answer_max_tokens: int = 96  # MultiQA at 8 branches answers in about 80 tokens
 
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in TASKS]

@@ -16,6 +16,10 @@ Choreography's MultiQA (seed 000):
 - multiqa: each branch is a separately encoded question (a labelled sum of two
   digits); the answer must answer all of them.
 
+Answers name what they combine ("uma lives in lima; lima is in qatar", "ray 2
+plus 7 is 9, ..."), so each step is one lookup a small model can learn; scoring
+is exact match on the whole answer (MultiQA's labelled parts in any order).
+
 `generate(name, seed, num_branches, length)` is a pure function of its arguments:
 the same seed gives the same task on any machine. `length` is the (min, max) size
 of each branch's work, drawn per branch, so branches differ in length.
@@ -25,7 +29,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from evals.chat import END, header, turn
+from engine.chat import END, header, turn
 
 PEOPLE = ["ann", "bob", "cal", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee", "max", "ned",
           "ola", "pam", "ray", "sue", "tom", "uma", "vic", "wes", "yan", "zoe"]
@@ -96,7 +100,8 @@ def _chain(rng: random.Random, m: int, length: tuple[int, int]):
     target = rng.choice(people[:n_people])
     # the target's city is always located; the other city branches locate other people's cities or strangers
     located = [lives[target]] + rng.sample([c for c in cities if c != lives[target]], m - n_people - 1)
-    facts = [("who", p, lives[p]) for p in people[:n_people]] + [("where", c, countries[i]) for i, c in enumerate(located)]
+    facts = ([("who", p, lives[p]) for p in people[:n_people]]
+             + [("where", c, countries[i]) for i, c in enumerate(located)])
     rng.shuffle(facts)
     branches = []
     for (kind, key, value), n in zip(facts, _lengths(rng, m, length)):
@@ -109,7 +114,8 @@ def _chain(rng: random.Random, m: int, length: tuple[int, int]):
         branches.append(Branch(f"records: {table}. {kind}: {key}", said))
     country = dict((k, v) for kind, k, v in facts if kind == "where")[lives[target]]
     return ("workers look up records. the synthesizer chains their facts.", branches,
-            f"which country does {target} live in?", country)
+            f"which country does {target} live in?",
+            f"{target} lives in {lives[target]}; {lives[target]} is in {country}")
 
 
 def _vote(rng: random.Random, m: int, length: tuple[int, int]):
@@ -118,10 +124,10 @@ def _vote(rng: random.Random, m: int, length: tuple[int, int]):
     branches = []
     for a, c, n in zip(answers, confidences, _lengths(rng, m, length)):
         notes = " ".join(rng.choice(WORDS) for _ in range(2 * n))
-        branches.append(Branch(f"notes: {notes}. answer {a} confidence {c}", f"answer {a} confidence {c}"))
+        branches.append(Branch(f"notes: {notes}. confidence {c}, answer {a}", f"confidence {c}, answer {a}"))
     best = answers[confidences.index(max(confidences))]
     return ("workers solve the same problem. the synthesizer trusts the most confident.", branches,
-            "which answer is most confident?", str(best))
+            "which answer is most confident?", f"confidence {max(confidences)}, answer {best}")
 
 
 def _trail(rng: random.Random, m: int, length: tuple[int, int]):
@@ -138,7 +144,7 @@ def _trail(rng: random.Random, m: int, length: tuple[int, int]):
         branches.append(Branch(f"search: {log}", f"visited {said}"))
     key_room = rooms[sum(lengths[:finder]) + lengths[finder] - 1]
     return ("workers search rooms for the key. the synthesizer reports where it is.", branches,
-            "where is the key?", str(key_room))
+            "where is the key?", f"key in {key_room}")
 
 
 def _multiqa(rng: random.Random, m: int, length: tuple[int, int]):
@@ -148,7 +154,7 @@ def _multiqa(rng: random.Random, m: int, length: tuple[int, int]):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         aside = " ".join(rng.choice(WORDS) for _ in range(n))
         branches.append(Branch(f"{label} asks: {aside}. what is {a} plus {b}?", None))
-        answers.append(f"{label} {a + b}")
+        answers.append(f"{label} {a} plus {b} is {a + b}")
     return ("answer every question.", branches, "answer all questions.", ", ".join(answers))
 
 

@@ -10,6 +10,7 @@ from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from engine.synthesis import synthesize
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc
+from engine.chat import WORKER_HEADER
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_workflow_matches_in_process_pipeline(api):
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     prefix = eng.prefill([PrefillCall(req.task)])
     ctx = eng.prefill([PrefillCall(p, parents=prefix) for p in req.branch_prompts])
-    branches = eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=greedy) for c in ctx])
+    branches = eng.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=greedy) for c in ctx])
     local = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
     assert answer == list(eng.message(local).token_ids[-6:])
     assert events[-1].done.answer_text == eng.text(local)

@@ -14,6 +14,7 @@ from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from engine.synthesis import synthesize, synthesize_text
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc
+from engine.chat import WORKER_HEADER
 
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
 METADATA = (("application", "braid"),)
@@ -49,7 +50,7 @@ def in_process(path, task, prompts, text_mode):
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     prefix = eng.prefill([PrefillCall(task)])
     ctx = eng.prefill([PrefillCall(p, parents=prefix) for p in prompts])
-    branches = eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=greedy) for c in ctx])
+    branches = eng.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=greedy) for c in ctx])
     if text_mode:
         answer = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
     else:

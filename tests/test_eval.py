@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 
-import pytest
 
 from cluster.cli import REFERENCE_MODEL, main
 from engine import Engine, EngineConfig

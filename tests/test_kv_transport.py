@@ -7,12 +7,13 @@ import pytest
 from cluster.kv_chunks import tensor_bytes
 from cluster.kv_transport import KVReceiver, KVSender, TransferError, open_link
 from engine import DecodeCall, PrefillCall, SamplingParams
+from engine.chat import WORKER_HEADER
 
 
 def ship_two_branches(eng, receiver, sender):
     """Decode two branches in parallel, shipping every 4 encoded tokens; returns their messages."""
     p, = eng.prefill([PrefillCall("User: add these.")])
-    stream = eng.decode_stream([DecodeCall("Worker:", parents=[p], sampling=SamplingParams(
+    stream = eng.decode_stream([DecodeCall(WORKER_HEADER, parents=[p], sampling=SamplingParams(
         max_tokens=n, ignore_eos=True)) for n in (20, 13)])
     offset = eng.message(p).end
     shipped = [0, 0]

@@ -3,7 +3,7 @@
 import json
 
 from engine import Engine, EngineConfig, PrefillCall
-from evals.chat import END, header, turn
+from engine.chat import END, header, turn
 from train.train import TrainConfig, train
 
 TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,

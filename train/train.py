@@ -4,7 +4,7 @@
 
 Every step draws fresh tasks (all four, 2-8 branches, random branch lengths) from
 the generators, renders each as a synthesizer trace (system, the workers' replies,
-the question, the answer) and one worker trace (system, its context, its reply),
+the question, the answer) and two worker traces (system, its context, its reply),
 and packs them into fixed-width rows with block-diagonal causal masks, so no
 compute goes to padding. Loss is on the turns the model writes: worker replies and
 synthesizer answers. Everything is a function of the seed; the run writes the
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from engine import attention
-from evals.chat import END, PAD
+from engine.chat import END, PAD
 from evals.tasks import MAX_BRANCHES, TASKS, generate, synthesizer_trace, worker_trace
 from train.tokenizer import train_tokenizer
 
@@ -40,7 +40,7 @@ TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses 
 class TrainConfig:
     out: str = "models/braid-reference"
     seed: int = 0
-    steps: int = 7000
+    steps: int = 6000
     rows: int = 8  # packed rows per step
     row_tokens: int = 512
     lr: float = 2e-3
@@ -52,7 +52,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     vocab_size: int = 768
-    max_length: int = 8  # largest per-branch length drawn in training
+    max_length: int = 6  # largest per-branch length drawn in training (evaluation's default is 2-6)
     eval_every: int = 250
     bf16: bool = True  # autocast matmuls to bfloat16 (weights and optimizer stay fp32); ~1.35x on AVX512-BF16 CPUs
     device: str = "auto"
@@ -83,9 +83,10 @@ def draw_task(rng: random.Random, max_length: int):
 
 
 def traces(task, rng: random.Random) -> list[list[tuple[str, bool]]]:
+    """The synthesizer's trace and two of the workers' (worker replies are short: they cost little)."""
     out = [synthesizer_trace(task)]
     if task.has_workers:
-        out.append(worker_trace(task, rng.randrange(len(task.branches))))
+        out += [worker_trace(task, j) for j in rng.sample(range(len(task.branches)), 2)]
     return out
 
 

@@ -25,3 +25,7 @@ def header(role: str) -> str:
 
 def turn(role: str, text: str) -> str:
     return header(role) + text + END
+
+
+WORKER_HEADER = header("worker")
+SYNTHESIZER_HEADER = header("synthesizer")
