@@ -16,13 +16,13 @@ import time
 
 import grpc
 import torch
-from common import pyplot, write_json
 from tqdm import tqdm
 
 from cluster.config import ClusterConfig
 from cluster.kv_transport import KVReceiver, KVSender, open_link
 from cluster.local import start_local_cluster
 from engine.checkpoints import SHAPES, make_random_checkpoint
+from evals.results import pyplot, write_json
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc
 

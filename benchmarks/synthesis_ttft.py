@@ -15,12 +15,12 @@ import tempfile
 import time
 
 import torch
-from common import pyplot, write_json
 from tqdm import tqdm
 
 from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from engine.checkpoints import SHAPES, make_random_checkpoint
 from engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+from evals.results import pyplot, write_json
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

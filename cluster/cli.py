@@ -21,7 +21,8 @@ def eval_cmd(args) -> int:
     import json
 
     from engine import Engine, EngineConfig
-    from evals.harness import BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks, report
+    from evals.harness import (BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks,
+                               plot_accuracy, report)
 
     def ints(text: str, what: str) -> tuple[int, ...]:
         try:
@@ -33,7 +34,8 @@ def eval_cmd(args) -> int:
     if len(length) != 2:
         raise ValueError(f"--length must be MIN,MAX, got {args.length!r}")
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=ints(args.branches, "--branches"),
-                        samples=args.samples, seed=args.seed, length=length)
+                        samples=args.samples, seed=args.seed, length=length,
+                        worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
     by_name = {m.name: m for m in BASE_MODES}
     unknown = [m for m in args.modes.split(",") if m not in by_name]
     if unknown:
@@ -50,7 +52,8 @@ def eval_cmd(args) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"\nwrote {args.json}")
+        plot_accuracy(out["summary"], os.path.splitext(args.json)[0] + ".png")
+        print(f"\nwrote {args.json} and its plot")
     return 0
 
 
@@ -183,11 +186,13 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=100, help="tasks per task and branch count (default: 100)")
     p.add_argument("--seed", type=int, default=0, help="first task seed (default: 0)")
     p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work (default: 2,6)")
+    p.add_argument("--worker-max-tokens", type=int, default=48, help="cap on each worker's reply (default: 48)")
+    p.add_argument("--answer-max-tokens", type=int, default=96, help="cap on the synthesizer's answer (default: 96)")
     p.add_argument("--modes", default="text,cache:none,cache:branch_point,cache:sequential",
                    help="synthesis modes (default: all four)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
-    p.add_argument("--json", help="write the table and every answer to this JSON file")
+    p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.set_defaults(func=eval_cmd)

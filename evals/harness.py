@@ -179,3 +179,25 @@ def report(config: EvalConfig, model: str, fingerprint: str, modes: Sequence[Mod
            results: Sequence[TaskResult]) -> dict:
     return {"model": model, "fingerprint": fingerprint, "config": asdict(config), "modes": [m.name for m in modes],
             "summary": summarize(results, modes), "results": [asdict(r) for r in results]}
+
+
+def plot_accuracy(rows: Sequence[dict], path: str) -> None:
+    """Accuracy against branch count, one panel per task, one line per mode, 95% CIs as bars."""
+    from evals.results import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False, sharey=True)
+    for ax, task in zip(axes[0], tasks):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            sel = sorted((r for r in rows if r["task"] == task and r["mode"] == mode), key=lambda r: r["branches"])
+            acc = [100 * r["accuracy"] for r in sel]
+            err = [[a - 100 * r["ci95"][0] for a, r in zip(acc, sel)], [100 * r["ci95"][1] - a for a, r in zip(acc, sel)]]
+            ax.errorbar([r["branches"] for r in sel], acc, yerr=err, marker="o", capsize=3, label=mode)
+        ax.set(title=task, xlabel="branches", ylim=(-3, 103))
+    axes[0][0].set_ylabel("exact-match accuracy, % (95% CI)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -32,8 +32,7 @@ def test_demo_runs_a_task_in_every_mode(checkpoint, capsys):
     assert all(mode in out for mode in ("text", "cache:none", "cache:branch_point", "cache:sequential"))
 
 
-def test_benchmark_writes_json_and_plot(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # as when run as a script
+def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     spec = importlib.util.spec_from_file_location("synthesis_ttft", os.path.join(ROOT, "benchmarks",
                                                                                   "synthesis_ttft.py"))
     bench = importlib.util.module_from_spec(spec)

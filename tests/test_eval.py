@@ -58,10 +58,11 @@ def test_summary_pairs_every_mode_with_text(llama_engine):
 def test_eval_cli_writes_json_and_refuses_bad_input(checkpoint, tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert main(["eval", "--model", checkpoint("llama"), "--tasks", "vote", "--branches", "2", "--samples", "2",
-                 "--device", "cpu", "--json", str(out)]) == 0
+                 "--device", "cpu", "--worker-max-tokens", "4", "--answer-max-tokens", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["summary"]] == [m.name for m in BASE_MODES]
     assert len(result["results"]) == 2 and "cache:sequential" in capsys.readouterr().out
+    assert (tmp_path / "eval.png").stat().st_size > 0
     for bad, message in [(["--modes", "text,magic"], "unknown mode"), (["--branches", "1"], "branch counts"),
                          (["--tasks", "sum"], "tasks must be"), (["--length", "3"], "MIN,MAX"),
                          (["--hooks", "nohooks"], "name=package.module:factory")]:

@@ -256,7 +256,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def plot(report: dict, path: str) -> None:
-    from benchmarks.common import pyplot
+    from evals.results import pyplot
 
     plt = pyplot()
     if plt is None:

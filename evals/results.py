@@ -1,4 +1,4 @@
-"""What every benchmark does with its result: a JSON file, and a plot when matplotlib is there."""
+"""What every benchmark and evaluation does with its result: a JSON file, and a plot when matplotlib is there."""
 
 import json
 import os
