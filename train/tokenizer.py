@@ -1,8 +1,7 @@
 """The reference model's tokenizer: byte-level BPE trained on rendered workflow traces.
 
-Digits are split one per token and words always carry their leading space, so
-numbers and names read the same wherever they appear; every chat-template token
-is atomic.
+Words and numbers carry their leading space, so each reads as the same token
+wherever it appears; every chat-template token is atomic.
 """
 
 import re
@@ -17,13 +16,12 @@ from engine.chat import CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
 _SPECIAL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 768) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Texts may hold chat-template tokens: the trainer sees the text between them, as encoding will."""
     tok = Tokenizer(models.BPE())
-    # every word carries its leading space, also right after a role token, so a name
-    # is the same token in every message; digits are split after the byte mapping
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=True),
-                                                 pre_tokenizers.Digits(individual_digits=True)])
+    # every word carries its leading space, also right after a role token, so a name or
+    # a number is the same single token in every message: copying it is one lookup
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
