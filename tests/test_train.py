@@ -2,9 +2,11 @@
 
 import json
 
+import torch
+
 from engine import Engine, EngineConfig, PrefillCall
 from engine.chat import END, header, turn
-from train.train import TrainConfig, train
+from train.train import TrainConfig, load_for_training, train
 
 TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, bf16=False, device="cpu")
@@ -28,3 +30,16 @@ def test_training_is_reproducible_and_loads_by_path(tmp_path):
     assert engine.tokenize(turn("worker", " 12")) == [tok.convert_tokens_to_ids("<|worker|>"), *tok.encode(" 12"),
                                                       tok.convert_tokens_to_ids(END)]
     assert engine.prefill([PrefillCall(turn("system", " hi"))])
+
+
+def test_training_continues_from_a_checkpoint(tmp_path):
+    first = train(TrainConfig(out=str(tmp_path / "a"), **TINY))
+    more = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(tmp_path / "a"), **{**TINY, "steps": 2}))
+    assert more["total_steps"] == 5 and more["parameters"] == first["parameters"]
+    assert more["total_train_seconds"] > more["train_seconds"] > 0
+    assert [r["loss"] for r in more["earlier_runs"]] == [first["loss"]]
+    model, tokenizer, record = load_for_training(str(tmp_path / "a"))  # what the continued run starts from
+    saved = Engine(EngineConfig(str(tmp_path / "a"), device="cpu", dtype="float32"))
+    assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), saved.lm.model.state_dict().values()))
+    assert tokenizer.get_vocab() == saved.tokenizer.get_vocab() and record["total_steps"] == 3
+    assert Engine(EngineConfig(str(tmp_path / "b"), device="cpu")).tokenizer.get_vocab() == tokenizer.get_vocab()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from engine import attention
 from engine.chat import END, PAD
@@ -33,6 +33,7 @@ from evals.tasks import MAX_BRANCHES, TASKS, generate, synthesizer_trace, worker
 from train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
+RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "torch", "device", "loss", "held_out_accuracy")
 TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
 
 
@@ -59,6 +60,9 @@ class TrainConfig:
     bf16: bool = False
     device: str = "auto"
     threads: int = 0  # 0: torch's default
+    # continue from this checkpoint's weights and tokenizer (a fresh warmup and schedule; the model
+    # shape options are then ignored); training time and tokens add up in training.json
+    init_from: str = ""
 
     def __post_init__(self):
         for name in ("steps", "rows", "row_tokens", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,6 +77,8 @@ class TrainConfig:
             raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
         if self.row_tokens < 320:
             raise ValueError(f"row_tokens must fit the longest trace (8 branches of length {self.max_length}): >= 320")
+        if self.init_from and not os.path.isfile(os.path.join(self.init_from, "training.json")):
+            raise ValueError(f"init_from {self.init_from!r} is not a checkpoint written by this script")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -170,6 +176,18 @@ def build_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
     return model
 
 
+def load_for_training(path: str):
+    """A checkpoint written by this script, through the same path loader the engine uses, and its record."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config._attn_implementation = attention.NAME
+    with open(os.path.join(path, "training.json")) as f:
+        record = json.load(f)
+    record.setdefault("total_steps", record["config"]["steps"])  # records of single runs predate the totals
+    record.setdefault("total_train_seconds", record["train_seconds"])
+    return model, tokenizer, record
+
+
 def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple]:
     """Fixed held-out synthesizer traces per task (training seeds never reach these)."""
     out = {}
@@ -209,8 +227,15 @@ def train(cfg: TrainConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     started = time.perf_counter()
-    tokenizer = build_tokenizer(cfg)
-    model = build_model(cfg, tokenizer).to(device)
+    earlier = None
+    if cfg.init_from:
+        model, tokenizer, earlier = load_for_training(cfg.init_from)
+        model = model.to(device)
+        log.info("continuing from %s (%d steps, %.1f min so far)", cfg.init_from, earlier["total_steps"],
+                 earlier["total_train_seconds"] / 60)
+    else:
+        tokenizer = build_tokenizer(cfg)
+        model = build_model(cfg, tokenizer).to(device)
     params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, vocab %d, on %s", params / 1e6, len(tokenizer), device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -245,7 +270,12 @@ def train(cfg: TrainConfig) -> dict:
     model.config._attn_implementation = "sdpa"  # what a reader of the checkpoint gets by default
     model.save_pretrained(cfg.out)
     tokenizer.save_pretrained(cfg.out)
-    report = {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1), "parameters": params,
+    report = {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1),
+              "total_steps": cfg.steps + (earlier["total_steps"] if earlier else 0),
+              "total_train_seconds": round(seconds + (earlier["total_train_seconds"] if earlier else 0), 1),
+              "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier[k] for k in RUN_FIELDS}]
+                               if earlier else []),
+              "parameters": params,
               "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
               "model_bytes": sum(os.path.getsize(os.path.join(cfg.out, f)) for f in os.listdir(cfg.out)
                                  if f.endswith(".safetensors")),
@@ -264,22 +294,30 @@ def plot(report: dict, path: str) -> None:
     if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    loss = report["loss"]
+    runs = [*report["earlier_runs"], report]  # every run that led to this checkpoint, in order
+    loss, evals, starts = [], [], []
+    for run in runs:
+        starts.append(len(loss))
+        evals += [{**e, "step": e["step"] + len(loss)} for e in run["held_out_accuracy"]]
+        loss += run["loss"]
     window = max(1, len(loss) // 100)
     smooth = [sum(loss[max(0, i - window + 1):i + 1]) / len(loss[max(0, i - window + 1):i + 1])
               for i in range(len(loss))]
     a.plot(range(1, len(loss) + 1), loss, alpha=0.3, label="per step")
     a.plot(range(1, len(loss) + 1), smooth, label=f"mean of {window}")
     a.set(yscale="log", xlabel="step", ylabel="cross-entropy on written turns", title="training loss")
+    for start in starts[1:]:
+        a.axvline(start, color="grey", ls=":")
     a.legend()
     for name in TASKS:
-        b.plot([e["step"] for e in report["held_out_accuracy"]], [e[name] for e in report["held_out_accuracy"]],
-               marker="o", label=name)
+        b.plot([e["step"] for e in evals], [e[name] for e in evals], marker="o", label=name)
     b.set(xlabel="step", ylabel="share of answers right (teacher-forced)", ylim=(0, 1.02),
           title="held-out synthesizer answers")
     b.legend()
-    fig.suptitle(f"{report['parameters'] / 1e6:.2f}M-parameter Llama, {report['train_seconds'] / 60:.0f} min "
-                 f"on {report['device']}, {report['tokens_seen'] / 1e6:.1f}M tokens")
+    tokens = sum(r["tokens_seen"] for r in runs)
+    fig.suptitle(f"{report['parameters'] / 1e6:.2f}M-parameter Llama, {report['total_train_seconds'] / 60:.0f} min "
+                 f"on {', '.join(dict.fromkeys(r['device'] for r in runs))}, {tokens / 1e6:.1f}M tokens"
+                 + (f", {len(runs)} runs" if len(runs) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
