@@ -11,6 +11,8 @@ from engine.synthesis import SynthesisHooks
 from evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
 from evals.tasks import generate
 
+# Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,4,8
+# --samples 4 --device cpu --dtype float32 --json <this file>`.
 RECORDED = os.path.join(REFERENCE_MODEL, "eval_sample.json")
 
 
@@ -82,6 +84,3 @@ def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     got = report(config, REFERENCE_MODEL, engine.fingerprint, modes, evaluate(engine, config, modes, progress=False))
     accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}
     assert accuracy == {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in recorded["summary"]}
-    for (task, m, mode), acc in accuracy.items():
-        if mode == TEXT.name:
-            assert acc >= 0.9, f"{task} at {m} branches: text re-prefill accuracy {acc}"
