@@ -6,7 +6,7 @@ import torch
 
 from engine import Engine, EngineConfig, PrefillCall
 from engine.chat import END, header, turn
-from train.train import TrainConfig, load_for_training, train
+from train.train import TrainConfig, batch, load_for_training, task_rng, train
 
 TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, bf16=False, device="cpu")
@@ -43,3 +43,7 @@ def test_training_continues_from_a_checkpoint(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), saved.lm.model.state_dict().values()))
     assert tokenizer.get_vocab() == saved.tokenizer.get_vocab() and record["total_steps"] == 3
     assert Engine(EngineConfig(str(tmp_path / "b"), device="cpu")).tokenizer.get_vocab() == tokenizer.get_vocab()
+    cfg = TrainConfig(**TINY)
+    first_batch = batch(cfg, tokenizer, task_rng(cfg.seed, 0))[0]
+    assert torch.equal(first_batch, batch(cfg, tokenizer, task_rng(cfg.seed, 0))[0])  # a run's stream is its seed's
+    assert not torch.equal(first_batch, batch(cfg, tokenizer, task_rng(cfg.seed, 3))[0])  # a continuation's is new
