@@ -1,12 +1,14 @@
 """The training script: reproducible from its seed, and what it writes loads through the engine's path loader."""
 
 import json
+import random
 
+import pytest
 import torch
 
 from engine import Engine, EngineConfig, PrefillCall
 from engine.chat import END, header, turn
-from train.train import TrainConfig, batch, load_for_training, task_rng, train
+from train.train import Batches, TrainConfig, batch, draw_task, load_for_training, traces, train
 
 TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, bf16=False, device="cpu")
@@ -34,8 +36,10 @@ def test_training_is_reproducible_and_loads_by_path(tmp_path):
 
 def test_training_continues_from_a_checkpoint(tmp_path):
     first = train(TrainConfig(out=str(tmp_path / "a"), **TINY))
-    more = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(tmp_path / "a"), **{**TINY, "steps": 2}))
+    more = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(tmp_path / "a"),
+                             **{**TINY, "steps": 2, "num_layers": 3}))  # shape flags yield to the checkpoint's
     assert more["total_steps"] == 5 and more["parameters"] == first["parameters"]
+    assert more["config"]["num_layers"] == TINY["num_layers"]
     assert more["total_train_seconds"] > more["train_seconds"] > 0
     assert [r["loss"] for r in more["earlier_runs"]] == [first["loss"]]
     model, tokenizer, record = load_for_training(str(tmp_path / "a"))  # what the continued run starts from
@@ -44,6 +48,29 @@ def test_training_continues_from_a_checkpoint(tmp_path):
     assert tokenizer.get_vocab() == saved.tokenizer.get_vocab() and record["total_steps"] == 3
     assert Engine(EngineConfig(str(tmp_path / "b"), device="cpu")).tokenizer.get_vocab() == tokenizer.get_vocab()
     cfg = TrainConfig(**TINY)
-    first_batch = batch(cfg, tokenizer, task_rng(cfg.seed, 0))[0]
-    assert torch.equal(first_batch, batch(cfg, tokenizer, task_rng(cfg.seed, 0))[0])  # a run's stream is its seed's
-    assert not torch.equal(first_batch, batch(cfg, tokenizer, task_rng(cfg.seed, 3))[0])  # a continuation's is new
+    first_batch = batch(cfg, tokenizer, 0)[0]
+    assert torch.equal(first_batch, batch(cfg, tokenizer, 0)[0])  # a step's batch is its seed's and step's
+    assert not torch.equal(first_batch, batch(cfg, tokenizer, 3)[0])  # a continuation (from step 3) draws new tasks
+
+
+def test_loader_processes_build_the_same_batches_in_the_same_order(tmp_path):
+    train(TrainConfig(out=str(tmp_path / "a"), **TINY))
+    _, tokenizer, _ = load_for_training(str(tmp_path / "a"))
+    cfg = TrainConfig(**TINY)
+    inline = list(Batches(cfg, tokenizer, 5, 5))
+    loaded = list(torch.utils.data.DataLoader(Batches(cfg, tokenizer, 5, 5), batch_size=None, num_workers=2))
+    assert [b[-1] for b in loaded] == [b[-1] for b in inline] and all(b[-1] > 0 for b in inline)
+    for a, b in zip(inline, loaded):
+        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4]))
+
+
+def test_config_chooses_the_tasks_and_worker_turns_trained():
+    with pytest.raises(ValueError, match="tasks must name some of chain, vote"):
+        TrainConfig(tasks="chain,chan")
+    with pytest.raises(ValueError, match="worker_traces must be positive"):
+        TrainConfig(worker_traces=0)
+    cfg, rng = TrainConfig(tasks="vote", worker_traces=8), random.Random(0)
+    for _ in range(5):
+        task = draw_task(rng, cfg.max_length, cfg.task_names)
+        assert task.name == "vote" and len(traces(task, rng, cfg.worker_traces)) == 1 + len(task.branches)
+        assert len(traces(task, rng)) == 3  # the synthesizer's and two workers'

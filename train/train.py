@@ -1,15 +1,17 @@
 """Train Braid's reference model from scratch on text-concatenated workflow traces.
 
-    python -m train.train --out models/braid-reference
+    python -m train.train --out models/braid-reference                  # the CPU recipe (defaults)
+    python -m train.train --num-layers 8 --rows 128 --bf16 true --loader-workers 15   # on a GPU
 
-Every step draws fresh tasks (all four, 2-8 branches, random branch lengths) from
-the generators, renders each as a synthesizer trace (system, the workers' replies,
-the question, the answer) and two worker traces (system, its context, its reply),
-and packs them into fixed-width rows with block-diagonal causal masks, so no
-compute goes to padding. Loss is on the turns the model writes: worker replies and
-synthesizer answers. Everything is a function of the seed; the run writes the
-checkpoint (safetensors), its tokenizer, `training.json` (config, time, sizes, loss
-and held-out answer accuracy over steps) and `loss.png`.
+Every step draws fresh tasks (2-8 branches, random branch lengths) from the
+generators, renders each as a synthesizer trace (system, the workers' replies, the
+question, the answer) and some worker traces (system, its context, its reply), and
+packs them into fixed-width rows with block-diagonal causal masks, so no compute goes
+to padding. Loss is on the turns the model writes: worker replies and synthesizer
+answers. A step's batch is a function of the seed and the step, built ahead by loader
+processes on request; at every evaluation the run writes the checkpoint
+(safetensors), its tokenizer, `training.json` (config, time, sizes, loss and held-out
+accuracy over steps) and `loss.png`.
 """
 
 import argparse
@@ -34,6 +36,7 @@ from train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
 RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "torch", "device", "loss", "held_out_accuracy")
+HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker")
 TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
 
 
@@ -54,23 +57,35 @@ class TrainConfig:
     intermediate_size: int = 768
     vocab_size: int = 1024
     max_length: int = 6  # largest per-branch length drawn in training (evaluation's default is 2-6)
+    tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
+    worker_traces: int = 2  # worker turns trained per task (of its 2-8 branches), beside the synthesizer's
     eval_every: int = 250
     # autocast matmuls to bfloat16 (weights and optimizer stay fp32): for GPUs and AVX512-BF16/AMX CPUs;
     # on AVX2-only CPUs it is emulated and measured 10x slower than fp32 (20 s vs 1.8 s a step)
     bf16: bool = False
     device: str = "auto"
+    loader_workers: int = 0  # processes building batches ahead of the model (on a GPU, data is the bottleneck)
     threads: int = 0  # 0: torch's default
     # continue from this checkpoint's weights and tokenizer (a fresh warmup and schedule; the model
     # shape options are then ignored); training time and tokens add up in training.json
     init_from: str = ""
 
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.tasks.split(",") if t.strip())
+
     def __post_init__(self):
-        for name in ("steps", "rows", "row_tokens", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+        for name in ("steps", "rows", "worker_traces", "row_tokens", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "intermediate_size", "eval_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
             raise ValueError("num_heads must divide hidden_size, and num_kv_heads must divide num_heads")
+        unknown = [t for t in self.task_names if t not in TASKS]
+        if unknown or not self.task_names:
+            raise ValueError(f"tasks must name some of {', '.join(TASKS)}, got {self.tasks!r}")
+        if self.loader_workers < 0:
+            raise ValueError(f"loader_workers must be >= 0, got {self.loader_workers}")
         if not 0 < self.lr < 1 or self.warmup < 0:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
         if not 1 <= self.max_length <= 12:
@@ -83,34 +98,42 @@ class TrainConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def draw_task(rng: random.Random, max_length: int):
-    name = rng.choice(TASKS)
+def draw_task(rng: random.Random, max_length: int, names: tuple[str, ...] = TASKS):
+    name = rng.choice(names)
     lo = rng.randint(1, max_length)
     return generate(name, rng.randrange(TRAIN_SEEDS, 2 * TRAIN_SEEDS), rng.randint(2, MAX_BRANCHES),
                     (lo, rng.randint(lo, max_length)))
 
 
-def task_rng(seed: int, start: int) -> random.Random:
-    """The task stream of a run that begins at step `start`: a continuation draws new tasks, not the first run's."""
-    return random.Random(f"train:{seed}" + (f":from:{start}" if start else ""))
+def step_rng(seed: int, step: int) -> random.Random:
+    """The tasks of one step. A step's batch depends only on (seed, step), so it is the same however many
+    loader processes build it, and a continued run (which counts steps on from the checkpoint's) draws new tasks."""
+    return random.Random(f"train:{seed}:{step}")
 
 
-def traces(task, rng: random.Random) -> list[list[tuple[str, bool]]]:
-    """The synthesizer's trace and two of the workers' (worker replies are short: they cost little)."""
+def traces(task, rng: random.Random, workers: int = 2) -> list[list[tuple[str, bool]]]:
+    """The synthesizer's trace and `workers` of the workers' (worker replies are short: they cost little)."""
     out = [synthesizer_trace(task)]
     if task.has_workers:
-        out += [worker_trace(task, j) for j in rng.sample(range(len(task.branches)), 2)]
+        out += [worker_trace(task, j) for j in rng.sample(range(len(task.branches)), min(workers, len(task.branches)))]
     return out
 
 
-def encode(tokenizer, trace: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """Token ids of a trace, each message encoded on its own as the engine does, and which are supervised."""
-    ids, supervised = [], []
-    for text, sup in trace:
-        piece = tokenizer.encode(text, add_special_tokens=False)
-        ids += piece
-        supervised += [sup] * len(piece)
-    return ids, supervised
+def encode(tokenizer, traces: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[bool]]]:
+    """Token ids of each trace, each message encoded on its own as the engine does, and which are supervised.
+
+    One batched tokenizer call for all messages: per-message calls made tokenizing most of a step's time.
+    """
+    pieces = iter(tokenizer([text for trace in traces for text, _ in trace], add_special_tokens=False)["input_ids"])
+    out = []
+    for trace in traces:
+        ids, supervised = [], []
+        for _, sup in trace:
+            piece = next(pieces)
+            ids += piece
+            supervised += [sup] * len(piece)
+        out.append((ids, supervised))
+    return out
 
 
 def pack(sequences: list[tuple[list[int], list[bool]]], rows: int, width: int, pad_id: int):
@@ -118,31 +141,49 @@ def pack(sequences: list[tuple[list[int], list[bool]]], rows: int, width: int, p
 
     Sequences that do not fit are dropped; the caller draws enough to fill the rows.
     """
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    positions = torch.zeros((rows, width), dtype=torch.long)
-    docs = torch.full((rows, width), -1, dtype=torch.long)
-    supervised = torch.zeros((rows, width), dtype=torch.bool)
-    used = [0] * rows
+    ids, positions, docs, supervised = ([[] for _ in range(rows)] for _ in range(4))
     for d, (toks, sup) in enumerate(sequences):
-        r = next((r for r in range(rows) if used[r] + len(toks) <= width), None)
+        r = next((r for r in range(rows) if len(ids[r]) + len(toks) <= width), None)
         if r is None:
             continue
-        a, b = used[r], used[r] + len(toks)
-        ids[r, a:b] = torch.tensor(toks)
-        positions[r, a:b] = torch.arange(len(toks))
-        docs[r, a:b] = d
-        supervised[r, a:b] = torch.tensor(sup)
-        used[r] = b
-    return ids, positions, docs, supervised, sum(used)
+        ids[r] += toks
+        positions[r] += range(len(toks))
+        docs[r] += [d] * len(toks)
+        supervised[r] += sup
+    used = sum(map(len, ids))
+    for r in range(rows):
+        pad = width - len(ids[r])
+        ids[r] += [pad_id] * pad
+        positions[r] += [0] * pad
+        docs[r] += [-1] * pad
+        supervised[r] += [False] * pad
+    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(docs), torch.tensor(supervised), used)
 
 
-def batch(cfg: TrainConfig, tokenizer, rng: random.Random):
-    seqs, budget = [], cfg.rows * cfg.row_tokens
+def batch(cfg: TrainConfig, tokenizer, step: int):
+    """Step `step`'s packed rows: tasks are drawn (16 at a time, tokenized together) until their traces fill
+    the rows; what does not fit is dropped by `pack`."""
+    rng, seqs, budget = step_rng(cfg.seed, step), [], cfg.rows * cfg.row_tokens
     while budget > 0:
-        for trace in traces(draw_task(rng, cfg.max_length), rng):
-            seqs.append(encode(tokenizer, trace))
-            budget -= len(seqs[-1][0])
+        seqs += encode(tokenizer, [trace for _ in range(16)
+                                   for trace in traces(draw_task(rng, cfg.max_length, cfg.task_names),
+                                                                   rng, cfg.worker_traces)])
+        budget = cfg.rows * cfg.row_tokens - sum(len(ids) for ids, _ in seqs)
     return pack(seqs, cfg.rows, cfg.row_tokens, tokenizer.pad_token_id)
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """The batches of steps [first, first + count) in order; loader process w of W builds steps w, w + W, ...
+    and the loader takes them round-robin, so the order and content do not depend on W."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, first: int, count: int):
+        self.cfg, self.tokenizer, self.first, self.count = cfg, tokenizer, first, count
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, workers = (info.id, info.num_workers) if info else (0, 1)
+        for step in range(self.first + w, self.first + self.count, workers):
+            yield batch(self.cfg, self.tokenizer, step)
 
 
 def supervised_loss(model, ids, positions, docs, supervised, device):
@@ -194,14 +235,18 @@ def load_for_training(path: str):
 
 
 def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple]:
-    """Fixed held-out synthesizer traces per task (training seeds never reach these)."""
+    """Fixed held-out traces (training seeds never reach these): the synthesizer's per task, and one
+    worker's per task with workers (`<task> worker`): a task is only answered if both are right."""
     out = {}
-    for name in TASKS:
+    for name in HELD_OUT:
+        task_name, _, role = name.partition(" ")
         rng = random.Random(f"held-out:{name}")
-        seqs = [encode(tokenizer, synthesizer_trace(generate(name, -1 - i, rng.randint(2, MAX_BRANCHES))))
-                for i in range(per_task)]
-        rows = math.ceil(len(seqs) / 2)  # two traces always fit a row
-        out[name] = (pack(seqs, rows, cfg.row_tokens, tokenizer.pad_token_id), len(seqs))
+        tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES)) for i in range(per_task)]
+        seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role else synthesizer_trace(t)
+                                  for t in tasks])
+        ids, positions, docs, supervised, used = pack(seqs, len(seqs), cfg.row_tokens, tokenizer.pad_token_id)
+        rows = (docs >= 0).any(1)  # a row each would always fit; first-fit leaves the last ones empty
+        out[name] = ((ids[rows], positions[rows], docs[rows], supervised[rows], used), len(seqs))
     return out
 
 
@@ -230,12 +275,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.loader_workers:  # the loader forks after the tokenizer's first use; its thread pool must not be shared
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     device = torch.device(cfg.device)
     started = time.perf_counter()
     earlier = None
     if cfg.init_from:
         model, tokenizer, earlier = load_for_training(cfg.init_from)
         model = model.to(device)
+        shape = model.config  # the shape options are the checkpoint's: record those, not the ignored flags
+        cfg.hidden_size, cfg.num_layers, cfg.intermediate_size = (shape.hidden_size, shape.num_hidden_layers,
+                                                                  shape.intermediate_size)
+        cfg.num_heads, cfg.num_kv_heads = shape.num_attention_heads, shape.num_key_value_heads
         log.info("continuing from %s (%d steps, %.1f min so far)", cfg.init_from, earlier["total_steps"],
                  earlier["total_train_seconds"] / 60)
     else:
@@ -248,15 +299,27 @@ def train(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
     start = earlier["total_steps"] if earlier else 0
-    rng = task_rng(cfg.seed, start)
     held = held_out(cfg, tokenizer)
+    loader = torch.utils.data.DataLoader(Batches(cfg, tokenizer, start, cfg.steps), batch_size=None,
+                                         num_workers=cfg.loader_workers, prefetch_factor=8 if cfg.loader_workers else None,
+                                         pin_memory=device.type == "cuda")
     history, evals, tokens_seen = [], [], 0
+
+    def report() -> dict:
+        seconds = time.perf_counter() - started
+        return {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1),
+                "total_steps": start + len(history),
+                "total_train_seconds": round(seconds + (earlier["total_train_seconds"] if earlier else 0), 1),
+                "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier[k] for k in RUN_FIELDS}]
+                                 if earlier else []),
+                "parameters": params, "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
+                "torch": torch.__version__, "device": str(device), "loss": history, "held_out_accuracy": evals}
+
     model.train()
-    bar = tqdm(range(cfg.steps), desc="training", unit="step")
-    for step in bar:
+    bar = tqdm(zip(range(cfg.steps), loader), total=cfg.steps, desc="training", unit="step")
+    for step, (ids, positions, docs, supervised, used) in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        ids, positions, docs, supervised, used = batch(cfg, tokenizer, rng)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, _, _ = supervised_loss(model, ids, positions, docs, supervised, device)
         opt.zero_grad(set_to_none=True)
@@ -264,33 +327,31 @@ def train(cfg: TrainConfig) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens_seen += used
-        history.append(round(loss.item(), 5))
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        history.append(round(loss.item(), 5))  # (the .item() syncs; at this model size it costs nothing measurable)
+        bar.set_postfix(loss=f"{history[-1]:.4f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             acc = answer_accuracy(model, held, device)
             evals.append({"step": step + 1, **acc})
             log.info("step %d loss %.4f held-out answer accuracy %s", step + 1, loss.item(),
                      " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
-    seconds = time.perf_counter() - started
-    os.makedirs(cfg.out, exist_ok=True)
+            saved = report()
+            save(cfg.out, model, tokenizer, saved)  # a stopped run keeps its last evaluated checkpoint
+    log.info("trained in %.1f min, %d tokens; saved to %s", saved["train_seconds"] / 60, tokens_seen, cfg.out)
+    return saved
+
+
+def save(out: str, model, tokenizer, report: dict) -> None:
+    """The checkpoint in Hugging Face format, its training record and loss plot."""
+    os.makedirs(out, exist_ok=True)
     model.config._attn_implementation = "sdpa"  # what a reader of the checkpoint gets by default
-    model.save_pretrained(cfg.out)
-    tokenizer.save_pretrained(cfg.out)
-    report = {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1),
-              "total_steps": start + cfg.steps,
-              "total_train_seconds": round(seconds + (earlier["total_train_seconds"] if earlier else 0), 1),
-              "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier[k] for k in RUN_FIELDS}]
-                               if earlier else []),
-              "parameters": params,
-              "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
-              "model_bytes": sum(os.path.getsize(os.path.join(cfg.out, f)) for f in os.listdir(cfg.out)
-                                 if f.endswith(".safetensors")),
-              "torch": torch.__version__, "device": str(device), "loss": history, "held_out_accuracy": evals}
-    with open(os.path.join(cfg.out, "training.json"), "w") as f:
+    model.save_pretrained(out)
+    model.config._attn_implementation = attention.NAME
+    tokenizer.save_pretrained(out)
+    report["model_bytes"] = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
+                                if f.endswith(".safetensors"))
+    with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(report, f)
-    plot(report, os.path.join(cfg.out, "loss.png"))
-    log.info("trained in %.1f min, %d tokens; saved to %s", seconds / 60, tokens_seen, cfg.out)
-    return report
+    plot(report, os.path.join(out, "loss.png"))
 
 
 def plot(report: dict, path: str) -> None:
@@ -315,10 +376,11 @@ def plot(report: dict, path: str) -> None:
     for start in starts[1:]:
         a.axvline(start, color="grey", ls=":")
     a.legend()
-    for name in TASKS:
-        b.plot([e["step"] for e in evals], [e[name] for e in evals], marker="o", label=name)
+    for name in (n for n in HELD_OUT if any(n in e for e in evals)):  # records before a metric existed lack it
+        b.plot([e["step"] for e in evals if name in e], [e[name] for e in evals if name in e], marker="o",
+               label=name, ls="--" if "worker" in name else "-")
     b.set(xlabel="step", ylabel="share of answers right (teacher-forced)", ylim=(0, 1.02),
-          title="held-out synthesizer answers")
+          title="held-out answers and worker replies")
     b.legend()
     tokens = sum(r["tokens_seen"] for r in runs)
     fig.suptitle(f"{report['parameters'] / 1e6:.2f}M-parameter Llama, {report['total_train_seconds'] / 60:.0f} min "
