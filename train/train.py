@@ -75,8 +75,8 @@ class TrainConfig:
         return tuple(t.strip() for t in self.tasks.split(",") if t.strip())
 
     def __post_init__(self):
-        for name in ("steps", "rows", "worker_traces", "row_tokens", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "eval_every"):
+        for name in ("steps", "rows", "worker_traces", "row_tokens", "hidden_size", "num_layers", "num_heads",
+                     "num_kv_heads", "intermediate_size", "eval_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
@@ -165,9 +165,11 @@ def batch(cfg: TrainConfig, tokenizer, step: int):
     the rows; what does not fit is dropped by `pack`."""
     rng, seqs, budget = step_rng(cfg.seed, step), [], cfg.rows * cfg.row_tokens
     while budget > 0:
-        seqs += encode(tokenizer, [trace for _ in range(16)
-                                   for trace in traces(draw_task(rng, cfg.max_length, cfg.task_names),
-                                                                   rng, cfg.worker_traces)])
+        # (each task's traces are drawn right after it: the stream the committed checkpoint was trained on)
+        drawn = []
+        for _ in range(16):
+            drawn += traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces)
+        seqs += encode(tokenizer, drawn)
         budget = cfg.rows * cfg.row_tokens - sum(len(ids) for ids, _ in seqs)
     return pack(seqs, cfg.rows, cfg.row_tokens, tokenizer.pad_token_id)
 
@@ -301,8 +303,8 @@ def train(cfg: TrainConfig) -> dict:
     start = earlier["total_steps"] if earlier else 0
     held = held_out(cfg, tokenizer)
     loader = torch.utils.data.DataLoader(Batches(cfg, tokenizer, start, cfg.steps), batch_size=None,
-                                         num_workers=cfg.loader_workers, prefetch_factor=8 if cfg.loader_workers else None,
-                                         pin_memory=device.type == "cuda")
+                                         num_workers=cfg.loader_workers, pin_memory=device.type == "cuda",
+                                         prefetch_factor=8 if cfg.loader_workers else None)
     history, evals, tokens_seen = [], [], 0
 
     def report() -> dict:
