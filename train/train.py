@@ -169,8 +169,9 @@ def batch(cfg: TrainConfig, tokenizer, step: int):
         drawn = []
         for _ in range(16):
             drawn += traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces)
-        seqs += encode(tokenizer, drawn)
-        budget = cfg.rows * cfg.row_tokens - sum(len(ids) for ids, _ in seqs)
+        encoded = encode(tokenizer, drawn)
+        seqs += encoded
+        budget -= sum(len(ids) for ids, _ in encoded)
     return pack(seqs, cfg.rows, cfg.row_tokens, tokenizer.pad_token_id)
 
 
