@@ -20,6 +20,8 @@ Answers name what they combine ("uma lives in lima; lima is in qatar", "ray 2
 plus 7 is 9, ..."), so each step is one lookup a small model can learn; scoring
 is exact match on the whole answer (MultiQA's labelled parts in any order).
 
+`lookup_drill` is training data only: a chain worker's lookup over any names.
+
 `generate(name, seed, num_branches, length)` is a pure function of its arguments:
 the same seed gives the same task on any machine. `length` is the (min, max) size
 of each branch's work, drawn per branch, so branches differ in length.
@@ -39,6 +41,7 @@ COUNTRIES = ["peru", "chad", "fiji", "iran", "laos", "mali", "oman", "togo", "cu
              "japan", "kenya", "ghana", "chile", "italy", "egypt", "yemen", "qatar"]
 WORDS = ["the", "plan", "looks", "fine", "but", "check", "again", "maybe", "step", "two", "fails", "so", "try",
          "another", "path", "then", "verify", "result", "it", "holds", "we", "think", "this", "is", "right"]
+NAMES = PEOPLE + CITIES + COUNTRIES
 MAX_BRANCHES = 8
 DEFAULT_LENGTH = (2, 6)
 
@@ -91,6 +94,17 @@ def _lengths(rng: random.Random, m: int, length: tuple[int, int]) -> list[int]:
     return [rng.randint(*length) for _ in range(m)]
 
 
+CHAIN_SYSTEM = "workers look up records. the synthesizer chains their facts."
+
+
+def _lookup(kind: str, key: str, records: list[tuple[str, str]]) -> Branch:
+    """A chain worker's turn: find `key` in its records; "who" names a person's city, "where" a city's country."""
+    table = "; ".join(f"{k} {v}" for k, v in records)
+    value = dict(records)[key]
+    said = f"{key} lives in {value}" if kind == "who" else f"{key} is in {value}"
+    return Branch(f"records: {table}. {kind}: {key}", said)
+
+
 def _chain(rng: random.Random, m: int, length: tuple[int, int]):
     if m < 2:
         raise ValueError("chain needs at least 2 branches: one with the person, one with the city")
@@ -109,12 +123,9 @@ def _chain(rng: random.Random, m: int, length: tuple[int, int]):
         records = [(key, value)] + [(k, rng.choice(CITIES if kind == "who" else COUNTRIES))
                                     for k in rng.sample([k for k in pool if k != key], n - 1)]
         rng.shuffle(records)
-        table = "; ".join(f"{k} {v}" for k, v in records)
-        said = f"{key} lives in {value}" if kind == "who" else f"{key} is in {value}"
-        branches.append(Branch(f"records: {table}. {kind}: {key}", said))
+        branches.append(_lookup(kind, key, records))
     country = dict((k, v) for kind, k, v in facts if kind == "where")[lives[target]]
-    return ("workers look up records. the synthesizer chains their facts.", branches,
-            f"which country does {target} live in?",
+    return (CHAIN_SYSTEM, branches, f"which country does {target} live in?",
             f"{target} lives in {lives[target]}; {lives[target]} is in {country}")
 
 
@@ -188,8 +199,20 @@ def synthesizer_trace(task: Task) -> list[tuple[str, bool]]:
 
 def worker_trace(task: Task, j: int) -> list[tuple[str, bool]]:
     """Worker j's turn: the shared system prompt, its own context, its reply."""
-    b = task.branches[j]
-    if b.output is None:
+    if not task.has_workers:
         raise ValueError(f"{task.name} branches are questions, not worker turns")
-    return [(turn("system", task.system), False), (turn("user", b.context), False),
-            (header("worker"), False), (b.output + END, True)]
+    return _worker_turn(task.system, task.branches[j])
+
+
+def _worker_turn(system: str, branch: Branch) -> list[tuple[str, bool]]:
+    return [(turn("system", system), False), (turn("user", branch.context), False),
+            (header("worker"), False), (branch.output + END, True)]
+
+
+def lookup_drill(rng: random.Random, max_records: int = 8) -> list[tuple[str, bool]]:
+    """A chain worker's turn whose keys and values are any names, in either role: training data for one
+    lookup that works on any key. Trained on chain alone, the model learned a lookup for one pairing of
+    name kinds only (city keys to country values, or in another run person keys to city values)."""
+    keys = rng.sample(NAMES, rng.randint(2, max_records))
+    records = [(k, rng.choice([v for v in NAMES if v != k])) for k in keys]
+    return _worker_turn(CHAIN_SYSTEM, _lookup(rng.choice(("who", "where")), rng.choice(keys), records))

@@ -1,12 +1,13 @@
 """Task generators: deterministic per seed, answers right by an independent reading, exact-match scoring."""
 
+import random
 import re
 
 import pytest
 
 from engine.chat import END, header, turn
 from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from evals.tasks import TASKS, generate, sample, synthesizer_trace, worker_trace
+from evals.tasks import CITIES, COUNTRIES, NAMES, PEOPLE, TASKS, generate, lookup_drill, sample, synthesizer_trace, worker_trace
 
 
 def solve(task) -> str:
@@ -88,6 +89,22 @@ def test_traces_use_the_chat_roles():
     assert work[1][0] == turn("user", task.branches[1].context) and work[-1] == (task.branches[1].output + END, True)
     with pytest.raises(ValueError, match="questions"):
         worker_trace(generate("multiqa", 0, 2), 0)
+
+
+def test_lookup_drills_pair_any_names_and_answer_from_the_records():
+    drills = [lookup_drill(random.Random(s)) for s in range(200)]
+    assert drills == [lookup_drill(random.Random(s)) for s in range(200)]
+    kinds = set()
+    for system, user, head, (reply, supervised) in drills:
+        assert system == (turn("system", generate("chain", 0, 2).system), False) and head == (header("worker"), False)
+        table, kind, key = re.fullmatch(r"<\|user\|>records: (.*)\. (who|where): (\w+)<\|end\|>", user[0]).groups()
+        records = dict(r.split() for r in table.split("; "))
+        verb = "lives in" if kind == "who" else "is in"
+        assert supervised and reply == f"{key} {verb} {records[key]}{END}" and records[key] != key
+        kinds.update((kind, *(next(g for g in (PEOPLE, CITIES, COUNTRIES) if n in g)[0] for n in (k, v)))
+                     for k, v in records.items())
+    # every pairing of name kinds, in both questions: chain itself has only who: person->city, where: city->country
+    assert len(kinds) == 2 * 9 and set(NAMES) == set(PEOPLE + CITIES + COUNTRIES)
 
 
 def test_bad_parameters_are_refused():

@@ -75,3 +75,13 @@ def test_config_chooses_the_tasks_and_worker_turns_trained():
         task = draw_task(rng, cfg.max_length, cfg.task_names)
         assert task.name == "vote" and len(traces(task, rng, cfg.worker_traces)) == 1 + len(task.branches)
         assert len(traces(task, rng)) == 3  # the synthesizer's and two workers'
+
+
+def test_lookup_drills_join_the_tasks_drawn():
+    with pytest.raises(ValueError, match="lookup_drills must be >= 0"):
+        TrainConfig(lookup_drills=-1)
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    plain, drilled = (tokenizer.decode(batch(TrainConfig(**TINY, tasks="vote", lookup_drills=n), tokenizer, 0)[0]
+                                       .flatten()) for n in (0, 1))
+    assert "confidence" in plain and "records:" not in plain
+    assert "confidence" in drilled and drilled.count("records:") >= 2

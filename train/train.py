@@ -31,12 +31,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from engine import attention
 from engine.chat import END, PAD
-from evals.tasks import MAX_BRANCHES, TASKS, generate, synthesizer_trace, worker_trace
+from evals.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
 from train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
 RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "torch", "device", "loss", "held_out_accuracy")
-HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker")
+HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker", "lookup drill")
 TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
 
 
@@ -59,6 +59,7 @@ class TrainConfig:
     max_length: int = 6  # largest per-branch length drawn in training (evaluation's default is 2-6)
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_traces: int = 2  # worker turns trained per task (of its 2-8 branches), beside the synthesizer's
+    lookup_drills: int = 0  # lookup drills per task drawn: chain worker turns over any names (evals.tasks.lookup_drill)
     eval_every: int = 250
     # autocast matmuls to bfloat16 (weights and optimizer stay fp32): for GPUs and AVX512-BF16/AMX CPUs;
     # on AVX2-only CPUs it is emulated and measured 10x slower than fp32 (20 s vs 1.8 s a step)
@@ -84,8 +85,9 @@ class TrainConfig:
         unknown = [t for t in self.task_names if t not in TASKS]
         if unknown or not self.task_names:
             raise ValueError(f"tasks must name some of {', '.join(TASKS)}, got {self.tasks!r}")
-        if self.loader_workers < 0:
-            raise ValueError(f"loader_workers must be >= 0, got {self.loader_workers}")
+        if self.loader_workers < 0 or self.lookup_drills < 0:
+            raise ValueError(f"loader_workers and lookup_drills must be >= 0, got {self.loader_workers}, "
+                             f"{self.lookup_drills}")
         if not 0 < self.lr < 1 or self.warmup < 0:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
         if not 1 <= self.max_length <= 12:
@@ -169,6 +171,7 @@ def batch(cfg: TrainConfig, tokenizer, step: int):
         drawn = []
         for _ in range(16):
             drawn += traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces)
+            drawn += [lookup_drill(rng) for _ in range(cfg.lookup_drills)]  # (none: the stream is unchanged)
         encoded = encode(tokenizer, drawn)
         seqs += encoded
         budget -= sum(len(ids) for ids, _ in encoded)
@@ -239,14 +242,18 @@ def load_for_training(path: str):
 
 def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple]:
     """Fixed held-out traces (training seeds never reach these): the synthesizer's per task, and one
-    worker's per task with workers (`<task> worker`): a task is only answered if both are right."""
+    worker's per task with workers (`<task> worker`): a task is only answered if both are right. The
+    lookup drills show whether the workers' lookup works for any key, not only for chain's."""
     out = {}
     for name in HELD_OUT:
         task_name, _, role = name.partition(" ")
         rng = random.Random(f"held-out:{name}")
-        tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES)) for i in range(per_task)]
-        seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role else synthesizer_trace(t)
-                                  for t in tasks])
+        if role == "drill":
+            seqs = encode(tokenizer, [lookup_drill(rng) for _ in range(per_task)])
+        else:
+            tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES)) for i in range(per_task)]
+            seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role
+                                      else synthesizer_trace(t) for t in tasks])
         ids, positions, docs, supervised, used = pack(seqs, len(seqs), cfg.row_tokens, tokenizer.pad_token_id)
         rows = (docs >= 0).any(1)  # a row each would always fit; first-fit leaves the last ones empty
         out[name] = ((ids[rows], positions[rows], docs[rows], supervised[rows], used), len(seqs))
@@ -381,7 +388,7 @@ def plot(report: dict, path: str) -> None:
     a.legend()
     for name in (n for n in HELD_OUT if any(n in e for e in evals)):  # records before a metric existed lack it
         b.plot([e["step"] for e in evals if name in e], [e[name] for e in evals if name in e], marker="o",
-               label=name, ls="--" if "worker" in name else "-")
+               label=name, ls="-" if name in TASKS else "--")
     b.set(xlabel="step", ylabel="share of answers right (teacher-forced)", ylim=(0, 1.02),
           title="held-out answers and worker replies")
     b.legend()
