@@ -98,7 +98,7 @@ CHAIN_SYSTEM = "workers look up records. the synthesizer chains their facts."
 
 
 def _lookup(kind: str, key: str, records: list[tuple[str, str]]) -> Branch:
-    """A chain worker's turn: find `key` in its records; "who" names a person's city, "where" a city's country."""
+    """A chain worker's turn: find `key` in its records and say its value ("who": lives in, "where": is in)."""
     table = "; ".join(f"{k} {v}" for k, v in records)
     value = dict(records)[key]
     said = f"{key} lives in {value}" if kind == "who" else f"{key} is in {value}"
