@@ -18,13 +18,13 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from cluster.config import ClusterConfig
-from cluster.kv_transport import KVReceiver, KVSender, open_link
-from cluster.local import start_local_cluster
-from engine.checkpoints import SHAPES, make_random_checkpoint
-from evals.results import pyplot, write_json
-from protos import agent_pb2 as pb
-from protos import agent_pb2_grpc
+from braid.cluster.config import ClusterConfig
+from braid.kv.grpc_transport import KVReceiver, KVSender, open_link
+from braid.cluster.local import start_local_cluster
+from braid.models.checkpoints import SHAPES, make_random_checkpoint
+from braid.results import pyplot, write_json
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
 
 
 def parse_args(argv=None):

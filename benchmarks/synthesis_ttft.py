@@ -17,10 +17,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from engine.checkpoints import SHAPES, make_random_checkpoint
-from engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
-from evals.results import pyplot, write_json
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.models.checkpoints import SHAPES, make_random_checkpoint
+from braid.engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+from braid.results import pyplot, write_json
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

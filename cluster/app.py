@@ -8,20 +8,20 @@ import time
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster import convert
-from cluster.config import ClusterConfig
-from cluster.decision import choose_transport
-from cluster.directory import Directory
-from cluster.grpc_server import grpc_status
-from cluster.kv_transport import TransferError
-from cluster.metrics import metrics
-from engine.errors import BraidError
-from protos import agent_pb2 as pb
-from synthesizer.deployment import Synthesizer
-from workers.deployment import Worker
+from braid.api import convert
+from braid.cluster.config import ClusterConfig
+from braid.api.decision import choose_transport
+from braid.api.directory import Directory
+from braid.api.grpc_server import grpc_status
+from braid.kv.grpc_transport import TransferError
+from braid.api.metrics import metrics
+from braid.engine.errors import BraidError
+from braid.protos import agent_pb2 as pb
+from braid.synthesizer.deployment import Synthesizer
+from braid.workers.deployment import Worker
 
 log = logging.getLogger(__name__)
-SERVICER = "protos.agent_pb2_grpc.add_AgentServiceServicer_to_server"
+SERVICER = "braid.protos.agent_pb2_grpc.add_AgentServiceServicer_to_server"
 
 
 def _cause(exc: Exception) -> Exception:

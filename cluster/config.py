@@ -3,8 +3,8 @@
 import os
 from dataclasses import dataclass
 
-from engine import EngineConfig
-from engine.chat import WORKER_HEADER
+from braid.engine import EngineConfig
+from braid.models.chat import WORKER_HEADER
 
 TRANSPORTS = ("auto", "grpc", "collective", "text")
 

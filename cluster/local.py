@@ -7,9 +7,9 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from cluster.app import SERVICER, build_app
-from cluster.config import ClusterConfig
-from cluster.directory import EmbeddedRedis
+from braid.cluster.app import SERVICER, build_app
+from braid.cluster.config import ClusterConfig
+from braid.api.directory import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 APP = "braid"

@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
-from engine.detokenize import Detokenizer
-from engine.errors import (
+from braid.engine.config import EngineConfig
+from braid.engine.detokenize import Detokenizer
+from braid.engine.errors import (
     BraidError,
     ContextOverflowError,
     EmptyHeaderError,
     FingerprintMismatchError,
     InvalidOffsetError,
 )
-from engine.model import load_model
-from engine.runner import ModelRunner, WorkCache
-from engine.sampling import SamplingParams, make_generator, sample
-from engine.store import Message, MessageStore, new_message_id
-from kernels import rerotate_keys
+from braid.engine.model import load_model
+from braid.engine.runner import ModelRunner, WorkCache
+from braid.engine.sampling import SamplingParams, make_generator, sample
+from braid.engine.store import Message, MessageStore, new_message_id
+from braid.kernels import rerotate_keys
 
 log = logging.getLogger(__name__)
 

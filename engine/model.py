@@ -10,8 +10,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import attention
-from engine.config import EngineConfig
+from braid.engine import attention
+from braid.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ decode (tokens interleaved) from one rule.
 
 import torch
 
-from engine.attention import mask_needed
-from engine.model import LoadedModel
+from braid.engine.attention import mask_needed
+from braid.engine.model import LoadedModel
 
 
 class WorkCache:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
+from braid.engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
 
 
 def new_message_id() -> str:

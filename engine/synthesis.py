@@ -16,10 +16,10 @@ from typing import Protocol
 
 import torch
 
-from engine.engine import DecodeCall, DecodeStream, Engine, Tokens
-from engine.errors import BraidError
-from engine.sampling import SamplingParams
-from engine.store import Message
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, Tokens
+from braid.engine.errors import BraidError
+from braid.engine.sampling import SamplingParams
+from braid.engine.store import Message
 
 
 class Placement(str, Enum):

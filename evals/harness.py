@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from engine import DecodeCall, Engine, PrefillCall, SamplingParams
-from engine.synthesis import Placement, SynthesisHooks, synthesize_stream, synthesize_text_stream
-from engine.chat import END, header, turn
-from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from evals.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
+from braid.engine import DecodeCall, Engine, PrefillCall, SamplingParams
+from braid.engine.synthesis import Placement, SynthesisHooks, synthesize_stream, synthesize_text_stream
+from braid.models.chat import END, header, turn
+from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def report(config: EvalConfig, model: str, fingerprint: str, modes: Sequence[Mod
 
 def plot_accuracy(rows: Sequence[dict], path: str) -> None:
     """Accuracy against branch count, one panel per task, one line per mode, 95% CIs as bars."""
-    from evals.results import pyplot
+    from braid.results import pyplot
 
     plt = pyplot()
     if plt is None:

@@ -33,7 +33,7 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tenso
     if delta.shape != (keys.shape[-2],):
         raise ValueError(f"delta must have shape ({keys.shape[-2]},), got {tuple(delta.shape)}")
     if keys.is_cuda:
-        from kernels.rope_triton import rerotate_keys_triton
+        from braid.kernels.rope_triton import rerotate_keys_triton
 
         return rerotate_keys_triton(keys, delta, inv_freq)
     return rerotate_keys_torch(keys, delta, inv_freq)

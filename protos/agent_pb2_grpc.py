@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import agent_pb2 as protos_dot_agent__pb2
+from braid.protos import agent_pb2 as braid_dot_protos_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/agent_pb2_grpc.py depends on'
+        + ' but the generated code in braid/protos/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,43 +37,43 @@ class AgentServiceStub:
         """
         self.RunWorkflow = channel.unary_stream(
                 '/braid.v1.AgentService/RunWorkflow',
-                request_serializer=protos_dot_agent__pb2.WorkflowRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.WorkflowEvent.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.WorkflowRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.WorkflowEvent.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/braid.v1.AgentService/Generate',
-                request_serializer=protos_dot_agent__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.TokenEvent.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.TokenEvent.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/braid.v1.AgentService/Prefill',
-                request_serializer=protos_dot_agent__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.PrefillResponse.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/braid.v1.AgentService/Decode',
-                request_serializer=protos_dot_agent__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.TokenEvent.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.TokenEvent.FromString,
                 _registered_method=True)
         self.GetMessage = channel.unary_unary(
                 '/braid.v1.AgentService/GetMessage',
-                request_serializer=protos_dot_agent__pb2.GetMessageRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.MessageInfo.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.GetMessageRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.MessageInfo.FromString,
                 _registered_method=True)
         self.ListSessions = channel.unary_unary(
                 '/braid.v1.AgentService/ListSessions',
-                request_serializer=protos_dot_agent__pb2.ListSessionsRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.ListSessionsResponse.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/braid.v1.AgentService/CloseSession',
-                request_serializer=protos_dot_agent__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.CloseSessionResponse.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/braid.v1.AgentService/Health',
-                request_serializer=protos_dot_agent__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_agent__pb2.HealthResponse.FromString,
+                request_serializer=braid_dot_protos_dot_agent__pb2.HealthRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -137,43 +137,43 @@ def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RunWorkflow': grpc.unary_stream_rpc_method_handler(
                     servicer.RunWorkflow,
-                    request_deserializer=protos_dot_agent__pb2.WorkflowRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.WorkflowEvent.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.WorkflowRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.WorkflowEvent.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_agent__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.TokenEvent.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.GenerateRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.TokenEvent.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_agent__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.PrefillRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.PrefillResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_agent__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.TokenEvent.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.DecodeRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.TokenEvent.SerializeToString,
             ),
             'GetMessage': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMessage,
-                    request_deserializer=protos_dot_agent__pb2.GetMessageRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.MessageInfo.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.GetMessageRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.MessageInfo.SerializeToString,
             ),
             'ListSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSessions,
-                    request_deserializer=protos_dot_agent__pb2.ListSessionsRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.ListSessionsResponse.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.ListSessionsRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.ListSessionsResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
-                    request_deserializer=protos_dot_agent__pb2.CloseSessionRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.CloseSessionResponse.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.CloseSessionRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.CloseSessionResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_agent__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_agent__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.HealthRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -202,8 +202,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/RunWorkflow',
-            protos_dot_agent__pb2.WorkflowRequest.SerializeToString,
-            protos_dot_agent__pb2.WorkflowEvent.FromString,
+            braid_dot_protos_dot_agent__pb2.WorkflowRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.WorkflowEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/Generate',
-            protos_dot_agent__pb2.GenerateRequest.SerializeToString,
-            protos_dot_agent__pb2.TokenEvent.FromString,
+            braid_dot_protos_dot_agent__pb2.GenerateRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.TokenEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/Prefill',
-            protos_dot_agent__pb2.PrefillRequest.SerializeToString,
-            protos_dot_agent__pb2.PrefillResponse.FromString,
+            braid_dot_protos_dot_agent__pb2.PrefillRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -283,8 +283,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/Decode',
-            protos_dot_agent__pb2.DecodeRequest.SerializeToString,
-            protos_dot_agent__pb2.TokenEvent.FromString,
+            braid_dot_protos_dot_agent__pb2.DecodeRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.TokenEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,8 +310,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/GetMessage',
-            protos_dot_agent__pb2.GetMessageRequest.SerializeToString,
-            protos_dot_agent__pb2.MessageInfo.FromString,
+            braid_dot_protos_dot_agent__pb2.GetMessageRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.MessageInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -337,8 +337,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/ListSessions',
-            protos_dot_agent__pb2.ListSessionsRequest.SerializeToString,
-            protos_dot_agent__pb2.ListSessionsResponse.FromString,
+            braid_dot_protos_dot_agent__pb2.ListSessionsRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -364,8 +364,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/CloseSession',
-            protos_dot_agent__pb2.CloseSessionRequest.SerializeToString,
-            protos_dot_agent__pb2.CloseSessionResponse.FromString,
+            braid_dot_protos_dot_agent__pb2.CloseSessionRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -391,8 +391,8 @@ class AgentService:
             request,
             target,
             '/braid.v1.AgentService/Health',
-            protos_dot_agent__pb2.HealthRequest.SerializeToString,
-            protos_dot_agent__pb2.HealthResponse.FromString,
+            braid_dot_protos_dot_agent__pb2.HealthRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

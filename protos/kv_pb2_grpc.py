@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import kv_pb2 as protos_dot_kv__pb2
+from braid.protos import kv_pb2 as braid_dot_protos_dot_kv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kv_pb2_grpc.py depends on'
+        + ' but the generated code in braid/protos/kv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class KVTransferStub:
         """
         self.Push = channel.stream_unary(
                 '/braid.v1.KVTransfer/Push',
-                request_serializer=protos_dot_kv__pb2.KVChunk.SerializeToString,
-                response_deserializer=protos_dot_kv__pb2.PushAck.FromString,
+                request_serializer=braid_dot_protos_dot_kv__pb2.KVChunk.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.PushAck.FromString,
                 _registered_method=True)
         self.OpenLink = channel.unary_unary(
                 '/braid.v1.KVTransfer/OpenLink',
-                request_serializer=protos_dot_kv__pb2.LinkRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__pb2.LinkInfo.FromString,
+                request_serializer=braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_kv__pb2.KVChunk.FromString,
-                    response_serializer=protos_dot_kv__pb2.PushAck.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.KVChunk.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.PushAck.SerializeToString,
             ),
             'OpenLink': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenLink,
-                    request_deserializer=protos_dot_kv__pb2.LinkRequest.FromString,
-                    response_serializer=protos_dot_kv__pb2.LinkInfo.SerializeToString,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.LinkRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.LinkInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -104,8 +104,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/braid.v1.KVTransfer/Push',
-            protos_dot_kv__pb2.KVChunk.SerializeToString,
-            protos_dot_kv__pb2.PushAck.FromString,
+            braid_dot_protos_dot_kv__pb2.KVChunk.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -131,8 +131,8 @@ class KVTransfer:
             request,
             target,
             '/braid.v1.KVTransfer/OpenLink',
-            protos_dot_kv__pb2.LinkRequest.SerializeToString,
-            protos_dot_kv__pb2.LinkInfo.FromString,
+            braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
             options,
             channel_credentials,
             insecure,

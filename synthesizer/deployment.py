@@ -12,14 +12,14 @@ import ray
 import torch
 from ray import serve
 
-from cluster.config import ClusterConfig
-from cluster.directory import Directory
-from cluster.kv_chunks import tensor_bytes
-from cluster.kv_transport import KVReceiver
-from cluster.metrics import metrics
-from cluster.service import AgentLogic, ServiceConfig
-from engine import Engine, PrefillCall
-from engine.synthesis import synthesize_stream, synthesize_text_stream
+from braid.cluster.config import ClusterConfig
+from braid.api.directory import Directory
+from braid.kv.chunks import tensor_bytes
+from braid.kv.grpc_transport import KVReceiver
+from braid.api.metrics import metrics
+from braid.api.service import AgentLogic, ServiceConfig
+from braid.engine import Engine, PrefillCall
+from braid.engine.synthesis import synthesize_stream, synthesize_text_stream
 
 log = logging.getLogger(__name__)
 

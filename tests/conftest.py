@@ -7,8 +7,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine import Engine, EngineConfig  # noqa: E402
-from engine.checkpoints import make_random_checkpoint  # noqa: E402
+from braid.engine import Engine, EngineConfig  # noqa: E402
+from braid.models.checkpoints import make_random_checkpoint  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 

@@ -3,14 +3,14 @@
 import grpc
 import pytest
 
-from cluster.directory import Directory, EmbeddedRedis
-from cluster.grpc_server import start_server
-from cluster.service import AgentLogic
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from engine.synthesis import synthesize
-from protos import agent_pb2 as pb
-from protos import agent_pb2_grpc
-from engine.chat import WORKER_HEADER
+from braid.api.directory import Directory, EmbeddedRedis
+from braid.api.grpc_server import start_server
+from braid.api.service import AgentLogic
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.synthesis import synthesize
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+from braid.models.chat import WORKER_HEADER
 
 
 @pytest.fixture(scope="module")

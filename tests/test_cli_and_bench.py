@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cluster.cli import main
+from braid.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

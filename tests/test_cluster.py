@@ -8,13 +8,13 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.local import start_local_cluster
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from engine.synthesis import synthesize, synthesize_text
-from protos import agent_pb2 as pb
-from protos import agent_pb2_grpc
-from engine.chat import WORKER_HEADER
+from braid.cluster.config import ClusterConfig
+from braid.cluster.local import start_local_cluster
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.synthesis import synthesize, synthesize_text
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+from braid.models.chat import WORKER_HEADER
 
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
 METADATA = (("application", "braid"),)
@@ -185,7 +185,7 @@ def test_colocated_cluster_reuses_kv_in_place(cluster):
     """A second app on the same Serve: no Worker replicas, one engine does both jobs."""
     from ray import serve
 
-    from cluster.app import build_app
+    from braid.cluster.app import build_app
 
     stub, config, _, _, local = cluster
     colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port)

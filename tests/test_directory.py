@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.directory import Directory, DirectoryConfig, EmbeddedRedis, MessageRecord
-from engine.errors import UnknownMessageError
+from braid.api.directory import Directory, DirectoryConfig, EmbeddedRedis, MessageRecord
+from braid.engine.errors import UnknownMessageError
 
 
 @pytest.fixture(scope="module")

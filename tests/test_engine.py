@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import DecodeCall, PrefillCall, SamplingParams
+from braid.engine import DecodeCall, PrefillCall, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -109,7 +109,7 @@ def test_seeded_sampling_is_reproducible(llama_engine):
 
 
 def test_eos_ends_decoding(checkpoint):
-    from engine import Engine, EngineConfig
+    from braid.engine import Engine, EngineConfig
     eng = Engine(EngineConfig(checkpoint("llama")))
     p, = eng.prefill([PrefillCall("User: hi")])
     first = eng.message(eng.decode([DecodeCall("Assistant:", parents=[p], sampling=GREEDY)])[0]).token_ids
@@ -132,7 +132,7 @@ def test_stream_timings_add_up(llama_engine):
 
 
 def test_detokenizer_matches_full_decode(llama_engine):
-    from engine.detokenize import Detokenizer
+    from braid.engine.detokenize import Detokenizer
     tok = llama_engine.tokenizer
     ids = tok.encode("Paris, naïve café — 3 + 4 = 7 ✓ done", add_special_tokens=False)
     ids += [5, 200, 17, 300, 44]  # arbitrary ids, as a random model emits them
@@ -164,7 +164,7 @@ def test_partial_kv_while_decoding_equals_final_and_import_round_trips(llama_eng
 
 
 def test_import_rejects_foreign_or_misshapen_kv(llama_engine):
-    from engine.errors import BraidError, FingerprintMismatchError
+    from braid.engine.errors import BraidError, FingerprintMismatchError
     eng = llama_engine
     m = eng.message(eng.prefill([PrefillCall("one two")])[0])
     before = eng.store.ids()

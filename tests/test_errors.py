@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from engine.errors import (
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.errors import (
     BraidError,
     ContextOverflowError,
     EmptyHeaderError,

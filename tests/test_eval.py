@@ -5,11 +5,12 @@ import json
 import os
 
 
-from cluster.cli import REFERENCE_MODEL, main
-from engine import Engine, EngineConfig
-from engine.synthesis import SynthesisHooks
-from evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
-from evals.tasks import TASKS, generate
+from braid.cli import main
+from braid.models import REFERENCE_MODEL
+from braid.engine import Engine, EngineConfig
+from braid.engine.synthesis import SynthesisHooks
+from braid.evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
+from braid.models.tasks import TASKS, generate
 
 # Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,4,8
 # --samples 4 --device cpu --dtype float32 --json <this file>`.

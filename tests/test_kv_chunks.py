@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from cluster.kv_chunks import ChunkError, KVAssembler, iter_chunks
-from engine.errors import FingerprintMismatchError
+from braid.kv.chunks import ChunkError, KVAssembler, iter_chunks
+from braid.engine.errors import FingerprintMismatchError
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

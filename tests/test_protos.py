@@ -1,8 +1,8 @@
-"""The committed stubs are what `python -m protos.generate` would write now."""
+"""The committed stubs are what `python -m braid.protos.generate` would write now."""
 
 import os
 
-from protos.generate import HERE, generate
+from braid.protos.generate import HERE, generate
 
 
 def test_committed_stubs_are_current(tmp_path):
@@ -10,6 +10,6 @@ def test_committed_stubs_are_current(tmp_path):
     assert written, "protoc wrote nothing"
     for path in written:
         committed = os.path.join(HERE, os.path.basename(path))
-        assert os.path.exists(committed), f"{os.path.basename(path)} is not committed: run python -m protos.generate"
+        assert os.path.exists(committed), f"{os.path.basename(path)} is not committed: run python -m braid.protos.generate"
         with open(path, "rb") as new, open(committed, "rb") as old:
-            assert new.read() == old.read(), f"{os.path.basename(path)} is stale: run python -m protos.generate"
+            assert new.read() == old.read(), f"{os.path.basename(path)} is stale: run python -m braid.protos.generate"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from kernels import rerotate_keys_torch
-from kernels.rope_triton import rerotate_keys_triton
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.kernels import rerotate_keys_torch
+from braid.kernels.rope_triton import rerotate_keys_triton
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
-from engine.store import Message, MessageStore
+from braid.engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
+from braid.engine.store import Message, MessageStore
 
 
 def msg(mid, tokens=4):

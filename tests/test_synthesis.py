@@ -4,9 +4,9 @@ from contextlib import contextmanager
 
 import torch
 
-from engine import DecodeCall, PrefillCall, SamplingParams
-from engine.synthesis import Placement, SynthesisHooks, place_branches, synthesize, synthesize_stream, synthesize_text
-from kernels import rerotate_keys_torch
+from braid.engine import DecodeCall, PrefillCall, SamplingParams
+from braid.engine.synthesis import Placement, SynthesisHooks, place_branches, synthesize, synthesize_stream, synthesize_text
+from braid.kernels import rerotate_keys_torch
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from engine.chat import END, header, turn
-from evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from evals.tasks import (CITIES, COUNTRIES, PEOPLE, TASKS, generate, lookup_drill, sample, synthesizer_trace,
+from braid.models.chat import END, header, turn
+from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.models.tasks import (CITIES, COUNTRIES, PEOPLE, TASKS, generate, lookup_drill, sample, synthesizer_trace,
                          worker_trace)
 
 

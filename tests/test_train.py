@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cluster.cli import REFERENCE_MODEL
-from engine import Engine, EngineConfig, PrefillCall
-from engine.chat import END, header, turn
-from train.train import Batches, TrainConfig, batch, draw_task, load_for_training, traces, train
+from braid.models import REFERENCE_MODEL
+from braid.engine import Engine, EngineConfig, PrefillCall
+from braid.models.chat import END, header, turn
+from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, traces, train
 
 TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, bf16=False, device="cpu")

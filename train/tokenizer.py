@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat import CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
+from braid.models.chat import CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
 
 
 _SPECIAL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))

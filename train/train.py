@@ -1,7 +1,7 @@
 """Train Braid's reference model from scratch on text-concatenated workflow traces.
 
-    python -m train.train --out models/braid-reference                  # the CPU recipe (defaults)
-    python -m train.train --num-layers 8 --rows 128 --bf16 true --loader-workers 15   # on a GPU
+    python -m braid.train.train --out models/braid-reference                  # the CPU recipe (defaults)
+    python -m braid.train.train --num-layers 8 --rows 128 --bf16 true --loader-workers 15   # on a GPU
 
 Every step draws fresh tasks (2-8 branches, random branch lengths) from the
 generators, renders each as a synthesizer trace (system, the workers' replies, the
@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engine import attention
-from engine.chat import END, PAD
-from evals.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
-from train.tokenizer import train_tokenizer
+from braid.engine import attention
+from braid.models.chat import END, PAD
+from braid.models.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
+from braid.train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
 RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "torch", "device", "loss", "held_out_accuracy")
@@ -59,7 +59,7 @@ class TrainConfig:
     max_length: int = 6  # largest per-branch length drawn in training (evaluation's default is 2-6)
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_traces: int = 2  # worker turns trained per task (of its 2-8 branches), beside the synthesizer's
-    lookup_drills: int = 0  # lookup drills per task drawn: chain worker turns over any names (evals.tasks.lookup_drill)
+    lookup_drills: int = 0  # lookup drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
     eval_every: int = 250
     # autocast matmuls to bfloat16 (weights and optimizer stay fp32): for GPUs and AVX512-BF16/AMX CPUs;
     # on AVX2-only CPUs it is emulated and measured 10x slower than fp32 (20 s vs 1.8 s a step)
@@ -365,7 +365,7 @@ def save(out: str, model, tokenizer, report: dict) -> None:
 
 
 def plot(report: dict, path: str) -> None:
-    from evals.results import pyplot
+    from braid.results import pyplot
 
     plt = pyplot()
     if plt is None:
@@ -401,7 +401,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m braid.train.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)

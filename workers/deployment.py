@@ -9,11 +9,11 @@ import zlib
 import torch
 from ray import serve
 
-from cluster.config import ClusterConfig
-from cluster.kv_chunks import tensor_bytes
-from cluster.kv_transport import KVSender, collective_backend, open_link
-from engine import DecodeCall, Engine, PrefillCall
-from engine.sampling import SamplingParams
+from braid.cluster.config import ClusterConfig
+from braid.kv.chunks import tensor_bytes
+from braid.kv.grpc_transport import KVSender, collective_backend, open_link
+from braid.engine import DecodeCall, Engine, PrefillCall
+from braid.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

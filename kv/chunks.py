@@ -10,9 +10,9 @@ import zlib
 
 import torch
 
-from engine.config import DTYPES
-from engine.errors import BraidError, FingerprintMismatchError
-from protos.kv_pb2 import KVChunk
+from braid.engine.config import DTYPES
+from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.protos.kv_pb2 import KVChunk
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

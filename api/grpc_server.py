@@ -7,9 +7,9 @@ from concurrent import futures
 import grpc
 import redis
 
-from cluster.service import AgentLogic
-from engine.errors import BraidError
-from protos import agent_pb2, agent_pb2_grpc
+from braid.api.service import AgentLogic
+from braid.engine.errors import BraidError
+from braid.protos import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ import zlib
 
 import pytest
 
-from cluster.kv_chunks import tensor_bytes
-from cluster.kv_transport import KVReceiver, KVSender, TransferError, open_link
-from engine import DecodeCall, PrefillCall, SamplingParams
-from engine.chat import WORKER_HEADER
+from braid.kv.chunks import tensor_bytes
+from braid.kv.grpc_transport import KVReceiver, KVSender, TransferError, open_link
+from braid.engine import DecodeCall, PrefillCall, SamplingParams
+from braid.models.chat import WORKER_HEADER
 
 
 def ship_two_branches(eng, receiver, sender):

@@ -1,6 +1,6 @@
 """Ship KV or re-prefill text: decided per request from measured numbers."""
 
-from protos import agent_pb2 as pb
+from braid.protos import agent_pb2 as pb
 
 
 def choose_transport(requested: int, configured: str, kv_bytes: int, branch_tokens: int,

@@ -21,10 +21,10 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from cluster.kv_chunks import ChunkError, KVAssembler, iter_chunks
-from engine.config import DTYPES
-from engine.errors import BraidError
-from protos import kv_pb2, kv_pb2_grpc
+from braid.kv.chunks import ChunkError, KVAssembler, iter_chunks
+from braid.engine.config import DTYPES
+from braid.engine.errors import BraidError
+from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 GRPC_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]

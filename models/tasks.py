@@ -31,7 +31,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.chat import END, header, turn
+from braid.models.chat import END, header, turn
 
 PEOPLE = ["ann", "bob", "cal", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee", "max", "ned",
           "ola", "pam", "ray", "sue", "tom", "uma", "vic", "wes", "yan", "zoe"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from engine.errors import UnknownMessageError
+from braid.engine.errors import UnknownMessageError
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import redis
 
-from cluster import convert
-from cluster.directory import Directory, MessageRecord
-from engine import DecodeCall, Engine, PrefillCall
-from engine.errors import BraidError, UnknownMessageError
-from engine.synthesis import synthesize_stream, synthesize_text_stream
-from protos import agent_pb2 as pb
-from engine.chat import WORKER_HEADER
+from braid.api import convert
+from braid.api.directory import Directory, MessageRecord
+from braid.engine import DecodeCall, Engine, PrefillCall
+from braid.engine.errors import BraidError, UnknownMessageError
+from braid.engine.synthesis import synthesize_stream, synthesize_text_stream
+from braid.protos import agent_pb2 as pb
+from braid.models.chat import WORKER_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 from dataclasses import dataclass
 
-from engine import DecodeCall, PrefillCall, SamplingParams
-from engine.errors import BraidError
-from engine.synthesis import Placement
-from protos import agent_pb2 as pb
+from braid.engine import DecodeCall, PrefillCall, SamplingParams
+from braid.engine.errors import BraidError
+from braid.engine.synthesis import Placement
+from braid.protos import agent_pb2 as pb
 
 
 @dataclass

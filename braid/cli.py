@@ -5,8 +5,8 @@ import logging
 import os
 import sys
 
-# The reference model trained by train/train.py and committed with the repository.
-REFERENCE_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "braid-reference")
+from braid.models import REFERENCE_MODEL
+
 
 
 def _model_path(args) -> str:
@@ -20,8 +20,8 @@ def eval_cmd(args) -> int:
     """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
     import json
 
-    from engine import Engine, EngineConfig
-    from evals.harness import (BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks,
+    from braid.engine import Engine, EngineConfig
+    from braid.evals.harness import (BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks,
                                plot_accuracy, report)
 
     def ints(text: str, what: str) -> tuple[int, ...]:
@@ -59,9 +59,9 @@ def eval_cmd(args) -> int:
 
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
-    from engine import Engine, EngineConfig
-    from evals.harness import BASE_MODES, EvalConfig, run_task
-    from evals.tasks import generate
+    from braid.engine import Engine, EngineConfig
+    from braid.evals.harness import BASE_MODES, EvalConfig, run_task
+    from braid.models.tasks import generate
 
     task = generate(args.task, args.seed, args.branches)
     engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device))
@@ -83,8 +83,8 @@ def serve_cmd(args) -> int:
 
     if args.no_auth:
         os.environ["RAY_AUTH_MODE"] = "disabled"
-    from cluster.config import ClusterConfig
-    from cluster.local import start_local_cluster
+    from braid.cluster.config import ClusterConfig
+    from braid.cluster.local import start_local_cluster
 
     path = _model_path(args)
     config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
@@ -107,8 +107,8 @@ def run_cmd(args) -> int:
     """Run a parallel-synthesis workflow on a running cluster and stream its events."""
     import grpc
 
-    from protos import agent_pb2 as pb
-    from protos import agent_pb2_grpc
+    from braid.protos import agent_pb2 as pb
+    from braid.protos import agent_pb2_grpc
 
     sampling = pb.Sampling(max_tokens=args.max_tokens, temperature=args.temperature)
     request = pb.WorkflowRequest(task=args.task, branch_prompts=args.branch, synthesis_prompt=args.prompt,

@@ -1,0 +1,7 @@
+"""`python -m braid` is the `braid` command."""
+
+import sys
+
+from braid.cli import main
+
+sys.exit(main())
