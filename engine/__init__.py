@@ -5,6 +5,7 @@ from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, T
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.engine.store import Message, MessageStore
+from braid.engine.workflow import BranchStream, fan_out
 
-__all__ = ["BraidError", "DecodeCall", "DecodeStream", "Engine", "EngineConfig", "Message", "MessageStore",
-           "PrefillCall", "SamplingParams", "TokenEvent"]
+__all__ = ["BraidError", "BranchStream", "DecodeCall", "DecodeStream", "Engine", "EngineConfig", "Message", "MessageStore",
+           "PrefillCall", "SamplingParams", "TokenEvent", "fan_out"]

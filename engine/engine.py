@@ -6,6 +6,7 @@ leaves the store exactly as it was.
 """
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -92,6 +93,10 @@ class DecodeStream:
     def __iter__(self) -> Iterator[TokenEvent]:
         self.ids = yield from self._events
 
+    def close(self) -> None:
+        """Stop a stream early (its messages are not stored) and release the engine."""
+        self._events.close()
+
     def encoded(self, call: int) -> int:
         """How many of the call's tokens (header included) already have KV."""
         return len(self._live["slots"][call]) if self._live else 0
@@ -106,6 +111,10 @@ class DecodeStream:
 
 
 class Engine:
+    """The choreography API over one model. `lock` serialises it: every call that changes the store or
+    runs the model takes it, a decode stream for as long as it runs; it is reentrant, so a caller
+    may hold it across several calls (a workflow's fan-out does)."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.lm = load_model(config)
@@ -114,6 +123,7 @@ class Engine:
         self.fingerprint = self.lm.fingerprint
         self.store = MessageStore(config.store_budget_bytes)
         self.runner = ModelRunner(self.lm)
+        self.lock = threading.RLock()
         log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
                  self.spec.max_positions)
 
@@ -128,7 +138,8 @@ class Engine:
         return self.tokenizer.decode(list(self.store.get(message_id).token_ids))
 
     def free(self, message_id: str) -> None:
-        self.store.free(message_id)
+        with self.lock:
+            self.store.free(message_id)
 
     def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
                        parents: Sequence[str] = (), parent_offsets: Sequence[int] = (),
@@ -149,12 +160,17 @@ class Engine:
             raise BraidError(f"message id {message_id!r} already exists")
         msg = Message(message_id or new_message_id(), tuple(int(t) for t in token_ids),
                       kv.to(self.lm.device).contiguous(), offset, tuple(parents), tuple(parent_offsets), fingerprint)
-        self.store.add([msg])
+        with self.lock:
+            self.store.add([msg])
         return msg.id
 
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
         """Encode each call's message in one forward; each message stays physically contiguous."""
+        with self.lock:
+            return self._prefill(calls)
+
+    def _prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
         plan = self._plan([c.message for c in calls], calls, [0] * len(calls), "message")
         with self.store.pinned(plan.parent_ids):
             cache = self._assemble(plan, extra_tokens=0, transform=None)
@@ -269,7 +285,7 @@ class Engine:
         generators = [make_generator(p, device) for p in params]
         detok = [Detokenizer(self.tokenizer, p.stop) for p in params]
         generated = [d.tokens for d in detok]
-        with self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
+        with self.lock, self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
             assemble_start = time.perf_counter()
             cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
             _sync(device)  # once per call, so the split below is true on CUDA too

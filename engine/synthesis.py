@@ -98,6 +98,32 @@ def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int
     return engine.decode_stream([DecodeCall(header, parents=list(prefix), sampling=sampling)])
 
 
+@dataclass(frozen=True)
+class SynthesisMode:
+    """How the synthesizer reads the branches: from their text (placement None), or from their KV
+    re-encoded to a placement, optionally through a cache mapper and an adapter."""
+
+    placement: Placement | None = None
+    hooks: SynthesisHooks | None = None
+
+    @property
+    def text(self) -> bool:
+        return self.placement is None
+
+
+TEXT = SynthesisMode()
+
+
+def synthesis_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,
+                     prefix: Sequence[str] = (), mode: SynthesisMode = SynthesisMode(Placement.BRANCH_POINT),
+                     sampling: SamplingParams = SamplingParams()) -> DecodeStream:
+    """The one synthesis entry point: text re-prefill or the cache path, as `mode` says.
+    In text mode a branch may be given as its token ids instead of a stored message."""
+    if mode.text:
+        return synthesize_text_stream(engine, branches, prompt, prefix, sampling)
+    return synthesize_stream(engine, branches, prompt, prefix, mode.placement, sampling, mode.hooks)
+
+
 def _run(stream: DecodeStream, on_token) -> str:
     for event in stream:
         if on_token is not None:

@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from braid.engine import DecodeCall, Engine, PrefillCall, SamplingParams
-from braid.engine.synthesis import Placement, SynthesisHooks, synthesize_stream, synthesize_text_stream
+from braid.engine import Engine, PrefillCall, SamplingParams, fan_out
+from braid.engine.synthesis import TEXT as TEXT_MODE
+from braid.engine.synthesis import Placement, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
@@ -24,19 +25,21 @@ from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
 
 @dataclass(frozen=True)
 class Mode:
+    """A named synthesis mode, as the tables show it."""
+
     name: str
-    placement: Placement | None = None  # None: text re-prefill
-    hooks: SynthesisHooks | None = None
+    synthesis: SynthesisMode = TEXT_MODE
 
 
 TEXT = Mode("text")
-BASE_MODES = (TEXT, Mode("cache:none", Placement.NONE), Mode("cache:branch_point", Placement.BRANCH_POINT),
-              Mode("cache:sequential", Placement.SEQUENTIAL))
+BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
+                      for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)))
 
 
 def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
     """The cached modes again, through a mapper/adapter: `cache:<placement>+<name>`."""
-    return [Mode(f"{m.name}+{name}", m.placement, hooks) for m in BASE_MODES if m.placement is not None]
+    return [Mode(f"{m.name}+{name}", SynthesisMode(m.synthesis.placement, hooks))
+            for m in BASE_MODES if not m.synthesis.text]
 
 
 def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:
@@ -94,31 +97,28 @@ def _drain(stream) -> list[str]:
 def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConfig) -> TaskResult:
     made: list[str] = []
     try:
-        prefix = engine.prefill([PrefillCall(turn("system", task.system))])
-        made += prefix
+        system = turn("system", task.system)
         if task.has_workers:
-            contexts = engine.prefill([PrefillCall(turn("user", b.context), parents=prefix) for b in task.branches])
-            made += contexts
-            worker = SamplingParams(max_tokens=config.worker_max_tokens)
-            stream = engine.decode_stream([DecodeCall(header("worker"), parents=[*prefix, c], sampling=worker)
-                                           for c in contexts])
-            outputs = _drain(stream)
-            branches = stream.ids
-            made += branches
+            workers = fan_out(engine, system, [turn("user", b.context) for b in task.branches], header("worker"),
+                              SamplingParams(max_tokens=config.worker_max_tokens))
+            try:
+                outputs = _drain(workers)
+            finally:
+                made += [*workers.prefix, *workers.contexts, *(workers.ids or ())]
+            prefix, branches = workers.prefix, workers.ids
             outputs = [o.removesuffix(END).strip() for o in outputs]
             workers_correct = all(o == b.output for o, b in zip(outputs, task.branches))
         else:
+            prefix = engine.prefill([PrefillCall(system)])
+            made += prefix
             branches = engine.prefill([PrefillCall(b.message(), parents=prefix) for b in task.branches])
             made += branches
             outputs, workers_correct = [], True
         result = TaskResult(task.name, task.seed, len(task.branches), task.answer, workers_correct, outputs)
         answer = SamplingParams(max_tokens=config.answer_max_tokens)
         for mode in modes:
-            if mode.placement is None:
-                stream = synthesize_text_stream(engine, branches, task.prompt(), prefix=prefix, sampling=answer)
-            else:
-                stream = synthesize_stream(engine, branches, task.prompt(), prefix=prefix, placement=mode.placement,
-                                           sampling=answer, hooks=mode.hooks)
+            stream = synthesis_stream(engine, branches, task.prompt(), prefix=prefix, mode=mode.synthesis,
+                                      sampling=answer)
             text = _drain(stream)[0]
             made += stream.ids
             result.answers[mode.name] = text

@@ -1,0 +1,76 @@
+"""Workflow building blocks: branches fanned out from a shared task, decoding in parallel.
+
+The worker deployment, the colocated path and the evaluation harness all run their
+workers through `fan_out`; synthesis has its one entry point in engine.synthesis
+(`synthesis_stream`, text or KV by `SynthesisMode`).
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, TokenEvent, Tokens
+from braid.engine.sampling import SamplingParams
+
+
+class BranchStream:
+    """m branches after one task prefix: prefill the task, prefill each branch's context after it,
+    then decode every branch in one parallel batch (one forward per step).
+
+    Iterate for TokenEvents (`event.call` is the branch index). The engine lock is held from the
+    first prefill to the last token, and `on_start(self)` runs once it is held, so a caller can
+    tell "queued" from "running". After iteration: `prefix`, `contexts`, `ids` (the branch
+    messages, header + reply) and `offsets` (where each branch message begins).
+    """
+
+    def __init__(self, engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens,
+                 sampling: SamplingParams, on_start: Callable[["BranchStream"], None] | None = None):
+        self.engine, self.task, self.context_texts = engine, task, list(contexts)
+        self.header, self.sampling, self.on_start = header, sampling, on_start
+        self.prefix: list[str] = []
+        self.contexts: list[str] = []
+        self.offsets: list[int] = []
+        self.decode: DecodeStream | None = None
+
+    def __len__(self) -> int:
+        return len(self.context_texts)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        eng = self.engine
+        with eng.lock:
+            if self.on_start is not None:
+                self.on_start(self)
+            self.prefix = eng.prefill([PrefillCall(self.task)])
+            self.contexts = eng.prefill([PrefillCall(c, parents=self.prefix) for c in self.context_texts])
+            self.offsets = [eng.message(c).end for c in self.contexts]
+            self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
+                                                        sampling=self.sampling) for c in self.contexts])
+            try:
+                yield from self.decode
+            finally:
+                self.decode.close()
+
+    @property
+    def ids(self) -> list[str] | None:
+        return self.decode.ids if self.decode is not None else None
+
+    def encoded(self, branch: int) -> int:
+        """Tokens of the branch's message (header + reply so far) that already have KV."""
+        return self.decode.encoded(branch) if self.decode is not None else 0
+
+    def partial_kv(self, branch: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
+        """Tokens [start, end) of the branch's message and their KV [L, 2, H, T, D], while it decodes."""
+        return self.decode.partial_kv(branch, start, end)
+
+    def free(self, keep_branches: bool = False) -> None:
+        """Free what the fan-out stored: the prefix, the contexts and (unless kept) the branch messages."""
+        keep = set(self.ids or ()) if keep_branches else set()
+        for mid in [*self.prefix, *self.contexts, *(self.ids or ())]:
+            if mid not in keep and mid in self.engine.store:
+                self.engine.free(mid)
+
+
+def fan_out(engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens, sampling: SamplingParams,
+            on_start: Callable[[BranchStream], None] | None = None) -> BranchStream:
+    """Branches for `contexts` after `task`, each answering after `header`; iterate the result to run them."""
+    return BranchStream(engine, task, contexts, header, sampling, on_start)
