@@ -1,0 +1,1 @@
+"""KV transport between engines: the connector interface (connector.py), chunks, and its implementations."""

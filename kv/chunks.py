@@ -1,7 +1,7 @@
 """A message's KV as a stream of checksummed chunks, and its reassembly.
 
-Every KV transport (gRPC streams, collectives, local) moves the same KVChunk units, so
-size limits, integrity and fingerprints are checked in one place. Chunks split the
+The gRPC and collective transports move the same KVChunk units, so size limits,
+integrity and fingerprints are checked in one place, once per chunk where it is received. Chunks split the
 token axis (all layers per chunk) and fall back to splitting layers when a single
 token's KV is larger than the limit.
 """
@@ -12,6 +12,7 @@ import torch
 
 from braid.engine.config import DTYPES
 from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.kv.connector import chain_digest
 from braid.protos.kv_pb2 import KVChunk
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -65,6 +66,7 @@ class KVAssembler:
         self.total_tokens = 0
         self.offset = 0
         self.bytes_received = 0
+        self.digest = 0  # over the chunks' CRC-32s, in arrival order (see braid.kv.connector)
         self._tokens: dict[int, list[int]] = {}  # token_start -> ids
         self._pieces: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}  # token range -> layers
         self._layers = 0
@@ -95,6 +97,7 @@ class KVAssembler:
         if chunk.token_ids:
             self._tokens[chunk.token_start] = list(chunk.token_ids)
         self.bytes_received += len(data)
+        self.digest = chain_digest(self.digest, chunk.crc32)
 
     @property
     def tokens_received(self) -> int:

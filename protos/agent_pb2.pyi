@@ -75,18 +75,20 @@ class WorkflowEvent(_message.Message):
     def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ...) -> None: ...
 
 class KVReceipt(_message.Message):
-    __slots__ = ("branch", "bytes", "crc32", "crc32_sent", "transfer_ms")
+    __slots__ = ("branch", "bytes", "crc32", "crc32_sent", "transfer_ms", "transport")
     BRANCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     CRC32_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     branch: int
     bytes: int
     crc32: int
     crc32_sent: int
     transfer_ms: float
-    def __init__(self, branch: _Optional[int] = ..., bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., crc32_sent: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, branch: _Optional[int] = ..., bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., crc32_sent: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class BranchToken(_message.Message):
     __slots__ = ("branch", "token_id", "text", "finish_reason")

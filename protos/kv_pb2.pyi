@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset", "link_id")
+    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset", "link_id", "open")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class KVChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     fingerprint: str
     layer_start: int
@@ -40,7 +41,16 @@ class KVChunk(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     link_id: str
-    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., link_id: _Optional[str] = ...) -> None: ...
+    open: bool
+    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., link_id: _Optional[str] = ..., open: _Optional[bool] = ...) -> None: ...
+
+class AbandonRequest(_message.Message):
+    __slots__ = ("stream_ids", "reason")
+    STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stream_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, stream_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("link_id", "backend")

@@ -45,6 +45,11 @@ class KVTransferStub:
                 request_serializer=braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/braid.v1.KVTransfer/Abandon',
+                request_serializer=braid_dot_protos_dot_kv__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.PushAck.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -64,6 +69,13 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """The workflow these streams belong to was given up (a worker failed, the client left): stop waiting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.OpenLink,
                     request_deserializer=braid_dot_protos_dot_kv__pb2.LinkRequest.FromString,
                     response_serializer=braid_dot_protos_dot_kv__pb2.LinkInfo.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.AbandonRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.PushAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class KVTransfer:
             '/braid.v1.KVTransfer/OpenLink',
             braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
             braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/braid.v1.KVTransfer/Abandon',
+            braid_dot_protos_dot_kv__pb2.AbandonRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

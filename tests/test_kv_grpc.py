@@ -1,12 +1,17 @@
 """Shipping decoding branches' KV over a real gRPC stream, with payloads inline or on a gloo link."""
 
+import threading
+import time
 import zlib
 
 import pytest
 
-from braid.kv.chunks import tensor_bytes
-from braid.kv.grpc_transport import KVReceiver, KVSender, TransferError, open_link
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
+from braid.kv.chunks import tensor_bytes
+from braid.kv.collective import CollectiveSender, open_link
+from braid.kv.connector import BranchChunk, TransferError
+from braid.kv.grpc_transport import GrpcSender, abandon
+from braid.kv.receiver import KVReceiver
 from braid.models.chat import WORKER_HEADER
 
 
@@ -17,17 +22,18 @@ def ship_two_branches(eng, receiver, sender):
         max_tokens=n, ignore_eos=True)) for n in (20, 13)])
     offset = eng.message(p).end
     shipped = [0, 0]
+    sender.open(["wf:0", "wf:1"])
     for event in stream:
         c = event.call
         if stream.encoded(c) - shipped[c] >= 4:
             toks, kv = stream.partial_kv(c, shipped[c], stream.encoded(c))
-            sender.send(f"wf:{c}", f"b{c}", offset, toks, kv, shipped[c])
+            sender.send(BranchChunk(f"wf:{c}", f"b{c}", offset, shipped[c], toks, kv))
             shipped[c] = stream.encoded(c)
     messages = [eng.message(m) for m in stream.ids]
     for c, msg in enumerate(messages):
         toks, kv = stream.partial_kv(c, shipped[c], msg.num_tokens)
-        sender.send(f"wf:{c}", f"b{c}", offset, toks, kv, shipped[c], total_tokens=msg.num_tokens)
-    return messages, sender.close()
+        sender.send(BranchChunk(f"wf:{c}", f"b{c}", offset, shipped[c], toks, kv, total_tokens=msg.num_tokens))
+    return messages, sender.finish()
 
 
 @pytest.mark.parametrize("collective", [False, True], ids=["grpc", "gloo"])
@@ -35,15 +41,20 @@ def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine, collective
     eng = llama_engine
     receiver = KVReceiver(eng.fingerprint)
     try:
-        link = open_link(receiver.address, "worker-1", "gloo") if collective else None
-        sender = KVSender(receiver.address, eng.fingerprint, max_chunk_bytes=700, link=link,
-                          link_id="worker-1" if collective else "")
-        messages, ack = ship_two_branches(eng, receiver, sender)
-        assert ack.bytes == sender.bytes == sum(m.nbytes for m in messages) and ack.chunks > 6
+        if collective:
+            sender = CollectiveSender(receiver.address, eng.fingerprint, open_link(receiver.address, "worker-1", "gloo"),
+                                      "worker-1", max_chunk_bytes=700)
+        else:
+            sender = GrpcSender(receiver.address, eng.fingerprint, max_chunk_bytes=700)
+        messages, sent = ship_two_branches(eng, receiver, sender)
+        assert sum(s.bytes for s in sent.values()) == sum(m.nbytes for m in messages)
+        assert sum(s.chunks for s in sent.values()) > 6
         for c, msg in enumerate(messages):
-            got = receiver.wait(f"wf:{c}", timeout=10)
+            got = receiver.wait(f"wf:{c}", idle_timeout=10)
             assert got.bytes == msg.nbytes and 0 < got.tail_bytes < got.bytes and got.tail_seconds >= 0
             assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
+            assert got.transport == ("collective" if collective else "grpc")
+            assert got.digest == sent[f"wf:{c}"].digest != 0  # the chunks the worker sent are the ones checked here
             assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv))
     finally:
         receiver.stop()
@@ -54,21 +65,54 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
     receiver = KVReceiver(eng.fingerprint)
     try:
         kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv
-        half = KVSender(receiver.address, eng.fingerprint)
-        half.send("s1", "m", 0, [1, 2], kv[:, :, :, :2], 0)  # total never announced
+        half = GrpcSender(receiver.address, eng.fingerprint)
+        half.send(BranchChunk("s1", "m", 0, 0, [1, 2], kv[:, :, :, :2]))  # total never announced
         with pytest.raises(TransferError, match="DATA_LOSS.*incomplete"):
-            half.close()
-        foreign = KVSender(receiver.address, "another-model")
-        foreign.send("s2", "m", 0, [1], kv[:, :, :, :1], 0, total_tokens=1)
+            half.finish()
+        foreign = GrpcSender(receiver.address, "another-model")
+        foreign.send(BranchChunk("s2", "m", 0, 0, [1], kv[:, :, :, :1], total_tokens=1))
         with pytest.raises(TransferError, match="FAILED_PRECONDITION"):
-            foreign.close()
-        unknown_link = KVSender(receiver.address, eng.fingerprint)
+            foreign.finish()
+        unknown_link = GrpcSender(receiver.address, eng.fingerprint)
         unknown_link.link_id = "never-opened"
-        unknown_link.send("s3", "m", 0, [1], kv[:, :, :, :1], 0, total_tokens=1)
+        unknown_link.send(BranchChunk("s3", "m", 0, 0, [1], kv[:, :, :, :1], total_tokens=1))
         with pytest.raises(TransferError, match="never opened"):
-            unknown_link.close()
-        with pytest.raises(TransferError, match="did not arrive"):
-            receiver.wait("never", timeout=0.1)
+            unknown_link.finish()
+        with pytest.raises(TransferError, match="no worker started"):
+            receiver.wait("never", idle_timeout=0.1, queue_timeout=0.1)
         assert "never" not in receiver._streams  # a timed-out stream is not kept
+    finally:
+        receiver.stop()
+
+
+def test_wait_clock_starts_when_the_worker_starts_and_abandon_ends_it(llama_engine):
+    """Queued time is not counted against the idle limit; an opened stream that goes quiet fails; Abandon
+    (from whoever gave the workflow up) wakes the waiter at once."""
+    eng = llama_engine
+    receiver = KVReceiver(eng.fingerprint)
+    try:
+        kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv
+        sender = GrpcSender(receiver.address, eng.fingerprint)
+
+        def late_worker():
+            time.sleep(0.6)  # queued for longer than the idle limit
+            sender.open(["q"])
+            sender.send(BranchChunk("q", "m", 0, 0, [1], kv[:, :, :, :1], total_tokens=1))
+            sender.finish()
+
+        threading.Thread(target=late_worker).start()
+        assert receiver.wait("q", idle_timeout=0.3).token_ids == [1]
+
+        quiet = GrpcSender(receiver.address, eng.fingerprint)
+        quiet.open(["idle"])
+        with pytest.raises(TransferError, match="stopped arriving"):
+            receiver.wait("idle", idle_timeout=0.3)
+        quiet.abort("test over")
+
+        threading.Timer(0.2, abandon, args=(receiver.address, ["gone"], "a worker failed")).start()
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="abandoned: a worker failed"):
+            receiver.wait("gone", idle_timeout=30)
+        assert time.monotonic() - start < 5
     finally:
         receiver.stop()

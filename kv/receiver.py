@@ -1,0 +1,194 @@
+"""The receiving side of the KV connector: one per synthesizer engine, for every transport.
+
+A gRPC KVTransfer server takes chunk streams from workers (payloads inline, or on a
+collective link it sets up on request); a worker in the same process hands messages over
+locally. The synthesizer calls `wait` for each branch stream of a workflow, then
+`import_message` to store it in its engine.
+
+Time limits count the stream's own work: a stream waits without a clock while its worker
+has not started (up to `queue_timeout`), then fails if nothing arrives for `idle_timeout`.
+A broken sender connection or an `Abandon` call fails the streams at once.
+"""
+
+import logging
+import threading
+import time
+from concurrent import futures
+from datetime import timedelta
+
+import grpc
+import torch.distributed as dist
+
+from braid.engine import Engine
+from braid.engine.config import DTYPES
+from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.kv import local
+from braid.kv.chunks import ChunkError, KVAssembler
+from braid.kv.collective import CollectiveLink
+from braid.kv.connector import ReceivedStream, TransferError
+from braid.kv.grpc_transport import GRPC_LIMITS
+from braid.protos import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self, fingerprint: str):
+        self.assembler = KVAssembler(fingerprint)
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        self.created = time.monotonic()
+        self.active: float | None = None  # last sign of work: the open announcement or a chunk
+        self.transport = "grpc"
+        self.local_message = ""
+        self.tail_start: float | None = None
+        self.tail_bytes = 0
+        self.finished: float | None = None
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class _PendingLink:
+    def __init__(self):
+        self.ready = threading.Event()
+        self.link: CollectiveLink | None = None
+        self.error: Exception | None = None
+
+
+class KVReceiver(kv_pb2_grpc.KVTransferServicer):
+    """Called by: workers (Push, OpenLink over gRPC; `opened`/`deliver_local` in process), the ingress
+    (Abandon, when a workflow is given up) and the synthesizer (`wait`, `import_message`)."""
+
+    def __init__(self, fingerprint: str, host: str = "127.0.0.1", port: int = 0):
+        self.fingerprint, self.host = fingerprint, host
+        self._streams: dict[str, _Stream] = {}
+        self._links: dict[str, _PendingLink] = {}
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS)
+        kv_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
+        self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
+        self._server.start()
+        local.register(self.address, self)
+
+    def _stream(self, stream_id: str) -> _Stream:
+        with self._lock:
+            return self._streams.setdefault(stream_id, _Stream(self.fingerprint))
+
+    # ---- the receiving side's API ----------------------------------------------------------------
+    def opened(self, stream_id: str) -> None:
+        """A sender started working on the stream (or made progress): its idle clock restarts."""
+        self._stream(stream_id).active = time.monotonic()
+
+    def deliver_local(self, stream_id: str, message_id: str, fingerprint: str) -> None:
+        """A worker on this engine finished the branch: the message is in the shared store."""
+        stream = self._stream(stream_id)
+        if fingerprint != self.fingerprint:
+            stream.fail(FingerprintMismatchError(f"stream {stream_id!r} was encoded by model {fingerprint}, this "
+                                                 f"engine runs {self.fingerprint}"))
+            return
+        stream.transport, stream.local_message = "local", message_id
+        stream.finished = stream.active = time.monotonic()
+        stream.done.set()
+
+    def abandon(self, stream_ids, reason: str) -> None:
+        for sid in stream_ids:
+            self._stream(sid).fail(TransferError(f"KV stream {sid!r} abandoned: {reason}"))
+
+    def wait(self, stream_id: str, idle_timeout: float, queue_timeout: float = 3600.0) -> ReceivedStream:
+        """Block until the stream's message is complete; raises TransferError on error or timeout."""
+        stream = self._stream(stream_id)
+        try:
+            while not stream.done.is_set():
+                now = time.monotonic()
+                if stream.active is None and now - stream.created > queue_timeout:
+                    raise TransferError(f"no worker started on KV stream {stream_id!r} within {queue_timeout:.0f} s")
+                if stream.active is not None and now - stream.active > idle_timeout:
+                    raise TransferError(f"KV for {stream_id!r} stopped arriving: nothing for {idle_timeout:.0f} s "
+                                        f"({stream.assembler.tokens_received} tokens received)")
+                stream.done.wait(min(1.0, idle_timeout, queue_timeout))
+        finally:
+            with self._lock:  # forget the stream either way: an abandoned one must not keep its KV here
+                self._streams.pop(stream_id, None)
+        if stream.error is not None:
+            raise stream.error
+        a = stream.assembler
+        if stream.transport == "local":
+            return ReceivedStream(stream_id, stream.local_message, [], None, 0, 0, 0, "local")
+        return ReceivedStream(stream_id, a.message_id, a.token_ids(), a.tensor(), a.offset, a.bytes_received,
+                              a.digest, stream.transport, stream.tail_bytes, stream.finished - stream.tail_start)
+
+    def import_message(self, engine: Engine, got: ReceivedStream) -> str:
+        """Store a received branch in `engine` (checked like any parent); a local one is already there."""
+        if got.kv is None:
+            engine.message(got.message_id)  # NOT_FOUND if it was freed meanwhile
+            return got.message_id
+        return engine.import_message(got.token_ids, got.kv, got.offset, self.fingerprint)
+
+    def stop(self) -> None:
+        local.unregister(self.address)
+        self._server.stop(0)
+
+    # ---- gRPC ------------------------------------------------------------------------------------
+    def OpenLink(self, request, context):
+        store = dist.TCPStore(self.host, 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        pending = _PendingLink()
+
+        def join():  # blocks until the sender's rank joins
+            try:
+                pending.link = CollectiveLink(store, 0, request.backend)
+            except Exception as e:  # noqa: BLE001 - reported to whoever waits on the link
+                pending.error = e
+            pending.ready.set()
+
+        with self._lock:
+            self._links[request.link_id] = pending
+        threading.Thread(target=join, daemon=True, name=f"link-{request.link_id}").start()
+        return kv_pb2.LinkInfo(host=self.host, port=store.port)
+
+    def _link(self, link_id: str) -> CollectiveLink:
+        pending = self._links.get(link_id)
+        if pending is None:
+            raise ChunkError(f"KV chunk names collective link {link_id!r}, which was never opened")
+        if not pending.ready.wait(60) or pending.error is not None:
+            raise TransferError(f"collective link {link_id!r} did not come up: {pending.error or 'timeout'}")
+        return pending.link
+
+    def Abandon(self, request, context):
+        self.abandon(list(request.stream_ids), request.reason or "the workflow was given up")
+        return kv_pb2.PushAck()
+
+    def Push(self, request_iterator, context):
+        touched: dict[str, _Stream] = {}
+        chunks = 0
+        try:
+            for chunk in request_iterator:
+                stream = touched.setdefault(chunk.stream_id, self._stream(chunk.stream_id))
+                stream.active = time.monotonic()
+                if chunk.open:
+                    continue
+                piece = self._link(chunk.link_id).recv(chunk.shape, DTYPES[chunk.dtype]) if chunk.link_id else None
+                stream.transport = "collective" if chunk.link_id else "grpc"
+                stream.assembler.add(chunk, piece)
+                chunks += 1
+                if chunk.total_tokens:
+                    stream.tail_start = stream.tail_start or time.perf_counter()
+                    stream.tail_bytes += len(chunk.data) if piece is None else piece.numel() * piece.element_size()
+                if stream.assembler.complete and not stream.done.is_set():
+                    stream.finished = time.perf_counter()
+                    stream.done.set()
+            incomplete = [sid for sid, s in touched.items() if not s.done.is_set()]
+            if incomplete:
+                raise ChunkError(f"KV stream ended with {', '.join(map(repr, incomplete))} incomplete")
+            return kv_pb2.PushAck(bytes=sum(s.assembler.bytes_received for s in touched.values()), chunks=chunks)
+        except BraidError as e:
+            for s in touched.values():
+                s.fail(e)
+            context.abort(grpc.StatusCode[e.code], str(e))
+        except Exception as e:  # noqa: BLE001 - the sender went away (its process died, it cancelled)
+            for s in touched.values():
+                s.fail(TransferError(f"the worker's KV stream broke: {type(e).__name__}: {e}"))
+            raise
