@@ -1,43 +1,103 @@
-"""Between agent-API protos and engine calls; bad fields become BraidErrors (INVALID_ARGUMENT)."""
+"""Between agent-API protos and typed requests; a bad field becomes a BraidError that names it."""
 
+import secrets
 from dataclasses import dataclass
 
+from braid.api.messages import SynthesizerInfo
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
-from braid.engine.errors import BraidError
+from braid.engine.errors import BraidError, ContextOverflowError
 from braid.engine.synthesis import Placement
 from braid.protos import agent_pb2 as pb
 
+TRANSPORT_NAMES = ", ".join(pb.Transport.keys())
+
 
 @dataclass
-class WorkflowParams:
-    placement: Placement
+class Workflow:
+    """One RunWorkflow request, validated whole: it carries the request through the ingress."""
+
+    id: str
+    session: str  # empty: a new session
+    task: str
+    prompts: list[str]
+    synthesis_prompt: str
     worker_sampling: SamplingParams
     answer_sampling: SamplingParams
+    placement: Placement
+    transport: int  # as requested (pb.Transport)
+    branch_limit: int  # the most tokens one branch message can hold: worker header + max_tokens
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.prompts)
 
 
-def workflow_params(request: pb.WorkflowRequest, default_max_tokens: int, max_branches: int) -> WorkflowParams:
-    """The checks every workflow request gets, wherever it runs."""
+def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, header: str, default_max_tokens: int,
+             max_branches: int, colocated: bool) -> Workflow:
+    """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's."""
+    if request.transport not in pb.Transport.values():
+        raise BraidError(f"transport {request.transport} is not a Transport value ({TRANSPORT_NAMES})")
+    if colocated and request.transport in (pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):
+        raise BraidError(f"transport {pb.Transport.Name(request.transport)} needs separate worker and synthesizer "
+                         "engines; this cluster is colocated (use TRANSPORT_LOCAL, TRANSPORT_TEXT or leave it unset)")
+    if not colocated and request.transport == pb.TRANSPORT_LOCAL:
+        raise BraidError("transport TRANSPORT_LOCAL needs a colocated cluster (braid serve --colocate); use "
+                         "TRANSPORT_GRPC, TRANSPORT_COLLECTIVE, TRANSPORT_TEXT or leave it unspecified")
     n = len(request.branch_prompts)
     if not 1 <= n <= max_branches:
         raise BraidError(f"{n} branch_prompts given; a workflow takes 1 to {max_branches}")
+    for j, prompt in enumerate(request.branch_prompts):
+        if not prompt:
+            raise BraidError(f"branch_prompts[{j}] is empty; every branch needs an instruction")
     if not request.synthesis_prompt:
         raise BraidError("synthesis_prompt is empty")
     try:
         placement = Placement(request.placement or Placement.BRANCH_POINT)
     except ValueError:
         raise BraidError(f"placement {request.placement!r} is not one of {[p.value for p in Placement]}") from None
-    return WorkflowParams(placement, sampling(request.worker_sampling, default_max_tokens),
-                          sampling(request.synthesis_sampling, default_max_tokens))
+    worker = sampling(request.worker_sampling, default_max_tokens, "worker_sampling")
+    answer = sampling(request.synthesis_sampling, default_max_tokens, "synthesis_sampling")
+    wf = Workflow(secrets.token_hex(8), request.session_id, request.task or " ", list(request.branch_prompts),
+                  request.synthesis_prompt, worker, answer, placement, request.transport,
+                  len(tokenize(header)) + worker.max_tokens)
+    _check_context(wf, info.max_positions, tokenize, text=request.transport == pb.TRANSPORT_TEXT)
+    return wf
 
 
-def sampling(msg: pb.Sampling, default_max_tokens: int) -> SamplingParams:
+def _check_context(wf: Workflow, limit: int, tokenize, text: bool) -> None:
+    """Refuse what would overflow the context, at the most the sampling caps allow (as vLLM does)."""
+    task = len(tokenize(wf.task))
+    ends = []  # where each branch message can end
+    for j, prompt in enumerate(wf.prompts):
+        end = task + len(tokenize(prompt)) + wf.branch_limit
+        if end > limit:
+            raise ContextOverflowError(
+                f"branch_prompts[{j}]: task + branch prompt + worker header + worker_sampling.max_tokens "
+                f"({wf.worker_sampling.max_tokens}) = {end} positions exceed the model's {limit}")
+        ends.append(end)
+    m, b = wf.num_branches, wf.branch_limit
+    if text or wf.placement is Placement.SEQUENTIAL:
+        synth_at = task + m * b
+    elif wf.placement is Placement.BRANCH_POINT:
+        synth_at = task + b
+    else:
+        synth_at = max(ends)
+    need = synth_at + len(tokenize(wf.synthesis_prompt)) + wf.answer_sampling.max_tokens
+    if need > limit:
+        raise ContextOverflowError(
+            f"synthesis_prompt: {m} branches of up to {b} tokens ({wf.placement.value if not text else 'text'}), the "
+            f"prompt and synthesis_sampling.max_tokens ({wf.answer_sampling.max_tokens}) need up to {need} positions; "
+            f"the model has {limit}. Lower the max_tokens or send fewer or shorter branches")
+
+
+def sampling(msg: pb.Sampling, default_max_tokens: int, field: str = "sampling") -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=msg.max_tokens or default_max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
             stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             seed=msg.seed if msg.HasField("seed") else None)
     except ValueError as e:
-        raise BraidError(f"sampling: {e}") from None
+        raise BraidError(f"{field}: {e}") from None
 
 
 def _offsets(values, parents) -> list[int | None] | None:

@@ -1,4 +1,5 @@
-"""Serving AgentLogic over plain gRPC (the in-process server; Ray Serve's proxy is the other)."""
+"""Serving the agent API over a plain gRPC server (in one process; Ray Serve's proxy is the other), and the
+mapping of every error to a gRPC status."""
 
 import functools
 import logging
@@ -8,6 +9,7 @@ import grpc
 import redis
 
 from braid.api.service import AgentLogic
+from braid.api.workflow import WorkflowDriver, iterate_blocking
 from braid.engine.errors import BraidError
 from braid.protos import agent_pb2, agent_pb2_grpc
 
@@ -49,18 +51,22 @@ def _streaming(fn):
 STREAMING = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods if m.server_streaming}
 
 
-def make_servicer(logic: AgentLogic) -> agent_pb2_grpc.AgentServiceServicer:
+def make_servicer(logic: AgentLogic, workflows: WorkflowDriver) -> agent_pb2_grpc.AgentServiceServicer:
     servicer = agent_pb2_grpc.AgentServiceServicer()
     for method in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
-        fn = getattr(logic, method.name)
+        if method.name == "RunWorkflow":
+            fn = lambda request: iterate_blocking(workflows.run(request))  # noqa: E731
+        else:
+            fn = getattr(logic, method.name)
         setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn))
     return servicer
 
 
-def start_server(logic: AgentLogic, host: str = "127.0.0.1", port: int = 0, workers: int = 8):
+def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
+                 workers: int = 8):
     """Start a gRPC server for the agent API; returns (server, bound port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic), server)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     log.info("agent API on %s:%d", host, bound)

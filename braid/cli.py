@@ -84,7 +84,7 @@ def serve_cmd(args) -> int:
     if args.no_auth:
         os.environ["RAY_AUTH_MODE"] = "disabled"
     from braid.cluster.config import ClusterConfig
-    from braid.cluster.local import start_local_cluster
+    from braid.cluster.local import APP, start_local_cluster
 
     path = _model_path(args)
     config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
@@ -92,8 +92,11 @@ def serve_cmd(args) -> int:
                            kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port)
     cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
     try:
-        print(f"braid: serving the agent API over gRPC on port {config.grpc_port} (model {path}, "
-              f"redis {cluster.redis_url}); Ctrl-C stops", flush=True)
+        print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on {cluster.address}\n"
+              f"  model      {path}\n  redis      {cluster.redis_url}\n"
+              f"  dashboard  {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
+              f"  metrics    {cluster.metrics_url or 'unknown'} (Prometheus text, braid metrics prefixed ray_braid_)\n"
+              "Ctrl-C stops", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -1,12 +1,14 @@
-"""One validated configuration for the whole cluster."""
+"""One validated configuration for the whole cluster; each deployment gets the part it needs."""
 
 import os
 from dataclasses import dataclass
 
+from braid.api.service import ServiceConfig
+from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.models.chat import WORKER_HEADER
-
-TRANSPORTS = ("auto", "grpc", "collective", "text")
+from braid.synthesizer.runner import SynthesizerConfig
+from braid.workers.runner import WorkerConfig
 
 
 @dataclass
@@ -23,7 +25,8 @@ class ClusterConfig:
     # collective: NCCL between GPUs (gloo on CPU)
     kv_chunk_bytes: int = 1 << 20  # under gRPC's 4 MiB default message limit
     kv_schedule: tuple[int, ...] = (8, 128, 256)  # staircase: ship after 8 tokens, then every 128, then 256
-    kv_wait_timeout_s: float = 120.0
+    kv_wait_timeout_s: float = 120.0  # a started branch's KV may go this long without a chunk
+    kv_queue_timeout_s: float = 3600.0  # a branch may wait this long for a worker to start on it
     default_max_tokens: int = 128
     max_branches: int = 16
     redis_url: str | None = None  # None: the embedded server
@@ -34,23 +37,30 @@ class ClusterConfig:
     def __post_init__(self):
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ValueError(f"model_path {self.model_path!r} holds no checkpoint (no config.json)")
-        for name in ("worker_replicas", "synthesizer_replicas", "default_max_tokens", "max_branches",
-                     "kv_chunk_bytes", "store_budget_bytes", "session_ttl_s"):
+        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
-        if not self.kv_schedule or any(s < 1 for s in self.kv_schedule):
-            raise ValueError(f"kv_schedule must be positive token counts, got {self.kv_schedule}")
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port {self.grpc_port} is not a port number")
-        if self.kv_wait_timeout_s <= 0:
-            raise ValueError(f"kv_wait_timeout_s must be positive, got {self.kv_wait_timeout_s}")
+        # The parts validate themselves: a bad value fails here, not in a replica.
+        self.worker_config(), self.synthesizer_config(), self.workflow_config(), self.service_config()
 
-    def engine_config(self, device: str) -> EngineConfig:
-        return EngineConfig(self.model_path, dtype=self.dtype, device=device,
-                            store_budget_bytes=self.store_budget_bytes)
+    def engine_config(self) -> EngineConfig:
+        """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible)."""
+        return EngineConfig(self.model_path, dtype=self.dtype, device="auto", store_budget_bytes=self.store_budget_bytes)
 
-    def ship_after(self, shipped_chunks: int) -> int:
-        """Tokens to accumulate before the next KV chunk (the last step repeats)."""
-        return self.kv_schedule[min(shipped_chunks, len(self.kv_schedule) - 1)]
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))
+
+    def synthesizer_config(self) -> SynthesizerConfig:
+        return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s)
+
+    def service_config(self) -> ServiceConfig:
+        return ServiceConfig(default_max_tokens=self.default_max_tokens)
+
+    def workflow_config(self) -> WorkflowConfig:
+        return WorkflowConfig(self.kv_transport, self.colocate,
+                              self.synthesizer_replicas if self.colocate else self.worker_replicas,
+                              self.default_max_tokens, self.max_branches, self.worker_header)

@@ -20,6 +20,8 @@ class LocalCluster:
     config: ClusterConfig
     redis_url: str
     redis_server: EmbeddedRedis | None
+    dashboard_url: str | None = None  # the Ray dashboard, when started
+    metrics_url: str | None = None  # this node's Prometheus export (Serve metrics are prefixed ray_)
 
     @property
     def address(self) -> str:
@@ -38,9 +40,9 @@ def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dash
     redis_url = config.redis_url or redis_server.url
     for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                     log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                     _metrics_export_port=metrics_port)
+            ctx = ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                           log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                           _metrics_export_port=metrics_port)
             break
         except Exception:  # noqa: BLE001
             ray.shutdown()
@@ -50,6 +52,13 @@ def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dash
                 raise
     serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER]),
                 http_options={"host": "127.0.0.1"})
+    # Serve's proxy routes gRPC by the `application` metadata, but only to apps with a route prefix; its
+    # "ready at http://..." line names that HTTP route, which is not the agent API, so it is not shown.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.run(build_app(config, redis_url), name=APP, route_prefix=f"/{APP}")
     log.info("cluster up: agent API on %s, redis %s", config.grpc_port, redis_url)
-    return LocalCluster(config, redis_url, redis_server)
+    dashboard_url = ctx.dashboard_url and f"http://{ctx.dashboard_url}"
+    node = next((n for n in ray.nodes() if n.get("Alive")), {})
+    export = node.get("MetricsExportPort") or metrics_port
+    return LocalCluster(config, redis_url, redis_server, dashboard_url or None,
+                        f"http://127.0.0.1:{export}/metrics" if export else None)

@@ -1,7 +1,7 @@
 """Engine configuration: one validated dataclass."""
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,19 +23,22 @@ class EngineConfig:
             raise ValueError(f"model_path {self.model_path!r} has no config.json")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.store_budget_bytes <= 0:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
         if self.max_parallel_calls <= 0:
             raise ValueError(f"max_parallel_calls must be positive, got {self.max_parallel_calls}")
 
+    def resolved(self) -> "EngineConfig":
+        """This config on this machine: "auto" device and dtype made concrete (the engine calls it, so a
+        config built on a CPU-only head resolves on the GPU replica that runs it)."""
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
+        return replace(self, device=device, dtype=dtype)
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.resolved().dtype]

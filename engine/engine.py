@@ -116,7 +116,7 @@ class Engine:
     may hold it across several calls (a workflow's fan-out does)."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
+        self.config = config = config.resolved()
         self.lm = load_model(config)
         self.spec = self.lm.spec
         self.tokenizer = self.lm.tokenizer

@@ -4,8 +4,7 @@ import grpc
 import pytest
 
 from braid.api.directory import Directory, EmbeddedRedis
-from braid.api.grpc_server import start_server
-from braid.api.service import AgentLogic
+from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.synthesis import synthesize
 from braid.protos import agent_pb2 as pb
@@ -17,12 +16,11 @@ from braid.models.chat import WORKER_HEADER
 def api(checkpoint):
     redis_server = EmbeddedRedis()
     engine = Engine(EngineConfig(checkpoint("llama")))
-    logic = AgentLogic(engine, Directory.connect(redis_server.url))
-    server, port = start_server(logic)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield agent_pb2_grpc.AgentServiceStub(channel), logic
+    server = start_in_process(engine, Directory.connect(redis_server.url))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield agent_pb2_grpc.AgentServiceStub(channel), server.logic
     channel.close()
-    server.stop(0)
+    server.stop()
     redis_server.stop()
 
 
@@ -71,7 +69,7 @@ def test_workflow_matches_in_process_pipeline(api):
     branches = eng.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=greedy) for c in ctx])
     local = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
     assert answer == list(eng.message(local).token_ids[-6:])
-    assert events[-1].done.answer_text == eng.text(local)
+    assert events[-1].done.answer_text == eng.tokenizer.decode(answer)  # the answer alone, without the prompt
 
     text_events = list(stub.RunWorkflow(pb.WorkflowRequest(
         task=req.task, branch_prompts=req.branch_prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,

@@ -1,0 +1,98 @@
+"""The AgentIngress deployment: the agent API behind Serve's gRPC proxy (methods named as the RPCs)."""
+
+import logging
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from braid.api.directory import Directory
+from braid.api.grpc_server import grpc_status
+from braid.api.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
+from braid.api.metrics import metrics
+from braid.api.workflow import WorkflowConfig, WorkflowDriver, cause
+from braid.protos import agent_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def _fail(context, exc: BaseException):
+    """Raise with the status a client should see; Serve's proxy keeps a code set before raising."""
+    exc = cause(exc)
+    if context is not None and isinstance(exc, Exception):
+        code, details = grpc_status(exc)
+        context.set_code(code)
+        context.set_details(details)
+    raise exc from None
+
+
+class ServeRoles:
+    """The workflow roles as Serve deployment handles (colocated: both are the synthesizer's)."""
+
+    def __init__(self, workers: DeploymentHandle, synthesizer: DeploymentHandle):
+        self.workers, self.synth = workers, synthesizer
+
+    async def info(self) -> SynthesizerInfo:
+        return await self.synth.info.remote()
+
+    def branches(self, req: BranchRequest):
+        return self.workers.options(stream=True).run_branches.remote(req)
+
+    def synthesis(self, req: SynthesisRequest):
+        return self.synth.options(stream=True).synthesize.remote(req)
+
+
+@serve.deployment(name="AgentIngress")
+class AgentIngress:
+    def __init__(self, workers: DeploymentHandle, synthesizer: DeploymentHandle, config: WorkflowConfig,
+                 redis_url: str, session_ttl_s: int, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.synth = synthesizer
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.workflows = WorkflowDriver(ServeRoles(workers, synthesizer), Directory.connect(redis_url, session_ttl_s),
+                                        config, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        self.workflows.metrics = metrics()
+
+    # ---- session-level calls: answered by the synthesizer that holds the session's messages ----
+    async def _unary(self, name, request, grpc_context):
+        try:
+            return await self.synth.agent_unary.remote(name, request)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            _fail(grpc_context, e)
+
+    async def _stream(self, name, request, grpc_context):
+        try:
+            async for event in self.synth.options(stream=True).agent_stream.remote(name, request):
+                yield event
+        except Exception as e:  # noqa: BLE001
+            _fail(grpc_context, e)
+
+    async def Health(self, request, grpc_context=None):
+        return await self._unary("Health", request, grpc_context)
+
+    async def Prefill(self, request, grpc_context=None):
+        return await self._unary("Prefill", request, grpc_context)
+
+    async def GetMessage(self, request, grpc_context=None):
+        return await self._unary("GetMessage", request, grpc_context)
+
+    async def ListSessions(self, request, grpc_context=None):
+        return await self._unary("ListSessions", request, grpc_context)
+
+    async def CloseSession(self, request, grpc_context=None):
+        return await self._unary("CloseSession", request, grpc_context)
+
+    async def Decode(self, request, grpc_context=None):
+        async for event in self._stream("Decode", request, grpc_context):
+            yield event
+
+    async def Generate(self, request, grpc_context=None):
+        async for event in self._stream("Generate", request, grpc_context):
+            yield event
+
+    async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
+        try:
+            async for event in self.workflows.run(request):
+                yield event
+        except Exception as e:  # noqa: BLE001
+            _fail(grpc_context, e)

@@ -1,0 +1,101 @@
+"""Typed messages between the ingress, the workers and the synthesizer (what Serve carries between them)."""
+
+from dataclasses import dataclass, field
+
+from braid.engine.sampling import SamplingParams
+from braid.engine.synthesis import SynthesisMode
+
+
+@dataclass
+class BranchRequest:
+    """Ingress -> worker: decode these branches of a workflow as one parallel batch."""
+
+    workflow: str
+    task: str
+    indices: list[int]  # the branches' places in the workflow
+    prompts: list[str]
+    sampling: SamplingParams
+    transport: str  # "text" (no KV shipped), "grpc", "collective" or "local"
+    kv_address: str = ""  # the synthesizer's KV receiver, in KV modes
+
+
+@dataclass
+class BranchToken:
+    """Worker -> ingress, per decoded token."""
+
+    branch: int
+    token_id: int
+    text: str
+    finish_reason: str = ""
+
+
+@dataclass
+class BranchDone:
+    """Worker -> ingress, once the branch's KV (if any) is with the synthesizer."""
+
+    branch: int
+    token_ids: list[int]
+    kv_bytes: int
+    digest: int  # of the chunks sent (braid.kv.connector); 0 when nothing was copied
+
+
+@dataclass
+class SynthesisRequest:
+    """Ingress -> synthesizer."""
+
+    workflow: str
+    session: str
+    task: str
+    prompt: str
+    mode: SynthesisMode  # text re-prefill, or KV re-encoded to a placement
+    sampling: SamplingParams
+    branches: int
+    transport: str  # text, grpc, collective or local: as decided (metrics are tagged with it)
+    branch_tokens: list[list[int]] = field(default_factory=list)  # text mode: the workers' replies
+
+
+@dataclass
+class SynthesisOpened:
+    """Synthesizer -> ingress, first: where workers push this workflow's KV."""
+
+    kv_address: str
+
+
+@dataclass
+class KVArrived:
+    """Synthesizer -> ingress: a branch's KV is complete (not sent for local hand-overs, which copy nothing)."""
+
+    branch: int
+    bytes: int
+    digest: int
+    transfer_ms: float
+    transport: str
+
+
+@dataclass
+class AnswerToken:
+    token_id: int
+    text: str
+    finish_reason: str = ""
+    message_id: str = ""
+
+
+@dataclass
+class SynthesisDone:
+    answer_id: str
+    answer_text: str  # the answer alone (not the prompt, not the branches)
+    branch_ids: list[str]  # the branches as stored where the answer was made (empty in text mode)
+    tpot_s: float | None = None
+    registered: bool = True  # False: the control plane was unreachable (the answer stands; Redis lost it)
+
+
+@dataclass(frozen=True)
+class SynthesizerInfo:
+    """What the ingress needs to validate a request and choose its transport."""
+
+    fingerprint: str
+    max_positions: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    prefill_tokens_per_s: float
+    link_bytes_per_s: float | None

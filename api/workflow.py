@@ -1,0 +1,244 @@
+"""RunWorkflow, once: validate, choose the transport, fan the branches out to workers, stream the answer.
+
+The driver talks to two roles through `Roles`: workers (`branches`) and a synthesizer
+(`synthesis`, `info`). Behind Serve they are deployment handles (braid.api.ingress);
+in one process they are runners called on threads (`ThreadRoles`). Colocated, the
+synthesizer's replicas play both roles and KV moves by the "local" transport.
+
+A request's hops: validate (convert.workflow) -> decision event -> open the synthesis
+(KV modes: its receiver's address) -> branch groups on workers, their tokens streamed
+-> (text mode: open the synthesis with the replies) -> receipts, answer tokens, timings,
+done (the answer alone).
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from braid.api import convert
+from braid.api.decision import choose_transport
+from braid.api.directory import Directory
+from braid.api.messages import (AnswerToken, BranchDone, BranchRequest, BranchToken, KVArrived, SynthesisDone,
+                                SynthesisOpened, SynthesisRequest, SynthesizerInfo)
+from braid.engine.synthesis import SynthesisMode
+from braid.kv.connector import TransferError, stream_name
+from braid.kv.grpc_transport import abandon
+from braid.models.chat import WORKER_HEADER
+from braid.protos import agent_pb2 as pb
+
+log = logging.getLogger(__name__)
+TRANSPORTS = ("auto", "grpc", "collective", "text")
+
+
+@dataclass
+class WorkflowConfig:
+    """What the ingress needs of the cluster's config."""
+
+    kv_transport: str = "auto"  # auto: grpc or text per request; or always grpc, collective or text
+    colocated: bool = False  # the synthesizer's engines run the branches too (transport "local")
+    branch_groups: int = 1  # branches are spread over this many worker calls (the worker replicas)
+    default_max_tokens: int = 128
+    max_branches: int = 16
+    worker_header: str = WORKER_HEADER
+
+    def __post_init__(self):
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
+        for name in ("branch_groups", "default_max_tokens", "max_branches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Roles(Protocol):
+    async def info(self) -> SynthesizerInfo: ...
+
+    def branches(self, req: BranchRequest) -> AsyncIterator[BranchToken | BranchDone]: ...
+
+    def synthesis(self, req: SynthesisRequest) -> AsyncIterator: ...
+
+
+def cause(exc: BaseException) -> BaseException:
+    """The exception a replica raised, out of Ray's wrapper."""
+    return getattr(exc, "cause", None) or exc
+
+
+class WorkflowDriver:
+    def __init__(self, roles: Roles, directory: Directory, config: WorkflowConfig, tokenize: Callable[[str], list]):
+        self.roles, self.directory, self.config, self.tokenize = roles, directory, config, tokenize
+        self.metrics = None  # set by a Serve ingress: braid.api.metrics
+
+    async def run(self, request: pb.WorkflowRequest) -> AsyncIterator[pb.WorkflowEvent]:
+        start = time.perf_counter()
+        cfg = self.config
+        info = await self.roles.info()
+        wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
+                              cfg.max_branches, cfg.colocated)
+        session = wf.session or self.directory.create_session()
+        self.directory.session(session)
+        n = wf.num_branches
+        transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated,
+                                             n * wf.branch_limit * info.kv_bytes_per_token, n * wf.branch_limit,
+                                             info.link_bytes_per_s, info.prefill_tokens_per_s)
+        yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
+        mode = pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower()  # text, grpc, collective, local
+        if self.metrics:
+            self.metrics["requests"].inc(tags={"transport": mode})
+        synth_req = SynthesisRequest(wf.id, session, wf.task, wf.synthesis_prompt,
+                                     SynthesisMode(None if mode == "text" else wf.placement), wf.answer_sampling, n,
+                                     mode)
+        synth, kv_address, finished = None, "", False
+        try:
+            if mode != "text":  # open the synthesis first: its receiver is where the workers push
+                synth = aiter(self.roles.synthesis(synth_req))
+                kv_address = (await anext(synth)).kv_address
+            groups = [list(range(g, n, cfg.branch_groups)) for g in range(min(n, cfg.branch_groups))]
+            calls = [self.roles.branches(BranchRequest(wf.id, wf.task, group, [wf.prompts[j] for j in group],
+                                                       wf.worker_sampling, mode, kv_address)) for group in groups]
+            done: dict[int, BranchDone] = {}
+            try:
+                async for item in merge(calls):
+                    if isinstance(item, BranchToken):
+                        yield pb.WorkflowEvent(branch_token=pb.BranchToken(
+                            branch=item.branch, token_id=item.token_id, text=item.text,
+                            finish_reason=item.finish_reason))
+                    else:
+                        done[item.branch] = item
+            except Exception as e:  # noqa: BLE001
+                raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: "
+                                    f"{type(cause(e)).__name__}: {cause(e)}") from None
+            branches_done = time.perf_counter()
+            if synth is None:
+                synth_req.branch_tokens = [done[j].token_ids for j in range(n)]
+                synth = aiter(self.roles.synthesis(synth_req))
+                await anext(synth)  # the receiver's address, unused in text mode
+            first, kv_bytes, kv_ms = None, 0, 0.0
+            async for item in synth:
+                if isinstance(item, KVArrived):
+                    sent = done[item.branch]
+                    if item.digest != sent.digest or item.bytes != sent.kv_bytes:
+                        raise TransferError(f"branch {item.branch}: KV arrived corrupted (digest {item.digest:#x}, "
+                                            f"sent {sent.digest:#x})")
+                    kv_bytes, kv_ms = kv_bytes + item.bytes, max(kv_ms, item.transfer_ms)
+                    yield pb.WorkflowEvent(kv_receipt=pb.KVReceipt(
+                        branch=item.branch, bytes=item.bytes, crc32=item.digest, crc32_sent=sent.digest,
+                        transfer_ms=item.transfer_ms, transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
+                elif isinstance(item, AnswerToken):
+                    first = first or time.perf_counter()
+                    yield pb.WorkflowEvent(synthesis_token=pb.TokenEvent(
+                        token_id=item.token_id, text=item.text, finish_reason=item.finish_reason,
+                        message_id=item.message_id))
+                elif isinstance(item, SynthesisDone):
+                    if self.metrics:
+                        self.metrics["ttft"].observe(first - start, tags={"transport": mode})
+                    finished = True
+                    yield pb.WorkflowEvent(timings=pb.Timings(
+                        ttft_ms=1e3 * (first - start), last_branch_to_first_token_ms=1e3 * (first - branches_done),
+                        kv_transfer_ms=kv_ms, kv_bytes=kv_bytes))
+                    yield pb.WorkflowEvent(done=pb.WorkflowDone(session_id=session, answer_message_id=item.answer_id,
+                                                                answer_text=item.answer_text,
+                                                                branch_message_ids=item.branch_ids))
+        except BaseException as e:  # a failure, or the client went away (GeneratorExit)
+            if kv_address and not finished:  # the synthesizer may be waiting on streams no one will send
+                if hasattr(synth, "cancel"):
+                    synth.cancel()
+                await asyncio.to_thread(abandon, kv_address, [stream_name(wf.id, j) for j in range(n)],
+                                        f"{type(cause(e)).__name__}: {cause(e)}")
+            raise
+        finally:
+            if synth is not None and hasattr(synth, "aclose"):
+                await synth.aclose()
+
+
+async def merge(streams) -> AsyncIterator:
+    """Items from several async iterators as they arrive; the first error ends it."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            if hasattr(s, "cancel"):
+                s.cancel()
+
+
+async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
+    """Iterate a blocking generator on its own thread (all of it on one thread, as Serve does)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    end = object()
+
+    def run():
+        try:
+            for item in make():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                if stop.is_set():
+                    break
+            loop.call_soon_threadsafe(queue.put_nowait, end)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, e)
+
+    thread = threading.Thread(target=run, daemon=True, name="role")
+    thread.start()
+    try:
+        while (item := await queue.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+@dataclass
+class ThreadRoles:
+    """The roles in this process: runners' blocking generators, each call on its own thread."""
+
+    run_branches: Callable[[BranchRequest], Iterator]
+    synthesize: Callable[[SynthesisRequest], Iterator]
+    get_info: Callable[[], SynthesizerInfo]
+
+    async def info(self) -> SynthesizerInfo:
+        return self.get_info()
+
+    def branches(self, req: BranchRequest) -> AsyncIterator:
+        return in_thread(lambda: self.run_branches(req))
+
+    def synthesis(self, req: SynthesisRequest) -> AsyncIterator:
+        return in_thread(lambda: self.synthesize(req))
+
+
+def iterate_blocking(agen: AsyncIterator) -> Iterator:
+    """An async iterator driven from blocking code (a plain gRPC server's handler thread)."""
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(anext(agen))
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.run_until_complete(agen.aclose())
+        loop.close()

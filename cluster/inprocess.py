@@ -1,0 +1,41 @@
+"""The agent API in one process on one engine, over a plain gRPC server (no Ray): both roles share the
+engine, so a workflow's branches reach the synthesis by the local transport."""
+
+from dataclasses import dataclass
+
+import grpc
+
+from braid.api.directory import Directory
+from braid.api.grpc_server import start_server
+from braid.api.service import AgentLogic, ServiceConfig
+from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
+from braid.engine import Engine
+from braid.kv.receiver import KVReceiver
+from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+from braid.workers.runner import BranchRunner, WorkerConfig
+
+
+@dataclass
+class InProcessServer:
+    server: grpc.Server
+    port: int
+    logic: AgentLogic
+    receiver: KVReceiver
+
+    def stop(self) -> None:
+        self.server.stop(0)
+        self.receiver.stop()
+
+
+def start_in_process(engine: Engine, directory: Directory, service: ServiceConfig | None = None,
+                     worker: WorkerConfig | None = None, synthesizer: SynthesizerConfig | None = None,
+                     host: str = "127.0.0.1", port: int = 0) -> InProcessServer:
+    logic = AgentLogic(engine, directory, service)
+    receiver = KVReceiver(engine.fingerprint, host=host)
+    synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
+    branches = BranchRunner(engine, worker or WorkerConfig(), "in-process")
+    config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
+                            worker_header=branches.config.header)
+    workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize)
+    server, bound = start_server(logic, workflows, host, port)
+    return InProcessServer(server, bound, logic, receiver)

@@ -1,0 +1,86 @@
+"""The synthesizer role over one engine (Ray-free): take in the branches (KV or text) and decode the answer."""
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from braid.api.messages import AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesizerInfo
+from braid.api.service import AgentLogic
+from braid.engine import Engine, PrefillCall
+from braid.engine.synthesis import synthesis_stream
+from braid.kv.connector import ReceivedStream, stream_name
+from braid.kv.receiver import KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SynthesizerConfig:
+    kv_wait_timeout_s: float = 120.0  # a started branch stream may go this long without a chunk
+    kv_queue_timeout_s: float = 3600.0  # how long a branch may wait for a worker to start on it
+
+    def __post_init__(self):
+        for name in ("kv_wait_timeout_s", "kv_queue_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class SynthesisRunner:
+    """Runs SynthesisRequests on `engine`; the Synthesizer deployment hosts one. Branch messages and the
+    answer are registered in the request's session through `agent` (the session-level agent API)."""
+
+    def __init__(self, engine: Engine, receiver: KVReceiver, agent: AgentLogic, config: SynthesizerConfig):
+        self.engine, self.receiver, self.agent, self.config = engine, receiver, agent, config
+        self.prefill_tokens_per_s = self._measure_prefill()
+        self.link_bytes_per_s: float | None = None  # from completed transfers
+
+    def _measure_prefill(self, tokens: int = 256) -> float:
+        ids = [3 + i % (self.engine.spec.vocab_size - 3) for i in range(tokens)]
+        rates = []
+        for _ in range(2):  # the first run warms up
+            start = time.perf_counter()
+            mid, = self.engine.prefill([PrefillCall(ids)])
+            rates.append(tokens / (time.perf_counter() - start))
+            self.engine.free(mid)
+        return rates[-1]
+
+    def info(self) -> SynthesizerInfo:
+        s = self.engine.spec
+        return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
+                               s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
+                               self.prefill_tokens_per_s, self.link_bytes_per_s)
+
+    def _receive(self, req: SynthesisRequest) -> list[ReceivedStream]:
+        received = []
+        for j in range(req.branches):
+            got = self.receiver.wait(stream_name(req.workflow, j), self.config.kv_wait_timeout_s,
+                                     self.config.kv_queue_timeout_s)
+            received.append(got)
+            rate = got.link_bytes_per_s
+            if rate is not None:
+                old = self.link_bytes_per_s
+                self.link_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        return received
+
+    def run(self, req: SynthesisRequest) -> Iterator[SynthesisOpened | KVArrived | AnswerToken | SynthesisDone]:
+        """Yields where to push KV first; then, in KV modes, one KVArrived per copied branch; the answer's
+        tokens; and SynthesisDone."""
+        eng = self.engine
+        yield SynthesisOpened(self.receiver.address)
+        received = [] if req.mode.text else self._receive(req)
+        for j, got in enumerate(received):
+            if got.kv is not None:
+                yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
+        with eng.lock:
+            prefix = eng.prefill([PrefillCall(req.task)])
+            branches = [self.receiver.import_message(eng, g) for g in received]
+            stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=req.mode,
+                                      sampling=req.sampling)
+            answer = []
+            for event in stream:
+                answer.append(event.text)
+                yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
+            registered = self.agent.register(req.session, prefix + branches + stream.ids)
+            tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
+            yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
