@@ -201,3 +201,54 @@ def test_colocated_cluster_reuses_kv_in_place(cluster):
         assert answer == in_process(config.model_path, task, prompts, text_mode=False)
     finally:
         serve.delete("braid-colocated")
+
+
+def test_bad_workflow_input_through_the_proxy_gets_the_right_status_and_loses_nothing(cluster):
+    """Each bad input is refused at the ingress, before any replica works on it, with a status a client
+    would not retry and a message naming the field; the next workflow still answers."""
+    stub, *_ = cluster
+    nan = float("nan")
+
+    def workflow(**kw):
+        base = dict(task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
+                    synthesis_sampling=GREEDY)
+        return lambda: run(stub, **{**base, **kw})
+
+    cases = [
+        (grpc.StatusCode.INVALID_ARGUMENT, "branch_prompts[1] is empty", workflow(branch_prompts=["a", ""])),
+        (grpc.StatusCode.OUT_OF_RANGE, "branch_prompts[0]", workflow(branch_prompts=["word " * 5000])),
+        (grpc.StatusCode.OUT_OF_RANGE, "worker_sampling.max_tokens",
+         workflow(worker_sampling=pb.Sampling(max_tokens=10 ** 9))),
+        (grpc.StatusCode.OUT_OF_RANGE, "synthesis_sampling.max_tokens",
+         workflow(synthesis_sampling=pb.Sampling(max_tokens=4_000_000))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "worker_sampling: temperature",
+         workflow(worker_sampling=pb.Sampling(max_tokens=4, temperature=nan))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sampling: temperature", lambda: list(stub.Decode(pb.DecodeRequest(
+            calls=[pb.DecodeCallSpec(header="A:", sampling=pb.Sampling(temperature=nan))]), metadata=METADATA))),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sampling: temperature", lambda: list(stub.Generate(pb.GenerateRequest(
+            prompt="hi", sampling=pb.Sampling(temperature=nan)), metadata=METADATA))),
+        *[(grpc.StatusCode.INVALID_ARGUMENT, f"transport {t} is not a Transport value", workflow(transport=t))
+          for t in (5, 99, -1)],
+    ]
+    for code, needle, call in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == code and needle in err.value.details(), (needle, err.value.code(),
+                                                                            err.value.details())
+    events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
+                 synthesis_sampling=GREEDY)
+    assert events[-1].HasField("done") and sum(e.HasField("synthesis_token") for e in events) == 6
+
+
+def test_malformed_request_bytes_through_the_proxy(cluster):
+    """Bytes that do not parse as a WorkflowRequest (a task that is not UTF-8). Serve's gRPC proxy parses the
+    request before any Braid code runs and answers UNKNOWN, naming the parse error; Braid cannot change that
+    code (README, limits). The cluster keeps serving."""
+    stub, _, _, _, local = cluster
+    with grpc.insecure_channel(local.address) as channel:
+        raw = channel.unary_stream("/braid.v1.AgentService/RunWorkflow", request_serializer=lambda b: b,
+                                   response_deserializer=pb.WorkflowEvent.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(b"\x12\x02\xff\xfe", metadata=METADATA, timeout=30))  # field 2 (task), invalid UTF-8
+    assert err.value.code() == grpc.StatusCode.UNKNOWN and "bad UTF-8" in err.value.details()
+    assert stub.Health(pb.HealthRequest(), metadata=METADATA).status == "SERVING"
