@@ -19,8 +19,11 @@ import torch
 from tqdm import tqdm
 
 from braid.cluster.config import ClusterConfig
-from braid.kv.grpc_transport import KVReceiver, KVSender, open_link
 from braid.cluster.local import start_local_cluster
+from braid.kv.collective import CollectiveSender, open_link
+from braid.kv.connector import BranchChunk
+from braid.kv.grpc_transport import GrpcSender
+from braid.kv.receiver import KVReceiver
 from braid.models.checkpoints import SHAPES, make_random_checkpoint
 from braid.results import pyplot, write_json
 from braid.protos import agent_pb2 as pb
@@ -51,12 +54,11 @@ def transfer_throughput(mib: int, chunk_sizes=(1 << 20, 4 << 20)) -> list[dict]:
             for r in range(3):
                 stream_id = f"{transport}{chunk}:{r}"
                 start = time.perf_counter()
-                sender = KVSender(receiver.address, "fp", max_chunk_bytes=chunk,
-                                  link=link if transport == "gloo" else None,
-                                  link_id="bench" if transport == "gloo" else "")
-                sender.send(stream_id, "m", 0, list(range(tokens)), kv, 0, total_tokens=tokens)
-                sender.close()
-                receiver.wait(stream_id, timeout=120)
+                sender = (CollectiveSender(receiver.address, "fp", link, "bench", max_chunk_bytes=chunk)
+                          if transport == "gloo" else GrpcSender(receiver.address, "fp", max_chunk_bytes=chunk))
+                sender.send(BranchChunk(stream_id, "m", 0, 0, list(range(tokens)), kv, total_tokens=tokens))
+                sender.finish()
+                receiver.wait(stream_id, idle_timeout=120)
                 runs.append(time.perf_counter() - start)
             seconds = statistics.median(runs)
             rows.append({"transport": transport, "chunk_bytes": chunk, "payload_bytes": kv.numel() * 4,

@@ -129,8 +129,9 @@ def run_cmd(args) -> int:
                     print(f"[branch {event.branch_token.branch}] {event.branch_token.text!r}")
                 elif kind == "kv_receipt":
                     r = event.kv_receipt
-                    print(f"[kv] branch {r.branch}: {r.bytes} bytes in {r.transfer_ms:.1f} ms, "
-                          f"crc32 {'ok' if r.crc32 == r.crc32_sent else 'MISMATCH'}")
+                    how = pb.Transport.Name(r.transport).removeprefix("TRANSPORT_").lower()
+                    print(f"[kv] branch {r.branch}: {r.bytes} bytes over {how} in {r.transfer_ms:.1f} ms, "
+                          f"chunk digest {'ok' if r.crc32 == r.crc32_sent else 'MISMATCH'}")
                 elif kind == "synthesis_token":
                     print(event.synthesis_token.text, end="", flush=True)
                 elif kind == "timings":

@@ -235,9 +235,18 @@ def test_bad_workflow_input_through_the_proxy_gets_the_right_status_and_loses_no
             call()
         assert err.value.code() == code and needle in err.value.details(), (needle, err.value.code(),
                                                                             err.value.details())
+    got = []  # refused before the transport decision: nothing announced, nothing shipped
+    with pytest.raises(grpc.RpcError):
+        for event in stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
+                                                         worker_sampling=pb.Sampling(max_tokens=10 ** 9)),
+                                      metadata=METADATA, timeout=60):
+            got.append(event)
+    assert got == []
     events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
                  synthesis_sampling=GREEDY)
     assert events[-1].HasField("done") and sum(e.HasField("synthesis_token") for e in events) == 6
+    assert events[-1].done.answer_text == "".join(e.synthesis_token.text for e in events
+                                                  if e.HasField("synthesis_token"))  # the answer alone
 
 
 def test_malformed_request_bytes_through_the_proxy(cluster):
