@@ -8,6 +8,7 @@ from braid.synthesizer.deployment import Synthesizer
 from braid.workers.deployment import Worker
 
 SERVICER = "braid.protos.agent_pb2_grpc.add_AgentServiceServicer_to_server"
+COLOCATED_ONGOING = 64
 
 
 def build_app(config: ClusterConfig, redis_url: str):
@@ -15,7 +16,10 @@ def build_app(config: ClusterConfig, redis_url: str):
     there are no Worker replicas: the synthesizer's replicas run the branches too (transport "local")."""
     gpu = 1 if torch.cuda.is_available() else 0
     engine = config.engine_config()
-    synth = Synthesizer.options(num_replicas=config.synthesizer_replicas, ray_actor_options={
+    # Colocated, a workflow holds a synthesis call (waiting for its branches) and a branch call on the same
+    # deployment: room for many such pairs, so waiting syntheses cannot take every slot.
+    ongoing = {"max_ongoing_requests": COLOCATED_ONGOING} if config.colocate else {}
+    synth = Synthesizer.options(num_replicas=config.synthesizer_replicas, **ongoing, ray_actor_options={
         "num_gpus": gpu if config.gpus_per_synthesizer is None else config.gpus_per_synthesizer, "num_cpus": 0}).bind(
         engine, config.synthesizer_config(), config.service_config(), redis_url, config.session_ttl_s,
         config.worker_config() if config.colocate else None)
