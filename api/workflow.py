@@ -125,7 +125,8 @@ class WorkflowDriver:
                     kv_bytes, kv_ms = kv_bytes + item.bytes, max(kv_ms, item.transfer_ms)
                     yield pb.WorkflowEvent(kv_receipt=pb.KVReceipt(
                         branch=item.branch, bytes=item.bytes, crc32=item.digest, crc32_sent=sent.digest,
-                        transfer_ms=item.transfer_ms, transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
+                        transfer_ms=item.transfer_ms,
+                        transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
                 elif isinstance(item, AnswerToken):
                     first = first or time.perf_counter()
                     yield pb.WorkflowEvent(synthesis_token=pb.TokenEvent(

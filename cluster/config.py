@@ -49,7 +49,8 @@ class ClusterConfig:
 
     def engine_config(self) -> EngineConfig:
         """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible)."""
-        return EngineConfig(self.model_path, dtype=self.dtype, device="auto", store_budget_bytes=self.store_budget_bytes)
+        return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
+                            store_budget_bytes=self.store_budget_bytes)
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))
