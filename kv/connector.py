@@ -46,7 +46,7 @@ class BranchChunk:
     offset: int  # the message's first position, where it was encoded
     token_start: int
     token_ids: list[int]
-    kv: torch.Tensor  # [L, 2, H, T, D]; must not change after send() (pass a copy)
+    kv: torch.Tensor | None  # [L, 2, H, T, D]; must not change after send() (pass a copy); None: local hand-over
     total_tokens: int = 0  # the message's length on its last chunk; 0 while it still decodes
     local_message: str = ""  # local transport: the message id in the shared engine (kv may then be empty)
 
