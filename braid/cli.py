@@ -16,6 +16,20 @@ def _model_path(args) -> str:
     return path
 
 
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _length(text: str) -> tuple[int, int]:
+    length = _ints(text, "--length")
+    if len(length) != 2:
+        raise ValueError(f"--length must be MIN,MAX, got {text!r}")
+    return length
+
+
 def eval_cmd(args) -> int:
     """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
     import json
@@ -24,17 +38,8 @@ def eval_cmd(args) -> int:
     from braid.evals.harness import (BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks,
                                plot_accuracy, report)
 
-    def ints(text: str, what: str) -> tuple[int, ...]:
-        try:
-            return tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-
-    length = ints(args.length, "--length")
-    if len(length) != 2:
-        raise ValueError(f"--length must be MIN,MAX, got {args.length!r}")
-    config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=ints(args.branches, "--branches"),
-                        samples=args.samples, seed=args.seed, length=length,
+    config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
+                        samples=args.samples, seed=args.seed, length=_length(args.length),
                         worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
     by_name = {m.name: m for m in BASE_MODES}
     unknown = [m for m in args.modes.split(",") if m not in by_name]
@@ -63,9 +68,11 @@ def demo(args) -> int:
     from braid.evals.harness import BASE_MODES, EvalConfig, run_task
     from braid.models.tasks import generate
 
-    task = generate(args.task, args.seed, args.branches)
+    length = _length(args.length)
+    task = generate(args.task, args.seed, args.branches, length)
     engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device))
-    result = run_task(engine, task, BASE_MODES, EvalConfig(tasks=(task.name,), branches=(args.branches,)))
+    result = run_task(engine, task, BASE_MODES, EvalConfig(tasks=(task.name,), branches=(args.branches,),
+                                                           length=length))
     print(f"task {task.name} (seed {task.seed}): {task.system}")
     for j, (branch, said) in enumerate(zip(task.branches, result.worker_outputs)):
         print(f"  branch {j}: {branch.context}" + (f"\n     worker: {said.strip()}" if branch.output else ""))
@@ -189,9 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--branches", default="2,3,4,5,6,7,8", help="branch counts (default: 2,3,4,5,6,7,8)")
     p.add_argument("--samples", type=int, default=100, help="tasks per task and branch count (default: 100)")
     p.add_argument("--seed", type=int, default=0, help="first task seed (default: 0)")
-    p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work (default: 2,6)")
+    p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work, up to 12 (default: 2,6)")
     p.add_argument("--worker-max-tokens", type=int, default=48, help="cap on each worker's reply (default: 48)")
-    p.add_argument("--answer-max-tokens", type=int, default=96, help="cap on the synthesizer's answer (default: 96)")
+    p.add_argument("--answer-max-tokens", type=int, default=160, help="cap on the synthesizer's answer (default: 160)")
     p.add_argument("--modes", default="text,cache:none,cache:branch_point,cache:sequential",
                    help="synthesis modes (default: all four)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
@@ -205,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
     p.add_argument("--task", default="chain", choices=["chain", "vote", "trail", "multiqa"],
                    help="which synthetic task (default: chain)")
-    p.add_argument("--branches", type=int, default=4, help="parallel worker branches, 2..8 (default: 4)")
+    p.add_argument("--branches", type=int, default=4, help="parallel worker branches, 2..12 (default: 4)")
+    p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work, up to 12 (default: 2,6)")
     p.add_argument("--seed", type=int, default=0, help="task seed (default: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")

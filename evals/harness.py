@@ -62,7 +62,7 @@ class EvalConfig:
     seed: int = 0
     length: tuple[int, int] = DEFAULT_LENGTH
     worker_max_tokens: int = 48
-    answer_max_tokens: int = 96  # MultiQA at 8 branches answers in about 80 tokens
+    answer_max_tokens: int = 160  # MultiQA at 12 branches answers in about 120 tokens
 
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in TASKS]

@@ -42,7 +42,7 @@ COUNTRIES = ["peru", "chad", "fiji", "iran", "laos", "mali", "oman", "togo", "cu
 WORDS = ["the", "plan", "looks", "fine", "but", "check", "again", "maybe", "step", "two", "fails", "so", "try",
          "another", "path", "then", "verify", "result", "it", "holds", "we", "think", "this", "is", "right"]
 NAMES = PEOPLE + CITIES + COUNTRIES
-MAX_BRANCHES = 8
+MAX_BRANCHES = 12
 DEFAULT_LENGTH = (2, 6)
 
 
@@ -108,7 +108,9 @@ def _lookup(kind: str, key: str, records: list[tuple[str, str]]) -> Branch:
 def _chain(rng: random.Random, m: int, length: tuple[int, int]):
     if m < 2:
         raise ValueError("chain needs at least 2 branches: one with the person, one with the city")
-    people, cities, countries = rng.sample(PEOPLE, m), rng.sample(CITIES, 2 * m), rng.sample(COUNTRIES, m)
+    people = rng.sample(PEOPLE, m)
+    cities = rng.sample(CITIES, min(2 * m, len(CITIES)))  # (more than 10 branches: every city is in play)
+    countries = rng.sample(COUNTRIES, m)
     n_people = max(1, m // 2)
     lives = {p: cities[i] for i, p in enumerate(people[:n_people])}
     target = rng.choice(people[:n_people])
@@ -130,7 +132,7 @@ def _chain(rng: random.Random, m: int, length: tuple[int, int]):
 
 
 def _vote(rng: random.Random, m: int, length: tuple[int, int]):
-    confidences = rng.sample(range(1, 10), m)
+    confidences = rng.sample(range(1, 10 if m < 10 else 20), m)  # distinct: one digit, or two from 10 workers
     answers = [rng.randint(10, 99) for _ in range(m)]
     branches = []
     for a, c, n in zip(answers, confidences, _lengths(rng, m, length)):
@@ -143,7 +145,10 @@ def _vote(rng: random.Random, m: int, length: tuple[int, int]):
 
 def _trail(rng: random.Random, m: int, length: tuple[int, int]):
     lengths = _lengths(rng, m, length)
-    rooms = rng.sample(range(10, 100), sum(lengths))
+    if sum(lengths) <= 90:  # every room visited once
+        rooms = rng.sample(range(10, 100), sum(lengths))
+    else:  # long searches share the 90 rooms: each path visits distinct rooms
+        rooms = [r for n in lengths for r in rng.sample(range(10, 100), n)]
     finder = rng.randrange(m)
     branches, start = [], 0
     for j, n in enumerate(lengths):

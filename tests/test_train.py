@@ -10,10 +10,11 @@ from transformers import AutoTokenizer
 from braid.models import REFERENCE_MODEL
 from braid.engine import Engine, EngineConfig, PrefillCall
 from braid.models.chat import END, header, turn
+from braid.train.graph import graph_loss
 from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, traces, train
 
-TINY = dict(steps=3, rows=2, row_tokens=320, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
-            num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, bf16=False, device="cpu")
+TINY = dict(steps=3, tasks_per_step=3, row_tokens=512, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
+            num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, device="cpu")
 
 
 def test_training_is_reproducible_and_loads_by_path(tmp_path):
@@ -50,9 +51,9 @@ def test_training_continues_from_a_checkpoint(tmp_path):
     assert tokenizer.get_vocab() == saved.tokenizer.get_vocab() and record["total_steps"] == 3
     assert Engine(EngineConfig(str(tmp_path / "b"), device="cpu")).tokenizer.get_vocab() == tokenizer.get_vocab()
     cfg = TrainConfig(**TINY)
-    first_batch = batch(cfg, tokenizer, 0)[0]
-    assert torch.equal(first_batch, batch(cfg, tokenizer, 0)[0])  # a step's batch is its seed's and step's
-    assert not torch.equal(first_batch, batch(cfg, tokenizer, 3)[0])  # a continuation (from step 3) draws new tasks
+    first_batch = batch(cfg, tokenizer, 0).ids
+    assert torch.equal(first_batch, batch(cfg, tokenizer, 0).ids)  # a step's batch is its seed's and step's
+    assert not torch.equal(first_batch, batch(cfg, tokenizer, 3).ids)  # a continuation (from step 3) draws new tasks
 
 
 def test_loader_processes_build_the_same_batches_in_the_same_order():
@@ -60,9 +61,9 @@ def test_loader_processes_build_the_same_batches_in_the_same_order():
     cfg = TrainConfig(**TINY)
     inline = list(Batches(cfg, tokenizer, 5, 5))
     loaded = list(torch.utils.data.DataLoader(Batches(cfg, tokenizer, 5, 5), batch_size=None, num_workers=2))
-    assert [b[-1] for b in loaded] == [b[-1] for b in inline] and all(b[-1] > 0 for b in inline)
+    assert [b.tokens for b in loaded] == [b.tokens for b in inline] and all(b.tokens > 0 for b in inline)
     for a, b in zip(inline, loaded):
-        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4]))
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("ids", "positions", "node", "pred", "weight"))
 
 
 def test_config_chooses_the_tasks_and_worker_turns_trained():
@@ -70,7 +71,7 @@ def test_config_chooses_the_tasks_and_worker_turns_trained():
         TrainConfig(tasks="chain,chan")
     with pytest.raises(ValueError, match="worker_traces must be positive"):
         TrainConfig(worker_traces=0)
-    cfg, rng = TrainConfig(tasks="vote", worker_traces=8), random.Random(0)
+    cfg, rng = TrainConfig(tasks="vote", worker_traces=12), random.Random(0)
     for _ in range(5):
         task = draw_task(rng, cfg.max_length, cfg.task_names)
         assert task.name == "vote" and len(traces(task, rng, cfg.worker_traces)) == 1 + len(task.branches)
@@ -81,7 +82,31 @@ def test_lookup_drills_join_the_tasks_drawn():
     with pytest.raises(ValueError, match="lookup_drills must be >= 0"):
         TrainConfig(lookup_drills=-1)
     tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
-    plain, drilled = (tokenizer.decode(batch(TrainConfig(**TINY, tasks="vote", lookup_drills=n), tokenizer, 0)[0]
+    plain, drilled = (tokenizer.decode(batch(TrainConfig(**TINY, tasks="vote", lookup_drills=n), tokenizer, 0).ids
                                        .flatten()) for n in (0, 1))
     assert "confidence" in plain and "records:" not in plain
     assert "confidence" in drilled and drilled.count("records:") >= 2
+
+
+def test_graph_and_flat_packing_train_the_same_objective():
+    """A task's traces as one graph encode fewer tokens, with the loss and gradients of the flat rows."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL, dtype=torch.float32)
+    shared = dict(TINY, tasks_per_step=6, worker_traces=4, max_length=12)
+    graph, flat = (batch(TrainConfig(**shared, packing=p), tokenizer, 0) for p in ("graph", "flat"))
+    assert graph.tokens < flat.tokens == flat.flat_tokens == graph.flat_tokens
+    assert len(graph.labels) < len(flat.labels) or torch.equal(torch.sort(graph.labels).values,
+                                                                 torch.sort(flat.labels).values)
+    assert graph.weight.sum() == flat.weight.sum() == len(flat.labels)  # every written token counted once a trace
+    results = []
+    for packed in (graph, flat):
+        model.zero_grad(set_to_none=True)
+        loss = graph_loss(model, packed).loss
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (loss_g, grads_g), (loss_f, grads_f) = results
+    assert abs(loss_g - loss_f) < 1e-5
+    for a, b in zip(grads_g, grads_f):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -1,17 +1,19 @@
-"""Train Braid's reference model from scratch on text-concatenated workflow traces.
+"""Train Braid's reference model on text-concatenated workflow traces, one prompt graph per task.
 
     python -m braid.train.train --out models/braid-reference                  # the CPU recipe (defaults)
-    python -m braid.train.train --num-layers 8 --rows 128 --bf16 true --loader-workers 15   # on a GPU
+    python -m braid.train.train --num-layers 8 --tasks-per-step 256 --loader-workers 15   # on a GPU
 
-Every step draws fresh tasks (2-8 branches, random branch lengths) from the
-generators, renders each as a synthesizer trace (system, the workers' replies, the
-question, the answer) and some worker traces (system, its context, its reply), and
-packs them into fixed-width rows with block-diagonal causal masks, so no compute goes
-to padding. Loss is on the turns the model writes: worker replies and synthesizer
-answers. A step's batch is a function of the seed and the step, built ahead by loader
-processes on request; at every evaluation the run writes the checkpoint
-(safetensors), its tokenizer, `training.json` (config, time, sizes, loss and held-out
-accuracy over steps) and `loss.png`.
+Every step draws fresh tasks (2-12 branches, random branch lengths) from the
+generators and renders each as a synthesizer trace (system, the workers' replies, the
+question, the answer) and some worker traces (system, its context, its reply). A
+task's traces become one prompt graph (`train.graph`): the system prompt is a node
+they all share, encoded once. Graphs are packed into fixed-width rows, and the loss is
+the flat one: the mean over the traces' written turns (worker replies and synthesizer
+answers), as if each trace were its own sequence (`--packing flat` trains exactly
+that, for comparison). A step's batch is a function of the seed and the step, built
+ahead by loader processes on request; at every evaluation the run writes the
+checkpoint (safetensors), its tokenizer, `training.json` (config, time, sizes, loss
+and held-out accuracy over steps) and `loss.png`.
 """
 
 import argparse
@@ -32,6 +34,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from braid.engine import attention
 from braid.models.chat import END, PAD
 from braid.models.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
+from braid.train.graph import (GraphError, PackedGraphs, PromptGraph, attention_backend, graph_loss, pack,
+                               prefix_graph)
 from braid.train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
@@ -44,9 +48,9 @@ TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses 
 class TrainConfig:
     out: str = "models/braid-reference"
     seed: int = 0
-    steps: int = 2400  # 84.5 min on 2 CPU cores (about 2.1 s a step)
-    rows: int = 8  # packed rows per step
-    row_tokens: int = 512
+    steps: int = 2400
+    tasks_per_step: int = 16  # tasks drawn per step, each with its traces (and its drills)
+    row_tokens: int = 512  # width of the packed rows
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.05
@@ -56,14 +60,17 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     vocab_size: int = 1024
-    max_length: int = 6  # largest per-branch length drawn in training (evaluation's default is 2-6)
+    max_length: int = 12  # largest per-branch length drawn in training (evaluation's default is 2-6)
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
-    worker_traces: int = 2  # worker turns trained per task (of its 2-8 branches), beside the synthesizer's
+    worker_traces: int = 2  # worker turns trained per task (of its 2-12 branches), beside the synthesizer's
     lookup_drills: int = 0  # lookup drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
     eval_every: int = 250
-    # autocast matmuls to bfloat16 (weights and optimizer stay fp32): for GPUs and AVX512-BF16/AMX CPUs;
-    # on AVX2-only CPUs it is emulated and measured 10x slower than fp32 (20 s vs 1.8 s a step)
-    bf16: bool = False
+    packing: str = "graph"  # graph: a task's traces share their prefixes; flat: each trace its own sequence
+    attention: str = "auto"  # how packed rows attend (train.graph.attention_backend): auto, sdpa or flex
+    checkpointing: bool = False  # recompute each layer's activations in the backward (less memory)
+    # bf16: autocast matmuls to bfloat16 (weights and optimizer stay fp32); auto: bf16 on CUDA, fp32 elsewhere
+    # (on AVX2-only CPUs bf16 is emulated and measured 10x slower than fp32: 20 s vs 1.8 s a step)
+    precision: str = "auto"
     device: str = "auto"
     loader_workers: int = 0  # processes building batches ahead of the model (on a GPU, data is the bottleneck)
     threads: int = 0  # 0: torch's default
@@ -76,7 +83,7 @@ class TrainConfig:
         return tuple(t.strip() for t in self.tasks.split(",") if t.strip())
 
     def __post_init__(self):
-        for name in ("steps", "rows", "worker_traces", "row_tokens", "hidden_size", "num_layers", "num_heads",
+        for name in ("steps", "tasks_per_step", "worker_traces", "row_tokens", "hidden_size", "num_layers", "num_heads",
                      "num_kv_heads", "intermediate_size", "eval_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -92,12 +99,19 @@ class TrainConfig:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
         if not 1 <= self.max_length <= 12:
             raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
-        if self.row_tokens < 320:
-            raise ValueError(f"row_tokens must fit the longest trace (8 branches of length {self.max_length}): >= 320")
+        if self.row_tokens < 512:
+            raise ValueError(f"row_tokens must fit the longest trace (12 branches of length 12): >= 512, "
+                             f"got {self.row_tokens}")
+        if self.packing not in ("graph", "flat") or self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"packing must be graph or flat and precision auto, bf16 or fp32; got {self.packing!r}, "
+                             f"{self.precision!r}")
         if self.init_from and not os.path.isfile(os.path.join(self.init_from, "training.json")):
             raise ValueError(f"init_from {self.init_from!r} is not a checkpoint written by this script")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.precision == "auto":
+            self.precision = "bf16" if self.device.startswith("cuda") else "fp32"
+        self.attention = attention_backend(self.device, self.attention)  # (refuses an unknown name)
 
 
 def draw_task(rng: random.Random, max_length: int, names: tuple[str, ...] = TASKS):
@@ -121,61 +135,47 @@ def traces(task, rng: random.Random, workers: int = 2) -> list[list[tuple[str, b
     return out
 
 
-def encode(tokenizer, traces: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[bool]]]:
-    """Token ids of each trace, each message encoded on its own as the engine does, and which are supervised.
+Pieces = list[tuple[list[int], bool]]  # a trace's messages: (token ids, supervised)
+
+
+def encode(tokenizer, traces: list[list[tuple[str, bool]]]) -> list[Pieces]:
+    """Token ids of each trace's messages, each message encoded on its own as the engine does.
 
     One batched tokenizer call for all messages: per-message calls made tokenizing most of a step's time.
     """
     pieces = iter(tokenizer([text for trace in traces for text, _ in trace], add_special_tokens=False)["input_ids"])
-    out = []
-    for trace in traces:
-        ids, supervised = [], []
-        for _, sup in trace:
-            piece = next(pieces)
-            ids += piece
-            supervised += [sup] * len(piece)
-        out.append((ids, supervised))
-    return out
+    return [[(next(pieces), sup) for _, sup in trace] for trace in traces]
 
 
-def pack(sequences: list[tuple[list[int], list[bool]]], rows: int, width: int, pad_id: int):
-    """First-fit packing into rows: (ids, positions, doc ids, supervised) tensors of [rows, width].
-
-    Sequences that do not fit are dropped; the caller draws enough to fill the rows.
-    """
-    ids, positions, docs, supervised = ([[] for _ in range(rows)] for _ in range(4))
-    for d, (toks, sup) in enumerate(sequences):
-        r = next((r for r in range(rows) if len(ids[r]) + len(toks) <= width), None)
-        if r is None:
-            continue
-        ids[r] += toks
-        positions[r] += range(len(toks))
-        docs[r] += [d] * len(toks)
-        supervised[r] += sup
-    used = sum(map(len, ids))
-    for r in range(rows):
-        pad = width - len(ids[r])
-        ids[r] += [pad_id] * pad
-        positions[r] += [0] * pad
-        docs[r] += [-1] * pad
-        supervised[r] += [False] * pad
-    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(docs), torch.tensor(supervised), used)
+def chain(pieces: Pieces) -> PromptGraph:
+    """One trace as a graph of one node: a flat sequence."""
+    graph = PromptGraph()
+    graph.add([t for ids, _ in pieces for t in ids], [sup for ids, sup in pieces for _ in ids])
+    return graph
 
 
-def batch(cfg: TrainConfig, tokenizer, step: int):
-    """Step `step`'s packed rows: tasks are drawn (16 at a time, tokenized together) until their traces fill
-    the rows; what does not fit is dropped by `pack`."""
-    rng, seqs, budget = step_rng(cfg.seed, step), [], cfg.rows * cfg.row_tokens
-    while budget > 0:
-        # (each task's traces are drawn right after it: the stream the committed checkpoint was trained on)
-        drawn = []
-        for _ in range(16):
-            drawn += traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces)
-            drawn += [lookup_drill(rng) for _ in range(cfg.lookup_drills)]  # (none: the stream is unchanged)
-        encoded = encode(tokenizer, drawn)
-        seqs += encoded
-        budget -= sum(len(ids) for ids, _ in encoded)
-    return pack(seqs, cfg.rows, cfg.row_tokens, tokenizer.pad_token_id)
+def task_graphs(traces: list[Pieces], packing: str, width: int) -> list[PromptGraph]:
+    """A task's traces as one prompt graph (or, flat, one graph per trace: also where sharing is impossible)."""
+    if packing == "graph":
+        try:
+            graph = prefix_graph(traces)
+            if graph.tokens <= width:
+                return [graph]
+        except GraphError:  # a trace repeated: the flat objective counts it twice, so it stays flat
+            pass
+    return [chain(t) for t in traces]
+
+
+def batch(cfg: TrainConfig, tokenizer, step: int) -> PackedGraphs:
+    """Step `step`'s packed rows: `tasks_per_step` tasks, each with its traces and drills."""
+    rng, drawn = step_rng(cfg.seed, step), []
+    for _ in range(cfg.tasks_per_step):
+        # (each task's traces are drawn right after it)
+        drawn.append(traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces))
+        drawn += [[lookup_drill(rng)] for _ in range(cfg.lookup_drills)]
+    encoded = iter(encode(tokenizer, [t for group in drawn for t in group]))
+    graphs = [g for group in drawn for g in task_graphs([next(encoded) for _ in group], cfg.packing, cfg.row_tokens)]
+    return pack(graphs, cfg.row_tokens, tokenizer.pad_token_id)
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -190,21 +190,6 @@ class Batches(torch.utils.data.IterableDataset):
         w, workers = (info.id, info.num_workers) if info else (0, 1)
         for step in range(self.first + w, self.first + self.count, workers):
             yield batch(self.cfg, self.tokenizer, step)
-
-
-def supervised_loss(model, ids, positions, docs, supervised, device):
-    """Mean next-token cross-entropy on supervised tokens, and per-target correctness."""
-    ids, positions, docs, supervised = (t.to(device) for t in (ids, positions, docs, supervised))
-    width = ids.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = (docs[:, :, None] == docs[:, None, :]) & causal & (docs[:, :, None] >= 0)
-    mask |= torch.eye(width, dtype=torch.bool, device=device)  # padding rows attend to themselves: no NaN
-    hidden = model.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).last_hidden_state
-    # token t is predicted at t - 1: targets are supervised tokens whose predecessor is in the same sequence
-    target = supervised[:, 1:] & (docs[:, 1:] == docs[:, :-1])
-    logits = model.lm_head(hidden[:, :-1][target]).float()
-    labels = ids[:, 1:][target]
-    return F.cross_entropy(logits, labels), logits.argmax(-1) == labels, target
 
 
 def build_tokenizer(cfg: TrainConfig):
@@ -240,7 +225,7 @@ def load_for_training(path: str):
     return model, tokenizer, record
 
 
-def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple]:
+def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, PackedGraphs]:
     """Fixed held-out traces (training seeds never reach these): the synthesizer's per task, and one
     worker's per task with workers (`<task> worker`): a task is only answered if both are right. The
     lookup drills show whether the workers' lookup works for any key, not only for chain's."""
@@ -251,25 +236,25 @@ def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, tuple
         if role == "drill":
             seqs = encode(tokenizer, [lookup_drill(rng) for _ in range(per_task)])
         else:
-            tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES)) for i in range(per_task)]
+            tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES), (1, cfg.max_length))
+                     for i in range(per_task)]
             seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role
                                       else synthesizer_trace(t) for t in tasks])
-        ids, positions, docs, supervised, used = pack(seqs, len(seqs), cfg.row_tokens, tokenizer.pad_token_id)
-        rows = (docs >= 0).any(1)  # a row each would always fit; first-fit leaves the last ones empty
-        out[name] = ((ids[rows], positions[rows], docs[rows], supervised[rows], used), len(seqs))
+        out[name] = pack([chain(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
     return out
 
 
 @torch.no_grad()
-def answer_accuracy(model, held, device) -> dict[str, float]:
+def answer_accuracy(model, held: dict[str, PackedGraphs], device, backend: str = "sdpa") -> dict[str, float]:
     """Teacher-forced: the share of held-out answers whose every token is the argmax."""
     model.eval()
     acc = {}
-    for name, ((ids, positions, docs, supervised, _), n) in held.items():
-        _, correct, target = supervised_loss(model, ids, positions, docs, supervised, device)
-        doc_of_target = docs[:, 1:].to(device)[target]
-        wrong = torch.zeros(int(docs.max()) + 1, dtype=torch.bool, device=device)
-        wrong.index_put_((doc_of_target,), ~correct, accumulate=True)
+    for name, packed in held.items():
+        packed = packed.to(device)
+        correct = graph_loss(model, packed, backend).correct
+        n = int(packed.graph_of_target.max()) + 1
+        wrong = torch.zeros(n, dtype=torch.bool, device=device)
+        wrong.index_put_((packed.graph_of_target,), ~correct, accumulate=True)
         acc[name] = 1 - wrong.float().sum().item() / n
     model.train()
     return acc
@@ -302,6 +287,8 @@ def train(cfg: TrainConfig) -> dict:
     else:
         tokenizer = build_tokenizer(cfg)
         model = build_model(cfg, tokenizer).to(device)
+    if cfg.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, vocab %d, on %s", params / 1e6, len(tokenizer), device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -313,7 +300,7 @@ def train(cfg: TrainConfig) -> dict:
     loader = torch.utils.data.DataLoader(Batches(cfg, tokenizer, start, cfg.steps), batch_size=None,
                                          num_workers=cfg.loader_workers, pin_memory=device.type == "cuda",
                                          prefetch_factor=8 if cfg.loader_workers else None)
-    history, evals, tokens_seen = [], [], 0
+    history, evals, tokens_seen, flat_tokens, step_seconds = [], [], 0, 0, 0.0
 
     def report() -> dict:
         seconds = time.perf_counter() - started
@@ -323,24 +310,28 @@ def train(cfg: TrainConfig) -> dict:
                 "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier[k] for k in RUN_FIELDS}]
                                  if earlier else []),
                 "parameters": params, "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
+                "flat_tokens_seen": flat_tokens, "step_seconds": round(step_seconds, 1),
                 "torch": torch.__version__, "device": str(device), "loss": history, "held_out_accuracy": evals}
 
     model.train()
     bar = tqdm(zip(range(cfg.steps), loader), total=cfg.steps, desc="training", unit="step")
-    for step, (ids, positions, docs, supervised, used) in bar:
+    for step, packed in bar:
+        began = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss, _, _ = supervised_loss(model, ids, positions, docs, supervised, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            loss = graph_loss(model, packed.to(device), cfg.attention).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        tokens_seen += used
+        tokens_seen += packed.tokens
+        flat_tokens += packed.flat_tokens
         history.append(round(loss.item(), 5))  # (the .item() syncs; at this model size it costs nothing measurable)
-        bar.set_postfix(loss=f"{history[-1]:.4f}")
+        step_seconds += time.perf_counter() - began
+        bar.set_postfix(loss=f"{history[-1]:.4f}", rows=packed.ids.shape[0])
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            acc = answer_accuracy(model, held, device)
+            acc = answer_accuracy(model, held, device, cfg.attention)
             evals.append({"step": step + 1, **acc})
             log.info("step %d loss %.4f held-out answer accuracy %s", step + 1, loss.item(),
                      " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
