@@ -46,3 +46,17 @@ def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
         assert row["speedup_branch_point"] == pytest.approx(row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"])
     assert result["decode_tokens_per_s_batch1"] > 0
     assert (tmp_path / "synthesis_ttft_cpu.png").stat().st_size > 0
+
+
+def test_prompt_tree_benchmark_writes_json_and_plot(tmp_path):
+    spec = importlib.util.spec_from_file_location("prompt_trees", os.path.join(ROOT, "benchmarks", "prompt_trees.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--shape", "tiny", "--device", "cpu", "--settings", "16:1:16,24:4:2", "--repeats", "1",
+                "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "prompt_trees_cpu.json").read_text())
+    assert [r["cached_token_ratio"] for r in result["rows"]] == [1.0, round(4 * 26 / 32, 2)]
+    for row in result["rows"]:
+        assert row["loss_gap"] < 1e-5  # both sides train the same objective
+        assert row["speedup"] == pytest.approx(row["flat_step_s"] / row["packed_step_s"], rel=0.01)
+    assert (tmp_path / "prompt_trees_cpu.png").stat().st_size > 0

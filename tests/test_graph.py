@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import make_config
-from braid.train.graph import (GraphError, PromptGraph, attention_backend, dense_mask, graph_loss, hidden_states,
-                               mask_mod, pack, prefix_graph)
+from braid.train.graph import (GraphError, PromptGraph, attention_backend, dense_mask, enable_checkpointing, graph_loss,
+                               hidden_states, mask_mod, pack, prefix_graph)
 
 
 def reference_model():
@@ -201,3 +201,12 @@ def test_bad_graphs_are_refused_with_the_value():
         g.add([4], supervised=[True, False])
     with pytest.raises(GraphError, match="graph 0 has 3 tokens; rows are 2 wide"):
         pack([g], width=2, pad_id=0)
+
+
+def test_gradient_checkpointing_keeps_the_gradients():
+    model, rng = qwen3_model(), random.Random(5)
+    batch = pack([random_tree(rng, model.config.vocab_size) for _ in range(2)], width=256, pad_id=0)
+    model.train()  # (checkpointing only recomputes in training mode; the tiny config has no dropout)
+    plain = grads(model, graph_loss(model, batch).loss)
+    enable_checkpointing(model)
+    assert_same_gradients(grads(model, graph_loss(model, batch).loss), plain)

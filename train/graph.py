@@ -26,7 +26,6 @@ no token of a block may see.
 """
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -228,10 +227,10 @@ def pack(graphs: Sequence[PromptGraph], width: int, pad_id: int) -> PackedGraphs
         row_bits: list[int] = []
         for g, graph in row:
             closures, counts, order = graph.closures(), graph.path_counts(), graph.order()
-            first, last = {}, {}  # each node's first and last column
+            last = {}  # each node's last column
             for i in order:
                 n = graph.nodes[i]
-                first[i], last[i] = at, at + len(n) - 1
+                last[i] = at + len(n) - 1
                 ids[r, at:at + len(n)] = torch.tensor(n.tokens)
                 positions[r, at:at + len(n)] = torch.arange(n.start, n.start + len(n))
                 node[r, at:at + len(n)] = base + i
@@ -245,8 +244,8 @@ def pack(graphs: Sequence[PromptGraph], width: int, pad_id: int) -> PackedGraphs
                 at += len(n)
             for i in range(len(graph)):
                 row_bits.append(closures[i] << base)
-                for a in range(len(graph)):
-                    visible[r, base + i, base + a] = bool(closures[i] >> a & 1)
+                visible[r, base + i, base:base + len(graph)] = torch.tensor([bool(closures[i] >> a & 1)
+                                                                             for a in range(len(graph))])
             base += len(graph)
         pad_node = most - 1
         node[r, at:] = pad_node
@@ -306,26 +305,26 @@ def attention_backend(device: torch.device | str, requested: str = "auto") -> st
     return requested
 
 
-@contextmanager
-def _attention_implementation(model, name: str):
-    before = model.config._attn_implementation
-    model.config._attn_implementation = name
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = before
-
-
 def hidden_states(model, batch: PackedGraphs, backend: str = "sdpa") -> torch.Tensor:
-    """The decoder's last hidden states [R, W, hidden] for the packed rows (`batch` on the model's device)."""
+    """The decoder's last hidden states [R, W, hidden] for the packed rows (`batch` on the model's device).
+
+    Sets the model's attention implementation to the backend's and leaves it set: the backward must see
+    the same one (gradient checkpointing runs the forward again there)."""
     if backend == "flex":
-        mask, name = block_mask(batch), "flex_attention"
+        mask, model.config._attn_implementation = block_mask(batch), "flex_attention"
     else:
-        mask, name = dense_mask(batch)[:, None], attention.NAME
-    decoder = model.get_decoder()
-    with _attention_implementation(model, name):
-        return decoder(input_ids=batch.ids, position_ids=batch.positions, attention_mask=mask,
-                       use_cache=False).last_hidden_state
+        mask, model.config._attn_implementation = dense_mask(batch)[:, None], attention.NAME
+    return model.get_decoder()(input_ids=batch.ids, position_ids=batch.positions, attention_mask=mask,
+                               use_cache=False).last_hidden_state
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them (less memory)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 @dataclass

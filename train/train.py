@@ -34,8 +34,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from braid.engine import attention
 from braid.models.chat import END, PAD
 from braid.models.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
-from braid.train.graph import (GraphError, PackedGraphs, PromptGraph, attention_backend, graph_loss, pack,
-                               prefix_graph)
+from braid.train.graph import (GraphError, PackedGraphs, PromptGraph, attention_backend, enable_checkpointing,
+                               graph_loss, pack, prefix_graph)
 from braid.train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
@@ -288,7 +288,7 @@ def train(cfg: TrainConfig) -> dict:
         tokenizer = build_tokenizer(cfg)
         model = build_model(cfg, tokenizer).to(device)
     if cfg.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, vocab %d, on %s", params / 1e6, len(tokenizer), device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
