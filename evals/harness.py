@@ -194,7 +194,8 @@ def plot_accuracy(rows: Sequence[dict], path: str) -> None:
         for mode in dict.fromkeys(r["mode"] for r in rows):
             sel = sorted((r for r in rows if r["task"] == task and r["mode"] == mode), key=lambda r: r["branches"])
             acc = [100 * r["accuracy"] for r in sel]
-            err = [[a - 100 * r["ci95"][0] for a, r in zip(acc, sel)], [100 * r["ci95"][1] - a for a, r in zip(acc, sel)]]
+            err = [[a - 100 * r["ci95"][0] for a, r in zip(acc, sel)],
+                   [100 * r["ci95"][1] - a for a, r in zip(acc, sel)]]
             ax.errorbar([r["branches"] for r in sel], acc, yerr=err, marker="o", capsize=3, label=mode)
         ax.set(title=task, xlabel="branches", ylim=(-3, 103))
     axes[0][0].set_ylabel("exact-match accuracy, % (95% CI)")

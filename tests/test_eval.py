@@ -80,7 +80,8 @@ def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     assert engine.fingerprint == recorded["fingerprint"]
     cfg = recorded["config"]
     config = EvalConfig(tasks=tuple(cfg["tasks"]), branches=tuple(cfg["branches"]), samples=cfg["samples"],
-                        seed=cfg["seed"], length=tuple(cfg["length"]))
+                        seed=cfg["seed"], length=tuple(cfg["length"]), worker_max_tokens=cfg["worker_max_tokens"],
+                        answer_max_tokens=cfg["answer_max_tokens"])
     modes = [m for m in BASE_MODES if m.name in recorded["modes"]]
     got = report(config, REFERENCE_MODEL, engine.fingerprint, modes, evaluate(engine, config, modes, progress=False))
     accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}

@@ -61,9 +61,10 @@ class TrainConfig:
     intermediate_size: int = 768
     vocab_size: int = 1024
     max_length: int = 12  # largest per-branch length drawn in training (evaluation's default is 2-6)
+    min_branches: int = 2  # tasks draw min_branches..12 branches
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_traces: int = 2  # worker turns trained per task (of its 2-12 branches), beside the synthesizer's
-    lookup_drills: int = 0  # lookup drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
+    lookup_drills: int = 0  # drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
     eval_every: int = 250
     packing: str = "graph"  # graph: a task's traces share their prefixes; flat: each trace its own sequence
     attention: str = "auto"  # how packed rows attend (train.graph.attention_backend): auto, sdpa or flex
@@ -97,6 +98,8 @@ class TrainConfig:
                              f"{self.lookup_drills}")
         if not 0 < self.lr < 1 or self.warmup < 0:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
+        if not 2 <= self.min_branches <= MAX_BRANCHES:
+            raise ValueError(f"min_branches must be in 2..{MAX_BRANCHES}, got {self.min_branches}")
         if not 1 <= self.max_length <= 12:
             raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
         if self.row_tokens < 512:
@@ -114,10 +117,10 @@ class TrainConfig:
         self.attention = attention_backend(self.device, self.attention)  # (refuses an unknown name)
 
 
-def draw_task(rng: random.Random, max_length: int, names: tuple[str, ...] = TASKS):
+def draw_task(rng: random.Random, max_length: int, names: tuple[str, ...] = TASKS, min_branches: int = 2):
     name = rng.choice(names)
     lo = rng.randint(1, max_length)
-    return generate(name, rng.randrange(TRAIN_SEEDS, 2 * TRAIN_SEEDS), rng.randint(2, MAX_BRANCHES),
+    return generate(name, rng.randrange(TRAIN_SEEDS, 2 * TRAIN_SEEDS), rng.randint(min_branches, MAX_BRANCHES),
                     (lo, rng.randint(lo, max_length)))
 
 
@@ -171,7 +174,8 @@ def batch(cfg: TrainConfig, tokenizer, step: int) -> PackedGraphs:
     rng, drawn = step_rng(cfg.seed, step), []
     for _ in range(cfg.tasks_per_step):
         # (each task's traces are drawn right after it)
-        drawn.append(traces(draw_task(rng, cfg.max_length, cfg.task_names), rng, cfg.worker_traces))
+        drawn.append(traces(draw_task(rng, cfg.max_length, cfg.task_names, cfg.min_branches), rng,
+                            cfg.worker_traces))
         drawn += [[lookup_drill(rng)] for _ in range(cfg.lookup_drills)]
     encoded = iter(encode(tokenizer, [t for group in drawn for t in group]))
     graphs = [g for group in drawn for g in task_graphs([next(encoded) for _ in group], cfg.packing, cfg.row_tokens)]
