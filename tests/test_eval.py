@@ -12,8 +12,8 @@ from braid.engine.synthesis import SynthesisHooks
 from braid.evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
 from braid.models.tasks import TASKS, generate
 
-# Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,4,8
-# --samples 4 --device cpu --dtype float32 --json <this file>`.
+# Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,7,12
+# --samples 4 --length 2,12 --device cpu --dtype float32 --json <this file>`.
 RECORDED = os.path.join(REFERENCE_MODEL, "eval_sample.json")
 
 
@@ -86,5 +86,7 @@ def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     got = report(config, REFERENCE_MODEL, engine.fingerprint, modes, evaluate(engine, config, modes, progress=False))
     accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}
     assert accuracy == {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in recorded["summary"]}
-    # what the model has learned: every task is answered from text at every branch count of the sample
-    assert all(accuracy[(task, m, TEXT.name)] == 1.0 for task in TASKS for m in (2, 4, 8))
+    # what the model has learned, over the wider range (work up to 12): every task answered from text at 2 and 7
+    # branches, and at 12 in at least 3 of the 4 (MultiQA's twelve sums are its hardest answer)
+    assert all(accuracy[(task, m, TEXT.name)] == 1.0 for task in TASKS for m in (2, 7))
+    assert all(accuracy[(task, 12, TEXT.name)] >= 0.75 for task in TASKS)

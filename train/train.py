@@ -39,7 +39,8 @@ from braid.train.graph import (GraphError, PackedGraphs, PromptGraph, attention_
 from braid.train.tokenizer import train_tokenizer
 
 log = logging.getLogger("braid.train")
-RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "torch", "device", "loss", "held_out_accuracy")
+RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "flat_tokens_seen", "step_seconds", "torch", "device", "loss",
+              "held_out_accuracy")
 HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker", "lookup drill")
 TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
 
@@ -311,7 +312,7 @@ def train(cfg: TrainConfig) -> dict:
         return {"config": dataclasses.asdict(cfg), "train_seconds": round(seconds, 1),
                 "total_steps": start + len(history),
                 "total_train_seconds": round(seconds + (earlier["total_train_seconds"] if earlier else 0), 1),
-                "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier[k] for k in RUN_FIELDS}]
+                "earlier_runs": (earlier.get("earlier_runs", []) + [{k: earlier.get(k) for k in RUN_FIELDS}]
                                  if earlier else []),
                 "parameters": params, "vocab_size": len(tokenizer), "tokens_seen": tokens_seen,
                 "flat_tokens_seen": flat_tokens, "step_seconds": round(step_seconds, 1),
