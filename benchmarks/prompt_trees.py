@@ -122,7 +122,7 @@ def main(argv=None):
         ratio = fan * (p + s) / (p + fan * s)
         rows.append({"prefix": p, "fan_out": fan, "leaf": s, "cached_token_ratio": round(ratio, 2),
                      "packed_tokens": p + fan * s, "flat_tokens": fan * (p + s),
-                     "packed_step_s": round(t_packed, 4), "flat_step_s": round(t_flat, 4),
+                     "packed_step_s": round(t_packed, 6), "flat_step_s": round(t_flat, 6),
                      "speedup": round(t_flat / t_packed, 2), "speedup_over_ratio": round(t_flat / t_packed / ratio, 2),
                      "packed_tokens_per_s": round((p + fan * s) / t_packed),
                      "flat_tokens_per_s": round(fan * (p + s) / t_flat),
