@@ -38,7 +38,7 @@ def main(argv=None):
                               num_layers=args.num_layers, eval_every=args.steps, packing=packing)
             record = train(cfg)
             runs[packing] = {k: record[k] for k in ("loss", "train_seconds", "step_seconds", "tokens_seen",
-                                                    "flat_tokens_seen", "held_out_accuracy")}
+                                                    "flat_tokens_seen", "held_out_accuracy", "device")}
     graph, flat = runs["graph"], runs["flat"]
     gaps = [abs(a - b) for a, b in zip(graph["loss"], flat["loss"])]
     result = {"steps": args.steps, "worker_traces": args.worker_traces, "tasks_per_step": args.tasks_per_step,
@@ -47,7 +47,8 @@ def main(argv=None):
               "step_time_ratio": round(flat["step_seconds"] / graph["step_seconds"], 3),
               "first_step_loss_gap": gaps[0], "max_loss_gap_first_10": max(gaps[:10]),
               "mean_loss_gap_last_50": sum(gaps[-50:]) / len(gaps[-50:]), "runs": runs}
-    stem = write_json(args.out, "prompt_tree_training_cpu", result)
+    device = "cuda" if runs["graph"]["device"].startswith("cuda") else "cpu"
+    stem = write_json(args.out, f"prompt_tree_training_{device}", result)
     plot(result, stem + ".png")
     print(f"cached-token ratio {result['cached_token_ratio']}, step time flat/graph {result['step_time_ratio']}x, "
           f"loss gap at step 1 {gaps[0]:.1e}, mean over the last 50 steps {result['mean_loss_gap_last_50']:.1e}")

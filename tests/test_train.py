@@ -71,6 +71,8 @@ def test_config_chooses_the_tasks_and_worker_turns_trained():
         TrainConfig(tasks="chain,chan")
     with pytest.raises(ValueError, match="worker_traces must be positive"):
         TrainConfig(worker_traces=0)
+    with pytest.raises(ValueError, match="attention flex trains on CUDA only"):
+        TrainConfig(attention="flex", device="cpu")
     cfg, rng = TrainConfig(tasks="vote", worker_traces=12), random.Random(0)
     for _ in range(5):
         task = draw_task(rng, cfg.max_length, cfg.task_names)

@@ -193,6 +193,11 @@ class PackedGraphs:
     def cached_token_ratio(self) -> float:
         return self.flat_tokens / max(1, self.tokens)
 
+    def pin_memory(self) -> "PackedGraphs":
+        """Page-locked copies (the DataLoader calls this with pin_memory=True), so `to(cuda)` overlaps."""
+        return PackedGraphs(**{k: (v.pin_memory() if isinstance(v, torch.Tensor) else v)
+                               for k, v in self.__dict__.items()})
+
     def to(self, device) -> "PackedGraphs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
                  for k, v in self.__dict__.items()}

@@ -116,6 +116,9 @@ class TrainConfig:
         if self.precision == "auto":
             self.precision = "bf16" if self.device.startswith("cuda") else "fp32"
         self.attention = attention_backend(self.device, self.attention)  # (refuses an unknown name)
+        if self.attention == "flex" and not self.device.startswith("cuda"):
+            raise ValueError(f"attention flex trains on CUDA only (torch has no FlexAttention backward on "
+                             f"{self.device}); use sdpa")
 
 
 def draw_task(rng: random.Random, max_length: int, names: tuple[str, ...] = TASKS, min_branches: int = 2):
