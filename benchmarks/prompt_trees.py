@@ -83,8 +83,7 @@ def skip_attention(module, query, key, value, attention_mask, **kwargs):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = attention_backend(device)
     settings = ([tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")] if args.settings
@@ -154,7 +153,6 @@ def plot(result: dict, path: str) -> None:
     a.plot(ratio, [0.8 * x for x in ratio], "--", color="grey", label="0.8 x the ratio")
     a.set(xscale="log", yscale="log", xlabel="cached-token ratio", ylabel="speedup", title="prompt-tree step speedup")
     a.legend()
-    a.plot()
     b.plot(ratio, [r["flat_tokens_per_s"] for r in rows], "o-", label="flat: tokens trained / s")
     b.plot(ratio, [r["flat_tokens"] / r["packed_step_s"] for r in rows], "o-",
            label="packed: flat-equivalent tokens / s")
