@@ -3,25 +3,35 @@
 from braid.protos import agent_pb2 as pb
 
 
-def choose_transport(requested: int, configured: str, colocated: bool, kv_bytes: int, branch_tokens: int,
-                     link_bytes_per_s: float | None, prefill_tokens_per_s: float) -> tuple[int, str]:
-    """(transport, reason). kv_bytes and branch_tokens are the most the branches can produce (their
-    max_tokens); shipping wins when moving that KV takes less time than re-prefilling its text."""
+def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, kv_bytes: int,
+                     branch_tokens: int, link_bytes_per_s: float | None, prefill_tokens_per_s: float) -> tuple[int, str]:
+    """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none).
+    kv_bytes and branch_tokens are the most the branches can produce (their max_tokens); shipping wins
+    when moving that KV takes less time than re-prefilling its text.
+
+    `auto` reads branches from KV only with a calibration loaded: uncalibrated, the cache path answers
+    tasks that read branches together wrongly (README, answer quality)."""
     if requested != pb.TRANSPORT_UNSPECIFIED:
         return requested, "requested by the client"
+    if configured == "auto" and not calibration:
+        return pb.TRANSPORT_TEXT, ("no calibration is loaded for this model, and uncalibrated answers from KV are "
+                                   "often wrong: the branches' text is re-prefilled (ask for a KV transport to "
+                                   "override, or serve with --calibration)")
+    with_calibration = f"; calibration {calibration}" if calibration else ""
     if colocated:
-        return pb.TRANSPORT_LOCAL, "colocated engines: KV is reused in place"
+        return pb.TRANSPORT_LOCAL, f"colocated engines: KV is reused in place{with_calibration}"
     if configured != "auto":
-        return pb.Transport.Value(f"TRANSPORT_{configured.upper()}"), f"configured: kv_transport={configured}"
+        return (pb.Transport.Value(f"TRANSPORT_{configured.upper()}"),
+                f"configured: kv_transport={configured}{with_calibration}")
     prefill_s = branch_tokens / prefill_tokens_per_s
     if link_bytes_per_s is None:
         return pb.TRANSPORT_GRPC, (f"no link measured yet; re-prefill of up to {branch_tokens} tokens would take "
-                                   f"up to ~{1e3 * prefill_s:.0f} ms")
+                                   f"up to ~{1e3 * prefill_s:.0f} ms{with_calibration}")
     ship_s = kv_bytes / link_bytes_per_s
     if ship_s < prefill_s:
         return pb.TRANSPORT_GRPC, (f"shipping up to {_mb(kv_bytes)} at {link_bytes_per_s / 1e9:.2f} GB/s "
                                    f"(~{1e3 * ship_s:.0f} ms) beats re-prefill of up to {branch_tokens} tokens at "
-                                   f"{prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms)")
+                                   f"{prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms){with_calibration}")
     return pb.TRANSPORT_TEXT, (f"re-prefill of up to {branch_tokens} tokens (~{1e3 * prefill_s:.0f} ms) beats "
                                f"shipping up to {_mb(kv_bytes)} at {link_bytes_per_s / 1e9:.2f} GB/s "
                                f"(~{1e3 * ship_s:.0f} ms)")

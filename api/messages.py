@@ -99,3 +99,4 @@ class SynthesizerInfo:
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
     link_bytes_per_s: float | None
+    calibration: str = ""  # the calibration the cache path runs with ("": none; the KV path is then uncalibrated)

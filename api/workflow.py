@@ -80,7 +80,7 @@ class WorkflowDriver:
         session = wf.session or self.directory.create_session()
         self.directory.session(session)
         n = wf.num_branches
-        transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated,
+        transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
                                              n * wf.branch_limit * info.kv_bytes_per_token, n * wf.branch_limit,
                                              info.link_bytes_per_s, info.prefill_tokens_per_s)
         yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))

@@ -7,6 +7,8 @@ import sys
 
 from braid.models import REFERENCE_MODEL
 
+CALIBRATION_HELP = ("the synthesizer's calibration directory (braid calibrate); auto: the model's own <model>/calibration "
+                    "when it has one; none: uncalibrated (default: auto)")
 
 
 def _model_path(args) -> str:
@@ -35,19 +37,21 @@ def eval_cmd(args) -> int:
     import json
 
     from braid.engine import Engine, EngineConfig
-    from braid.evals.harness import (BASE_MODES, EvalConfig, evaluate, format_table, hooked_modes, load_hooks,
-                               plot_accuracy, report)
+    from braid.evals.harness import (EvalConfig, engine_modes, evaluate, format_table, hooked_modes, load_hooks,
+                                     plot_accuracy, report)
 
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
                         worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
-    by_name = {m.name: m for m in BASE_MODES}
-    unknown = [m for m in args.modes.split(",") if m not in by_name]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(by_name)}")
     path = _model_path(args)
-    engine = Engine(EngineConfig(path, dtype=args.dtype, device=args.device))
-    modes = [by_name[m] for m in args.modes.split(",")]
+    engine = Engine(EngineConfig(path, dtype=args.dtype, device=args.device, calibration=args.calibration))
+    by_name = {m.name: m for m in engine_modes(engine)}
+    names = list(by_name) if args.modes == "all" else args.modes.split(",")
+    unknown = [m for m in names if m not in by_name]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(by_name)}"
+                         + ("" if engine.calibration else " (the calibrated modes need a calibration)"))
+    modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
     results = evaluate(engine, config, modes)
@@ -65,19 +69,21 @@ def eval_cmd(args) -> int:
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
     from braid.engine import Engine, EngineConfig
-    from braid.evals.harness import BASE_MODES, EvalConfig, run_task
+    from braid.evals.harness import EvalConfig, engine_modes, run_task
     from braid.models.tasks import generate
 
     length = _length(args.length)
     task = generate(args.task, args.seed, args.branches, length)
-    engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device))
-    result = run_task(engine, task, BASE_MODES, EvalConfig(tasks=(task.name,), branches=(args.branches,),
+    engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device,
+                                 calibration=args.calibration))
+    modes = [m for m in engine_modes(engine) if m.name == "calibrated" or not m.name.startswith("calibrated")]
+    result = run_task(engine, task, modes, EvalConfig(tasks=(task.name,), branches=(args.branches,),
                                                            length=length))
     print(f"task {task.name} (seed {task.seed}): {task.system}")
     for j, (branch, said) in enumerate(zip(task.branches, result.worker_outputs)):
         print(f"  branch {j}: {branch.context}" + (f"\n     worker: {said.strip()}" if branch.output else ""))
     print(f"question: {task.question}  expected: {task.answer}\n")
-    for mode in BASE_MODES:
+    for mode in modes:
         print(f"  {mode.name:<20} {'right' if result.correct[mode.name] else 'wrong':<6} "
               f"TTFT {1e3 * result.ttft[mode.name]:6.1f} ms   {result.answers[mode.name].strip()!r}")
     return 0
@@ -96,11 +102,13 @@ def serve_cmd(args) -> int:
     path = _model_path(args)
     config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
                            synthesizer_replicas=args.synthesizers,
-                           kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port)
+                           kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port,
+                           calibration=args.calibration)
     cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
     try:
         print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on {cluster.address}\n"
-              f"  model      {path}\n  redis      {cluster.redis_url}\n"
+              f"  model      {path}\n  calibration {config.engine_config().resolved().calibration}\n"
+              f"  redis      {cluster.redis_url}\n"
               f"  dashboard  {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
               f"  metrics    {cluster.metrics_url or 'unknown'} (Prometheus text, braid metrics prefixed ray_braid_)\n"
               "Ctrl-C stops", flush=True)
@@ -154,6 +162,15 @@ def run_cmd(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:  # the trainer's own parser (it imports torch; other commands stay light)
+        from braid.train.calibrate import main as calibrate_main
+
+        try:
+            return calibrate_main(argv[1:], prog="braid calibrate")
+        except ValueError as e:
+            print(f"braid: error: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="braid", description="Braid: multi-agent LLM serving that ships KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +186,7 @@ def main(argv=None) -> int:
                    help="workers and synthesizer share one engine per replica (one GPU): KV is reused in place")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "grpc", "text"],
                    help="ship KV or re-prefill text (default: auto, decided per request)")
+    p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265")
     p.add_argument("--no-auth", action="store_true", help="turn Ray's token authentication off (local use only)")
@@ -199,8 +217,11 @@ def main(argv=None) -> int:
     p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work, up to 12 (default: 2,6)")
     p.add_argument("--worker-max-tokens", type=int, default=48, help="cap on each worker's reply (default: 48)")
     p.add_argument("--answer-max-tokens", type=int, default=160, help="cap on the synthesizer's answer (default: 160)")
-    p.add_argument("--modes", default="text,cache:none,cache:branch_point,cache:sequential",
-                   help="synthesis modes (default: all four)")
+    p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
+    p.add_argument("--modes", default="all",
+                   help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential and, "
+                        "with a calibration, calibrated, calibrated:sequential and the ablations "
+                        "calibrated-no-reencode, calibrated-no-mapper, calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")
@@ -215,9 +236,13 @@ def main(argv=None) -> int:
     p.add_argument("--branches", type=int, default=4, help="parallel worker branches, 2..12 (default: 4)")
     p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work, up to 12 (default: 2,6)")
     p.add_argument("--seed", type=int, default=0, help="task seed (default: 0)")
+    p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.set_defaults(func=demo)
+    # (listed here for --help; its options live with the trainer, which `braid calibrate ...` runs directly)
+    sub.add_parser("calibrate", help="train a cache mapper and synthesizer LoRA for a model (seed 004); "
+                                     "braid calibrate --help lists its options", add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

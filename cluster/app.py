@@ -15,7 +15,7 @@ def build_app(config: ClusterConfig, redis_url: str):
     """The Serve application. Workers and the synthesizer get a GPU each when GPUs exist; colocated,
     there are no Worker replicas: the synthesizer's replicas run the branches too (transport "local")."""
     gpu = 1 if torch.cuda.is_available() else 0
-    engine = config.engine_config()
+    engine = config.engine_config("synthesizer")
     # Colocated, a workflow holds a synthesis call (waiting for its branches) and a branch call on the same
     # deployment: room for many such pairs, so waiting syntheses cannot take every slot.
     ongoing = {"max_ongoing_requests": COLOCATED_ONGOING} if config.colocate else {}
@@ -27,6 +27,6 @@ def build_app(config: ClusterConfig, redis_url: str):
     if not config.colocate:
         workers = Worker.options(num_replicas=config.worker_replicas, ray_actor_options={
             "num_gpus": gpu if config.gpus_per_worker is None else config.gpus_per_worker, "num_cpus": 0}).bind(
-            engine, config.worker_config())
+            config.engine_config("worker"), config.worker_config())
     return AgentIngress.bind(workers, synth, config.workflow_config(), redis_url, config.session_ttl_s,
                              config.model_path)

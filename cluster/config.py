@@ -20,6 +20,9 @@ class ClusterConfig:
     gpus_per_worker: float | None = None  # None: 1 when CUDA is visible, else 0 (CPU)
     gpus_per_synthesizer: float | None = None
     dtype: str = "auto"
+    # the synthesizer's calibration (braid calibrate): "auto" loads <model_path>/calibration when it is there;
+    # "none" runs the cache path uncalibrated (then kv_transport=auto re-prefills text)
+    calibration: str = "auto"
     store_budget_bytes: int = 2 << 30
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
     # collective: NCCL between GPUs (gloo on CPU)
@@ -45,12 +48,14 @@ class ClusterConfig:
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port {self.grpc_port} is not a port number")
         # The parts validate themselves: a bad value fails here, not in a replica.
-        self.worker_config(), self.synthesizer_config(), self.workflow_config(), self.service_config()
+        self.engine_config(), self.worker_config(), self.synthesizer_config(), self.workflow_config(), self.service_config()
 
-    def engine_config(self) -> EngineConfig:
-        """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible)."""
+    def engine_config(self, role: str = "synthesizer") -> EngineConfig:
+        """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible). Only the
+        synthesizer's engine (colocated: the one engine) loads the calibration; workers run the base model."""
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
-                            store_budget_bytes=self.store_budget_bytes)
+                            store_budget_bytes=self.store_budget_bytes,
+                            calibration=self.calibration if role == "synthesizer" else "none")
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+CALIBRATION_MANIFEST = "calibration.json"  # (engine.calibration.MANIFEST)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,6 +16,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     store_budget_bytes: int = 2 << 30  # message store capacity (KV bytes)
     max_parallel_calls: int = 64
+    # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
+    # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
+    calibration: str = "auto"
 
     def __post_init__(self):
         if not os.path.isdir(self.model_path):
@@ -31,13 +35,21 @@ class EngineConfig:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
         if self.max_parallel_calls <= 0:
             raise ValueError(f"max_parallel_calls must be positive, got {self.max_parallel_calls}")
+        if self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
+                                                                                          CALIBRATION_MANIFEST)):
+            raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "
+                             f"(no {CALIBRATION_MANIFEST}); give one, 'auto' or 'none'")
 
     def resolved(self) -> "EngineConfig":
         """This config on this machine: "auto" device and dtype made concrete (the engine calls it, so a
         config built on a CPU-only head resolves on the GPU replica that runs it)."""
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
         dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
-        return replace(self, device=device, dtype=dtype)
+        calibration = self.calibration
+        if calibration == "auto":
+            own = os.path.join(self.model_path, "calibration")
+            calibration = own if os.path.isfile(os.path.join(own, CALIBRATION_MANIFEST)) else "none"
+        return replace(self, device=device, dtype=dtype, calibration=calibration)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -124,6 +124,13 @@ class Engine:
         self.store = MessageStore(config.store_budget_bytes)
         self.runner = ModelRunner(self.lm)
         self.lock = threading.RLock()
+        self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
+        if config.calibration != "none":
+            from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
+
+            self.calibration = attach(self, config.calibration)
+            log.info("calibration %s attached (trained on %s)", config.calibration,
+                     self.calibration.calibration.base_model)
         log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
                  self.spec.max_positions)
 

@@ -4,7 +4,7 @@ For each task the workers run once, in parallel, on the shared system prompt and
 their own contexts (MultiQA's branches are its questions, prefilled instead). The
 same branch messages then go to each mode: text re-prefill, or the cached KV with
 no re-encoding or re-encoded per placement, optionally through SynthesisHooks (a
-cache mapper and a LoRA adapter). Answers are scored by exact match; results are
+trained calibration's cache mapper and LoRA adapter, and its ablations). Answers are scored by exact match; results are
 paired across modes.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from braid.engine import Engine, PrefillCall, SamplingParams, fan_out
+from braid.engine.calibration import Attached
 from braid.engine.synthesis import TEXT as TEXT_MODE
 from braid.engine.synthesis import Placement, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
@@ -40,6 +41,23 @@ def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
     """The cached modes again, through a mapper/adapter: `cache:<placement>+<name>`."""
     return [Mode(f"{m.name}+{name}", SynthesisMode(m.synthesis.placement, hooks))
             for m in BASE_MODES if not m.synthesis.text]
+
+
+def calibrated_modes(attached: Attached) -> list[Mode]:
+    """A trained calibration (seed 004's full method: re-encoding, mapper and LoRA) and its ablations, each
+    leaving one part out with the rest on: `calibrated`, `calibrated:sequential`, `calibrated-no-reencode`,
+    `calibrated-no-mapper`, `calibrated-no-lora`."""
+    full = attached.hooks
+    return [Mode("calibrated", SynthesisMode(Placement.BRANCH_POINT, full)),
+            Mode("calibrated:sequential", SynthesisMode(Placement.SEQUENTIAL, full)),
+            Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
+            Mode("calibrated-no-mapper", SynthesisMode(Placement.BRANCH_POINT, attached.without(mapper=True))),
+            Mode("calibrated-no-lora", SynthesisMode(Placement.BRANCH_POINT, attached.without(lora=True)))]
+
+
+def engine_modes(engine: Engine) -> list[Mode]:
+    """Every mode this engine can run: text, the untrained cached modes and, with a calibration, its modes."""
+    return [*BASE_MODES, *(calibrated_modes(engine.calibration) if engine.calibration is not None else [])]
 
 
 def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:

@@ -3,7 +3,7 @@
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from braid.api.messages import AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesizerInfo
 from braid.api.service import AgentLogic
@@ -49,7 +49,12 @@ class SynthesisRunner:
         s = self.engine.spec
         return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
-                               self.prefill_tokens_per_s, self.link_bytes_per_s)
+                               self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name)
+
+    @property
+    def calibration_name(self) -> str:
+        attached = self.engine.calibration
+        return attached.calibration.path if attached is not None else ""
 
     def _receive(self, req: SynthesisRequest) -> list[ReceivedStream]:
         received = []
@@ -75,7 +80,10 @@ class SynthesisRunner:
         with eng.lock:
             prefix = eng.prefill([PrefillCall(req.task)])
             branches = [self.receiver.import_message(eng, g) for g in received]
-            stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=req.mode,
+            mode = req.mode
+            if not mode.text and mode.hooks is None and eng.calibration is not None:
+                mode = replace(mode, hooks=eng.calibration.hooks)  # the cache path, calibrated
+            stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
                                       sampling=req.sampling)
             answer = []
             for event in stream:

@@ -1,0 +1,215 @@
+"""The trained calibration of the cache path (seed 004): a cache mapper over branch KV and a synthesizer LoRA.
+
+A calibration is a directory:
+
+    calibration.json     the manifest: the base model's fingerprint and name, the mapper's and LoRA's shapes,
+                         and how it was trained
+    mapper.safetensors   the cache mapper's parameters
+    adapter/             the synthesizer LoRA in peft's adapter format
+
+It is bound to one base model. `attach(engine, path)` refuses another model's calibration
+with FingerprintMismatchError (FAILED_PRECONDITION), injects the LoRA into the engine's model
+switched off, and returns the SynthesisHooks that switch it on around the synthesizer's
+forwards only and map branch KV, so workers and branch encodings always run the base weights,
+also on a colocated engine that does both.
+"""
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from braid.engine.config import CALIBRATION_MANIFEST
+from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.engine.synthesis import SynthesisHooks
+
+MANIFEST = CALIBRATION_MANIFEST
+MAPPER_FILE = "mapper.safetensors"
+ADAPTER_DIR = "adapter"
+FEATURES = 3  # [1, log1p(branch length) / 4, log1p(branch count) / 2]
+
+
+@dataclass(frozen=True)
+class MapperConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rank: int = 0  # a low-rank residual on K and V per layer and head as well (0: affine only)
+    conditioned: bool = True  # the affine terms also depend on the branch's length and the branch count
+
+    def __post_init__(self):
+        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0 or self.head_dim % 2:
+            raise ValueError(f"mapper shape must be positive with an even head_dim, got {self}")
+        if self.rank < 0 or self.rank > self.head_dim:
+            raise ValueError(f"mapper rank must be in 0..head_dim={self.head_dim}, got {self.rank}")
+
+
+class CacheMapper(torch.nn.Module):
+    """Per layer and KV head, a residual correction of placed (re-encoded) branch KV; the identity at init.
+
+        K' = K * (1 + a_K) + b_K      a_K: one scale per rotary pair (i, i + D/2), so it commutes with RoPE
+        V' = V * (1 + a_V) + b_V
+        (+ X' += X U W per layer and head, when rank > 0; W starts at zero)
+
+    Each of a_K, b_K, a_V, b_V is w0 + w1 * log1p(T) / 4 + w2 * log1p(m) / 2 (T the branch's length, m the
+    branch count) when conditioned, else w0 alone. Every w starts at zero. Implements engine.synthesis's
+    CacheMapper protocol: `mapper(kv [L, 2, H, T, D], branch=j, num_branches=m)`.
+    """
+
+    def __init__(self, config: MapperConfig):
+        super().__init__()
+        self.config = c = config
+        n = FEATURES if c.conditioned else 1
+        half = c.head_dim // 2
+        self.scale_k = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, half))
+        self.shift_k = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
+        self.scale_v = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
+        self.shift_v = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
+        if c.rank:
+            gen = torch.Generator().manual_seed(0)
+            self.down = torch.nn.Parameter(torch.randn(c.num_layers, 2, c.num_kv_heads, c.head_dim, c.rank,
+                                                       generator=gen) / math.sqrt(c.head_dim))
+            self.up = torch.nn.Parameter(torch.zeros(c.num_layers, 2, c.num_kv_heads, c.rank, c.head_dim))
+
+    def features(self, lengths: torch.Tensor, num_branches: torch.Tensor) -> torch.Tensor:
+        """[N] branch lengths and counts -> [N, F] (F = 1 when unconditioned)."""
+        ones = torch.ones_like(lengths, dtype=torch.float32)
+        if not self.config.conditioned:
+            return ones[:, None]
+        return torch.stack([ones, torch.log1p(lengths.float()) / 4, torch.log1p(num_branches.float()) / 2], dim=1)
+
+    def apply(self, kv: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """kv [N, L, 2, H, T, D], features [N, F] -> mapped kv of the same shape and dtype."""
+        mix = lambda w: torch.einsum("nf,flhd->nlhd", features.to(w), w)[:, :, :, None, :]  # noqa: E731 [N,L,H,1,D']
+        x = kv.float()
+        k, v = x[:, :, 0], x[:, :, 1]  # [N, L, H, T, D]
+        a_k = mix(self.scale_k)
+        k = k * (1 + torch.cat([a_k, a_k], dim=-1)) + mix(self.shift_k)
+        v = v * (1 + mix(self.scale_v)) + mix(self.shift_v)
+        out = torch.stack([k, v], dim=2)
+        if self.config.rank:
+            out = out + torch.einsum("nlshtd,lshdr,lshre->nlshte", x, self.down, self.up)
+        return out.to(kv.dtype)
+
+    def forward(self, kv: torch.Tensor, *, branch: int = 0, num_branches: int = 1) -> torch.Tensor:
+        """One branch's placed KV [L, 2, H, T, D] (the engine's mapper seam)."""
+        f = self.features(torch.tensor([kv.shape[3]], device=kv.device),
+                          torch.tensor([num_branches], device=kv.device))
+        return self.apply(kv[None], f)[0]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 16
+    alpha: int = 32
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self):
+        if self.rank <= 0 or self.alpha <= 0 or not self.targets:
+            raise ValueError(f"LoRA rank and alpha must be positive and targets non-empty, got {self}")
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=list(self.targets),
+                          bias="none")
+
+
+@dataclass
+class Calibration:
+    """A calibration on the host: the mapper, the LoRA's location and settings, and the manifest."""
+
+    mapper: CacheMapper
+    lora: LoraSettings
+    fingerprint: str  # of the base model it was trained on
+    base_model: str  # that model's name, for messages
+    path: str | None = None  # where it was loaded from (holds adapter/)
+    record: dict | None = None  # how it was trained
+
+    @property
+    def adapter_path(self) -> str:
+        if self.path is None:
+            raise BraidError("this calibration was not saved or loaded from disk: it has no adapter directory")
+        return os.path.join(self.path, ADAPTER_DIR)
+
+    def save(self, path: str, peft_model) -> None:
+        """Write the file set; `peft_model` is the trained PeftModel whose adapter is saved."""
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.mapper.state_dict().items()},
+                  os.path.join(path, MAPPER_FILE))
+        peft_model.save_pretrained(os.path.join(path, ADAPTER_DIR))
+        manifest = {"base_fingerprint": self.fingerprint, "base_model": self.base_model,
+                    "mapper": asdict(self.mapper.config), "lora": {**asdict(self.lora), "targets": list(self.lora.targets)},
+                    "record": self.record or {}}
+        with open(os.path.join(path, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str) -> "Calibration":
+        manifest_path = os.path.join(path, MANIFEST)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"calibration {path!r} has no {MANIFEST}; pass a directory written by "
+                                    "`braid calibrate`")
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        mapper = CacheMapper(MapperConfig(**manifest["mapper"]))
+        mapper.load_state_dict(load_file(os.path.join(path, MAPPER_FILE)))
+        lora = LoraSettings(**{**manifest["lora"], "targets": tuple(manifest["lora"]["targets"])})
+        return cls(mapper.eval().requires_grad_(False), lora, manifest["base_fingerprint"], manifest["base_model"],
+                   path, manifest.get("record"))
+
+    def check(self, fingerprint: str, model: str) -> None:
+        """Refuse a model other than the one this calibration was trained on."""
+        if fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(
+                f"calibration {self.path or '(unsaved)'} was trained on model {self.base_model} (fingerprint "
+                f"{self.fingerprint}); this engine runs {model} (fingerprint {fingerprint}). Train one for this "
+                "model with `braid calibrate`, or serve without a calibration")
+
+
+def lora_switch(peft_model) -> "callable":
+    """A context-manager factory that turns the injected LoRA on for the enclosed forwards only."""
+
+    @contextmanager
+    def active() -> Iterator[None]:
+        peft_model.base_model.enable_adapter_layers()
+        try:
+            yield
+        finally:
+            peft_model.base_model.disable_adapter_layers()
+
+    return active
+
+
+@dataclass
+class Attached:
+    """A calibration attached to an engine: its hooks, and the pieces for ablations."""
+
+    calibration: Calibration
+    peft_model: object
+    hooks: SynthesisHooks  # mapper and LoRA
+
+    def without(self, *, mapper: bool = False, lora: bool = False) -> SynthesisHooks:
+        """The hooks with a part left out (for ablations)."""
+        return SynthesisHooks(None if mapper else self.hooks.mapper, None if lora else self.hooks.adapter)
+
+
+def attach(engine, path: str) -> Attached:
+    """Load the calibration at `path` onto `engine` (checked against its model); the LoRA stays off except
+    inside the returned hooks' adapter context."""
+    from peft import PeftModel
+
+    calibration = Calibration.load(path)
+    calibration.check(engine.fingerprint, engine.config.model_path)
+    lm = engine.lm
+    peft_model = PeftModel.from_pretrained(lm.model, calibration.adapter_path, is_trainable=False)
+    peft_model.to(device=lm.device, dtype=lm.dtype).eval()
+    peft_model.base_model.disable_adapter_layers()
+    mapper = calibration.mapper.to(lm.device)
+    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora_switch(peft_model)))

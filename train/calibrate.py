@@ -1,0 +1,502 @@
+"""Train a calibration (cache mapper + synthesizer LoRA) for a frozen base model: `braid calibrate`.
+
+    braid calibrate --model models/braid-reference            # writes models/braid-reference/calibration
+
+A step draws `tasks_per_step` tasks from the generators (branch counts from `--branches`, branch work of length
+1..`--max-length`, a placement from `--placements`) and builds, for each, exactly what the cache path sees at
+serving time, with the base weights and no gradient:
+
+  - the shared system prompt's KV (the synthesizer's own prefix: never mapped);
+  - each branch's message KV, encoded where the worker encoded it (after the prefix and its own context),
+    then re-encoded to the placement by the engine's RoPE kernel. Worker replies are the ones the model itself
+    decodes greedily: the reference reply is checked against the model's argmax in one forward, and decoded
+    token by token where the two differ.
+
+The branches then go through the mapper, and the LoRA synthesizer (the only trainable parts, with the mapper)
+reads them and its prompt and is trained on the answer. Three data sources (seed 004), mixed by `--sources`:
+
+  parallel   continued pretraining on parallel caches: the text-concatenated trace the model was trained on, its
+             branch replies encoded as independent texts after the prefix (no private context), and the
+             question and answer as the continuation that needs them;
+  synthesis  multi-source synthesis: the four task families with worker replies decoded under their contexts;
+             target: the reference answer;
+  distill    the same branches; target: the text pipeline's own greedy answer, plus a KL term to its logits
+             (`--kl-weight`).
+
+Branch counts not in `--branches` and lengths above `--max-length` are never trained on, so evaluation can show
+generalisation to them; calibration task seeds lie in their own range, disjoint from evaluation's small seeds
+and from the base model's training seeds. At every evaluation (teacher-forced held-out answer accuracy) the run
+writes the calibration (mapper, adapter, manifest with the training record), `loss.png` and a resume state.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from braid.engine import attention
+from braid.engine.calibration import Calibration, CacheMapper, LoraSettings, MapperConfig
+from braid.engine.model import fingerprint_checkpoint
+from braid.engine.synthesis import Placement, place_branches
+from braid.kernels import rerotate_keys_torch
+from braid.models.chat import END, WORKER_HEADER, turn
+from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
+
+log = logging.getLogger("braid.calibrate")
+SOURCES = ("parallel", "synthesis", "distill")
+CALIBRATION_SEEDS = 2 << 40  # [2^41, 3 * 2^40): disjoint from evaluation (small seeds) and the base model's training
+RESUME = "resume.pt"
+HELD_OUT_BRANCHES = (4, 5, 8)  # the teacher-forced held-out set during training (5 and 8 are held out by default)
+
+
+@dataclass
+class CalibrateConfig:
+    model: str = "models/braid-reference"
+    out: str = ""  # default: <model>/calibration
+    seed: int = 0
+    steps: int = 1500
+    tasks_per_step: int = 8
+    lr: float = 2e-3  # LoRA
+    mapper_lr: float = 5e-3
+    warmup: int = 50
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    mapper_rank: int = 0  # a low-rank residual in the mapper as well as the affine terms (0: affine only)
+    mapper_conditioned: bool = True
+    kl_weight: float = 1.0
+    sources: str = "parallel=1,synthesis=2,distill=1"  # source=weight: how often each is drawn
+    branches: str = "2,3,4,6,7,9,10,12"  # branch counts trained on (5, 8 and 11 held out by default)
+    max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)
+    placements: str = "branch_point,sequential"
+    tasks: str = ",".join(TASKS)
+    worker_max_tokens: int = 48  # as braid eval decodes workers
+    answer_max_tokens: int = 160
+    eval_every: int = 100
+    held_out_per_cell: int = 24  # held-out tasks per (task, branch count) in the training-time check
+    device: str = "auto"
+    threads: int = 0
+    resume: bool = True  # continue from <out>/resume.pt when it is there
+
+    def __post_init__(self):
+        if not self.out:
+            self.out = os.path.join(self.model, "calibration")
+        for name in ("steps", "tasks_per_step", "lora_rank", "lora_alpha", "eval_every", "held_out_per_cell",
+                     "worker_max_tokens", "answer_max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (0 < self.lr < 1 and 0 < self.mapper_lr < 1) or self.warmup < 0 or self.kl_weight < 0:
+            raise ValueError(f"lr and mapper_lr must be in (0, 1), warmup and kl_weight >= 0; got {self.lr}, "
+                             f"{self.mapper_lr}, {self.warmup}, {self.kl_weight}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (no config.json)")
+        self.source_weights  # noqa: B018 (validates)
+        bad = [m for m in self.branch_counts if not 2 <= m <= MAX_BRANCHES]
+        if bad or not self.branch_counts:
+            raise ValueError(f"branches must be counts in 2..{MAX_BRANCHES}, got {self.branches!r}")
+        if not 1 <= self.max_length <= 12:
+            raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
+        try:
+            self.placement_list  # noqa: B018
+        except ValueError:
+            raise ValueError(f"placements must name some of {[p.value for p in Placement if p is not Placement.NONE]}"
+                             f", got {self.placements!r}") from None
+        unknown = [t for t in self.task_names if t not in TASKS]
+        if unknown or not self.task_names:
+            raise ValueError(f"tasks must name some of {', '.join(TASKS)}, got {self.tasks!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def source_weights(self) -> dict[str, float]:
+        out = {}
+        for part in self.sources.split(","):
+            name, _, weight = part.partition("=")
+            try:
+                out[name.strip()] = float(weight or 1)
+            except ValueError:
+                raise ValueError(f"sources entry {part!r} must look like name=weight") from None
+        if not out or any(n not in SOURCES for n in out) or any(w < 0 for w in out.values()) or not sum(out.values()):
+            raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), got {self.sources!r}")
+        return out
+
+    @property
+    def branch_counts(self) -> tuple[int, ...]:
+        return tuple(int(b) for b in self.branches.split(",") if b.strip())
+
+    @property
+    def placement_list(self) -> tuple[Placement, ...]:
+        out = tuple(Placement(p.strip()) for p in self.placements.split(",") if p.strip())
+        if not out or Placement.NONE in out:
+            raise ValueError("no placement")
+        return out
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.tasks.split(",") if t.strip())
+
+
+# ---- one task's example: what the cache path sees ---------------------------------------------------------------
+@dataclass
+class Example:
+    """One task, ready for the synthesizer's forward. KV tensors are [L, 2, H, T, D], base weights, no grad."""
+
+    prefix_kv: torch.Tensor  # the system prompt, at 0..n-1
+    branches: list[torch.Tensor]  # each branch message's KV, re-encoded to its placed offset
+    num_branches: int
+    prompt: list[int]
+    target: list[int]  # the answer the synthesizer is trained on (ends with END)
+    new_offset: int  # where the prompt starts
+    teacher: torch.Tensor | None  # [len(target), V] log-probabilities of the text pipeline (distill only)
+    source: str
+    task: Task
+
+    @property
+    def context(self) -> int:
+        return self.prefix_kv.shape[3] + sum(b.shape[3] for b in self.branches)
+
+
+class Encoder:
+    """Tokenizes tasks as the engine does (each message on its own) and runs the base model's no-grad passes."""
+
+    def __init__(self, model, tokenizer, inv_freq: torch.Tensor, cfg: CalibrateConfig):
+        self.model, self.tok, self.inv_freq, self.cfg = model, tokenizer, inv_freq, cfg
+        ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+        ids = tokenizer.eos_token_id if ids is None else ids
+        self.eos = set(ids) if isinstance(ids, (list, tuple)) else {ids}  # the engine's stop tokens
+        self.device = next(model.parameters()).device
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    @torch.no_grad()
+    def forward(self, rows: list[list[int]], want_logits: bool = False):
+        """Plain causal sequences from position 0 (right-padded): (argmax [B, T], KV [L, 2, B, H, T, D], logits)."""
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.tok.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        out = self.model(input_ids=ids.to(self.device), use_cache=True)
+        cache = out.past_key_values
+        kv = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
+        logits = out.logits.float()
+        return logits.argmax(-1).cpu(), kv, (logits if want_logits else None)
+
+    @torch.no_grad()
+    def greedy(self, context: list[int], candidate: list[int], argmax: list[int], max_tokens: int) -> list[int]:
+        """What the engine's greedy decode after `context` writes (stopping at an end token or after
+        max_tokens), given a candidate and the argmax of one forward over context + candidate: the candidate
+        where the model agrees with it, else decoded on from the first token where it departs."""
+        base, i = len(context) - 1, 0
+        while i < min(len(candidate), max_tokens) and argmax[base + i] == candidate[i]:
+            if candidate[i] in self.eos:
+                return candidate[:i + 1]
+            i += 1
+        if i == max_tokens:
+            return candidate[:i]
+        head = candidate[:i] + [argmax[base + i]]  # the model's own token where it departs (or goes on)
+        if head[-1] in self.eos or len(head) == max_tokens:
+            return head
+        out = self.model.generate(torch.tensor([context + head], device=self.device),
+                                  max_new_tokens=max_tokens - len(head), do_sample=False,
+                                  eos_token_id=sorted(self.eos), pad_token_id=self.tok.pad_token_id)
+        return head + out[0, len(context) + len(head):].tolist()
+
+    def example(self, task: Task, source: str, placement: Placement) -> Example:
+        cfg = self.cfg
+        system = self.ids(turn("system", task.system))
+        n = len(system)
+        workers = task.has_workers and source != "parallel"
+        if workers:  # each branch: its context, then the worker's reply, decoded greedily by the model itself
+            header = self.ids(WORKER_HEADER)
+            contexts = [self.ids(turn("user", b.context)) for b in task.branches]
+            replies = [header + self.ids(b.output + END) for b in task.branches]
+            rows = [system + c + r for c, r in zip(contexts, replies)]
+            argmax, kv, _ = self.forward(rows)
+            fixed = [header + self.greedy(system + c + header, r[len(header):], argmax[i].tolist(),
+                                          cfg.worker_max_tokens) for i, (c, r) in enumerate(zip(contexts, replies))]
+            if fixed != replies:
+                replies, rows = fixed, [system + c + r for c, r in zip(contexts, fixed)]
+                _, kv, _ = self.forward(rows)
+            starts = [n + len(c) for c in contexts]
+        else:  # each branch: its message prefilled right after the prefix (MultiQA's questions; `parallel`)
+            replies = [self.ids(b.message()) for b in task.branches]
+            _, kv, _ = self.forward([system + r for r in replies])
+            starts = [n] * len(replies)
+        lengths = [len(r) for r in replies]
+        offsets, new_offset = place_branches(n, lengths, placement)
+        branches = []
+        for j, (start, length, off) in enumerate(zip(starts, lengths, offsets)):
+            block = kv[:, :, j, :, start:start + length]  # [L, 2, H, T, D]
+            keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
+                                       self.inv_freq)
+            branches.append(torch.stack([keys, block[:, 1]], dim=1))
+        prompt = self.ids(task.prompt())
+        target = self.ids(task.answer + END)
+        teacher = None
+        if source == "distill":  # the text pipeline: the replies' tokens re-prefilled after the prefix
+            context = system + [t for r in replies for t in r] + prompt
+            argmax, _, logits = self.forward([context + target], want_logits=True)
+            answer = self.greedy(context, target, argmax[0].tolist(), cfg.answer_max_tokens)
+            if answer != target:
+                target = answer
+                _, _, logits = self.forward([context + target], want_logits=True)
+            teacher = F.log_softmax(logits[0, len(context) - 1:len(context) - 1 + len(target)], dim=-1)
+        return Example(kv[:, :, 0, :, :n], branches, len(branches), prompt, target, new_offset, teacher, source, task)
+
+
+# ---- the synthesizer's forward, with gradients into the mapper and the LoRA -------------------------------------
+class ContextCache:
+    """A past for transformers' attention: fixed context KV per layer, the new tokens' KV concatenated on."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values  # per layer [B, H, C, D]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return (torch.cat([self.keys[layer_idx], key_states], dim=2),
+                torch.cat([self.values[layer_idx], value_states], dim=2))
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    ce: float
+    kl: float
+    task_correct: list[bool]  # every target token is the argmax
+
+
+def synthesizer_logits(model, mapper: CacheMapper | None, examples: list[Example]) -> torch.Tensor:
+    """`model` (its LoRA on, where it has one) over [prefix | mapped branches | prompt + target], batched with
+    padding: fp32 logits [B, T, V] of each example's prompt + target tokens. `mapper` None: branches unmapped."""
+    device = next(model.parameters()).device
+    width_c = max(e.context for e in examples)
+    width_t = max(len(e.prompt) + len(e.target) for e in examples)
+    B = len(examples)
+    keys, values, valid = [], [], torch.zeros(B, width_c, dtype=torch.bool)
+    ids = torch.full((B, width_t), 0, dtype=torch.long)
+    positions = torch.zeros(B, width_t, dtype=torch.long)
+    for i, e in enumerate(examples):
+        blocks = [e.prefix_kv]
+        for b in e.branches:
+            if mapper is not None:
+                f = mapper.features(torch.tensor([b.shape[3]]), torch.tensor([e.num_branches]))
+                b = mapper.apply(b[None], f.to(device))[0]
+            blocks.append(b)
+        ctx = torch.cat(blocks, dim=3)  # [L, 2, H, C_i, D]
+        ctx = F.pad(ctx, (0, 0, 0, width_c - ctx.shape[3]))
+        keys.append(ctx[:, 0])
+        values.append(ctx[:, 1])
+        valid[i, :e.context] = True
+        seq = e.prompt + e.target
+        ids[i, :len(seq)] = torch.tensor(seq)
+        positions[i] = e.new_offset + torch.arange(width_t)
+    k = torch.stack(keys, dim=1)  # [L, B, H, C, D]
+    v = torch.stack(values, dim=1)
+    causal = torch.ones(width_t, width_t, dtype=torch.bool).tril()
+    mask = torch.cat([valid[:, None, :].expand(B, width_t, width_c), causal.expand(B, -1, -1)], dim=2)[:, None]
+    out = model.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
+                      past_key_values=ContextCache(list(k), list(v)), use_cache=True)
+    return model.lm_head(out.last_hidden_state).float()
+
+
+def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example], kl_weight: float) -> StepOutput:
+    """Cross-entropy on each target (mean over target tokens), plus kl_weight * KL(text pipeline || this) over
+    the targets of examples that carry the text pipeline's log-probabilities."""
+    logits = synthesizer_logits(model, mapper, examples)
+    device = logits.device
+    ce_sum, n_targets, kl_sum, n_kl, correct = 0.0, 0, 0.0, 0, []
+    for i, e in enumerate(examples):
+        rows = logits[i, len(e.prompt) - 1:len(e.prompt) - 1 + len(e.target)]
+        target = torch.tensor(e.target, device=device)
+        ce_sum = ce_sum + F.cross_entropy(rows, target, reduction="sum")
+        n_targets += len(e.target)
+        correct.append(bool((rows.argmax(-1) == target).all()))
+        if e.teacher is not None and kl_weight:
+            kl_sum = kl_sum + F.kl_div(F.log_softmax(rows, -1), e.teacher.to(device), log_target=True,
+                                       reduction="sum")
+            n_kl += len(e.target)
+    ce = ce_sum / n_targets
+    kl = kl_sum / n_kl if n_kl else torch.zeros((), device=device)
+    return StepOutput(ce + kl_weight * kl, ce.item(), kl.item(), correct)
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+def draw(cfg: CalibrateConfig, rng: random.Random) -> tuple[Task, str, Placement]:
+    names, weights = zip(*cfg.source_weights.items())
+    source = rng.choices(names, weights)[0]
+    lo = rng.randint(1, cfg.max_length)
+    task = generate(rng.choice(cfg.task_names), rng.randrange(CALIBRATION_SEEDS, CALIBRATION_SEEDS + (1 << 40)),
+                    rng.choice(cfg.branch_counts), (lo, rng.randint(lo, cfg.max_length)))
+    return task, source, rng.choice(cfg.placement_list)
+
+
+def held_out_set(cfg: CalibrateConfig) -> list[tuple[Task, str, Placement]]:
+    """Fixed held-out tasks (evaluation's seed range, default lengths) at the paper's placement."""
+    return [(t, "synthesis", Placement.BRANCH_POINT) for name in cfg.task_names for m in HELD_OUT_BRANCHES
+            for t in [generate(name, 1_000_000 + i, m) for i in range(cfg.held_out_per_cell)]]
+
+
+def lr_factor(cfg: CalibrateConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 16) -> dict[str, float]:
+    """Teacher-forced: the share of held-out answers whose every token is the argmax, per task."""
+    peft_model.eval()
+    right: dict[str, list[bool]] = {}
+    for i in range(0, len(held), batch):
+        group = held[i:i + batch]
+        with peft_model.disable_adapter():
+            examples = [encoder.example(*h) for h in group]
+        got = synthesizer_loss(encoder.model, mapper, examples, 0.0).task_correct
+        for (task, _, _), ok in zip(group, got):
+            right.setdefault(task.name, []).append(ok)
+    peft_model.train()
+    return {name: sum(v) / len(v) for name, v in right.items()}
+
+
+def calibrate(cfg: CalibrateConfig) -> dict:
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attention.NAME)
+    model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+    peft_model = get_peft_model(model, lora.peft_config())
+    mc = model.config
+    mapper = CacheMapper(MapperConfig(mc.num_hidden_layers, mc.num_key_value_heads,
+                                      model.model.layers[0].self_attn.head_dim, cfg.mapper_rank,
+                                      cfg.mapper_conditioned)).to(device)
+    inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
+    encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg)
+    lora_params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": lora_params, "lr": cfg.lr, "weight_decay": 0.0},
+                             {"params": list(mapper.parameters()), "lr": cfg.mapper_lr, "weight_decay": 0.0}])
+    base_lrs = [cfg.lr, cfg.mapper_lr]
+    fingerprint = fingerprint_checkpoint(cfg.model)
+    record = {"config": dataclasses.asdict(cfg), "loss": [], "ce": [], "kl": [], "held_out_accuracy": [],
+              "train_seconds": 0.0, "steps": 0, "torch": torch.__version__, "device": str(device),
+              "trainable_parameters": {"lora": sum(p.numel() for p in lora_params),
+                                       "mapper": sum(p.numel() for p in mapper.parameters())}}
+    resume = os.path.join(cfg.out, RESUME)
+    if cfg.resume and os.path.isfile(resume):
+        state = torch.load(resume, map_location=device, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise ValueError(f"{resume} continues a calibration of another model ({state['fingerprint']}); "
+                             f"{cfg.model} is {fingerprint}")
+        set_peft_model_state_dict(peft_model, state["lora"])
+        mapper.load_state_dict(state["mapper"])
+        opt.load_state_dict(state["optimizer"])
+        record = state["record"]
+        log.info("resuming %s at step %d", cfg.out, record["steps"])
+    held = held_out_set(cfg)
+    calibration = Calibration(mapper, lora, fingerprint, os.path.basename(os.path.normpath(cfg.model)))
+
+    def save() -> None:
+        calibration.record = {k: v for k, v in record.items()}
+        calibration.save(cfg.out, peft_model)
+        from peft import get_peft_model_state_dict
+
+        torch.save({"fingerprint": fingerprint, "lora": get_peft_model_state_dict(peft_model),
+                    "mapper": mapper.state_dict(), "optimizer": opt.state_dict(), "record": record}, resume)
+        plot(record, os.path.join(cfg.out, "loss.png"))
+
+    first = record["steps"]
+    peft_model.train()
+    bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, desc="calibrating", unit="step")
+    for step in bar:
+        began = time.perf_counter()
+        rng = random.Random(f"calibrate:{cfg.seed}:{step}")
+        with peft_model.disable_adapter():  # workers and branch encodings: the base weights
+            examples = [encoder.example(*draw(cfg, rng)) for _ in range(cfg.tasks_per_step)]
+        for group, base in zip(opt.param_groups, base_lrs):
+            group["lr"] = base * lr_factor(cfg, step)
+        out = synthesizer_loss(model, mapper, examples, cfg.kl_weight)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_([*lora_params, *mapper.parameters()], 1.0)
+        opt.step()
+        record["loss"].append(round(out.loss.item(), 5))
+        record["ce"].append(round(out.ce, 5))
+        record["kl"].append(round(out.kl, 5))
+        record["steps"] = step + 1
+        record["train_seconds"] = round(record["train_seconds"] + time.perf_counter() - began, 2)
+        bar.set_postfix(loss=f"{out.loss.item():.4f}", ce=f"{out.ce:.4f}", kl=f"{out.kl:.4f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            acc = held_out_accuracy(peft_model, mapper, encoder, held)
+            record["held_out_accuracy"].append({"step": step + 1, **acc})
+            log.info("step %d loss %.4f held-out answers (teacher-forced) %s", step + 1, out.loss.item(),
+                     " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
+            save()
+    if first >= cfg.steps:
+        log.info("%s already holds %d steps; nothing to do", cfg.out, first)
+    return record
+
+
+def plot(record: dict, path: str) -> None:
+    from braid.results import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    n = len(record["loss"])
+    window = max(1, n // 50)
+    for key in ("loss", "ce", "kl"):
+        series = record[key]
+        smooth = [sum(series[max(0, i - window + 1):i + 1]) / len(series[max(0, i - window + 1):i + 1])
+                  for i in range(n)]
+        a.plot(range(1, n + 1), smooth, label=f"{key} (mean of {window})")
+    a.set(yscale="log", xlabel="step", title="calibration loss (LoRA synthesizer over mapped branch KV)")
+    a.legend()
+    evals = record["held_out_accuracy"]
+    for name in dict.fromkeys(k for e in evals for k in e if k != "step"):
+        b.plot([e["step"] for e in evals], [e[name] for e in evals], marker="o", label=name)
+    b.set(xlabel="step", ylabel="answers right (teacher-forced)", ylim=(0, 1.02),
+          title=f"held-out tasks at {', '.join(map(str, HELD_OUT_BRANCHES))} branches")
+    b.legend()
+    fig.suptitle(f"{record['trainable_parameters']['lora'] / 1e3:.0f}k LoRA + "
+                 f"{record['trainable_parameters']['mapper'] / 1e3:.1f}k mapper parameters, "
+                 f"{record['train_seconds'] / 60:.0f} min on {record['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(CalibrateConfig):
+        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
+
+
+def main(argv=None, prog: str = "python -m braid.train.calibrate") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    calibrate(CalibrateConfig(**vars(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
