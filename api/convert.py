@@ -52,7 +52,7 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
     if not request.synthesis_prompt:
         raise BraidError("synthesis_prompt is empty")
     try:
-        placement = Placement(request.placement or Placement.BRANCH_POINT)
+        placement = Placement(request.placement or info.placement)  # unset: what the synthesizer was calibrated for
     except ValueError:
         raise BraidError(f"placement {request.placement!r} is not one of {[p.value for p in Placement]}") from None
     worker = sampling(request.worker_sampling, default_max_tokens, "worker_sampling")

@@ -100,3 +100,4 @@ class SynthesizerInfo:
     prefill_tokens_per_s: float
     link_bytes_per_s: float | None
     calibration: str = ""  # the calibration the cache path runs with ("": none; the KV path is then uncalibrated)
+    placement: str = "branch_point"  # where branches go when a request does not say: the calibration's own

@@ -6,6 +6,12 @@ the same KV (tests/test_engine.py::test_prefilled_and_decoded_kv_agree) without
 spending minutes decoding. TTFT is measured from the synthesis call to the first
 sampled token, and includes planning, cache assembly (copy + re-rotation) and the
 prompt prefill; worker time is excluded, as in the paper.
+
+The calibrated cache path (mapper on every branch, LoRA on in the synthesizer's
+forwards) runs beside the uncalibrated one: with --checkpoint, the checkpoint's own
+calibration when it has one; otherwise a calibration of the same shape as a trained
+one (LoRA rank 16 on q/k/v/o, affine mapper) with random weights, since its cost does
+not depend on their values.
 """
 
 import argparse
@@ -18,9 +24,10 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.models.checkpoints import SHAPES, make_random_checkpoint
 from braid.engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+from braid.models.checkpoints import SHAPES, make_random_checkpoint
 from braid.results import pyplot, write_json
+from braid.train.calibrate import write_untrained
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -83,7 +90,13 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_random_checkpoint(
             tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30))
+        calibration = EngineConfig(path, calibration="auto" if args.checkpoint else "none").resolved().calibration
+        trained = calibration != "none"
+        if not trained:
+            calibration = write_untrained(path, f"{tmp}/calibration", scale=0.02, name="random")
+        eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
+                                  calibration=calibration))
+    hooks = eng.calibration.hooks
     gen = torch.Generator().manual_seed(0)
     rows = []
     for length in tqdm(lengths, desc="branch lengths"):
@@ -94,6 +107,9 @@ def main(argv=None):
                                                             placement=Placement.BRANCH_POINT, sampling=FIRST_TOKEN),
             "cache_sequential": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
                                                           placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN),
+            "cache_calibrated": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
+                                                          placement=Placement.BRANCH_POINT, sampling=FIRST_TOKEN,
+                                                          hooks=hooks),
         }
         row = {"branch_tokens": length, "branches": args.branches}
         for name, make in modes.items():
@@ -103,6 +119,8 @@ def main(argv=None):
                 eng.free(mid)
         row["speedup_branch_point"] = row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"]
         row["speedup_sequential"] = row["text_ttft_ms"] / row["cache_sequential_ttft_ms"]
+        row["speedup_calibrated"] = row["text_ttft_ms"] / row["cache_calibrated_ttft_ms"]
+        row["calibration_overhead"] = row["cache_calibrated_ttft_ms"] / row["cache_branch_point_ttft_ms"] - 1
         # The physical limit: text prefills branches + prompt, the cache path the prompt only.
         row["token_ratio"] = (args.branches * length + args.prompt_tokens) / args.prompt_tokens
         rows.append(row)
@@ -112,6 +130,7 @@ def main(argv=None):
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "dtype": eng.config.dtype, "shape": args.shape if not args.checkpoint else args.checkpoint,
         "parameters": sum(p.numel() for p in eng.lm.model.parameters()),
+        "calibration": calibration if trained else "random weights, trained shape",
         "torch": torch.__version__, "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens,
         "rows": rows,
     }
@@ -122,13 +141,15 @@ def main(argv=None):
 
 def report(result, out_dir):
     header = f"{'tokens/branch':>13} {'text ms':>9} {'cache ms':>9} {'assemble ms':>11} {'speedup':>8} " \
-             f"{'seq ms':>8} {'seq speedup':>11}"
+             f"{'seq ms':>8} {'seq speedup':>11} {'calibrated ms':>13} {'speedup':>8} {'overhead':>8}"
     print(f"\n{result['device']} {result['dtype']} {result['parameters'] / 1e6:.0f}M params, "
           f"{result['rows'][0]['branches']} branches\n{header}")
     for r in result["rows"]:
         print(f"{r['branch_tokens']:>13} {r['text_ttft_ms']:>9.1f} {r['cache_branch_point_ttft_ms']:>9.1f} "
               f"{r['cache_branch_point_assemble_ms']:>11.1f} {r['speedup_branch_point']:>7.1f}x "
-              f"{r['cache_sequential_ttft_ms']:>8.1f} {r['speedup_sequential']:>10.1f}x")
+              f"{r['cache_sequential_ttft_ms']:>8.1f} {r['speedup_sequential']:>10.1f}x "
+              f"{r['cache_calibrated_ttft_ms']:>13.1f} {r['speedup_calibrated']:>7.1f}x "
+              f"{100 * r['calibration_overhead']:>+7.1f}%")
     if "decode_tokens_per_s_batch1" in result:
         print(f"batch-1 decode: {result['decode_tokens_per_s_batch1']:.1f} tokens/s")
     stem = write_json(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}", result)
@@ -138,11 +159,12 @@ def report(result, out_dir):
     xs = [r["branch_tokens"] for r in result["rows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for key, label in [("text", "text re-prefill"), ("cache_branch_point", "cache, branch point"),
-                       ("cache_sequential", "cache, sequential")]:
+                       ("cache_sequential", "cache, sequential"), ("cache_calibrated", "cache, calibrated")]:
         ax[0].plot(xs, [r[f"{key}_ttft_ms"] for r in result["rows"]], marker="o", label=label)
     ax[0].set(xscale="log", yscale="log", xlabel="tokens per branch", ylabel="TTFT (ms)",
               title=f"Synthesis TTFT, {result['rows'][0]['branches']} branches")
     ax[1].plot(xs, [r["speedup_branch_point"] for r in result["rows"]], marker="o", label="measured (branch point)")
+    ax[1].plot(xs, [r["speedup_calibrated"] for r in result["rows"]], marker="o", label="measured (calibrated)")
     ax[1].set(xscale="log", xlabel="tokens per branch", ylabel="text TTFT / cache TTFT", title="Speedup")
     for a in ax:
         a.grid(alpha=0.3)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.errors import BraidError, FingerprintMismatchError
-from braid.engine.synthesis import SynthesisHooks
+from braid.engine.synthesis import Placement, SynthesisHooks
 
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
@@ -130,6 +130,12 @@ class Calibration:
     base_model: str  # that model's name, for messages
     path: str | None = None  # where it was loaded from (holds adapter/)
     record: dict | None = None  # how it was trained
+
+    @property
+    def placement(self) -> Placement:
+        """The placement it was trained for (the first, if several): the synthesizer's default with it."""
+        trained = (self.record or {}).get("config", {}).get("placements", Placement.BRANCH_POINT.value)
+        return Placement(trained.split(",")[0].strip())
 
     @property
     def adapter_path(self) -> str:

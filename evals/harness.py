@@ -44,15 +44,17 @@ def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
 
 
 def calibrated_modes(attached: Attached) -> list[Mode]:
-    """A trained calibration (seed 004's full method: re-encoding, mapper and LoRA) and its ablations, each
-    leaving one part out with the rest on: `calibrated`, `calibrated:sequential`, `calibrated-no-reencode`,
-    `calibrated-no-mapper`, `calibrated-no-lora`."""
-    full = attached.hooks
-    return [Mode("calibrated", SynthesisMode(Placement.BRANCH_POINT, full)),
-            Mode("calibrated:sequential", SynthesisMode(Placement.SEQUENTIAL, full)),
+    """A trained calibration (seed 004's full method: re-encoding to the placement it was trained for, mapper
+    and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
+    `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
+    and `calibrated:<placement>` for the other re-encoding placement."""
+    full, placement = attached.hooks, attached.calibration.placement
+    other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
+    return [Mode("calibrated", SynthesisMode(placement, full)),
+            Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
-            Mode("calibrated-no-mapper", SynthesisMode(Placement.BRANCH_POINT, attached.without(mapper=True))),
-            Mode("calibrated-no-lora", SynthesisMode(Placement.BRANCH_POINT, attached.without(lora=True)))]
+            Mode("calibrated-no-mapper", SynthesisMode(placement, attached.without(mapper=True))),
+            Mode("calibrated-no-lora", SynthesisMode(placement, attached.without(lora=True)))]
 
 
 def engine_modes(engine: Engine) -> list[Mode]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from braid.api.messages import AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesizerInfo
 from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
+from braid.engine.synthesis import Placement
 from braid.engine.synthesis import synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
@@ -49,7 +50,9 @@ class SynthesisRunner:
         s = self.engine.spec
         return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
-                               self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name)
+                               self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
+                               self.engine.calibration.calibration.placement.value if self.engine.calibration
+                               else Placement.BRANCH_POINT.value)
 
     @property
     def calibration_name(self) -> str:

@@ -55,7 +55,8 @@ def test_choreography_round_trip(api):
 def test_workflow_matches_in_process_pipeline(api):
     stub, logic = api
     req = pb.WorkflowRequest(task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
-                             synthesis_prompt="Synthesizer:", worker_sampling=GREEDY, synthesis_sampling=GREEDY)
+                             synthesis_prompt="Synthesizer:", worker_sampling=GREEDY, synthesis_sampling=GREEDY,
+                             transport=pb.TRANSPORT_LOCAL)  # asked for: this engine has no calibration
     events = list(stub.RunWorkflow(req))
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds.count("branch_token") == 12 and kinds.count("synthesis_token") == 6
@@ -71,10 +72,13 @@ def test_workflow_matches_in_process_pipeline(api):
     assert answer == list(eng.message(local).token_ids[-6:])
     assert events[-1].done.answer_text == eng.tokenizer.decode(answer)  # the answer alone, without the prompt
 
+    # unasked, an uncalibrated synthesizer gets the branches' text, and the reason says why
     text_events = list(stub.RunWorkflow(pb.WorkflowRequest(
         task=req.task, branch_prompts=req.branch_prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
-        synthesis_sampling=GREEDY, transport=pb.TRANSPORT_TEXT)))
-    assert [e.decision.transport for e in text_events if e.HasField("decision")] == [pb.TRANSPORT_TEXT]
+        synthesis_sampling=GREEDY)))
+    decision, = [e.decision for e in text_events if e.HasField("decision")]
+    assert decision.transport == pb.TRANSPORT_TEXT and "no calibration is loaded" in decision.reason
+    assert not any(e.HasField("kv_receipt") for e in text_events) and text_events[-1].HasField("done")
 
 
 def test_bad_requests_get_clear_statuses_and_the_server_keeps_serving(api):

@@ -5,13 +5,14 @@ import dataclasses
 import json
 import os
 
+import grpc
 import pytest
 import torch
-from peft import get_peft_model, get_peft_model_state_dict
+from peft import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from braid.cli import main
-from braid.engine import Engine, EngineConfig, SamplingParams, fan_out
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams, fan_out
 from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
@@ -20,26 +21,15 @@ from braid.kernels import rerotate_keys_torch
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER, turn
 from braid.models.tasks import generate
-from braid.train.calibrate import CalibrateConfig, Encoder, synthesizer_logits
+from braid.train.calibrate import CalibrateConfig, Encoder, synthesizer_logits, write_untrained
 
 REFERENCE_CALIBRATION = os.path.join(REFERENCE_MODEL, "calibration")
 
 
 def make_calibration(ckpt: str, out, random: bool, fingerprint: str | None = None, rank: int = 0) -> str:
     """A calibration for `ckpt`: at its init (the identity), or with random mapper and LoRA weights."""
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    lora = LoraSettings(rank=4, alpha=8)
-    peft_model = get_peft_model(model, lora.peft_config())
-    c = model.config
-    mapper = CacheMapper(MapperConfig(c.num_hidden_layers, c.num_key_value_heads,
-                                      model.model.layers[0].self_attn.head_dim, rank=rank))
-    if random:
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in [*mapper.parameters(), *(p for n, p in peft_model.named_parameters() if "lora_" in n)]:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    Calibration(mapper, lora, fingerprint or fingerprint_checkpoint(ckpt), "tiny-llama").save(str(out), peft_model)
-    return str(out)
+    return write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), rank, 0.2 if random else 0.0,
+                           fingerprint, "tiny-llama")
 
 
 def run_workers(engine: Engine, task):
@@ -180,3 +170,60 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     assert engine.calibration.calibration.lora.rank == 2
     assert main([*args, "--steps", "3", "--branches", "1"]) == 2  # bad input: one clear line
 
+
+
+def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibration(checkpoint, tmp_path):
+    """The agent API on an engine with a calibration: `auto` reuses the KV (the reason names the calibration)
+    and the answer is the calibrated cache path's, token for token."""
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.cluster.inprocess import start_in_process
+    from braid.protos import agent_pb2 as pb
+    from braid.protos import agent_pb2_grpc
+
+    ckpt = checkpoint("llama")
+    path = make_calibration(ckpt, tmp_path / "cal", random=True)
+    engine = Engine(EngineConfig(ckpt, calibration=path))
+    redis_server = EmbeddedRedis()
+    server = start_in_process(engine, Directory.connect(redis_server.url))
+    try:
+        greedy = pb.Sampling(max_tokens=6, ignore_eos=True)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            events = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
+                task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
+                synthesis_prompt="Synthesizer:", worker_sampling=greedy, synthesis_sampling=greedy)))
+        decision, = [e.decision for e in events if e.HasField("decision")]
+        assert decision.transport == pb.TRANSPORT_LOCAL and f"calibration {path}" in decision.reason
+        answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        prefix = engine.prefill([PrefillCall("User: add the partial results.")])
+        ctx = engine.prefill([PrefillCall(p, parents=prefix) for p in ["Part 3.", "Part 4 and 5."]])
+        branches = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=sampling) for c in ctx])
+        calibrated = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling,
+                                hooks=engine.calibration.hooks)
+        plain = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling)
+        assert answer == list(engine.message(calibrated).token_ids[-6:])
+        assert engine.message(calibrated).token_ids != engine.message(plain).token_ids  # it did change the answer
+    finally:
+        server.stop()
+        redis_server.stop()
+
+
+def test_committed_calibration_reproduces_its_recorded_sample():
+    """The reference model's committed calibration, loaded by default, answers a fixed sample exactly as
+    recorded (`braid eval --modes text,calibrated ... --json calibration/eval_sample.json`)."""
+    from braid.evals.harness import EvalConfig, engine_modes, evaluate, report
+
+    recorded = json.load(open(os.path.join(REFERENCE_CALIBRATION, "eval_sample.json")))
+    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))  # calibration "auto"
+    assert engine.calibration is not None and engine.fingerprint == recorded["fingerprint"]
+    assert engine.calibration.calibration.fingerprint == engine.fingerprint
+    cfg = recorded["config"]
+    config = EvalConfig(tasks=tuple(cfg["tasks"]), branches=tuple(cfg["branches"]), samples=cfg["samples"],
+                        seed=cfg["seed"], length=tuple(cfg["length"]), worker_max_tokens=cfg["worker_max_tokens"],
+                        answer_max_tokens=cfg["answer_max_tokens"])
+    modes = [m for m in engine_modes(engine) if m.name in recorded["modes"]]
+    assert [m.name for m in modes] == recorded["modes"]
+    got = report(config, REFERENCE_MODEL, engine.fingerprint, modes, evaluate(engine, config, modes, progress=False))
+    assert [r["answers"] for r in got["results"]] == [r["answers"] for r in recorded["results"]]
+    accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}
+    assert accuracy == {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in recorded["summary"]}

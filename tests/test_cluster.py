@@ -15,6 +15,7 @@ from braid.engine.synthesis import synthesize, synthesize_text
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.models.chat import WORKER_HEADER
+from braid.train.calibrate import write_untrained
 
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
 METADATA = (("application", "braid"),)
@@ -181,14 +182,17 @@ def test_metrics_reach_the_prometheus_export(cluster):
     assert any('transport="grpc"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in shipped)
 
 
-def test_colocated_cluster_reuses_kv_in_place(cluster):
+def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
     """A second app on the same Serve: no Worker replicas, one engine does both jobs."""
     from ray import serve
 
     from braid.cluster.app import build_app
 
     stub, config, _, _, local = cluster
-    colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port)
+    # its synthesizer loads a calibration (at its init: the identity, so answers match the uncalibrated path
+    # bit for bit), which lets `auto` reuse the KV in place
+    calibration = write_untrained(config.model_path, str(tmp_path / "calibration"))
+    colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port, calibration=calibration)
     serve.run(build_app(colocated, local.redis_url), name="braid-colocated", route_prefix="/colocated")
     try:
         task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
@@ -197,6 +201,7 @@ def test_colocated_cluster_reuses_kv_in_place(cluster):
             synthesis_sampling=GREEDY), metadata=(("application", "braid-colocated"),), timeout=120))
         decision = next(e.decision for e in events if e.HasField("decision"))
         assert decision.transport == pb.TRANSPORT_LOCAL and not any(e.HasField("kv_receipt") for e in events)
+        assert f"calibration {calibration}" in decision.reason
         answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
         assert answer == in_process(config.model_path, task, prompts, text_mode=False)
     finally:

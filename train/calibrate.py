@@ -310,24 +310,24 @@ def synthesizer_logits(model, mapper: CacheMapper | None, examples: list[Example
 
 
 def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example], kl_weight: float) -> StepOutput:
-    """Cross-entropy on each target (mean over target tokens), plus kl_weight * KL(text pipeline || this) over
-    the targets of examples that carry the text pipeline's log-probabilities."""
+    """Per example, the mean cross-entropy over its target tokens plus kl_weight * the mean KL(text pipeline ||
+    this) over them (for examples that carry the text pipeline's log-probabilities); averaged over examples, so
+    a long answer (MultiQA at 12 branches) weighs as much as a short one."""
     logits = synthesizer_logits(model, mapper, examples)
     device = logits.device
-    ce_sum, n_targets, kl_sum, n_kl, correct = 0.0, 0, 0.0, 0, []
+    ce, kl, correct = [], [], []
     for i, e in enumerate(examples):
         rows = logits[i, len(e.prompt) - 1:len(e.prompt) - 1 + len(e.target)]
         target = torch.tensor(e.target, device=device)
-        ce_sum = ce_sum + F.cross_entropy(rows, target, reduction="sum")
-        n_targets += len(e.target)
+        ce.append(F.cross_entropy(rows, target))
         correct.append(bool((rows.argmax(-1) == target).all()))
         if e.teacher is not None and kl_weight:
-            kl_sum = kl_sum + F.kl_div(F.log_softmax(rows, -1), e.teacher.to(device), log_target=True,
-                                       reduction="sum")
-            n_kl += len(e.target)
-    ce = ce_sum / n_targets
-    kl = kl_sum / n_kl if n_kl else torch.zeros((), device=device)
-    return StepOutput(ce + kl_weight * kl, ce.item(), kl.item(), correct)
+            kl.append(F.kl_div(F.log_softmax(rows, -1), e.teacher.to(device), log_target=True, reduction="sum")
+                      / len(e.target))
+    ce_mean = torch.stack(ce).mean()
+    kl_mean = torch.stack(kl).sum() / len(examples) if kl else torch.zeros((), device=device)
+    return StepOutput(ce_mean + kl_weight * kl_mean, ce_mean.item(), (kl_mean * len(examples) / max(1, len(kl))).item(),
+                      correct)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -341,8 +341,8 @@ def draw(cfg: CalibrateConfig, rng: random.Random) -> tuple[Task, str, Placement
 
 
 def held_out_set(cfg: CalibrateConfig) -> list[tuple[Task, str, Placement]]:
-    """Fixed held-out tasks (evaluation's seed range, default lengths) at the paper's placement."""
-    return [(t, "synthesis", Placement.BRANCH_POINT) for name in cfg.task_names for m in HELD_OUT_BRANCHES
+    """Fixed held-out tasks (their own seed range, default lengths) at the first trained placement."""
+    return [(t, "synthesis", cfg.placement_list[0]) for name in cfg.task_names for m in HELD_OUT_BRANCHES
             for t in [generate(name, 1_000_000 + i, m) for i in range(cfg.held_out_per_cell)]]
 
 
@@ -369,8 +369,36 @@ def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 1
     return {name: sum(v) / len(v) for name, v in right.items()}
 
 
+def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True):
+    """A calibration's trainable parts at their init (the identity) for `model`: (PeftModel, CacheMapper).
+    The LoRA is injected into `model` itself; its own weights should be frozen."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora.peft_config())
+    c = model.config
+    mapper = CacheMapper(MapperConfig(c.num_hidden_layers, c.num_key_value_heads,
+                                      model.model.layers[0].self_attn.head_dim, mapper_rank, conditioned))
+    return peft_model, mapper.to(next(model.parameters()).device)
+
+
+def write_untrained(model_path: str, out: str, lora: LoraSettings = LoraSettings(), mapper_rank: int = 0,
+                    scale: float = 0.0, fingerprint: str | None = None, name: str = "untrained") -> str:
+    """Write a calibration for `model_path` that was never trained: at its init (scale 0: the identity), or
+    with every mapper and LoRA weight drawn from N(0, scale^2) (seeded). For tests, and for measuring what
+    a calibration costs at serving time, which does not depend on its values."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    peft_model, mapper = untrained(model, lora, mapper_rank)
+    if scale:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in [*mapper.parameters(), *(p for n, p in peft_model.named_parameters() if "lora_" in n)]:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+    Calibration(mapper, lora, fingerprint or fingerprint_checkpoint(model_path), name).save(out, peft_model)
+    return out
+
+
 def calibrate(cfg: CalibrateConfig) -> dict:
-    from peft import get_peft_model, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -382,11 +410,7 @@ def calibrate(cfg: CalibrateConfig) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
-    peft_model = get_peft_model(model, lora.peft_config())
-    mc = model.config
-    mapper = CacheMapper(MapperConfig(mc.num_hidden_layers, mc.num_key_value_heads,
-                                      model.model.layers[0].self_attn.head_dim, cfg.mapper_rank,
-                                      cfg.mapper_conditioned)).to(device)
+    peft_model, mapper = untrained(model, lora, cfg.mapper_rank, cfg.mapper_conditioned)
     inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
     encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg)
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
