@@ -41,12 +41,15 @@ class MapperConfig:
     head_dim: int
     rank: int = 0  # a low-rank residual on K and V per layer and head as well (0: affine only)
     conditioned: bool = True  # the affine terms also depend on the branch's length and the branch count
+    branch_slots: int = 0  # a learned K and V shift per branch index (later indices share the last slot)
 
     def __post_init__(self):
         if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0 or self.head_dim % 2:
             raise ValueError(f"mapper shape must be positive with an even head_dim, got {self}")
         if self.rank < 0 or self.rank > self.head_dim:
             raise ValueError(f"mapper rank must be in 0..head_dim={self.head_dim}, got {self.rank}")
+        if self.branch_slots < 0:
+            raise ValueError(f"branch_slots must be >= 0, got {self.branch_slots}")
 
 
 class CacheMapper(torch.nn.Module):
@@ -57,7 +60,9 @@ class CacheMapper(torch.nn.Module):
         (+ X' += X U W per layer and head, when rank > 0; W starts at zero)
 
     Each of a_K, b_K, a_V, b_V is w0 + w1 * log1p(T) / 4 + w2 * log1p(m) / 2 (T the branch's length, m the
-    branch count) when conditioned, else w0 alone. Every w starts at zero. Implements engine.synthesis's
+    branch count) when conditioned, else w0 alone. With branch_slots, K and V also get a learned shift for
+    the branch's index j among the synthesizer's branches: each branch was encoded as if it were the only
+    one, and this lets them differ as the text model's do. Every weight starts at zero. Implements engine.synthesis's
     CacheMapper protocol: `mapper(kv [L, 2, H, T, D], branch=j, num_branches=m)`.
     """
 
@@ -70,6 +75,9 @@ class CacheMapper(torch.nn.Module):
         self.shift_k = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
         self.scale_v = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
         self.shift_v = torch.nn.Parameter(torch.zeros(n, c.num_layers, c.num_kv_heads, c.head_dim))
+        if c.branch_slots:
+            self.branch_k = torch.nn.Parameter(torch.zeros(c.branch_slots, c.num_layers, c.num_kv_heads, c.head_dim))
+            self.branch_v = torch.nn.Parameter(torch.zeros(c.branch_slots, c.num_layers, c.num_kv_heads, c.head_dim))
         if c.rank:
             gen = torch.Generator().manual_seed(0)
             self.down = torch.nn.Parameter(torch.randn(c.num_layers, 2, c.num_kv_heads, c.head_dim, c.rank,
@@ -83,14 +91,19 @@ class CacheMapper(torch.nn.Module):
             return ones[:, None]
         return torch.stack([ones, torch.log1p(lengths.float()) / 4, torch.log1p(num_branches.float()) / 2], dim=1)
 
-    def apply(self, kv: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """kv [N, L, 2, H, T, D], features [N, F] -> mapped kv of the same shape and dtype."""
+    def apply(self, kv: torch.Tensor, features: torch.Tensor, branches: torch.Tensor | None = None) -> torch.Tensor:
+        """kv [N, L, 2, H, T, D], features [N, F], branches [N] (each one's index among the synthesizer's
+        branches; used with branch_slots) -> mapped kv of the same shape and dtype."""
         mix = lambda w: torch.einsum("nf,flhd->nlhd", features.to(w), w)[:, :, :, None, :]  # noqa: E731 [N,L,H,1,D']
         x = kv.float()
         k, v = x[:, :, 0], x[:, :, 1]  # [N, L, H, T, D]
         a_k = mix(self.scale_k)
         k = k * (1 + torch.cat([a_k, a_k], dim=-1)) + mix(self.shift_k)
         v = v * (1 + mix(self.scale_v)) + mix(self.shift_v)
+        if self.config.branch_slots:
+            slot = branches.clamp(max=self.config.branch_slots - 1).to(kv.device)
+            k = k + self.branch_k[slot][:, :, :, None, :]  # [N, L, H, 1, D]
+            v = v + self.branch_v[slot][:, :, :, None, :]
         out = torch.stack([k, v], dim=2)
         if self.config.rank:
             out = out + torch.einsum("nlshtd,lshdr,lshre->nlshte", x, self.down, self.up)
@@ -100,7 +113,7 @@ class CacheMapper(torch.nn.Module):
         """One branch's placed KV [L, 2, H, T, D] (the engine's mapper seam)."""
         f = self.features(torch.tensor([kv.shape[3]], device=kv.device),
                           torch.tensor([num_branches], device=kv.device))
-        return self.apply(kv[None], f)[0]
+        return self.apply(kv[None], f, torch.tensor([branch], device=kv.device))[0]
 
 
 @dataclass(frozen=True)

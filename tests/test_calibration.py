@@ -28,7 +28,7 @@ REFERENCE_CALIBRATION = os.path.join(REFERENCE_MODEL, "calibration")
 
 def make_calibration(ckpt: str, out, random: bool, fingerprint: str | None = None, rank: int = 0) -> str:
     """A calibration for `ckpt`: at its init (the identity), or with random mapper and LoRA weights."""
-    return write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), rank, 0.2 if random else 0.0,
+    return write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), rank, 4, 0.2 if random else 0.0,
                            fingerprint, "tiny-llama")
 
 
@@ -62,9 +62,9 @@ def test_identity_calibration_leaves_cached_synthesis_bit_identical(checkpoint, 
 
 
 def test_mapper_scale_commutes_with_rope_and_starts_as_identity():
-    mapper = CacheMapper(MapperConfig(2, 2, 8))
+    mapper = CacheMapper(MapperConfig(2, 2, 8, branch_slots=2))
     kv = torch.randn(2, 2, 2, 5, 8)
-    assert torch.equal(mapper(kv, branch=0, num_branches=3), kv)
+    assert all(torch.equal(mapper(kv, branch=j, num_branches=3), kv) for j in range(3))
     with torch.no_grad():
         mapper.scale_k.normal_()
         mapper.scale_v.normal_()
@@ -72,6 +72,10 @@ def test_mapper_scale_commutes_with_rope_and_starts_as_identity():
     delta = torch.arange(5) * 7 - 3
     rotate = lambda x: torch.stack([rerotate_keys_torch(x[:, 0], delta, inv_freq), x[:, 1]], dim=1)  # noqa: E731
     assert torch.allclose(mapper(rotate(kv), num_branches=3), rotate(mapper(kv, num_branches=3)), atol=1e-5)
+    with torch.no_grad():  # each branch index gets its own shift; indices past the slots share the last one
+        mapper.branch_k.normal_()
+    assert not torch.allclose(mapper(kv, branch=0, num_branches=3), mapper(kv, branch=1, num_branches=3))
+    assert torch.equal(mapper(kv, branch=1, num_branches=3), mapper(kv, branch=2, num_branches=3))
 
 
 def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_path):
@@ -103,6 +107,7 @@ def test_save_load_round_trip(checkpoint, tmp_path):
     path = make_calibration(ckpt, tmp_path / "cal", random=True, rank=2)
     loaded = Calibration.load(path)
     assert loaded.lora == LoraSettings(rank=4, alpha=8) and loaded.mapper.config.rank == 2
+    assert loaded.mapper.config.branch_slots == 4
     assert loaded.fingerprint == fingerprint_checkpoint(ckpt) and loaded.base_model == "tiny-llama"
     assert sorted(os.listdir(path)) == ["adapter", "calibration.json", "mapper.safetensors"]
     again = tmp_path / "again"

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from braid.engine import attention
-from braid.engine.calibration import Calibration, CacheMapper, LoraSettings, MapperConfig
+from braid.engine.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.model import fingerprint_checkpoint
 from braid.engine.synthesis import Placement, place_branches
 from braid.kernels import rerotate_keys_torch
@@ -74,6 +75,7 @@ class CalibrateConfig:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     mapper_rank: int = 0  # a low-rank residual in the mapper as well as the affine terms (0: affine only)
     mapper_conditioned: bool = True
+    mapper_branch_slots: int = 16  # a learned K/V shift per branch index (0: none)
     kl_weight: float = 1.0
     sources: str = "parallel=1,synthesis=2,distill=1"  # source=weight: how often each is drawn
     branches: str = "2,3,4,6,7,9,10,12"  # branch counts trained on (5, 8 and 11 held out by default)
@@ -87,6 +89,9 @@ class CalibrateConfig:
     device: str = "auto"
     threads: int = 0
     resume: bool = True  # continue from <out>/resume.pt when it is there
+    # start from this calibration's LoRA and mapper weights (a fresh optimizer and schedule; mapper parts it
+    # lacks start at their init)
+    init_from: str = ""
 
     def __post_init__(self):
         if not self.out:
@@ -114,6 +119,8 @@ class CalibrateConfig:
         unknown = [t for t in self.task_names if t not in TASKS]
         if unknown or not self.task_names:
             raise ValueError(f"tasks must name some of {', '.join(TASKS)}, got {self.tasks!r}")
+        if self.init_from and not os.path.isfile(os.path.join(self.init_from, MANIFEST)):
+            raise ValueError(f"init_from {self.init_from!r} is not a calibration directory (no {MANIFEST})")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -287,10 +294,10 @@ def synthesizer_logits(model, mapper: CacheMapper | None, examples: list[Example
     positions = torch.zeros(B, width_t, dtype=torch.long)
     for i, e in enumerate(examples):
         blocks = [e.prefix_kv]
-        for b in e.branches:
+        for j, b in enumerate(e.branches):
             if mapper is not None:
                 f = mapper.features(torch.tensor([b.shape[3]]), torch.tensor([e.num_branches]))
-                b = mapper.apply(b[None], f.to(device))[0]
+                b = mapper.apply(b[None], f.to(device), torch.tensor([j]))[0]
             blocks.append(b)
         ctx = torch.cat(blocks, dim=3)  # [L, 2, H, C_i, D]
         ctx = F.pad(ctx, (0, 0, 0, width_c - ctx.shape[3]))
@@ -369,7 +376,7 @@ def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 1
     return {name: sum(v) / len(v) for name, v in right.items()}
 
 
-def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True):
+def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True, branch_slots: int = 0):
     """A calibration's trainable parts at their init (the identity) for `model`: (PeftModel, CacheMapper).
     The LoRA is injected into `model` itself; its own weights should be frozen."""
     from peft import get_peft_model
@@ -377,17 +384,19 @@ def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool
     peft_model = get_peft_model(model, lora.peft_config())
     c = model.config
     mapper = CacheMapper(MapperConfig(c.num_hidden_layers, c.num_key_value_heads,
-                                      model.model.layers[0].self_attn.head_dim, mapper_rank, conditioned))
+                                      model.model.layers[0].self_attn.head_dim, mapper_rank, conditioned,
+                                      branch_slots))
     return peft_model, mapper.to(next(model.parameters()).device)
 
 
 def write_untrained(model_path: str, out: str, lora: LoraSettings = LoraSettings(), mapper_rank: int = 0,
-                    scale: float = 0.0, fingerprint: str | None = None, name: str = "untrained") -> str:
+                    branch_slots: int = 16, scale: float = 0.0, fingerprint: str | None = None,
+                    name: str = "untrained") -> str:
     """Write a calibration for `model_path` that was never trained: at its init (scale 0: the identity), or
     with every mapper and LoRA weight drawn from N(0, scale^2) (seeded). For tests, and for measuring what
     a calibration costs at serving time, which does not depend on its values."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    peft_model, mapper = untrained(model, lora, mapper_rank)
+    peft_model, mapper = untrained(model, lora, mapper_rank, True, branch_slots)
     if scale:
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -410,7 +419,7 @@ def calibrate(cfg: CalibrateConfig) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
-    peft_model, mapper = untrained(model, lora, cfg.mapper_rank, cfg.mapper_conditioned)
+    peft_model, mapper = untrained(model, lora, cfg.mapper_rank, cfg.mapper_conditioned, cfg.mapper_branch_slots)
     inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
     encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg)
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -423,6 +432,18 @@ def calibrate(cfg: CalibrateConfig) -> dict:
               "trainable_parameters": {"lora": sum(p.numel() for p in lora_params),
                                        "mapper": sum(p.numel() for p in mapper.parameters())}}
     resume = os.path.join(cfg.out, RESUME)
+    if cfg.init_from and not (cfg.resume and os.path.isfile(resume)):
+        start = Calibration.load(cfg.init_from)
+        if start.fingerprint != fingerprint:
+            raise ValueError(f"init_from {cfg.init_from} calibrates another model ({start.fingerprint}); "
+                             f"{cfg.model} is {fingerprint}")
+        missing, unexpected = mapper.load_state_dict(start.mapper.state_dict(), strict=False)
+        if unexpected:
+            raise ValueError(f"init_from {cfg.init_from}: its mapper has parts this one lacks: {unexpected}")
+        set_peft_model_state_dict(peft_model, load_file(os.path.join(cfg.init_from, ADAPTER_DIR,
+                                                                     "adapter_model.safetensors")))
+        record["init_from"] = {"path": cfg.init_from, "record": start.record}
+        log.info("starting from %s (mapper parts at init: %s)", cfg.init_from, ", ".join(missing) or "none")
     if cfg.resume and os.path.isfile(resume):
         state = torch.load(resume, map_location=device, weights_only=False)
         if state["fingerprint"] != fingerprint:
