@@ -93,27 +93,39 @@ class CacheMapper(torch.nn.Module):
 
     def apply(self, kv: torch.Tensor, features: torch.Tensor, branches: torch.Tensor | None = None) -> torch.Tensor:
         """kv [N, L, 2, H, T, D], features [N, F], branches [N] (each one's index among the synthesizer's
-        branches; used with branch_slots) -> mapped kv of the same shape and dtype."""
-        mix = lambda w: torch.einsum("nf,flhd->nlhd", features.to(w), w)[:, :, :, None, :]  # noqa: E731 [N,L,H,1,D']
+        branches; used with branch_slots) -> mapped kv of the same shape and dtype, out of place (training)."""
+        scale, shift = self.affine(features, branches)
         x = kv.float()
-        k, v = x[:, :, 0], x[:, :, 1]  # [N, L, H, T, D]
-        a_k = mix(self.scale_k)
-        k = k * (1 + torch.cat([a_k, a_k], dim=-1)) + mix(self.shift_k)
-        v = v * (1 + mix(self.scale_v)) + mix(self.shift_v)
-        if self.config.branch_slots:
-            slot = branches.clamp(max=self.config.branch_slots - 1).to(kv.device)
-            k = k + self.branch_k[slot][:, :, :, None, :]  # [N, L, H, 1, D]
-            v = v + self.branch_v[slot][:, :, :, None, :]
-        out = torch.stack([k, v], dim=2)
+        out = x * scale + shift
         if self.config.rank:
             out = out + torch.einsum("nlshtd,lshdr,lshre->nlshte", x, self.down, self.up)
         return out.to(kv.dtype)
 
+    def affine(self, features: torch.Tensor, branches: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The affine part as (scale, shift), each [N, L, 2, H, 1, D] fp32: kv * scale + shift."""
+        mix = lambda w: torch.einsum("nf,flhd->nlhd", features.to(w), w)  # noqa: E731  [N, L, H, D']
+        a_k = mix(self.scale_k)
+        scale = torch.stack([1 + torch.cat([a_k, a_k], dim=-1), 1 + mix(self.scale_v)], dim=2)
+        shift = torch.stack([mix(self.shift_k), mix(self.shift_v)], dim=2)
+        if self.config.branch_slots:
+            slot = branches.clamp(max=self.config.branch_slots - 1).to(shift.device)
+            shift = shift + torch.stack([self.branch_k[slot], self.branch_v[slot]], dim=2)
+        return scale[:, :, :, :, None, :], shift[:, :, :, :, None, :]
+
+    @torch.no_grad()
     def forward(self, kv: torch.Tensor, *, branch: int = 0, num_branches: int = 1) -> torch.Tensor:
-        """One branch's placed KV [L, 2, H, T, D] (the engine's mapper seam)."""
-        f = self.features(torch.tensor([kv.shape[3]], device=kv.device),
-                          torch.tensor([num_branches], device=kv.device))
-        return self.apply(kv[None], f, torch.tensor([branch], device=kv.device))[0]
+        """One branch's placed KV [L, 2, H, T, D], mapped in place and returned (the engine's mapper seam:
+        the engine passes its own placed copy, never stored KV). One pass over the KV."""
+        device = kv.device
+        f = self.features(torch.tensor([kv.shape[3]], device=device), torch.tensor([num_branches], device=device))
+        scale, shift = self.affine(f, torch.tensor([branch], device=device))
+        if self.config.rank:
+            low = torch.einsum("lshtd,lshdr,lshre->lshte", kv.float(), self.down, self.up)
+        torch.addcmul(shift[0].to(kv.dtype), kv, scale[0].to(kv.dtype), out=kv)  # one pass: kv * scale + shift
+        if self.config.rank:
+            kv.add_(low.to(kv.dtype))
+        return kv
 
 
 @dataclass(frozen=True)
@@ -192,18 +204,37 @@ class Calibration:
                 "model with `braid calibrate`, or serve without a calibration")
 
 
-def lora_switch(peft_model) -> "callable":
-    """A context-manager factory that turns the injected LoRA on for the enclosed forwards only."""
+class MergedLora:
+    """The synthesizer LoRA switched by weight swaps: each adapted Linear gets a merged copy of its weight
+    (W + scale * B A, computed once at load), put in place for the synthesizer's forwards and the original
+    put back after, so those forwards cost what the base model's do and the base weights are never
+    touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights."""
+
+    def __init__(self, peft_model):
+        from peft.tuners.lora import Linear as LoraLinear
+
+        self.swaps: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
+        with torch.no_grad():
+            for module in peft_model.modules():
+                if isinstance(module, LoraLinear):
+                    base = module.get_base_layer()
+                    delta = module.get_delta_weight(module.active_adapters[0]).to(base.weight.dtype)
+                    self.swaps.append((base, base.weight, torch.nn.Parameter(base.weight + delta, requires_grad=False)))
+        peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for _, _, m in self.swaps)
 
     @contextmanager
-    def active() -> Iterator[None]:
-        peft_model.base_model.enable_adapter_layers()
+    def active(self) -> Iterator[None]:
+        for base, _, merged in self.swaps:
+            base.weight = merged
         try:
             yield
         finally:
-            peft_model.base_model.disable_adapter_layers()
-
-    return active
+            for base, original, _ in self.swaps:
+                base.weight = original
 
 
 @dataclass
@@ -229,6 +260,6 @@ def attach(engine, path: str) -> Attached:
     lm = engine.lm
     peft_model = PeftModel.from_pretrained(lm.model, calibration.adapter_path, is_trainable=False)
     peft_model.to(device=lm.device, dtype=lm.dtype).eval()
-    peft_model.base_model.disable_adapter_layers()
+    lora = MergedLora(peft_model)
     mapper = calibration.mapper.to(lm.device)
-    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora_switch(peft_model)))
+    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active))

@@ -282,7 +282,9 @@ class Engine:
                 placed.copy_(rerotate_keys(placed, delta, self.lm.inv_freq))
             if transform is not None:
                 block = cache.kv[:, :, :, start:cache.length]
-                block.copy_(transform(msg, block))
+                mapped = transform(msg, block)
+                if mapped is not block:  # (a transform may work in place on the placed copy)
+                    block.copy_(mapped)
         return cache
 
     def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings, live):

@@ -46,7 +46,8 @@ def place_branches(branch_point: int, lengths: Sequence[int], placement: Placeme
 
 
 class CacheMapper(Protocol):
-    """Calibrates one placed branch's KV copy [L, 2, H, T, D]; returns a tensor of the same shape."""
+    """Calibrates one placed branch's KV copy [L, 2, H, T, D]; returns a tensor of the same shape (it may
+    work in place: the copy is the engine's own, never stored KV)."""
 
     def __call__(self, kv: torch.Tensor, *, branch: int, num_branches: int) -> torch.Tensor: ...
 

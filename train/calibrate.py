@@ -498,31 +498,47 @@ def calibrate(cfg: CalibrateConfig) -> dict:
     return record
 
 
+def lineage(record: dict) -> list[dict]:
+    """The runs that led to this calibration, first to last (each `--init-from` keeps its start's record)."""
+    runs = [record]
+    while "init_from" in runs[0]:
+        runs.insert(0, runs[0]["init_from"]["record"])
+    return runs
+
+
 def plot(record: dict, path: str) -> None:
     from braid.results import pyplot
 
     plt = pyplot()
     if plt is None:
         return
+    runs = lineage(record)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    n = len(record["loss"])
+    series = {key: [x for run in runs for x in run[key]] for key in ("loss", "ce", "kl")}
+    n = len(series["loss"])
     window = max(1, n // 50)
-    for key in ("loss", "ce", "kl"):
-        series = record[key]
-        smooth = [sum(series[max(0, i - window + 1):i + 1]) / len(series[max(0, i - window + 1):i + 1])
+    for key, values in series.items():
+        smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
                   for i in range(n)]
         a.plot(range(1, n + 1), smooth, label=f"{key} (mean of {window})")
+    starts, evals, at = [], [], 0
+    for run in runs:  # each run counts its steps from 0
+        starts.append(at)
+        evals += [{**e, "step": e["step"] + at} for e in run["held_out_accuracy"]]
+        at += len(run["loss"])
+    for start in starts[1:]:
+        a.axvline(start, color="grey", ls=":")
     a.set(yscale="log", xlabel="step", title="calibration loss (LoRA synthesizer over mapped branch KV)")
     a.legend()
-    evals = record["held_out_accuracy"]
     for name in dict.fromkeys(k for e in evals for k in e if k != "step"):
-        b.plot([e["step"] for e in evals], [e[name] for e in evals], marker="o", label=name)
+        b.plot([e["step"] for e in evals if name in e], [e[name] for e in evals if name in e], marker="o", label=name)
     b.set(xlabel="step", ylabel="answers right (teacher-forced)", ylim=(0, 1.02),
           title=f"held-out tasks at {', '.join(map(str, HELD_OUT_BRANCHES))} branches")
     b.legend()
     fig.suptitle(f"{record['trainable_parameters']['lora'] / 1e3:.0f}k LoRA + "
                  f"{record['trainable_parameters']['mapper'] / 1e3:.1f}k mapper parameters, "
-                 f"{record['train_seconds'] / 60:.0f} min on {record['device']}")
+                 f"{sum(r['train_seconds'] for r in runs) / 60:.0f} min on {record['device']}"
+                 + (f", {len(runs)} runs" if len(runs) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
