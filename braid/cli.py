@@ -107,10 +107,10 @@ def serve_cmd(args) -> int:
     cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
     try:
         print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on {cluster.address}\n"
-              f"  model      {path}\n  calibration {config.engine_config().resolved().calibration}\n"
-              f"  redis      {cluster.redis_url}\n"
-              f"  dashboard  {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
-              f"  metrics    {cluster.metrics_url or 'unknown'} (Prometheus text, braid metrics prefixed ray_braid_)\n"
+              f"  model        {path}\n  calibration  {config.engine_config().resolved().calibration}\n"
+              f"  redis        {cluster.redis_url}\n"
+              f"  dashboard    {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
+              f"  metrics      {cluster.metrics_url or 'unknown'} (Prometheus text, braid metrics prefixed ray_braid_)\n"
               "Ctrl-C stops", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
