@@ -4,7 +4,8 @@ from braid.protos import agent_pb2 as pb
 
 
 def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, kv_bytes: int,
-                     branch_tokens: int, link_bytes_per_s: float | None, prefill_tokens_per_s: float) -> tuple[int, str]:
+                     branch_tokens: int, link_bytes_per_s: float | None,
+                     prefill_tokens_per_s: float) -> tuple[int, str]:
     """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none).
     kv_bytes and branch_tokens are the most the branches can produce (their max_tokens); shipping wins
     when moving that KV takes less time than re-prefilling its text.

@@ -7,8 +7,8 @@ import sys
 
 from braid.models import REFERENCE_MODEL
 
-CALIBRATION_HELP = ("the synthesizer's calibration directory (braid calibrate); auto: the model's own <model>/calibration "
-                    "when it has one; none: uncalibrated (default: auto)")
+CALIBRATION_HELP = ("the synthesizer's calibration directory (braid calibrate); auto: the model's own "
+                    "<model>/calibration when it has one; none: uncalibrated (default: auto)")
 
 
 def _model_path(args) -> str:
@@ -110,7 +110,8 @@ def serve_cmd(args) -> int:
               f"  model        {path}\n  calibration  {config.engine_config().resolved().calibration}\n"
               f"  redis        {cluster.redis_url}\n"
               f"  dashboard    {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
-              f"  metrics      {cluster.metrics_url or 'unknown'} (Prometheus text, braid metrics prefixed ray_braid_)\n"
+              f"  metrics      {cluster.metrics_url or 'unknown'} "
+              "(Prometheus text, braid metrics prefixed ray_braid_)\n"
               "Ctrl-C stops", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -48,7 +48,8 @@ class ClusterConfig:
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port {self.grpc_port} is not a port number")
         # The parts validate themselves: a bad value fails here, not in a replica.
-        self.engine_config(), self.worker_config(), self.synthesizer_config(), self.workflow_config(), self.service_config()
+        self.engine_config(), self.worker_config(), self.synthesizer_config(), self.workflow_config()
+        self.service_config()
 
     def engine_config(self, role: str = "synthesizer") -> EngineConfig:
         """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible). Only the

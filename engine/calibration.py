@@ -175,7 +175,8 @@ class Calibration:
                   os.path.join(path, MAPPER_FILE))
         peft_model.save_pretrained(os.path.join(path, ADAPTER_DIR))
         manifest = {"base_fingerprint": self.fingerprint, "base_model": self.base_model,
-                    "mapper": asdict(self.mapper.config), "lora": {**asdict(self.lora), "targets": list(self.lora.targets)},
+                    "mapper": asdict(self.mapper.config),
+                    "lora": {**asdict(self.lora), "targets": list(self.lora.targets)},
                     "record": self.record or {}}
         with open(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)

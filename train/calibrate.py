@@ -134,7 +134,8 @@ class CalibrateConfig:
             except ValueError:
                 raise ValueError(f"sources entry {part!r} must look like name=weight") from None
         if not out or any(n not in SOURCES for n in out) or any(w < 0 for w in out.values()) or not sum(out.values()):
-            raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), got {self.sources!r}")
+            raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), "
+                             f"got {self.sources!r}")
         return out
 
     @property
