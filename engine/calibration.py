@@ -14,6 +14,7 @@ forwards only and map branch KV, so workers and branch encodings always run the 
 also on a colocated engine that does both.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -122,7 +123,7 @@ class CacheMapper(torch.nn.Module):
         scale, shift = self.affine(f, torch.tensor([branch], device=device))
         if self.config.rank:
             low = torch.einsum("lshtd,lshdr,lshre->lshte", kv.float(), self.down, self.up)
-        torch.addcmul(shift[0].to(kv.dtype), kv, scale[0].to(kv.dtype), out=kv)  # one pass: kv * scale + shift
+        torch.addcmul(shift[0], kv, scale[0], out=kv)  # one pass: kv * scale + shift, in fp32, rounded once
         if self.config.rank:
             kv.add_(low.to(kv.dtype))
         return kv
@@ -155,6 +156,15 @@ class Calibration:
     base_model: str  # that model's name, for messages
     path: str | None = None  # where it was loaded from (holds adapter/)
     record: dict | None = None  # how it was trained
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the mapper's and the LoRA's weights: which calibration encoded an output."""
+        h = hashlib.blake2b(digest_size=8)
+        for name in ("mapper.safetensors", os.path.join(ADAPTER_DIR, "adapter_model.safetensors")):
+            with open(os.path.join(self.path, name), "rb") as f:
+                h.update(f.read())
+        return h.hexdigest()
 
     @property
     def placement(self) -> Placement:
@@ -202,7 +212,7 @@ class Calibration:
             raise FingerprintMismatchError(
                 f"calibration {self.path or '(unsaved)'} was trained on model {self.base_model} (fingerprint "
                 f"{self.fingerprint}); this engine runs {model} (fingerprint {fingerprint}). Train one for this "
-                "model with `braid calibrate`, or serve without a calibration")
+                "model with `braid calibrate`, or run without one (--calibration none)")
 
 
 class MergedLora:
@@ -219,8 +229,9 @@ class MergedLora:
             for module in peft_model.modules():
                 if isinstance(module, LoraLinear):
                     base = module.get_base_layer()
-                    delta = module.get_delta_weight(module.active_adapters[0]).to(base.weight.dtype)
-                    self.swaps.append((base, base.weight, torch.nn.Parameter(base.weight + delta, requires_grad=False)))
+                    delta = module.get_delta_weight(module.active_adapters[0]).float()
+                    merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
+                    self.swaps.append((base, base.weight, torch.nn.Parameter(merged, requires_grad=False)))
         peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
 
     @property
@@ -229,9 +240,9 @@ class MergedLora:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        for base, _, merged in self.swaps:
-            base.weight = merged
         try:
+            for base, _, merged in self.swaps:
+                base.weight = merged
             yield
         finally:
             for base, original, _ in self.swaps:
@@ -248,7 +259,8 @@ class Attached:
 
     def without(self, *, mapper: bool = False, lora: bool = False) -> SynthesisHooks:
         """The hooks with a part left out (for ablations)."""
-        return SynthesisHooks(None if mapper else self.hooks.mapper, None if lora else self.hooks.adapter)
+        return SynthesisHooks(None if mapper else self.hooks.mapper, None if lora else self.hooks.adapter,
+                              None if lora else self.hooks.tag)
 
 
 def attach(engine, path: str) -> Attached:
@@ -260,7 +272,8 @@ def attach(engine, path: str) -> Attached:
     calibration.check(engine.fingerprint, engine.config.model_path)
     lm = engine.lm
     peft_model = PeftModel.from_pretrained(lm.model, calibration.adapter_path, is_trainable=False)
-    peft_model.to(device=lm.device, dtype=lm.dtype).eval()
+    peft_model.to(lm.device).eval()  # device only: a dtype cast would also round buffers such as RoPE's inv_freq
     lora = MergedLora(peft_model)
     mapper = calibration.mapper.to(lm.device)
-    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active))
+    tag = f"calibrated:{calibration.digest}"
+    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active, tag))

@@ -194,17 +194,22 @@ class Engine:
         return stream.ids
 
     def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
-                      adapter: Callable[[], AbstractContextManager] | None = None) -> DecodeStream:
+                      adapter: Callable[[], AbstractContextManager] | None = None,
+                      tag: str | None = None) -> DecodeStream:
         """Decode all calls together, one forward per step, masked so calls never see each other.
 
         Validation happens here, before the first event; `transform` and `adapter` are the
-        seams for a cache mapper and a LoRA adapter (see engine.synthesis).
+        seams for a cache mapper and a LoRA adapter (see engine.synthesis). `tag`: the new messages were
+        encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
+        model refuses as a parent.
         """
         start = time.perf_counter()
         plan = self._plan([c.header for c in calls], calls, [c.sampling.max_tokens for c in calls], "header")
         timings: dict[str, float] = {}
         live: dict = {}
-        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings, live)
+        fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
+        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings, live,
+                                     fingerprint)
         return DecodeStream(events, timings, live)
 
     # ---- internals ------------------------------------------------------------------------------
@@ -287,7 +292,8 @@ class Engine:
                     block.copy_(mapped)
         return cache
 
-    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings, live):
+    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings, live,
+                       fingerprint: str):
         n = len(plan.tokens)
         device = self.lm.device
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
@@ -336,13 +342,14 @@ class Engine:
                     slots[c].append(first_slot + i)
                 logit_calls = still_running
             timings["decode"] = time.perf_counter() - start - timings["first_token"]
-            return self._commit(plan, cache, [t + g for t, g in zip(plan.tokens, generated)], slots)
+            return self._commit(plan, cache, [t + g for t, g in zip(plan.tokens, generated)], slots, fingerprint)
 
-    def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]]) -> list[str]:
+    def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],
+                fingerprint: str | None = None) -> list[str]:
         messages = [
             Message(plan.new_ids[c], tuple(tokens[c]),
                     cache.gather(torch.tensor(slots[c], device=self.lm.device)), plan.new_offsets[c],
-                    plan.parents[c], plan.parent_offsets[c], self.fingerprint)
+                    plan.parents[c], plan.parent_offsets[c], fingerprint or self.fingerprint)
             for c in range(len(tokens))
         ]
         self.store.add(messages)

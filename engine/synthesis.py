@@ -58,6 +58,10 @@ class SynthesisHooks:
 
     mapper: CacheMapper | None = None
     adapter: Callable[[], AbstractContextManager] | None = None  # entered around the synthesizer's forwards
+    # With an adapter: what the synthesized message is marked as encoded by, since its KV came from adapted
+    # weights. The engine stores it under "<model fingerprint>+<tag>", so no base-model call takes it as a
+    # parent (FAILED_PRECONDITION: re-encode its text).
+    tag: str | None = None
 
 
 def _check_branches(branches: Sequence[str]) -> None:
@@ -87,7 +91,8 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
                 return kv  # the shared prefix is the synthesizer's own context: left as is
             return hooks.mapper(kv, branch=index[msg.id], num_branches=len(branch_msgs))
 
-    return engine.decode_stream([call], transform=transform, adapter=hooks.adapter)
+    return engine.decode_stream([call], transform=transform, adapter=hooks.adapter,
+                                tag=hooks.tag if hooks.adapter is not None else None)
 
 
 def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,

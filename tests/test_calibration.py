@@ -123,6 +123,41 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         got.free()
 
 
+def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_path):
+    """The synthesizer's answer was encoded with the LoRA: it is stored as such, and a base-model call
+    refuses it as a parent instead of reading adapted KV as its own."""
+    ckpt = checkpoint("llama")
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    task = generate("vote", 2, 2)
+    workers = run_workers(engine, task)
+    mid = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
+                     hooks=engine.calibration.hooks)
+    assert engine.message(mid).fingerprint == f"{engine.fingerprint}+calibrated:{engine.calibration.calibration.digest}"
+    with pytest.raises(FingerprintMismatchError, match="re-encode its text") as err:
+        engine.decode([DecodeCall("more", parents=[mid], sampling=SamplingParams(max_tokens=2))])
+    assert err.value.code == "FAILED_PRECONDITION"
+    plain = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
+                       hooks=engine.calibration.without(lora=True))  # the mapper alone adapts no weights
+    assert engine.message(plain).fingerprint == engine.fingerprint
+    engine.free(mid), engine.free(plain), workers.free()
+
+
+def test_bf16_engine_keeps_its_dtypes_and_base_workers(checkpoint, tmp_path):
+    """Attaching a calibration moves nothing to another dtype (RoPE's inv_freq stays fp32), so a bf16
+    engine's workers are bit-identical to an uncalibrated one's."""
+    ckpt = checkpoint("llama")
+    plain = Engine(EngineConfig(ckpt, dtype="bfloat16", calibration="none"))
+    calibrated = Engine(EngineConfig(ckpt, dtype="bfloat16",
+                                     calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    assert calibrated.lm.model.model.rotary_emb.inv_freq.dtype == plain.lm.model.model.rotary_emb.inv_freq.dtype
+    task = generate("vote", 5, 2)
+    base, got = run_workers(plain, task), run_workers(calibrated, task)
+    for a, b in zip(got.ids, base.ids):
+        assert torch.equal(calibrated.message(a).kv, plain.message(b).kv)
+    tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibrated.calibration.hooks)
+    assert kv.dtype == torch.bfloat16 and len(tokens) > 0
+
+
 def test_save_load_round_trip(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     path = make_calibration(ckpt, tmp_path / "cal", random=True, rank=2)
@@ -195,6 +230,9 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     engine = Engine(EngineConfig(ckpt, calibration=str(out)))
     assert engine.calibration.calibration.lora.rank == 2
     assert main([*args, "--steps", "3", "--branches", "1"]) == 2  # bad input: one clear line
+    # a run to resume that did not start from --init-from is not silently resumed in its place
+    assert main([*args, "--steps", "4", "--init-from", str(out)]) == 2
+    assert main([*args, "--steps", "3", "--lora-rank", "4"]) == 2  # nor one of another shape
 
 
 

@@ -433,11 +433,22 @@ def calibrate(cfg: CalibrateConfig) -> dict:
               "trainable_parameters": {"lora": sum(p.numel() for p in lora_params),
                                        "mapper": sum(p.numel() for p in mapper.parameters())}}
     resume = os.path.join(cfg.out, RESUME)
-    if cfg.init_from and not (cfg.resume and os.path.isfile(resume)):
+    resuming = cfg.resume and os.path.isfile(resume)
+    state = torch.load(resume, map_location=device, weights_only=False) if resuming else None
+    if state is not None and state["record"].get("init_from", {}).get("path", "") != cfg.init_from:
+        raise ValueError(f"{cfg.out} holds a run to resume ({RESUME}) that did not start from --init-from "
+                         f"{cfg.init_from or '(none)'}; pass --resume false to start over, or another --out")
+    if state is not None and state.get("lora") is not None and state["record"]["config"].get("lora_rank") not in (
+            None, cfg.lora_rank):
+        raise ValueError(f"{resume} was trained with LoRA rank {state['record']['config']['lora_rank']}, "
+                         f"not {cfg.lora_rank}; pass the same settings, or --resume false")
+    if cfg.init_from and not resuming:
         start = Calibration.load(cfg.init_from)
         if start.fingerprint != fingerprint:
             raise ValueError(f"init_from {cfg.init_from} calibrates another model ({start.fingerprint}); "
                              f"{cfg.model} is {fingerprint}")
+        if start.lora != lora:
+            raise ValueError(f"init_from {cfg.init_from} has a LoRA of {start.lora}; this run asks for {lora}")
         missing, unexpected = mapper.load_state_dict(start.mapper.state_dict(), strict=False)
         if unexpected:
             raise ValueError(f"init_from {cfg.init_from}: its mapper has parts this one lacks: {unexpected}")
@@ -445,13 +456,16 @@ def calibrate(cfg: CalibrateConfig) -> dict:
                                                                      "adapter_model.safetensors")))
         record["init_from"] = {"path": cfg.init_from, "record": start.record}
         log.info("starting from %s (mapper parts at init: %s)", cfg.init_from, ", ".join(missing) or "none")
-    if cfg.resume and os.path.isfile(resume):
-        state = torch.load(resume, map_location=device, weights_only=False)
+    if state is not None:
         if state["fingerprint"] != fingerprint:
             raise ValueError(f"{resume} continues a calibration of another model ({state['fingerprint']}); "
                              f"{cfg.model} is {fingerprint}")
         set_peft_model_state_dict(peft_model, state["lora"])
-        mapper.load_state_dict(state["mapper"])
+        try:
+            mapper.load_state_dict(state["mapper"])
+        except RuntimeError as e:
+            raise ValueError(f"{resume} holds a mapper of another shape ({e}); pass the same mapper settings, "
+                             "or --resume false") from None
         opt.load_state_dict(state["optimizer"])
         record = state["record"]
         log.info("resuming %s at step %d", cfg.out, record["steps"])
