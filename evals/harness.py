@@ -4,8 +4,8 @@ For each task the workers run once, in parallel, on the shared system prompt and
 their own contexts (MultiQA's branches are its questions, prefilled instead). The
 same branch messages then go to each mode: text re-prefill, or the cached KV with
 no re-encoding or re-encoded per placement, optionally through SynthesisHooks (a
-trained calibration's cache mapper and LoRA adapter, and its ablations). Answers are scored by exact match; results are
-paired across modes.
+trained calibration's cache mapper and LoRA adapter, and its ablations). Answers are
+scored by exact match; results are paired across modes.
 """
 
 import importlib

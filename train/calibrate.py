@@ -29,7 +29,6 @@ and from the base model's training seeds. At every evaluation (teacher-forced he
 writes the calibration (mapper, adapter, manifest with the training record), `loss.png` and a resume state.
 """
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -52,6 +51,7 @@ from braid.engine.synthesis import Placement, place_branches
 from braid.kernels import rerotate_keys_torch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
+from braid.train.train import config_parser
 
 log = logging.getLogger("braid.calibrate")
 SOURCES = ("parallel", "synthesis", "distill")
@@ -333,9 +333,10 @@ def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example],
             kl.append(F.kl_div(F.log_softmax(rows, -1), e.teacher.to(device), log_target=True, reduction="sum")
                       / len(e.target))
     ce_mean = torch.stack(ce).mean()
-    kl_mean = torch.stack(kl).sum() / len(examples) if kl else torch.zeros((), device=device)
-    return StepOutput(ce_mean + kl_weight * kl_mean, ce_mean.item(), (kl_mean * len(examples) / max(1, len(kl))).item(),
-                      correct)
+    kl_sum = torch.stack(kl).sum() if kl else torch.zeros((), device=device)
+    # the loss spreads the KL over every example; the report is its mean over those that carry a teacher
+    return StepOutput(ce_mean + kl_weight * kl_sum / len(examples), ce_mean.item(),
+                      (kl_sum / max(1, len(kl))).item(), correct)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -558,17 +559,8 @@ def plot(record: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(CalibrateConfig):
-        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-
-
 def main(argv=None, prog: str = "python -m braid.train.calibrate") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(p)
-    args = p.parse_args(argv)
+    args = config_parser(CalibrateConfig, prog, __doc__).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     calibrate(CalibrateConfig(**vars(args)))
     return 0

@@ -399,13 +399,18 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m braid.train.train", description=__doc__.split("\n\n")[0],
+def config_parser(config_class, prog: str, doc: str) -> argparse.ArgumentParser:
+    """A parser with one --flag per field of a config dataclass, typed by its default (bools take true/false)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(config_class):
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = config_parser(TrainConfig, "python -m braid.train.train", __doc__).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     train(TrainConfig(**vars(args)))
     return 0
