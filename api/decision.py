@@ -3,21 +3,29 @@
 from braid.protos import agent_pb2 as pb
 
 
-def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, kv_bytes: int,
-                     branch_tokens: int, link_bytes_per_s: float | None,
+def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, verified_branches: int,
+                     branches: int, kv_bytes: int, branch_tokens: int, link_bytes_per_s: float | None,
                      prefill_tokens_per_s: float) -> tuple[int, str]:
-    """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none).
-    kv_bytes and branch_tokens are the most the branches can produce (their max_tokens); shipping wins
-    when moving that KV takes less time than re-prefilling its text.
+    """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none);
+    `verified_branches`: up to how many branches its answers were verified to match text's (`braid eval
+    --verify`). kv_bytes and branch_tokens are the most the request's `branches` can produce (their
+    max_tokens); shipping wins when moving that KV takes less time than re-prefilling its text.
 
-    `auto` reads branches from KV only with a calibration loaded: uncalibrated, the cache path answers
-    tasks that read branches together wrongly (README, answer quality)."""
+    `auto` reads branches from KV only where that gives the answers text would: with a calibration loaded
+    and verified at this many branches. Elsewhere the cache path answers tasks that read branches together
+    wrongly (README, answer quality)."""
     if requested != pb.TRANSPORT_UNSPECIFIED:
         return requested, "requested by the client"
+    override = "ask for a KV transport to override"
     if configured == "auto" and not calibration:
         return pb.TRANSPORT_TEXT, ("no calibration is loaded for this model, and uncalibrated answers from KV are "
-                                   "often wrong: the branches' text is re-prefilled (ask for a KV transport to "
-                                   "override, or serve with --calibration)")
+                                   f"often wrong: the branches' text is re-prefilled ({override}, or serve with "
+                                   "--calibration)")
+    if configured == "auto" and branches > verified_branches:
+        checked = (f"verified to answer as text does only up to {verified_branches} branches" if verified_branches
+                   else "not verified to answer as text does (`braid eval --verify`)")
+        return pb.TRANSPORT_TEXT, (f"calibration {calibration} is {checked}; this request has {branches}: the "
+                                   f"branches' text is re-prefilled ({override})")
     with_calibration = f"; calibration {calibration}" if calibration else ""
     if colocated:
         return pb.TRANSPORT_LOCAL, f"colocated engines: KV is reused in place{with_calibration}"

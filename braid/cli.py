@@ -38,7 +38,7 @@ def eval_cmd(args) -> int:
 
     from braid.engine import Engine, EngineConfig
     from braid.evals.harness import (EvalConfig, engine_modes, evaluate, format_table, hooked_modes, load_hooks,
-                                     plot_accuracy, report)
+                                     plot_accuracy, report, verify)
 
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
@@ -54,9 +54,18 @@ def eval_cmd(args) -> int:
     modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
+    if args.verify and (engine.calibration is None or not {"text", "calibrated"} <= set(names)):
+        raise ValueError("--verify compares the calibrated mode with text: load a calibration and run both modes")
     results = evaluate(engine, config, modes)
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
+    if args.verify:
+        verification = {**verify(out["summary"], tolerance=args.tolerance), "seed": config.seed,
+                        "length": list(config.length)}
+        out["verification"] = verification
+        engine.calibration.calibration.record_verification(verification)
+        print(f"\ncalibrated answers match text (within {100 * args.tolerance:g} points on every task) up to "
+              f"{verification['max_branches']} branches; recorded in {engine.calibration.calibration.path}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -226,6 +235,11 @@ def main(argv=None) -> int:
                         "calibrated-no-reencode, calibrated-no-mapper, calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
+    p.add_argument("--verify", action="store_true",
+                   help="record in the calibration up to which branch count its answers match text's; `auto` "
+                        "transport ships KV only up to there")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")

@@ -156,6 +156,7 @@ class Calibration:
     base_model: str  # that model's name, for messages
     path: str | None = None  # where it was loaded from (holds adapter/)
     record: dict | None = None  # how it was trained
+    verification: dict | None = None  # how it compared with text answers (evals.harness.verify), when checked
 
     @property
     def digest(self) -> str:
@@ -165,6 +166,12 @@ class Calibration:
             with open(os.path.join(self.path, name), "rb") as f:
                 h.update(f.read())
         return h.hexdigest()
+
+    @property
+    def verified_branches(self) -> int:
+        """Up to how many branches a recorded `braid eval --verify` found its answers as good as text's
+        (0: never verified, or not even at the fewest branches evaluated)."""
+        return int((self.verification or {}).get("max_branches", 0))
 
     @property
     def placement(self) -> Placement:
@@ -187,10 +194,22 @@ class Calibration:
         manifest = {"base_fingerprint": self.fingerprint, "base_model": self.base_model,
                     "mapper": asdict(self.mapper.config),
                     "lora": {**asdict(self.lora), "targets": list(self.lora.targets)},
-                    "record": self.record or {}}
+                    "record": self.record or {}, **({"verification": self.verification} if self.verification else {})}
         with open(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         self.path = path
+
+    def record_verification(self, verification: dict) -> None:
+        """Store a verification (evals.harness.verify) in the saved manifest; the weights are untouched."""
+        if self.path is None:
+            raise BraidError("this calibration was not saved or loaded from disk: it has no manifest to update")
+        manifest_path = os.path.join(self.path, MANIFEST)
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        manifest["verification"] = verification
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=1)
+        self.verification = verification
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -204,7 +223,7 @@ class Calibration:
         mapper.load_state_dict(load_file(os.path.join(path, MAPPER_FILE)))
         lora = LoraSettings(**{**manifest["lora"], "targets": tuple(manifest["lora"]["targets"])})
         return cls(mapper.eval().requires_grad_(False), lora, manifest["base_fingerprint"], manifest["base_model"],
-                   path, manifest.get("record"))
+                   path, manifest.get("record"), manifest.get("verification"))
 
     def check(self, fingerprint: str, model: str) -> None:
         """Refuse a model other than the one this calibration was trained on."""

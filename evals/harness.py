@@ -182,6 +182,32 @@ def summarize(results: Sequence[TaskResult], modes: Sequence[Mode]) -> list[dict
     return rows
 
 
+def verify(rows: Sequence[dict], mode: str = "calibrated", tolerance: float = 0.02) -> dict:
+    """Up to which branch count `mode` answers as well as text re-prefill: a branch count passes when on every
+    task its accuracy is at least text's minus `tolerance` (the paired point estimate); `max_branches` is the
+    largest count with every evaluated count up to it passing (0: none). `auto` transport ships KV only up to
+    there (api/decision.py)."""
+    by_key = {(r["task"], r["branches"], r["mode"]): r for r in rows}
+    counts = sorted({r["branches"] for r in rows})
+    tasks = sorted({r["task"] for r in rows})
+    missing = [f"{t}/{m}/{name}" for t in tasks for m in counts for name in (TEXT.name, mode)
+               if (t, m, name) not in by_key]
+    if missing:
+        raise ValueError(f"verifying {mode!r} needs it and text on every task and branch count; missing "
+                         f"{', '.join(missing[:6])}")
+    passed = {m: all(by_key[(t, m, mode)]["accuracy"] >= by_key[(t, m, TEXT.name)]["accuracy"] - tolerance
+                     for t in tasks) for m in counts}
+    max_branches = 0
+    for m in counts:
+        if not passed[m]:
+            break
+        max_branches = m
+    return {"mode": mode, "tolerance": tolerance, "max_branches": max_branches, "tasks": tasks,
+            "samples": min(r["n"] for r in rows), "passed": {str(m): ok for m, ok in passed.items()},
+            "gaps": {f"{t}/{m}": round(by_key[(t, m, mode)]["accuracy"] - by_key[(t, m, TEXT.name)]["accuracy"], 4)
+                     for t in tasks for m in counts}}
+
+
 def format_table(rows: Sequence[dict]) -> str:
     lines = [f"{'task':<8} {'m':>2} {'mode':<28} {'n':>4} {'accuracy [95% CI]':>22} {'vs text [95% CI]':>24} "
              f"{'McNemar p':>10} {'TTFT ms':>8}"]

@@ -47,12 +47,12 @@ class SynthesisRunner:
         return rates[-1]
 
     def info(self) -> SynthesizerInfo:
-        s = self.engine.spec
+        s, attached = self.engine.spec, self.engine.calibration
         return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
-                               self.engine.calibration.calibration.placement.value if self.engine.calibration
-                               else Placement.BRANCH_POINT.value)
+                               attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
+                               attached.calibration.verified_branches if attached else 0)
 
     @property
     def calibration_name(self) -> str:

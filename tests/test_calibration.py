@@ -237,8 +237,9 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
 
 
 def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibration(checkpoint, tmp_path):
-    """The agent API on an engine with a calibration: `auto` reuses the KV (the reason names the calibration)
-    and the answer is the calibrated cache path's, token for token."""
+    """The agent API on an engine with a calibration verified up to 2 branches: `auto` reuses the KV there (the
+    reason names the calibration) and the answer is the calibrated cache path's, token for token; with more
+    branches it re-prefills text."""
     from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.protos import agent_pb2 as pb
@@ -246,6 +247,8 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
 
     ckpt = checkpoint("llama")
     path = make_calibration(ckpt, tmp_path / "cal", random=True)
+    # as if `braid eval --verify` had found it matching text up to 2 branches (this one is random: it would not)
+    Calibration.load(path).record_verification({"mode": "calibrated", "max_branches": 2})
     engine = Engine(EngineConfig(ckpt, calibration=path))
     redis_server = EmbeddedRedis()
     server = start_in_process(engine, Directory.connect(redis_server.url))
@@ -255,8 +258,14 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
             events = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
                 task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
                 synthesis_prompt="Synthesizer:", worker_sampling=greedy, synthesis_sampling=greedy)))
+            wider = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
+                task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4.", "Part 5."],
+                synthesis_prompt="Synthesizer:", worker_sampling=greedy, synthesis_sampling=greedy)))
         decision, = [e.decision for e in events if e.HasField("decision")]
         assert decision.transport == pb.TRANSPORT_LOCAL and f"calibration {path}" in decision.reason
+        # three branches are beyond what it was verified for: `auto` re-prefills text, and says why
+        decision, = [e.decision for e in wider if e.HasField("decision")]
+        assert decision.transport == pb.TRANSPORT_TEXT and "only up to 2 branches; this request has 3" in decision.reason
         answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         prefix = engine.prefill([PrefillCall("User: add the partial results.")])
@@ -270,6 +279,35 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
     finally:
         server.stop()
         redis_server.stop()
+
+
+def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(checkpoint, tmp_path):
+    from braid.evals.harness import verify
+
+    def row(task, m, mode, accuracy):
+        return {"task": task, "branches": m, "mode": mode, "accuracy": accuracy, "n": 10}
+
+    text = [row(t, m, "text", 1.0) for t in ("chain", "vote") for m in (2, 3, 4, 5)]
+    cal = {("chain", 2): 1.0, ("vote", 2): 0.99, ("chain", 3): 0.98, ("vote", 3): 1.0,
+           ("chain", 4): 0.9, ("vote", 4): 1.0, ("chain", 5): 1.0, ("vote", 5): 1.0}
+    rows = text + [row(t, m, "calibrated", a) for (t, m), a in cal.items()]
+    got = verify(rows)
+    # 4 fails on chain (-10 points), so 5 passing does not count: the gate is a contiguous range
+    assert got["max_branches"] == 3 and got["passed"] == {"2": True, "3": True, "4": False, "5": True}
+    assert got["gaps"]["chain/4"] == -0.1 and got["tasks"] == ["chain", "vote"]
+    assert verify(rows, tolerance=0.1)["max_branches"] == 5
+    worse = [r for r in rows if (r["task"], r["branches"], r["mode"]) != ("chain", 2, "calibrated")]
+    assert verify(worse + [row("chain", 2, "calibrated", 0.5)])["max_branches"] == 0
+    with pytest.raises(ValueError, match="vote/5/calibrated"):
+        verify([r for r in rows if (r["task"], r["branches"], r["mode"]) != ("vote", 5, "calibrated")])
+    # recorded in the manifest, read back on load; the weights (and so the digest) are untouched
+    path = make_calibration(checkpoint("llama"), tmp_path / "cal", random=False)
+    loaded = Calibration.load(path)
+    digest = loaded.digest
+    assert loaded.verified_branches == 0
+    loaded.record_verification(got)
+    again = Calibration.load(path)
+    assert again.verified_branches == 3 and again.verification == got and again.digest == digest
 
 
 def test_committed_calibration_reproduces_its_recorded_sample():

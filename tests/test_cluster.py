@@ -10,6 +10,7 @@ import ray
 
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import start_local_cluster
+from braid.engine.calibration import Calibration
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.synthesis import synthesize, synthesize_text
 from braid.protos import agent_pb2 as pb
@@ -190,8 +191,9 @@ def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
 
     stub, config, _, _, local = cluster
     # its synthesizer loads a calibration (at its init: the identity, so answers match the uncalibrated path
-    # bit for bit), which lets `auto` reuse the KV in place
+    # bit for bit), recorded as verified up to 3 branches, which lets `auto` reuse the KV in place
     calibration = write_untrained(config.model_path, str(tmp_path / "calibration"))
+    Calibration.load(calibration).record_verification({"mode": "calibrated", "max_branches": 3})
     colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port, calibration=calibration)
     serve.run(build_app(colocated, local.redis_url), name="braid-colocated", route_prefix="/colocated")
     try:
