@@ -87,24 +87,21 @@ class AgentLogic:
     def Prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         sid = self._session(request.session_id)
         calls = [convert.prefill_call(c) for c in request.calls]
-        with self.engine.lock:
-            self._resolve(sid, {p for c in calls for p in c.parents})
-            ids = self.engine.prefill(calls)
-            self.register(sid, ids)
+        self._resolve(sid, {p for c in calls for p in c.parents})
+        ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
+        self.register(sid, ids)
         return pb.PrefillResponse(session_id=sid, message_ids=ids)
 
     def Decode(self, request: pb.DecodeRequest) -> Iterator[pb.TokenEvent]:
         sid = self._session(request.session_id)
         calls = [convert.decode_call(c, self.config.default_max_tokens) for c in request.calls]
-        with self.engine.lock:
-            self._resolve(sid, {p for c in calls for p in c.parents})
-            yield from self._stream(sid, self.engine.decode_stream(calls))
+        self._resolve(sid, {p for c in calls for p in c.parents})
+        yield from self._stream(sid, self.engine.decode_stream(calls))
 
     def Generate(self, request: pb.GenerateRequest) -> Iterator[pb.TokenEvent]:
         sid = self._session(request.session_id)
         call = DecodeCall(request.prompt, sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
-        with self.engine.lock:
-            yield from self._stream(sid, self.engine.decode_stream([call]))
+        yield from self._stream(sid, self.engine.decode_stream([call]))
 
     def GetMessage(self, request: pb.GetMessageRequest) -> pb.MessageInfo:
         self._resolve(request.session_id, [request.message_id])

@@ -33,8 +33,19 @@ def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) ->
     return not (plain_causal and use_flash(device, dtype))
 
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None)."""
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_parts=None,
+                      **kwargs):
+    """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
+
+    `braid_parts` (engine.runner): the forward holds rows of several engine calls; each part's queries attend
+    its own cache with its own mask, and `key`/`value` (this forward's new rows) are already in those caches."""
+    if braid_parts is not None:
+        outs = []
+        for part in braid_parts:
+            k, v = part.layer_kv(module.layer_idx)
+            out, _ = attention_forward(module, query[:, :, part.rows], k, v, part.mask, scaling, dropout)
+            outs.append(out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
     if attention_mask is None and use_flash(query.device, query.dtype):
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=True)

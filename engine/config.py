@@ -16,6 +16,8 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     store_budget_bytes: int = 2 << 30  # message store capacity (KV bytes)
     max_parallel_calls: int = 64
+    max_batched_tokens: int = 512  # rows per forward across all running calls (the scheduler's step budget)
+    kv_budget_bytes: int = 1 << 30  # work KV of the calls running at once; more wait their turn
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
     # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
     calibration: str = "auto"
@@ -33,8 +35,9 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
         if self.store_budget_bytes <= 0:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
-        if self.max_parallel_calls <= 0:
-            raise ValueError(f"max_parallel_calls must be positive, got {self.max_parallel_calls}")
+        for name in ("max_parallel_calls", "max_batched_tokens", "kv_budget_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
                                                                                           CALIBRATION_MANIFEST)):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "

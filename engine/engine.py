@@ -1,21 +1,20 @@
 """The choreography API over a message store: prefill and decode of parallel calls.
 
-Every call is validated and planned before anything runs, and messages are
-inserted into the store only when the whole call has succeeded, so a failed call
-leaves the store exactly as it was.
+Every call is validated and planned in the caller's thread before anything runs,
+then runs in the scheduler (engine.scheduler), batched with every other call in
+flight. Messages are inserted into the store only when the whole call has
+succeeded, so a failed call leaves the store exactly as it was.
 """
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
 from braid.engine.config import EngineConfig
-from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import (
     BraidError,
     ContextOverflowError,
@@ -25,7 +24,8 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.runner import ModelRunner, WorkCache
-from braid.engine.sampling import SamplingParams, make_generator, sample
+from braid.engine.sampling import SamplingParams
+from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
 from braid.kernels import rerotate_keys
 
@@ -54,15 +54,6 @@ class DecodeCall:
 
 
 @dataclass
-class TokenEvent:
-    call: int  # index of the call in the parallel batch
-    token_id: int
-    text: str  # text newly decodable with this token
-    finish_reason: str | None = None  # "stop" or "length" on a call's last token
-    message_id: str | None = None  # on a call's last token; stored once the whole stream has ended
-
-
-@dataclass
 class _Plan:
     entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
     visible: torch.Tensor  # bool [calls, entries + calls]
@@ -80,40 +71,44 @@ class _Plan:
 class DecodeStream:
     """Iterate for TokenEvents; `ids` holds the new message ids once iteration ends.
 
-    `timings` (seconds) fills in as it runs: `assemble` (placing parents into the work cache),
-    `first_token` (from the start of the call to the first sampled token), `decode` (the rest).
+    The call runs in the scheduler from the moment it is made; iterating reads its tokens as they come.
+    `timings` (seconds) fills in as it runs: `queued` (waiting for KV budget), `assemble` (placing parents
+    into the work cache), `first_token` (from the call to the first sampled token), `decode` (the rest).
     """
 
-    def __init__(self, events: Iterator[TokenEvent], timings: dict[str, float], live: dict):
-        self._events = events
-        self.timings = timings
-        self._live = live  # filled by the running call: its work cache, slots and tokens
+    def __init__(self, group: Group):
+        self._group = group
+        self._events = group.results()
+        self.timings = group.timings
         self.ids: list[str] | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         self.ids = yield from self._events
 
     def close(self) -> None:
-        """Stop a stream early (its messages are not stored) and release the engine."""
+        """Stop a stream early: it leaves the batch at the next step and its messages are not stored."""
+        self._group.cancelled = True
         self._events.close()
 
     def encoded(self, call: int) -> int:
-        """How many of the call's tokens (header included) already have KV."""
-        return len(self._live["slots"][call]) if self._live else 0
+        """How many of the call's tokens (header included) already have KV. It grows as the scheduler runs,
+        which may be ahead of the events read so far: read it once per use."""
+        return len(self._group.slots[call])
 
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes."""
         if not 0 <= start <= end <= self.encoded(call):
             raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
-        slots = self._live["slots"][call][start:end]
-        cache = self._live["cache"]
-        return self._live["tokens"][call][start:end], cache.gather(torch.tensor(slots, device=cache.kv.device))
+        slots = self._group.slots[call][start:end]
+        cache = self._group.cache
+        return self._group.all_tokens(call)[start:end], cache.gather(torch.tensor(slots, dtype=torch.long,
+                                                                                         device=cache.kv.device))
 
 
 class Engine:
-    """The choreography API over one model. `lock` serialises it: every call that changes the store or
-    runs the model takes it, a decode stream for as long as it runs; it is reentrant, so a caller
-    may hold it across several calls (a workflow's fan-out does)."""
+    """The choreography API over one model. Calls from any thread run concurrently, batched by the
+    scheduler; the store is guarded by an internal lock. `lock` is for callers that need several steps
+    of their own to be atomic (a session's check-then-use); the engine never takes it."""
 
     def __init__(self, config: EngineConfig):
         self.config = config = config.resolved()
@@ -124,6 +119,9 @@ class Engine:
         self.store = MessageStore(config.store_budget_bytes)
         self.runner = ModelRunner(self.lm)
         self.lock = threading.RLock()
+        self._store_lock = threading.Lock()
+        self.scheduler = Scheduler(self.runner, config.max_batched_tokens, config.kv_budget_bytes,
+                                   name=self.fingerprint[:8])
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
         if config.calibration != "none":
             from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
@@ -145,7 +143,7 @@ class Engine:
         return self.tokenizer.decode(list(self.store.get(message_id).token_ids))
 
     def free(self, message_id: str) -> None:
-        with self.lock:
+        with self._store_lock:
             self.store.free(message_id)
 
     def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
@@ -167,24 +165,20 @@ class Engine:
             raise BraidError(f"message id {message_id!r} already exists")
         msg = Message(message_id or new_message_id(), tuple(int(t) for t in token_ids),
                       kv.to(self.lm.device).contiguous(), offset, tuple(parents), tuple(parent_offsets), fingerprint)
-        with self.lock:
+        with self._store_lock:
             self.store.add([msg])
         return msg.id
 
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
-        """Encode each call's message in one forward; each message stays physically contiguous."""
-        with self.lock:
-            return self._prefill(calls)
-
-    def _prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
-        plan = self._plan([c.message for c in calls], calls, [0] * len(calls), "message")
-        with self.store.pinned(plan.parent_ids):
-            cache = self._assemble(plan, extra_tokens=0, transform=None)
-            ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, self.lm.device)
-            base = cache.length
-            self.runner.forward(cache, plan.visible, ids, positions, owner, logit_rows=None)
-            return self._commit(plan, cache, plan.tokens, [[base + r for r in rs] for rs in rows])
+        """Encode each call's message (all in one group of forwards); each message stays contiguous."""
+        group = self._submit([c.message for c in calls], calls, None, None, None, self.fingerprint)
+        events = group.results()
+        try:
+            while True:
+                next(events)
+        except StopIteration as done:
+            return done.value
 
     def decode(self, calls: Sequence[DecodeCall], on_token: Callable[[TokenEvent], None] | None = None) -> list[str]:
         stream = self.decode_stream(calls)
@@ -196,21 +190,16 @@ class Engine:
     def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
                       adapter: Callable[[], AbstractContextManager] | None = None,
                       tag: str | None = None) -> DecodeStream:
-        """Decode all calls together, one forward per step, masked so calls never see each other.
+        """Decode all calls together, one row per call per step, masked so calls never see each other.
 
         Validation happens here, before the first event; `transform` and `adapter` are the
         seams for a cache mapper and a LoRA adapter (see engine.synthesis). `tag`: the new messages were
         encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
         model refuses as a parent.
         """
-        start = time.perf_counter()
-        plan = self._plan([c.header for c in calls], calls, [c.sampling.max_tokens for c in calls], "header")
-        timings: dict[str, float] = {}
-        live: dict = {}
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
-        events = self._decode_events(plan, [c.sampling for c in calls], transform, adapter, start, timings, live,
-                                     fingerprint)
-        return DecodeStream(events, timings, live)
+        return DecodeStream(self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform,
+                                         adapter, fingerprint))
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -222,6 +211,28 @@ class Engine:
         if bad:
             raise BraidError(f"call {call}: token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
         return tokens
+
+    def _submit(self, values: Sequence[Tokens], calls, params: list[SamplingParams] | None,
+                transform: KVTransform | None, adapter, fingerprint: str) -> Group:
+        """Validate and plan in the caller's thread (errors surface here), pin the parents, hand it over."""
+        extra = [p.max_tokens for p in params] if params is not None else [0] * len(calls)
+        with self._store_lock:
+            plan = self._plan(values, calls, extra, "header" if params is not None else "message")
+            pins = self.store.pin(plan.parent_ids)
+        s = self.spec
+        capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
+        kv_bytes = capacity * s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+
+        def release():
+            with self._store_lock:
+                self.store.unpin(pins)
+
+        group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, kv_bytes,
+                      lambda g: self._assemble(plan, sum(extra), transform),
+                      lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint),
+                      release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
+        self.scheduler.submit(group)
+        return group
 
     def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:
         n = len(calls)
@@ -292,58 +303,6 @@ class Engine:
                     block.copy_(mapped)
         return cache
 
-    def _decode_events(self, plan: _Plan, params: list[SamplingParams], transform, adapter, start, timings, live,
-                       fingerprint: str):
-        n = len(plan.tokens)
-        device = self.lm.device
-        stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.spec.eos_token_ids)) for p in params]
-        generators = [make_generator(p, device) for p in params]
-        detok = [Detokenizer(self.tokenizer, p.stop) for p in params]
-        generated = [d.tokens for d in detok]
-        with self.lock, self.store.pinned(plan.parent_ids), (adapter() if adapter else nullcontext()):
-            assemble_start = time.perf_counter()
-            cache = self._assemble(plan, sum(p.max_tokens for p in params), transform)
-            _sync(device)  # once per call, so the split below is true on CUDA too
-            timings["assemble"] = time.perf_counter() - assemble_start
-            ids, positions, owner, rows = _flatten(plan.tokens, plan.new_offsets, device)
-            base = cache.length
-            logits = self.runner.forward(cache, plan.visible, ids, positions, owner,
-                                         torch.tensor([rs[-1] for rs in rows], device=device))
-            slots = [[base + r for r in rs] for rs in rows]
-            live.update(cache=cache, slots=slots, tokens=_MessageTokens(plan.tokens, generated))
-            logit_calls = list(range(n))  # calls whose next token the current logits predict
-            while logit_calls:
-                sampled = _sample_rows(logits, [params[c] for c in logit_calls], [generators[c] for c in logit_calls])
-                timings.setdefault("first_token", time.perf_counter() - start)
-                still_running = []
-                for c, token in zip(logit_calls, sampled):
-                    delta = detok[c].add(token)
-                    reason = None
-                    if token in stop_ids[c] or detok[c].hit_stop(delta):
-                        reason = "stop"
-                    elif len(generated[c]) == params[c].max_tokens:
-                        reason = "length"
-                    else:
-                        still_running.append(c)
-                    if reason is not None:
-                        delta += detok[c].flush()
-                    yield TokenEvent(c, token, delta, reason, plan.new_ids[c] if reason else None)
-                # Every sampled token is fed once, finished calls included, so their last token gets KV.
-                feed = logit_calls
-                rows = [i for i, c in enumerate(feed) if c in still_running]
-                step_ids = torch.tensor([generated[c][-1] for c in feed], device=device)
-                step_pos = torch.tensor([plan.new_offsets[c] + len(plan.tokens[c]) + len(generated[c]) - 1
-                                         for c in feed], device=device)
-                first_slot = cache.length
-                logits = self.runner.forward(cache, plan.visible, step_ids, step_pos,
-                                             torch.tensor(feed, device=device),
-                                             torch.tensor(rows, device=device) if rows else None)
-                for i, c in enumerate(feed):
-                    slots[c].append(first_slot + i)
-                logit_calls = still_running
-            timings["decode"] = time.perf_counter() - start - timings["first_token"]
-            return self._commit(plan, cache, [t + g for t, g in zip(plan.tokens, generated)], slots, fingerprint)
-
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],
                 fingerprint: str | None = None) -> list[str]:
         messages = [
@@ -352,39 +311,7 @@ class Engine:
                     plan.parents[c], plan.parent_offsets[c], fingerprint or self.fingerprint)
             for c in range(len(tokens))
         ]
-        self.store.add(messages)
-        self.store.touch(plan.parent_ids)
+        with self._store_lock:
+            self.store.add(messages)
+            self.store.touch(plan.parent_ids)
         return [m.id for m in messages]
-
-
-class _MessageTokens:
-    """tokens[c] = header + generated so far, without copying on every step."""
-
-    def __init__(self, headers: list[list[int]], generated: list[list[int]]):
-        self.headers, self.generated = headers, generated
-
-    def __getitem__(self, c: int) -> list[int]:
-        return self.headers[c] + self.generated[c]
-
-
-def _flatten(tokens: list[list[int]], offsets: list[int], device):
-    """Rows for a parallel prefill: each call's tokens contiguous, at offset + i."""
-    ids, positions, owner, rows = [], [], [], []
-    for c, (toks, off) in enumerate(zip(tokens, offsets)):
-        rows.append(list(range(len(ids), len(ids) + len(toks))))
-        ids += toks
-        positions += range(off, off + len(toks))
-        owner += [c] * len(toks)
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return as_tensor(ids), as_tensor(positions), as_tensor(owner), rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
-    greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
-    return [g if p.temperature == 0 else int(sample(logits[i], p, gen))
-            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]

@@ -9,6 +9,8 @@ choreography masks of parallel prefill (each message contiguous) and parallel
 decode (tokens interleaved) from one rule.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from braid.engine.attention import mask_needed
@@ -44,15 +46,53 @@ class WorkCache:
         self._write = (start, end)
         return torch.arange(start, end, device=self.segment.device)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        start, end = self._write
-        self.kv[layer_idx, 0, :, start:end] = key_states[0]
-        self.kv[layer_idx, 1, :, start:end] = value_states[0]
-        return self.kv[layer_idx, 0, :, :end].unsqueeze(0), self.kv[layer_idx, 1, :, :end].unsqueeze(0)
-
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The KV of the given slots as a contiguous block [L, 2, H, T, D]."""
         return self.kv.index_select(3, slots)
+
+
+@dataclass
+class GroupInput:
+    """One engine call's rows in a forward: its own work cache, masks and tokens.
+
+    visible: bool [calls, segments]; row r belongs to call call_of_row[r]; logit_rows: which of its rows
+    need next-token logits (None: none)."""
+
+    cache: WorkCache
+    visible: torch.Tensor
+    input_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    call_of_row: torch.Tensor  # [rows]
+    logit_rows: torch.Tensor | None
+
+
+@dataclass
+class _Part:
+    """A group's place in one forward, for the cache writes and the attention (engine.attention)."""
+
+    cache: WorkCache
+    rows: slice  # its rows among the forward's
+    slots: torch.Tensor  # where its rows' KV go in its cache
+    mask: torch.Tensor | None  # bool [1, 1, rows, cache.length]; None: plain causal, flash-attn
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values of the group's whole cache, new rows included: [1, H, T, D] each."""
+        end = self.cache.length
+        return self.cache.kv[layer, 0, :, :end][None], self.cache.kv[layer, 1, :, :end][None]
+
+
+class _StepCache:
+    """transformers' cache seam for one forward over several groups: each layer's new K/V rows go to the
+    work cache of the group they belong to; attention then reads each group's own cache."""
+
+    def __init__(self, parts: list[_Part]):
+        self.parts = parts
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        for p in self.parts:
+            p.cache.kv[layer_idx, 0, :, p.slots] = key_states[0, :, p.rows]
+            p.cache.kv[layer_idx, 1, :, p.slots] = value_states[0, :, p.rows]
+        return key_states, value_states
 
 
 class ModelRunner:
@@ -61,23 +101,33 @@ class ModelRunner:
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
 
-    @torch.inference_mode()
     def forward(self, cache: WorkCache, visible: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 call_of_row: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Encode tokens (one row per token, any mix of calls); returns fp32 logits of `logit_rows`.
+        """One group alone: `step` with one input."""
+        return self.step([GroupInput(cache, visible, input_ids, positions, call_of_row, logit_rows)])[0]
 
-        visible: bool [calls, segments]; row r belongs to call call_of_row[r].
-        """
-        num_entries = visible.shape[1] - visible.shape[0]
-        slots = cache.reserve(call_of_row + num_entries)
-        plain_causal = visible.shape[0] == 1 and bool(visible.all())
-        mask = None
-        if mask_needed(self.lm.device, plain_causal, self.lm.dtype):
-            keys = torch.arange(cache.length, device=slots.device)
-            mask = visible[call_of_row][:, cache.segment[: cache.length]] & (keys[None, :] <= slots[:, None])
-            mask = mask[None, None]
-        out = self.decoder(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask,
-                           past_key_values=cache, use_cache=True)
-        if logit_rows is None:
-            return None
-        return self.lm_head(out.last_hidden_state[0, logit_rows]).float()
+    @torch.inference_mode()
+    def step(self, groups: list[GroupInput]) -> list[torch.Tensor | None]:
+        """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
+        over its own cache); returns each group's fp32 logits of its `logit_rows`."""
+        parts, start = [], 0
+        for g in groups:
+            num_entries = g.visible.shape[1] - g.visible.shape[0]
+            slots = g.cache.reserve(g.call_of_row + num_entries)
+            plain_causal = g.visible.shape[0] == 1 and bool(g.visible.all())
+            mask = None
+            if len(groups) > 1 or mask_needed(self.lm.device, plain_causal, self.lm.dtype):
+                keys = torch.arange(g.cache.length, device=slots.device)
+                mask = g.visible[g.call_of_row][:, g.cache.segment[: g.cache.length]] & (keys[None, :] <= slots[:, None])
+                mask = mask[None, None]
+            rows = slice(start, start + len(g.input_ids))
+            parts.append(_Part(g.cache, rows, slots, mask))
+            start = rows.stop
+        input_ids = torch.cat([g.input_ids for g in groups])[None]
+        positions = torch.cat([g.positions for g in groups])[None]
+        placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
+        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
+                           past_key_values=_StepCache(parts), use_cache=True, braid_parts=parts)
+        hidden = out.last_hidden_state[0]
+        return [None if g.logit_rows is None else self.lm_head(hidden[p.rows][g.logit_rows]).float()
+                for g, p in zip(groups, parts)]

@@ -50,3 +50,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs = sorted_probs * keep
         return order[torch.multinomial(sorted_probs, 1, generator=generator)[0]]
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
+    """One token per row of fp32 logits [rows, vocab], row i sampled with params[i]."""
+    greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
+    return [g if p.temperature == 0 else int(sample(logits[i], p, gen))
+            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]

@@ -72,15 +72,23 @@ class MessageStore:
             if mid in self._messages:
                 self._messages.move_to_end(mid)
 
-    @contextmanager
-    def pinned(self, message_ids):
+    def pin(self, message_ids) -> list[str]:
+        """Keep these messages from being evicted or freed until `unpin` with the returned list."""
         ids = list(message_ids)
         self._pins.update(ids)
+        return ids
+
+    def unpin(self, ids: list[str]) -> None:
+        self._pins.subtract(ids)
+        self._pins += Counter()  # drop zero counts
+
+    @contextmanager
+    def pinned(self, message_ids):
+        ids = self.pin(message_ids)
         try:
             yield
         finally:
-            self._pins.subtract(ids)
-            self._pins += Counter()  # drop zero counts
+            self.unpin(ids)
 
     def add(self, messages: list[Message]) -> None:
         """Insert all messages or none, evicting unpinned LRU messages as needed."""

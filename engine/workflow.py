@@ -17,10 +17,10 @@ class BranchStream:
     """m branches after one task prefix: prefill the task, prefill each branch's context after it,
     then decode every branch in one parallel batch (one forward per step).
 
-    Iterate for TokenEvents (`event.call` is the branch index). The engine lock is held from the
-    first prefill to the last token, and `on_start(self)` runs once it is held, so a caller can
-    tell "queued" from "running". After iteration: `prefix`, `contexts`, `ids` (the branch
-    messages, header + reply) and `offsets` (where each branch message begins).
+    Iterate for TokenEvents (`event.call` is the branch index); its calls run in the engine's
+    scheduler, batched with whatever else is running. `on_start(self)` runs when iteration starts.
+    After iteration: `prefix`, `contexts`, `ids` (the branch messages, header + reply) and `offsets`
+    (where each branch message begins).
     """
 
     def __init__(self, engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens,
@@ -37,18 +37,17 @@ class BranchStream:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         eng = self.engine
-        with eng.lock:
-            if self.on_start is not None:
-                self.on_start(self)
-            self.prefix = eng.prefill([PrefillCall(self.task)])
-            self.contexts = eng.prefill([PrefillCall(c, parents=self.prefix) for c in self.context_texts])
-            self.offsets = [eng.message(c).end for c in self.contexts]
-            self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
-                                                        sampling=self.sampling) for c in self.contexts])
-            try:
-                yield from self.decode
-            finally:
-                self.decode.close()
+        if self.on_start is not None:
+            self.on_start(self)
+        self.prefix = eng.prefill([PrefillCall(self.task)])
+        self.contexts = eng.prefill([PrefillCall(c, parents=self.prefix) for c in self.context_texts])
+        self.offsets = [eng.message(c).end for c in self.contexts]
+        self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
+                                                    sampling=self.sampling) for c in self.contexts])
+        try:
+            yield from self.decode
+        finally:
+            self.decode.close()
 
     @property
     def ids(self) -> list[str] | None:

@@ -80,18 +80,17 @@ class SynthesisRunner:
         for j, got in enumerate(received):
             if got.kv is not None:
                 yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
-        with eng.lock:
-            prefix = eng.prefill([PrefillCall(req.task)])
-            branches = [self.receiver.import_message(eng, g) for g in received]
-            mode = req.mode
-            if not mode.text and mode.hooks is None and eng.calibration is not None:
-                mode = replace(mode, hooks=eng.calibration.hooks)  # the cache path, calibrated
-            stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
-                                      sampling=req.sampling)
-            answer = []
-            for event in stream:
-                answer.append(event.text)
-                yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
-            registered = self.agent.register(req.session, prefix + branches + stream.ids)
-            tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
-            yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
+        prefix = eng.prefill([PrefillCall(req.task)])
+        branches = [self.receiver.import_message(eng, g) for g in received]
+        mode = req.mode
+        if not mode.text and mode.hooks is None and eng.calibration is not None:
+            mode = replace(mode, hooks=eng.calibration.hooks)  # the cache path, calibrated
+        stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
+                                  sampling=req.sampling)
+        answer = []
+        for event in stream:
+            answer.append(event.text)
+            yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
+        registered = self.agent.register(req.session, prefix + branches + stream.ids)
+        tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
+        yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)

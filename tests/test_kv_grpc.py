@@ -25,10 +25,13 @@ def ship_two_branches(eng, receiver, sender):
     sender.open(["wf:0", "wf:1"])
     for event in stream:
         c = event.call
-        if stream.encoded(c) - shipped[c] >= 4:
-            toks, kv = stream.partial_kv(c, shipped[c], stream.encoded(c))
+        # (it grows while we look: the scheduler runs ahead of this loop); the last encoded token waits for
+        # the closing chunk, which then always has one
+        end = stream.encoded(c) - 1
+        if end - shipped[c] >= 4:
+            toks, kv = stream.partial_kv(c, shipped[c], end)
             sender.send(BranchChunk(f"wf:{c}", f"b{c}", offset, shipped[c], toks, kv))
-            shipped[c] = stream.encoded(c)
+            shipped[c] = end
     messages = [eng.message(m) for m in stream.ids]
     for c, msg in enumerate(messages):
         toks, kv = stream.partial_kv(c, shipped[c], msg.num_tokens)

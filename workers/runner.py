@@ -71,8 +71,11 @@ class BranchRunner:
             for event in branches:
                 c = event.call
                 yield BranchToken(req.indices[c], event.token_id, event.text, event.finish_reason or "")
-                if sender and sender.copies and branches.encoded(c) - shipped[c] >= self.config.ship_after(chunks[c]):
-                    ship(c, branches.encoded(c))
+                # the last encoded token waits for the closing chunk, so that chunk (which carries the
+                # total) is never empty, even when the scheduler has already fed the call's last token
+                end = branches.encoded(c) - 1 if sender and sender.copies else 0
+                if end - shipped[c] >= self.config.ship_after(chunks[c]):
+                    ship(c, end)
             messages = [eng.message(mid) for mid in branches.ids]
             sent = {}
             if sender:

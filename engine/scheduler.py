@@ -1,0 +1,289 @@
+"""The step loop that owns the model: every engine call, from any request, batched step by step.
+
+Each engine call (a prefill or a decode of parallel calls) becomes one `Group`, the object that carries
+it through the scheduler as nano-vllm's Sequence does. One thread runs `Scheduler.step`, which is
+schedule, run, postprocess: groups are admitted while their work KV fits the budget (they wait
+otherwise, first come first served), every running group contributes rows (decoding groups one per
+live call, groups still encoding their messages or headers a chunk, under a per-step token budget),
+and one forward encodes them all, attention staying within each group (engine.runner). A cancelled
+group leaves at the next step; a failed one stores nothing.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from braid.engine.detokenize import Detokenizer
+from braid.engine.errors import StoreFullError
+from braid.engine.runner import GroupInput, ModelRunner, WorkCache
+from braid.engine.sampling import SamplingParams, make_generator, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenEvent:
+    call: int  # index of the call in the parallel batch
+    token_id: int
+    text: str  # text newly decodable with this token
+    finish_reason: str | None = None  # "stop" or "length" on a call's last token
+    message_id: str | None = None  # on a call's last token; stored once the whole stream has ended
+
+
+@dataclass
+class _Done:
+    ids: list[str] | None = None  # the stored messages
+    error: BaseException | None = None
+
+
+class Group:
+    """One engine call through the scheduler: its rows still to encode, its work cache, what it generated.
+
+    Built by the engine after validation. `assemble(group)` makes its work cache (parents placed) when
+    it is admitted; `commit(tokens, slots)` stores its messages and returns their ids; `release()` runs
+    once at the end whatever happened (unpins its parents). Rows are (token, position, call); a decode
+    group samples a call's next token from the logits of the call's last encoded row."""
+
+    def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
+                 params: list[SamplingParams] | None, kv_bytes: int, assemble: Callable[["Group"], WorkCache],
+                 commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
+                 adapter: Callable[[], AbstractContextManager] | None = None):
+        self.tokens, self.offsets, self.params = tokens, offsets, params
+        self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
+        self.kv_bytes = kv_bytes  # its work cache, reserved against the scheduler's budget while it runs
+        self._assemble, self._commit, self._release = assemble, commit, release
+        self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
+        self.cache: WorkCache | None = None
+        self.slots: list[list[int]] = [[] for _ in tokens]  # cache slot of each encoded token, per call
+        self.pending: deque[tuple[int, int, int]] = deque(
+            (t, off + i, c) for c, (toks, off) in enumerate(zip(tokens, offsets)) for i, t in enumerate(toks))
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.timings: dict[str, float] = {}
+        self.submitted = time.perf_counter()
+        self.served = 0  # steps it took part in (fairness among decoding groups)
+        if params is not None:
+            self.stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)) for p in params]
+            self.generators = [make_generator(p, device) for p in params]
+            self.detok = [Detokenizer(tokenizer, p.stop) for p in params]
+            self.generated = [d.tokens for d in self.detok]
+            self.running = set(range(len(tokens)))
+
+    @property
+    def decoding(self) -> bool:
+        """Past its headers: it feeds one sampled token per live call each step."""
+        return self.params is not None and self.timings.get("first_token") is not None
+
+    def all_tokens(self, call: int) -> list[int]:
+        return self.tokens[call] + (self.generated[call] if self.params is not None else [])
+
+    # ---- called by the scheduler ----------------------------------------------------------------
+    def start(self, device: torch.device) -> None:
+        begin = time.perf_counter()
+        self.timings["queued"] = begin - self.submitted
+        self.cache = self._assemble(self)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.timings["assemble"] = time.perf_counter() - begin
+
+    def take(self, budget: int) -> GroupInput:
+        """Up to `budget` pending rows as this step's input."""
+        rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
+        self._taken = rows
+        self._base = self.cache.length
+        device = self.cache.kv.device
+        logit_rows = None
+        if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
+            last = {c: i for i, (_, _, c) in enumerate(rows)}
+            ends = [i for c, i in last.items() if c in self.running and not any(r[2] == c for r in self.pending)]
+            self._logit_calls = [rows[i][2] for i in sorted(ends)]
+            logit_rows = torch.tensor(sorted(ends), device=device) if ends else None
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]), as_tensor([r[1] for r in rows]),
+                          as_tensor([r[2] for r in rows]), logit_rows)
+
+    def advance(self, logits: torch.Tensor | None) -> bool:
+        """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
+        for i, (_, _, c) in enumerate(self._taken):
+            self.slots[c].append(self._base + i)
+        if logits is not None:
+            self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
+            calls = self._logit_calls
+            for c, token in zip(calls, sample_rows(logits, [self.params[c] for c in calls],
+                                                   [self.generators[c] for c in calls])):
+                self._emit(c, token)
+        if self.pending or (self.params is not None and self.running):
+            return False
+        if self.params is not None:
+            self.timings["decode"] = time.perf_counter() - self.submitted - self.timings["first_token"]
+        return True
+
+    def _emit(self, c: int, token: int) -> None:
+        detok = self.detok[c]
+        delta = detok.add(token)
+        reason = None
+        if token in self.stop_ids[c] or detok.hit_stop(delta):
+            reason = "stop"
+        elif len(self.generated[c]) == self.params[c].max_tokens:
+            reason = "length"
+        if reason is not None:
+            delta += detok.flush()
+            self.running.discard(c)
+        position = self.offsets[c] + len(self.tokens[c]) + len(self.generated[c]) - 1
+        self.pending.append((token, position, c))  # every sampled token is fed once, so it gets KV
+        self.events.put(TokenEvent(c, token, delta, reason, self.message_ids[c] if reason else None))
+
+    def finish(self) -> None:
+        """Store its messages; its parents are unpinned before the consumer hears it is done."""
+        try:
+            done = _Done(self._commit([self.all_tokens(c) for c in range(len(self.tokens))], self.slots))
+        except BaseException as e:  # e.g. the store is full: nothing is stored
+            done = _Done(error=e)
+        self._release()
+        self.events.put(done)
+
+    def fail(self, error: BaseException) -> None:
+        self._release()
+        self.events.put(_Done(error=error))
+
+    # ---- called by the consumer ------------------------------------------------------------------
+    def results(self) -> Iterator[TokenEvent]:
+        """Its events as they come; returns the stored message ids (or raises the group's error)."""
+        try:
+            while True:
+                item = self.events.get()
+                if isinstance(item, _Done):
+                    if item.error is not None:
+                        raise item.error
+                    return item.ids
+                yield item
+        finally:
+            self.cancelled = True  # (no effect once it is done) a consumer that left: it leaves the batch
+
+
+class Scheduler:
+    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward;
+    `kv_budget_bytes`: work caches of running groups together."""
+
+    def __init__(self, runner: ModelRunner, max_batched_tokens: int, kv_budget_bytes: int, name: str = "engine"):
+        self.runner = runner
+        self.max_batched_tokens, self.kv_budget_bytes = max_batched_tokens, kv_budget_bytes
+        self.waiting: deque[Group] = deque()
+        self.running: list[Group] = []
+        self.reserved_bytes = 0
+        self.steps = 0
+        self._turn = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"braid-scheduler-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, group: Group) -> None:
+        if group.kv_bytes > self.kv_budget_bytes:
+            group.fail(StoreFullError(
+                f"this call needs {group.kv_bytes} bytes of work KV (context, tokens and max_tokens), more than "
+                f"the engine's whole kv_budget_bytes={self.kv_budget_bytes}; shorten it or raise the budget"))
+            return
+        with self._cv:
+            self.waiting.append(group)
+            self._cv.notify()
+
+    @property
+    def load(self) -> dict[str, int]:
+        return {"waiting": len(self.waiting), "running": len(self.running), "reserved_bytes": self.reserved_bytes}
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self.running:
+                    self._cv.wait()
+            try:
+                self.step()
+            except Exception:  # pragma: no cover - step() fails groups itself; this keeps the loop alive
+                log.exception("scheduler step failed")
+
+    # ---- one step: schedule, run, postprocess ---------------------------------------------------
+    def step(self) -> None:
+        batch, adapter = self.schedule()
+        if batch:
+            logits = self.run(batch, adapter)
+            self.postprocess(batch, logits)
+
+    def schedule(self) -> tuple[list[tuple[Group, GroupInput]], Callable | None]:
+        """Admit what fits, drop what was cancelled, and pick this step's rows."""
+        for g in [g for g in self.running if g.cancelled]:
+            self._retire(g)
+            g.fail(RuntimeError("cancelled"))
+        with self._cv:
+            waiting, self.waiting = list(self.waiting), deque()
+        admitted = []
+        for i, g in enumerate(waiting):
+            if g.cancelled:
+                g.fail(RuntimeError("cancelled"))
+            elif self.reserved_bytes + g.kv_bytes <= self.kv_budget_bytes:
+                admitted.append(g)
+                self.reserved_bytes += g.kv_bytes
+            else:  # first come, first served: the rest wait behind it
+                with self._cv:
+                    self.waiting.extendleft(reversed([w for w in waiting[i:] if not w.cancelled]))
+                break
+        for g in admitted:
+            try:
+                g.start(self.runner.lm.device)
+                self.running.append(g)
+            except Exception as e:
+                self.reserved_bytes -= g.kv_bytes
+                g.fail(e)
+        ready = [g for g in self.running if g.pending]
+        if not ready:
+            return [], None
+        # one adapter per forward (the LoRA's weights are swapped in for it); adapters take turns
+        adapters = list(dict.fromkeys(g.adapter for g in ready))
+        adapter = adapters[self._turn % len(adapters)]
+        self._turn += 1
+        ready = [g for g in ready if g.adapter == adapter]
+        ready.sort(key=lambda g: (not g.decoding, g.served if g.decoding else 0))  # decodes first, fairly
+        budget, batch = self.max_batched_tokens, []
+        for g in ready:
+            if budget <= 0:
+                break
+            inp = g.take(budget)
+            budget -= len(inp.input_ids)
+            batch.append((g, inp))
+        return batch, adapter
+
+    def run(self, batch: list[tuple[Group, GroupInput]], adapter) -> list[torch.Tensor | None]:
+        self.steps += 1
+        try:
+            with adapter() if adapter is not None else nullcontext():
+                return self.runner.step([inp for _, inp in batch])
+        except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
+            log.exception("forward failed for %d group(s)", len(batch))
+            for g, _ in batch:
+                self._retire(g)
+                g.fail(e)
+            return []
+
+    def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
+        for (g, _), lg in zip(batch, logits):
+            g.served += 1
+            try:
+                done = g.advance(lg)
+            except Exception as e:
+                self._retire(g)
+                g.fail(e)
+                continue
+            if done:
+                self._retire(g)
+                g.finish()
+
+    def _retire(self, g: Group) -> None:
+        if g in self.running:
+            self.running.remove(g)
+            self.reserved_bytes -= g.kv_bytes
