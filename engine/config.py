@@ -18,6 +18,7 @@ class EngineConfig:
     max_parallel_calls: int = 64
     max_batched_tokens: int = 512  # rows per forward across all running calls (the scheduler's step budget)
     kv_budget_bytes: int = 1 << 30  # work KV of the calls running at once; more wait their turn
+    max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
     # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
     calibration: str = "auto"
@@ -38,6 +39,8 @@ class EngineConfig:
         for name in ("max_parallel_calls", "max_batched_tokens", "kv_budget_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_running_calls < 0:
+            raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
                                                                                           CALIBRATION_MANIFEST)):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "

@@ -121,7 +121,7 @@ class Engine:
         self.lock = threading.RLock()
         self._store_lock = threading.Lock()
         self.scheduler = Scheduler(self.runner, config.max_batched_tokens, config.kv_budget_bytes,
-                                   name=self.fingerprint[:8])
+                                   config.max_running_calls, name=self.fingerprint[:8])
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
         if config.calibration != "none":
             from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
@@ -231,7 +231,11 @@ class Engine:
                       lambda g: self._assemble(plan, sum(extra), transform),
                       lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint),
                       release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
-        self.scheduler.submit(group)
+        try:
+            self.scheduler.submit(group)
+        except BaseException:
+            release()
+            raise
         return group
 
     def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:

@@ -170,26 +170,29 @@ class Group:
 
 class Scheduler:
     """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward;
-    `kv_budget_bytes`: work caches of running groups together."""
+    `kv_budget_bytes`: work caches of running groups together; `max_running`: groups at once (0: no cap)."""
 
-    def __init__(self, runner: ModelRunner, max_batched_tokens: int, kv_budget_bytes: int, name: str = "engine"):
+    def __init__(self, runner: ModelRunner, max_batched_tokens: int, kv_budget_bytes: int, max_running: int = 0,
+                 name: str = "engine"):
         self.runner = runner
         self.max_batched_tokens, self.kv_budget_bytes = max_batched_tokens, kv_budget_bytes
+        self.max_running = max_running
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []
         self.reserved_bytes = 0
-        self.steps = 0
+        self.steps = 0  # forwards run
+        self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
         self._turn = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, group: Group) -> None:
+        """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
         if group.kv_bytes > self.kv_budget_bytes:
-            group.fail(StoreFullError(
+            raise StoreFullError(
                 f"this call needs {group.kv_bytes} bytes of work KV (context, tokens and max_tokens), more than "
-                f"the engine's whole kv_budget_bytes={self.kv_budget_bytes}; shorten it or raise the budget"))
-            return
+                f"the engine's whole kv_budget_bytes={self.kv_budget_bytes}; shorten it or raise the budget")
         with self._cv:
             self.waiting.append(group)
             self._cv.notify()
@@ -226,7 +229,8 @@ class Scheduler:
         for i, g in enumerate(waiting):
             if g.cancelled:
                 g.fail(RuntimeError("cancelled"))
-            elif self.reserved_bytes + g.kv_bytes <= self.kv_budget_bytes:
+            elif (self.reserved_bytes + g.kv_bytes <= self.kv_budget_bytes
+                  and not (self.max_running and len(self.running) + len(admitted) >= self.max_running)):
                 admitted.append(g)
                 self.reserved_bytes += g.kv_bytes
             else:  # first come, first served: the rest wait behind it
@@ -260,6 +264,7 @@ class Scheduler:
 
     def run(self, batch: list[tuple[Group, GroupInput]], adapter) -> list[torch.Tensor | None]:
         self.steps += 1
+        self.groups_stepped += len(batch)
         try:
             with adapter() if adapter is not None else nullcontext():
                 return self.runner.step([inp for _, inp in batch])

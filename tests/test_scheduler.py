@@ -1,0 +1,104 @@
+"""The scheduler: calls from many threads batched into shared forwards, each exactly as it runs alone."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.errors import StoreFullError
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+REQUESTS = [  # (task, branch contexts): different lengths, different branch counts
+    ("User: add the partial results.", ["Part 3.", "Part 4 and 5."]),
+    ("System: a much longer shared task, with many more words in it than the others have.", ["One."]),
+    ("User: tell me.", ["A context.", "Another, longer context here.", "Third."]),
+    ("User: short.", ["x y z", "a b"]),
+]
+
+
+def workflow(eng: Engine, task: str, contexts: list[str], sampling: SamplingParams = GREEDY) -> list[list[int]]:
+    """Prefill a task, the branch contexts after it, decode every branch: each branch's generated tokens."""
+    prefix = eng.prefill([PrefillCall(task)])
+    ctx = eng.prefill([PrefillCall(c, parents=prefix) for c in contexts])
+    ids = eng.decode([DecodeCall("Assistant:", parents=[*prefix, c], sampling=sampling) for c in ctx])
+    header = len(eng.tokenize("Assistant:"))
+    return [list(eng.message(m).token_ids[header:]) for m in ids]
+
+
+def concurrently(fn, args_list):
+    results, errors = [None] * len(args_list), []
+
+    def run(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+def test_batched_with_others_equals_alone(checkpoint):
+    """fp32 greedy: each request's tokens are the same run alone or batched with requests of other lengths
+    (and from other threads, as other sessions would be); and the batches did hold several requests."""
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    alone = [workflow(eng, task, contexts) for task, contexts in REQUESTS]
+    steps_alone = eng.scheduler.steps
+    eng.scheduler.groups_stepped = eng.scheduler.steps = 0
+    together = concurrently(lambda t, c: workflow(eng, t, c), REQUESTS * 2)
+    assert together == alone * 2
+    assert eng.scheduler.groups_stepped / eng.scheduler.steps > 1.5  # mean calls per forward
+    assert eng.scheduler.steps < 2 * steps_alone
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+
+
+def test_chunked_prefill_and_waiting_for_kv_budget_change_nothing(checkpoint, llama_engine):
+    """Prefills split into 3-row chunks, and a KV budget that holds one call at a time: same tokens, and
+    the KV of a chunked prefill matches the one-forward prefill."""
+    path = checkpoint("llama")
+    want = [workflow(llama_engine, task, contexts) for task, contexts in REQUESTS]
+    per_token = llama_engine.spec.num_layers * 2 * llama_engine.spec.num_kv_heads * llama_engine.spec.head_dim * 4
+    small = Engine(EngineConfig(path, max_batched_tokens=3, kv_budget_bytes=120 * per_token))
+    assert concurrently(lambda t, c: workflow(small, t, c), REQUESTS) == want
+    task = REQUESTS[1][0]
+    chunked, whole = small.prefill([PrefillCall(task)]), llama_engine.prefill([PrefillCall(task)])
+    torch.testing.assert_close(small.message(chunked[0]).kv, llama_engine.message(whole[0]).kv, rtol=1e-5,
+                               atol=1e-5)
+    # a call bigger than the whole budget is refused at once, with what it needs; the engine goes on
+    with pytest.raises(StoreFullError, match="kv_budget_bytes"):  # (when the call is made: before any event)
+        small.decode_stream([DecodeCall("Assistant:", parents=chunked, sampling=SamplingParams(max_tokens=200))])
+    small.free(chunked[0])  # (not left pinned by the refused call)
+    assert workflow(small, *REQUESTS[0]) == want[0]
+
+
+def test_serial_engine_runs_one_call_at_a_time(checkpoint, llama_engine):
+    serial = Engine(EngineConfig(checkpoint("llama"), max_running_calls=1))
+    want = [workflow(llama_engine, task, contexts) for task, contexts in REQUESTS]
+    assert concurrently(lambda t, c: workflow(serial, t, c), REQUESTS) == want
+    assert serial.scheduler.groups_stepped == serial.scheduler.steps
+
+
+def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
+    eng = llama_engine
+    prefix = eng.prefill([PrefillCall("User: go on for a long time.")])
+    before = set(eng.store.ids())
+    stream = eng.decode_stream([DecodeCall("Assistant:", parents=prefix,
+                                           sampling=SamplingParams(max_tokens=400, ignore_eos=True))])
+    events = iter(stream)
+    next(events), next(events)
+    stream.close()
+    deadline = time.time() + 30
+    while eng.scheduler.load["running"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    assert set(eng.store.ids()) == before  # nothing stored
+    eng.free(prefix[0])  # and its parent is no longer pinned
+    # the engine serves on
+    assert len(workflow(eng, *REQUESTS[0])) == 2
