@@ -19,6 +19,8 @@ class EngineConfig:
     max_batched_tokens: int = 512  # rows per forward across all running calls (the scheduler's step budget)
     kv_budget_bytes: int = 1 << 30  # work KV of the calls running at once; more wait their turn
     max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
+    prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
+    prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
     # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
     calibration: str = "auto"
@@ -36,7 +38,7 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
         if self.store_budget_bytes <= 0:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
-        for name in ("max_parallel_calls", "max_batched_tokens", "kv_budget_bytes"):
+        for name in ("max_parallel_calls", "max_batched_tokens", "kv_budget_bytes", "prefix_block_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_running_calls < 0:

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from braid.engine.errors import (
     InvalidOffsetError,
 )
 from braid.engine.model import load_model
+from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.runner import ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
@@ -30,6 +31,7 @@ from braid.engine.store import Message, MessageStore, new_message_id
 from braid.kernels import rerotate_keys
 
 log = logging.getLogger(__name__)
+CACHED_PREFIX = "~cached-"  # ids of the prefix cache's own messages (never given to callers)
 
 Tokens = str | Sequence[int]
 # Applied to each placed parent's KV copy [L, 2, H, T, D] before attention: the cache-mapper seam.
@@ -62,6 +64,8 @@ class _Plan:
     parents: list[tuple[str, ...]]
     parent_offsets: list[tuple[int, ...]]
     new_ids: list[str]
+    seeds: list[bytes | None] = field(default_factory=list)  # (engine.prefix_cache) per call, when cacheable
+    prefix: list[Message | None] = field(default_factory=list)  # a cached start of the call's tokens, reused
 
     @property
     def parent_ids(self) -> set[str]:
@@ -120,6 +124,7 @@ class Engine:
         self.runner = ModelRunner(self.lm)
         self.lock = threading.RLock()
         self._store_lock = threading.Lock()
+        self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
         self.scheduler = Scheduler(self.runner, config.max_batched_tokens, config.kv_budget_bytes,
                                    config.max_running_calls, name=self.fingerprint[:8])
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
@@ -146,6 +151,17 @@ class Engine:
         with self._store_lock:
             self.store.free(message_id)
 
+    def clear_prefix_cache(self) -> int:
+        """Drop what the prefix cache alone keeps (messages' KV still in use stays); returns the bytes freed."""
+        with self._store_lock:
+            before = self.store.used_bytes
+            for mid in self.store.ids():
+                if mid.startswith(CACHED_PREFIX) and not self.store.pinned_count(mid):
+                    self.store.free(mid)
+            if self.prefix_cache is not None:
+                self.prefix_cache.prune(self.store)
+            return before - self.store.used_bytes
+
     def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
                        parents: Sequence[str] = (), parent_offsets: Sequence[int] = (),
                        message_id: str | None = None) -> str:
@@ -171,14 +187,19 @@ class Engine:
 
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
-        """Encode each call's message (all in one group of forwards); each message stays contiguous."""
-        group = self._submit([c.message for c in calls], calls, None, None, None, self.fingerprint)
-        events = group.results()
-        try:
-            while True:
-                next(events)
-        except StopIteration as done:
-            return done.value
+        """Encode each call's message (all in one group of forwards); each message stays contiguous. A message
+        found in the prefix cache whole is not encoded again: it shares the cached KV."""
+        group, ready = self._submit([c.message for c in calls], calls, None, None, None, self.fingerprint)
+        encoded = []
+        if group is not None:
+            events = group.results()
+            try:
+                while True:
+                    next(events)
+            except StopIteration as done:
+                encoded = done.value
+        encoded = iter(encoded)
+        return [ready[c] if c in ready else next(encoded) for c in range(len(calls))]
 
     def decode(self, calls: Sequence[DecodeCall], on_token: Callable[[TokenEvent], None] | None = None) -> list[str]:
         stream = self.decode_stream(calls)
@@ -198,8 +219,9 @@ class Engine:
         model refuses as a parent.
         """
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
-        return DecodeStream(self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform,
-                                         adapter, fingerprint))
+        group, _ = self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform, adapter,
+                                fingerprint)
+        return DecodeStream(group)
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -213,30 +235,91 @@ class Engine:
         return tokens
 
     def _submit(self, values: Sequence[Tokens], calls, params: list[SamplingParams] | None,
-                transform: KVTransform | None, adapter, fingerprint: str) -> Group:
-        """Validate and plan in the caller's thread (errors surface here), pin the parents, hand it over."""
+                transform: KVTransform | None, adapter, fingerprint: str) -> tuple[Group | None, dict[int, str]]:
+        """Validate and plan in the caller's thread (errors surface here), reuse what the prefix cache holds,
+        pin the parents, hand the rest to the scheduler. Returns the group (None: nothing left to encode)
+        and the ids of prefill calls found whole in the cache, by call index."""
         extra = [p.max_tokens for p in params] if params is not None else [0] * len(calls)
+        what = "header" if params is not None else "message"
         with self._store_lock:
-            plan = self._plan(values, calls, extra, "header" if params is not None else "message")
-            pins = self.store.pin(plan.parent_ids)
-        s = self.spec
-        capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
-        kv_bytes = capacity * s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+            plan = self._plan(values, calls, extra, what)
+            ready: dict[int, str] = {}
+            views: list[str] = []
+            if self.prefix_cache is not None:
+                plan, ready, views, extra = self._reuse(plan, values, calls, extra, what, fingerprint)
+            pins = self.store.pin(plan.parent_ids if plan is not None else ())
 
         def release():
             with self._store_lock:
                 self.store.unpin(pins)
+                for v in views:  # the cached prefixes lent to this call
+                    self.store.free(v)
 
+        if plan is None:
+            release()
+            return None, ready
+        s = self.spec
+        capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
+        kv_bytes = capacity * s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
         group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, kv_bytes,
                       lambda g: self._assemble(plan, sum(extra), transform),
-                      lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint),
+                      lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
+                                                         cache_prefill=params is None),
                       release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
         try:
             self.scheduler.submit(group)
         except BaseException:
             release()
             raise
-        return group
+        return group, ready
+
+    def _reuse(self, plan: _Plan, values, calls, extra: list[int], what: str, fingerprint: str):
+        """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
+        message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
+        (a view, no copy) and encodes only the rest. Returns (plan of what is left or None, ready ids,
+        lent view ids, max new tokens of what is left)."""
+        cache, n_calls = self.prefix_cache, len(calls)
+        seeds = [content_seed(fingerprint, [(self.store.get(p).content_key, off) for p, off in
+                                            zip(plan.parents[c], plan.parent_offsets[c])], plan.new_offsets[c])
+                 for c in range(n_calls)]
+        hits = [cache.lookup(seeds[c], plan.tokens[c], len(plan.tokens[c]) - (what == "header"), self.store)
+                for c in range(n_calls)]
+        if not any(hits):
+            plan.seeds, plan.prefix = seeds, [None] * n_calls
+            return plan, {}, [], extra
+        ready, views, left, prefixes = {}, [], [], []
+        for c, hit in enumerate(hits):
+            toks, off = plan.tokens[c], plan.new_offsets[c]
+            if hit is None:
+                left.append((c, calls[c], toks))
+                prefixes.append(None)
+                continue
+            msg, n = hit
+            kv = msg.kv if n == msg.num_tokens else msg.kv[:, :, :, :n]  # a view: the same memory
+            self.store.touch([msg.id])
+            if n == len(toks):  # a prefill found whole
+                mine = Message(plan.new_ids[c], tuple(toks), kv, off, plan.parents[c], plan.parent_offsets[c],
+                               msg.fingerprint, msg.content_key if n == msg.num_tokens else
+                               cache.content_key(seeds[c], toks))
+                self.store.add([mine])
+                ready[c] = mine.id
+                continue
+            view = Message(f"~prefix-{new_message_id()}", tuple(toks[:n]), kv, off, (), (), msg.fingerprint)
+            self.store.add([view])
+            views.append(view.id)
+            call = replace(calls[c], parents=[*plan.parents[c], view.id], offsets=[*plan.parent_offsets[c], off],
+                           new_offset=off + n)
+            left.append((c, call, toks[n:]))
+            prefixes.append(view)
+        if not left:
+            return None, ready, views, []
+        keep = [c for c, _, _ in left]
+        rest = self._plan([t for _, _, t in left], [call for _, call, _ in left], [extra[c] for c in keep], what)
+        rest.parents = [plan.parents[c] for c in keep]  # (what the messages record: not the lent views)
+        rest.parent_offsets = [plan.parent_offsets[c] for c in keep]
+        rest.new_ids = [plan.new_ids[c] for c in keep]
+        rest.seeds, rest.prefix = [seeds[c] for c in keep], prefixes
+        return rest, ready, views, [extra[c] for c in keep]
 
     def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:
         n = len(calls)
@@ -308,14 +391,28 @@ class Engine:
         return cache
 
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],
-                fingerprint: str | None = None) -> list[str]:
-        messages = [
-            Message(plan.new_ids[c], tuple(tokens[c]),
-                    cache.gather(torch.tensor(slots[c], device=self.lm.device)), plan.new_offsets[c],
-                    plan.parents[c], plan.parent_offsets[c], fingerprint or self.fingerprint)
-            for c in range(len(tokens))
-        ]
+                fingerprint: str | None = None, cache_prefill: bool = False) -> list[str]:
+        """Store the call's messages (a reused cached start put back in front); with prefix caching, each gets
+        its content key, and prefills also a hidden twin over the same KV that the cache keeps after the
+        caller frees its message, until the store evicts it."""
+        messages, twins = [], []
+        for c in range(len(tokens)):
+            kv = cache.gather(torch.tensor(slots[c], dtype=torch.long, device=self.lm.device))
+            toks, offset = tokens[c], plan.new_offsets[c]
+            prefix = plan.prefix[c] if plan.prefix else None
+            if prefix is not None:
+                kv, toks, offset = torch.cat([prefix.kv, kv], dim=3), [*prefix.token_ids, *toks], prefix.offset
+            seed = plan.seeds[c] if plan.seeds else None
+            key = self.prefix_cache.content_key(seed, toks) if seed is not None else None
+            messages.append(Message(plan.new_ids[c], tuple(toks), kv, offset, plan.parents[c], plan.parent_offsets[c],
+                                    fingerprint or self.fingerprint, key))
+            if cache_prefill and key is not None:
+                twins.append((seed, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:
-            self.store.add(messages)
+            self.store.add(messages + [t for _, t in twins])
             self.store.touch(plan.parent_ids)
+            for seed, twin in twins:
+                self.prefix_cache.insert(seed, twin)
+            if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
+                self.prefix_cache.prune(self.store)
         return [m.id for m in messages]

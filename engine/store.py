@@ -1,4 +1,7 @@
-"""The message store: encoded messages with their KV, under a byte budget with LRU eviction."""
+"""The message store: encoded messages with their KV, under a byte budget with LRU eviction.
+
+Messages may share KV memory (a prefix-cache hit is a new message over the same tensor): bytes are
+counted once per tensor storage, and freed when its last message goes."""
 
 import secrets
 from collections import Counter, OrderedDict
@@ -23,6 +26,7 @@ class Message:
     parents: tuple[str, ...]
     parent_offsets: tuple[int, ...]
     fingerprint: str
+    content_key: bytes | None = None  # what its KV is a function of (engine.prefix_cache); None: not cacheable
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +44,12 @@ class Message:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    @property
+    def storage(self) -> tuple[int, int]:
+        """(address, bytes) of the memory its KV lives in, which other messages may share."""
+        st = self.kv.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+
 
 class MessageStore:
     """Messages by id, least recently used first. Pinned messages are never evicted or freed."""
@@ -49,6 +59,7 @@ class MessageStore:
         self.used_bytes = 0
         self._messages: OrderedDict[str, Message] = OrderedDict()
         self._pins: Counter[str] = Counter()
+        self._storage_refs: Counter[int] = Counter()  # messages per KV storage
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -66,6 +77,12 @@ class MessageStore:
             return self._messages[message_id]
         except KeyError:
             raise UnknownMessageError(f"unknown message id {message_id!r} (never stored, freed or evicted)") from None
+
+    def pinned_count(self, message_id: str) -> int:
+        return self._pins[message_id]
+
+    def peek(self, message_id: str) -> Message | None:
+        return self._messages.get(message_id)
 
     def touch(self, message_ids) -> None:
         for mid in message_ids:
@@ -92,16 +109,19 @@ class MessageStore:
 
     def add(self, messages: list[Message]) -> None:
         """Insert all messages or none, evicting unpinned LRU messages as needed."""
-        need = sum(m.nbytes for m in messages)
+        new_storage = {m.storage[0]: m.storage[1] for m in messages if m.storage[0] not in self._storage_refs}
+        need = sum(new_storage.values())
         if need > self.budget_bytes:
             raise StoreFullError(f"{need} bytes of new KV exceed the store budget of {self.budget_bytes} bytes")
-        victims, freed = [], 0
+        victims, freed, leaving = [], 0, Counter()
         for mid, msg in self._messages.items():
             if self.used_bytes - freed + need <= self.budget_bytes:
                 break
             if not self._pins[mid]:
                 victims.append(mid)
-                freed += msg.nbytes
+                ptr, size = msg.storage
+                leaving[ptr] += 1
+                freed += size if leaving[ptr] == self._storage_refs[ptr] else 0
         if self.used_bytes - freed + need > self.budget_bytes:
             raise StoreFullError(f"store full: {self.used_bytes} of {self.budget_bytes} bytes used, mostly by "
                                  f"messages in use; {need} more needed")
@@ -110,7 +130,9 @@ class MessageStore:
             self.evictions += 1
         for msg in messages:
             self._messages[msg.id] = msg
-            self.used_bytes += msg.nbytes
+            ptr, size = msg.storage
+            self.used_bytes += size if not self._storage_refs[ptr] else 0
+            self._storage_refs[ptr] += 1
 
     def free(self, message_id: str) -> None:
         self.get(message_id)
@@ -119,4 +141,8 @@ class MessageStore:
         self._remove(message_id)
 
     def _remove(self, message_id: str) -> None:
-        self.used_bytes -= self._messages.pop(message_id).nbytes
+        ptr, size = self._messages.pop(message_id).storage
+        self._storage_refs[ptr] -= 1
+        if not self._storage_refs[ptr]:
+            del self._storage_refs[ptr]
+            self.used_bytes -= size

@@ -1,0 +1,92 @@
+"""Prefix caching across requests: a hit gives the tokens a miss gives, and reuses the cached KV's memory."""
+
+import pytest
+import torch
+
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+TASK = ("System: you are one of several workers. Read the records, find the one asked for, and answer "
+        "with its value only. Records follow.")
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    path = checkpoint("llama")
+    return Engine(EngineConfig(path, prefix_block_tokens=4)), Engine(EngineConfig(path, prefix_caching=False))
+
+
+def answer(eng: Engine, parents: list[str], header: str = "Assistant:") -> list[int]:
+    out, = eng.decode([DecodeCall(header, parents=parents, sampling=GREEDY)])
+    return list(eng.message(out).token_ids)
+
+
+def test_a_repeated_prompt_shares_the_cached_kv_and_answers_the_same(engines):
+    cached, plain = engines
+    first, = cached.prefill([PrefillCall(TASK)])
+    cached.free(first)  # the caller is done with it; the cache keeps its KV
+    used = cached.store.used_bytes
+    hits = cached.prefix_cache.hits
+    again, = cached.prefill([PrefillCall(TASK)])
+    assert cached.prefix_cache.hits == hits + 1 and cached.store.used_bytes == used  # no new KV
+    want, = plain.prefill([PrefillCall(TASK)])
+    torch.testing.assert_close(cached.message(again).kv, plain.message(want).kv, rtol=0, atol=0)
+    ctx = "records: ann lima; bob oslo. who: bob"
+    c1, = cached.prefill([PrefillCall(ctx, parents=[again])])
+    c2, = plain.prefill([PrefillCall(ctx, parents=[want])])
+    assert answer(cached, [again, c1]) == answer(plain, [want, c2])
+
+
+def test_a_shared_start_is_reused_in_whole_blocks(engines):
+    cached, plain = engines
+    head = "User: the same long opening words shared by both of these two prompts, then"
+    cached.prefill([PrefillCall(head + " one ending.")])
+    reused = cached.prefix_cache.reused_tokens
+    prompt = head + " a different ending here."
+    got, = cached.prefill([PrefillCall(prompt)])
+    want, = plain.prefill([PrefillCall(prompt)])
+    n = cached.prefix_cache.reused_tokens - reused
+    shared = next(i for i, (a, b) in enumerate(zip(cached.tokenize(head + " one ending."), cached.tokenize(prompt)))
+                  if a != b)
+    assert n == shared // 4 * 4 and n > 0  # the whole 4-token blocks of the common start
+    assert cached.message(got).token_ids == plain.message(want).token_ids
+    torch.testing.assert_close(cached.message(got).kv, plain.message(want).kv, rtol=1e-5, atol=1e-5)
+    assert answer(cached, [got]) == answer(plain, [want])
+    # a decode header starting with a cached prompt reuses it too, and decodes the same
+    hits = cached.prefix_cache.hits
+    assert answer(cached, [], prompt + " Assistant:") == answer(plain, [], prompt + " Assistant:")
+    assert cached.prefix_cache.hits == hits + 1
+    assert not any(m.startswith("~prefix-") for m in cached.store.ids())  # lent views are returned
+
+
+def test_no_hit_across_different_context_or_position(engines):
+    cached, _ = engines
+    a, = cached.prefill([PrefillCall("User: first history.")])
+    b, = cached.prefill([PrefillCall("User: another history.")])
+    text = "Assistant: the same words after each history."
+    after_a, = cached.prefill([PrefillCall(text, parents=[a])])
+    hits = cached.prefix_cache.hits
+    after_b, = cached.prefill([PrefillCall(text, parents=[b])])
+    moved, = cached.prefill([PrefillCall(text, parents=[a], new_offset=40)])
+    assert cached.prefix_cache.hits == hits  # what came before differs, or where it starts
+    assert not torch.equal(cached.message(after_a).kv, cached.message(after_b).kv)
+    # imported KV (encoded elsewhere, in a context this engine never saw) is never a cache key
+    m = cached.message(a)
+    imported = cached.import_message(m.token_ids, m.kv.clone(), m.offset, cached.fingerprint)
+    assert cached.message(imported).content_key is None
+    cached.prefill([PrefillCall(text, parents=[imported])])
+    assert cached.prefix_cache.hits == hits
+
+
+def test_the_cache_yields_to_the_store_budget(checkpoint):
+    path = checkpoint("llama")
+    probe = Engine(EngineConfig(path, prefix_caching=False))
+    one, = probe.prefill([PrefillCall(TASK)])
+    eng = Engine(EngineConfig(path, store_budget_bytes=3 * probe.message(one).nbytes))
+    for i in range(6):  # each leaves a cached copy behind: the store evicts the oldest to fit the next
+        mid, = eng.prefill([PrefillCall(f"{TASK} Case {i}.")])
+        eng.free(mid)
+    assert eng.store.used_bytes <= eng.config.store_budget_bytes and eng.store.evictions > 0
+    mid, = eng.prefill([PrefillCall(f"{TASK} Case 0.")])  # evicted: encoded again, correctly
+    torch.testing.assert_close(eng.message(mid).kv[:, :, :, :10], probe.message(one).kv[:, :, :, :10])
+    assert eng.clear_prefix_cache() > 0 and eng.store.used_bytes == eng.message(mid).nbytes
