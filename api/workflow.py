@@ -213,6 +213,12 @@ async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
         stop.set()
 
 
+async def run_in_thread(fn: Callable[[], object]) -> object:
+    """A blocking call on its own thread (not the default executor's few: many may wait on the engine)."""
+    results = [item async for item in in_thread(lambda: iter((fn(),)))]
+    return results[0]
+
+
 @dataclass
 class ThreadRoles:
     """The roles in this process: runners' blocking generators, each call on its own thread."""

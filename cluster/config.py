@@ -24,6 +24,10 @@ class ClusterConfig:
     # "none" runs the cache path uncalibrated (then kv_transport=auto re-prefills text)
     calibration: str = "auto"
     store_budget_bytes: int = 2 << 30
+    kv_budget_bytes: int = 1 << 30  # each engine's work KV for the calls it batches at once (more wait)
+    max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
+    # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
+    max_ongoing_requests: int = 64
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
     # collective: NCCL between GPUs (gloo on CPU)
     kv_chunk_bytes: int = 1 << 20  # under gRPC's 4 MiB default message limit
@@ -40,7 +44,8 @@ class ClusterConfig:
     def __post_init__(self):
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ValueError(f"model_path {self.model_path!r} holds no checkpoint (no config.json)")
-        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s"):
+        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
+                     "max_ongoing_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
@@ -55,8 +60,8 @@ class ClusterConfig:
         """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible). Only the
         synthesizer's engine (colocated: the one engine) loads the calibration; workers run the base model."""
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
-                            store_budget_bytes=self.store_budget_bytes,
-                            calibration=self.calibration if role == "synthesizer" else "none")
+                            store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
+                            max_batched_tokens=self.max_batched_tokens, calibration=self.calibration if role == "synthesizer" else "none")
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))

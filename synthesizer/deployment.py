@@ -13,6 +13,7 @@ from braid.api.directory import Directory
 from braid.api.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
 from braid.api.metrics import metrics
 from braid.api.service import AgentLogic, ServiceConfig
+from braid.api.workflow import in_thread, run_in_thread
 from braid.engine import Engine, EngineConfig
 from braid.kv.receiver import KVReceiver
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
@@ -40,29 +41,33 @@ class Synthesizer:
     def info(self):
         return self.runner.info()
 
-    def agent_unary(self, name: str, request):
+    # Async methods: the replica takes many calls at once; each blocking runner call goes to its own thread,
+    # and the engine's scheduler batches what they submit.
+    async def agent_unary(self, name: str, request):
         try:
-            return getattr(self.agent, name)(request)
+            return await run_in_thread(lambda: getattr(self.agent, name)(request))
         finally:
             self.metrics["store_bytes"].set(self.engine.store.used_bytes)
 
-    def agent_stream(self, name: str, request):
+    async def agent_stream(self, name: str, request):
         try:
-            yield from getattr(self.agent, name)(request)
+            async for item in in_thread(lambda: getattr(self.agent, name)(request)):
+                yield item
         finally:
             self.metrics["store_bytes"].set(self.engine.store.used_bytes)
 
-    def run_branches(self, req: BranchRequest):
+    async def run_branches(self, req: BranchRequest):
         """Colocated only: the worker role on this replica's engine."""
         if self.branches is None:
             raise RuntimeError("run_branches reached a synthesizer that is not colocated")
-        yield from self.branches.run(req)
+        async for item in in_thread(lambda: self.branches.run(req)):
+            yield item
 
-    def synthesize(self, req: SynthesisRequest):
+    async def synthesize(self, req: SynthesisRequest):
         """Streams SynthesisOpened, then KVArrived per copied branch, AnswerToken per token, SynthesisDone."""
         m, tags = self.metrics, {"transport": req.transport}
         try:
-            for item in self.runner.run(req):
+            async for item in in_thread(lambda: self.runner.run(req)):
                 if isinstance(item, KVArrived):
                     m["kv_bytes"].inc(item.bytes, tags={"transport": item.transport})
                     m["kv_seconds"].observe(item.transfer_ms / 1e3, tags={"transport": item.transport})
@@ -74,4 +79,3 @@ class Synthesizer:
                 yield item
         finally:
             m["store_bytes"].set(self.engine.store.used_bytes)
-

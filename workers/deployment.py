@@ -3,6 +3,7 @@
 from ray import serve
 
 from braid.api.messages import BranchRequest
+from braid.api.workflow import in_thread
 from braid.engine import Engine, EngineConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
 
@@ -13,6 +14,8 @@ class Worker:
         replica = serve.get_replica_context().replica_id.unique_id
         self.runner = BranchRunner(Engine(engine_config), config, name=f"worker-{replica}")
 
-    def run_branches(self, req: BranchRequest):
-        """Streams BranchToken per token, then BranchDone per branch (braid.api.messages)."""
-        yield from self.runner.run(req)
+    async def run_branches(self, req: BranchRequest):
+        """Streams BranchToken per token, then BranchDone per branch (braid.api.messages). Async, so the
+        replica takes many calls at once; each runs on its own thread into the engine's scheduler."""
+        async for item in in_thread(lambda: self.runner.run(req)):
+            yield item
