@@ -181,6 +181,10 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"braid: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["loadtest"]:  # its own parser, like calibrate
+        from braid.loadtest.run import main as loadtest_main
+
+        return loadtest_main(argv[1:])
     parser = argparse.ArgumentParser(prog="braid", description="Braid: multi-agent LLM serving that ships KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -259,6 +263,8 @@ def main(argv=None) -> int:
     # (listed here for --help; its options live with the trainer, which `braid calibrate ...` runs directly)
     sub.add_parser("calibrate", help="train a cache mapper and synthesizer LoRA for a model (seed 004); "
                                      "braid calibrate --help lists its options", add_help=False)
+    sub.add_parser("loadtest", help="drive a running agent API with a workflow mix; TTFT, TPOT, ITL, E2EL, "
+                                    "throughput and goodput (braid loadtest --help)", add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

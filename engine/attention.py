@@ -33,19 +33,14 @@ def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) ->
     return not (plain_causal and use_flash(device, dtype))
 
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_parts=None,
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,
                       **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
 
-    `braid_parts` (engine.runner): the forward holds rows of several engine calls; each part's queries attend
-    its own cache with its own mask, and `key`/`value` (this forward's new rows) are already in those caches."""
-    if braid_parts is not None:
-        outs = []
-        for part in braid_parts:
-            k, v = part.layer_kv(module.layer_idx)
-            out, _ = attention_forward(module, query[:, :, part.rows], k, v, part.mask, scaling, dropout)
-            outs.append(out)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+    `braid_step` (engine.runner): the forward holds rows of several engine calls; each attends its own cache
+    with its own mask, and `key`/`value` (this forward's new rows) are already in those caches."""
+    if braid_step is not None:
+        return _grouped(module, query, braid_step, scaling, dropout), None
     if attention_mask is None and use_flash(query.device, query.dtype):
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=True)
@@ -61,3 +56,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 AttentionInterface.register(NAME, attention_forward)
 # So the model also runs outside the engine (e.g. `generate`), with the mask its backend expects.
 AttentionMaskInterface.register(NAME, flash_attention_mask if flash_attn_func is not None else sdpa_mask)
+
+
+def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
+    """Attention of one forward over several groups' caches: [1, H, N, D] queries -> [1, N, H, D]."""
+    _, h, n, d = query.shape
+    layer = module.layer_idx
+    out = query.new_empty(n, h, d)
+    for part in step.large:
+        k, v = part.layer_kv(layer)
+        out[part.rows] = attention_forward(module, query[:, :, part.rows], k, v, part.mask, scaling, dropout)[0][0]
+    if step.small:
+        g, r, _ = step.shape
+        q = query[0].index_select(1, step.row_index).view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
+        k, v = step.shared_kv(layer)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=h != k.shape[1])
+        out.index_copy_(0, step.rows, o.transpose(1, 2).reshape(g * r, h, d).index_select(0, step.valid))
+    return out[None]

@@ -116,16 +116,15 @@ class Group:
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = self._logit_calls
-            for c, token in zip(calls, sample_rows(logits, [self.params[c] for c in calls],
-                                                   [self.generators[c] for c in calls])):
-                self._emit(c, token)
+            sampled = sample_rows(logits, [self.params[c] for c in calls], [self.generators[c] for c in calls])
+            self.events.put([self._emit(c, token) for c, token in zip(calls, sampled)])  # one put per step
         if self.pending or (self.params is not None and self.running):
             return False
         if self.params is not None:
             self.timings["decode"] = time.perf_counter() - self.submitted - self.timings["first_token"]
         return True
 
-    def _emit(self, c: int, token: int) -> None:
+    def _emit(self, c: int, token: int) -> TokenEvent:
         detok = self.detok[c]
         delta = detok.add(token)
         reason = None
@@ -138,7 +137,7 @@ class Group:
             self.running.discard(c)
         position = self.offsets[c] + len(self.tokens[c]) + len(self.generated[c]) - 1
         self.pending.append((token, position, c))  # every sampled token is fed once, so it gets KV
-        self.events.put(TokenEvent(c, token, delta, reason, self.message_ids[c] if reason else None))
+        return TokenEvent(c, token, delta, reason, self.message_ids[c] if reason else None)
 
     def finish(self) -> None:
         """Store its messages; its parents are unpinned before the consumer hears it is done."""
@@ -163,7 +162,7 @@ class Group:
                     if item.error is not None:
                         raise item.error
                     return item.ids
-                yield item
+                yield from item  # a step's events
         finally:
             self.cancelled = True  # (no effect once it is done) a consumer that left: it leaves the batch
 
@@ -182,6 +181,8 @@ class Scheduler:
         self.reserved_bytes = 0
         self.steps = 0  # forwards run
         self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
+        self.busy_s = 0.0  # time spent in steps (against wall time: how loaded the model is)
+        self.rows_stepped = 0  # tokens encoded over all forwards
         self._turn = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"braid-scheduler-{name}", daemon=True)
@@ -213,10 +214,12 @@ class Scheduler:
 
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
+        start = time.perf_counter()
         batch, adapter = self.schedule()
         if batch:
             logits = self.run(batch, adapter)
             self.postprocess(batch, logits)
+        self.busy_s += time.perf_counter() - start
 
     def schedule(self) -> tuple[list[tuple[Group, GroupInput]], Callable | None]:
         """Admit what fits, drop what was cancelled, and pick this step's rows."""
@@ -265,6 +268,7 @@ class Scheduler:
     def run(self, batch: list[tuple[Group, GroupInput]], adapter) -> list[torch.Tensor | None]:
         self.steps += 1
         self.groups_stepped += len(batch)
+        self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
         try:
             with adapter() if adapter is not None else nullcontext():
                 return self.runner.step([inp for _, inp in batch])

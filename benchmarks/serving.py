@@ -1,0 +1,162 @@
+"""Serving throughput and latency under load: the engine one call at a time against the scheduler.
+
+Both run side by side in this process, each behind its own in-process agent API (colocated: one engine
+for workers and synthesis) on the same model; `braid loadtest`, in its own process as a client would be,
+drives each at every concurrency in turn, for each transport asked for (text: branches re-prefilled;
+local: their KV reused in place). "serial" is the engine with max_running_calls=1: one engine call at a
+time, as before the scheduler. Prints the ratios and writes JSON and a plot.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+from braid.api.directory import Directory, EmbeddedRedis
+from braid.cluster.inprocess import start_in_process
+from braid.engine import Engine, EngineConfig
+from braid.loadtest.run import run_load
+from braid.loadtest.workload import Workload
+from braid.models import REFERENCE_MODEL
+from braid.results import pyplot, write_json
+
+ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=REFERENCE_MODEL, help="checkpoint (default: the reference model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 8)")
+    p.add_argument("--worker-max-tokens", type=int, default=32)
+    p.add_argument("--answer-max-tokens", type=int, default=48)
+    p.add_argument("--transports", nargs="+", default=["text", "local"], choices=["text", "local"])
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
+    return p.parse_args(argv)
+
+
+class Sampler:
+    """Store bytes and work-KV reserved by the scheduler, polled while a level runs (their maxima)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.stop, self.max_store, self.max_reserved, self.max_running = engine, threading.Event(), 0, 0, 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.wait(0.02):
+            load = self.engine.scheduler.load
+            self.max_store = max(self.max_store, self.engine.store.used_bytes)
+            self.max_reserved = max(self.max_reserved, load["reserved_bytes"])
+            self.max_running = max(self.max_running, load["running"])
+
+
+def level(engine: Engine, port: int, name: str, transport: str, concurrency: int, n: int, args) -> dict:
+    """One load level against one server, the client in its own process; the server's memory sampled."""
+    sched = engine.scheduler
+    steps, stepped, busy, rows = sched.steps, sched.groups_stepped, sched.busy_s, sched.rows_stepped
+    sampler = Sampler(engine)
+    sampler.thread.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "level.json")
+        subprocess.run([sys.executable, "-m", "braid.cli", "loadtest", "--address", f"127.0.0.1:{port}",
+                        "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--transports", transport,
+                        "--worker-max-tokens", str(args.worker_max_tokens), "--answer-max-tokens",
+                        str(args.answer_max_tokens), "--seed", str(concurrency), "--json", out],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(out) as f:
+            s = json.load(f)["summary"]
+    sampler.stop.set()
+    forwards = engine.scheduler.steps - steps
+    row = {"engine": name, "transport": transport, "concurrency": concurrency, "requests": n, **s,
+           "calls_per_forward": (engine.scheduler.groups_stepped - stepped) / max(forwards, 1),
+           "ms_per_forward": 1e3 * (engine.scheduler.busy_s - busy) / max(forwards, 1),
+           "tokens_per_forward": (engine.scheduler.rows_stepped - rows) / max(forwards, 1),
+           "model_busy": (engine.scheduler.busy_s - busy) / s["duration_s"],
+           "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
+           "max_work_kv_bytes": sampler.max_reserved}
+    print(f"{name:>9} {transport:>5} c={concurrency:<3} {s['completed']:>3} ok {s['failed']} failed  "
+          f"{s['request_throughput']:6.2f} wf/s  {s['generated_token_throughput']:7.1f} tok/s  "
+          f"TTFT p50 {s['median_ttft_ms']:7.1f} p99 {s['p99_ttft_ms']:7.1f} ms  "
+          f"TPOT p50 {s['median_tpot_ms']:6.1f} p99 {s['p99_tpot_ms']:6.1f} ms  "
+          f"{row['calls_per_forward']:.1f} calls, {row['tokens_per_forward']:.0f} tokens per forward "
+          f"of {row['ms_per_forward']:.1f} ms, "
+          f"model busy {100 * row['model_busy']:.0f}%", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    redis = EmbeddedRedis()
+    servers, rows = {}, []
+    try:
+        for name, extra in ENGINES.items():
+            engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **extra))
+            servers[name] = (engine, start_in_process(engine, Directory.connect(redis.url)))
+        workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
+        warm = workload.requests(4)
+        for name, (_, server) in servers.items():  # warm-up, not measured
+            asyncio.run(run_load(f"127.0.0.1:{server.port}", warm, max_concurrency=4, progress=False))
+        for transport in args.transports:
+            for c in args.concurrency:
+                n = max(8, args.requests_per_level * c)
+                for name, (engine, server) in servers.items():
+                    rows.append(level(engine, server.port, name, transport, c, n, args))
+                spec = servers["scheduler"][0].spec
+        kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    finally:
+        for _, server in servers.values():
+            server.stop()
+        redis.stop()
+    ratios = []
+    for transport in args.transports:
+        for c in args.concurrency:
+            a, b = (next(r for r in rows if r["engine"] == e and r["concurrency"] == c and r["transport"] == transport)
+                    for e in ENGINES)
+            ratios.append({"transport": transport, "concurrency": c,
+                           "token_throughput_x": b["generated_token_throughput"] / a["generated_token_throughput"],
+                           "workflow_throughput_x": b["request_throughput"] / a["request_throughput"],
+                           "median_ttft_ratio": b["median_ttft_ms"] / a["median_ttft_ms"],
+                           "p99_ttft_ratio": b["p99_ttft_ms"] / a["p99_ttft_ms"]})
+            r = ratios[-1]
+            print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
+                  f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
+                  f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
+    result = {"model": args.model, "device": "cpu", "kv_bytes_per_token": kv_per_token, "config": vars(args),
+              "workload": workload.__dict__, "rows": rows, "ratios": ratios}
+    stem = write_json(args.out, "serving_cpu", result)
+    plot(rows, stem + ".png")
+    print(f"wrote {stem}.json and its plot")
+    return 0
+
+
+def plot(rows, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    transports = list(dict.fromkeys(r["transport"] for r in rows))
+    fig, axes = plt.subplots(len(transports), 3, figsize=(13, 3.4 * len(transports)), squeeze=False)
+    for axrow, transport in zip(axes, transports):
+        for name in ENGINES:
+            sel = sorted((r for r in rows if r["engine"] == name and r["transport"] == transport),
+                         key=lambda r: r["concurrency"])
+            c = [r["concurrency"] for r in sel]
+            axrow[0].plot(c, [r["generated_token_throughput"] for r in sel], marker="o", label=name)
+            for ax, metric in ((axrow[1], "ttft"), (axrow[2], "tpot")):
+                ax.plot(c, [r[f"median_{metric}_ms"] for r in sel], marker="o", label=f"{name} p50")
+                ax.plot(c, [r[f"p99_{metric}_ms"] for r in sel], marker="x", ls="--", label=f"{name} p99")
+        axrow[0].set(xscale="log", xlabel="concurrent workflows", ylabel="generated tokens/s",
+                     title=f"throughput ({transport})")
+        axrow[1].set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"TTFT ({transport})")
+        axrow[2].set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"TPOT ({transport})")
+        for ax in axrow:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

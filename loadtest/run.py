@@ -1,0 +1,140 @@
+"""`braid loadtest`: drive the gRPC agent API with a workflow mix at a request rate or a fixed concurrency.
+
+Arrivals are a gamma process as in `vllm bench serve` (--burstiness 1 is Poisson) at --request-rate
+requests/s, or all at once (the default, rate inf) with --max-concurrency in flight. Prints and writes
+the metrics of loadtest.metrics (JSON, and a plot of the TTFT and E2EL distributions).
+"""
+
+import argparse
+import asyncio
+import math
+import os
+import time
+from dataclasses import asdict
+
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
+from braid.loadtest.workload import TRANSPORT_CHOICES, Workload
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+from braid.results import pyplot, write_json
+
+
+async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem, bar) -> RequestRecord:
+    async with sem:
+        rec = RequestRecord(time.perf_counter())
+        try:
+            async for event in stub.RunWorkflow(request, metadata=metadata, timeout=timeout):
+                kind = event.WhichOneof("event")
+                if kind == "synthesis_token":
+                    now = time.perf_counter()
+                    rec.first_token = rec.first_token or now
+                    rec.token_times.append(now)
+                elif kind == "branch_token":
+                    rec.branch_tokens += 1
+                elif kind == "decision":
+                    rec.transport = pb.Transport.Name(event.decision.transport).removeprefix("TRANSPORT_").lower()
+            rec.end = time.perf_counter()
+        except grpc.aio.AioRpcError as e:
+            rec.error = f"{e.code().name}: {e.details()}"
+        bar.update()
+        return rec
+
+
+async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rate: float = math.inf,
+                   burstiness: float = 1.0, max_concurrency: int = 0, timeout: float = 600, seed: int = 0,
+                   application: str = "braid", progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send every request; returns each one's record and the run's duration (first send to last end)."""
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency or len(requests))
+    metadata = (("application", application),)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
+            start, tasks = time.perf_counter(), []
+            for i, request in enumerate(requests):
+                tasks.append(asyncio.create_task(_one(stub, request, metadata, timeout, sem, bar)))
+                if math.isfinite(request_rate) and i < len(requests) - 1:
+                    await asyncio.sleep(rng.gamma(burstiness, 1 / (request_rate * burstiness)))
+            records = await asyncio.gather(*tasks)
+    return records, time.perf_counter() - start
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"completed {s['completed']}, failed {s['failed']}, in {s['duration_s']:.2f} s",
+             f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s, "
+             f"all generated {s['generated_token_throughput']:.1f} tok/s"]
+    for m in METRICS:
+        lines.append(f"{m.upper():>5} ms  mean {s[f'mean_{m}_ms']:8.1f}  median {s[f'median_{m}_ms']:8.1f}  "
+                     f"p99 {s[f'p99_{m}_ms']:8.1f}")
+    if "request_goodput" in s:
+        lines.append(f"goodput {s['request_goodput']:.2f} req/s under {s['slos_ms']} (ms)")
+    return "\n".join(lines)
+
+
+def plot(records: list[RequestRecord], path: str, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    ok = [r for r in records if r.ok]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, (name, values) in zip(axes, [("TTFT", [r.ttft for r in ok]), ("E2EL", [r.e2el for r in ok])]):
+        v = np.sort(1e3 * np.asarray(values))
+        ax.plot(v, np.arange(1, len(v) + 1) / max(len(v), 1))
+        ax.set(xlabel=f"{name}, ms", ylabel="fraction of requests", title=f"{title}: {name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="braid loadtest", description=__doc__.splitlines()[0].strip("`"))
+    p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
+    p.add_argument("--application", default="braid", help="Serve application metadata (default: braid)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second (default: inf, all at once under --max-concurrency)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at most (default: no cap)")
+    p.add_argument("--tasks", default="chain,vote,trail", help="task mix (default: chain,vote,trail)")
+    p.add_argument("--branches", default="2,4", help="branch counts to draw from (default: 2,4)")
+    p.add_argument("--length", default="2,6", help="MIN,MAX size of each branch's work (default: 2,6)")
+    p.add_argument("--transports", default="auto", help=f"drawn per request: {', '.join(TRANSPORT_CHOICES)}")
+    p.add_argument("--worker-max-tokens", type=int, default=32, help="cap on each worker's reply (default: 32)")
+    p.add_argument("--answer-max-tokens", type=int, default=48, help="cap on each answer (default: 48)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests and the arrivals (default: 0)")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per request (default: 600)")
+    p.add_argument("--json", help="write the config, summary and per-request records here, and a plot beside it")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        lo, hi = (int(x) for x in args.length.split(","))
+        workload = Workload(tuple(args.tasks.split(",")), tuple(int(b) for b in args.branches.split(",")), (lo, hi),
+                            tuple(args.transports.split(",")), args.worker_max_tokens, args.answer_max_tokens,
+                            args.seed)
+        slos = parse_slos(args.goodput)
+        if args.num_prompts < 1 or args.max_concurrency < 0 or not args.request_rate > 0 or args.burstiness <= 0:
+            raise ValueError("--num-prompts >= 1, --max-concurrency >= 0, --request-rate > 0, --burstiness > 0")
+    except ValueError as e:
+        print(f"braid loadtest: error: {e}")
+        return 2
+    records, duration = asyncio.run(run_load(args.address, workload.requests(args.num_prompts), args.request_rate,
+                                             args.burstiness, args.max_concurrency, args.timeout, args.seed,
+                                             args.application))
+    summary = summarize(records, duration, slos)
+    print(format_summary(summary))
+    if args.json:
+        stem = os.path.splitext(args.json)[0]
+        write_json(os.path.dirname(os.path.abspath(args.json)), os.path.basename(stem),
+                   {"config": {**vars(args), "workload": asdict(workload)}, "summary": summary,
+                    "requests": [asdict(r) for r in records]})
+        plot(records, stem + ".png", f"{args.num_prompts} requests")
+        print(f"wrote {stem}.json and its plot")
+    return 0 if summary["completed"] else 1

@@ -1,0 +1,47 @@
+"""The workflow mix a load test sends: synthetic tasks as agent-API requests, seeded."""
+
+import random
+from dataclasses import dataclass
+
+from braid.models.chat import turn
+from braid.models.tasks import TASKS, generate
+from braid.protos import agent_pb2 as pb
+
+TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, "text": pb.TRANSPORT_TEXT, "grpc": pb.TRANSPORT_GRPC,
+                     "local": pb.TRANSPORT_LOCAL}
+
+
+@dataclass(frozen=True)
+class Workload:
+    tasks: tuple[str, ...] = ("chain", "vote", "trail")  # drawn uniformly per request
+    branches: tuple[int, ...] = (2, 4)  # branch counts, drawn uniformly
+    length: tuple[int, int] = (2, 6)  # each branch's work (models.tasks)
+    transports: tuple[str, ...] = ("auto",)  # drawn uniformly: auto, text, grpc, local
+    worker_max_tokens: int = 32
+    answer_max_tokens: int = 48
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [t for t in self.tasks if t not in TASKS]
+        if not self.tasks or bad:
+            raise ValueError(f"tasks must be some of {', '.join(TASKS)}; got {', '.join(self.tasks) or 'none'}")
+        if not self.branches or any(not 1 <= m <= 12 for m in self.branches):
+            raise ValueError(f"branch counts must be in 1..12, got {self.branches}")
+        bad = [t for t in self.transports if t not in TRANSPORT_CHOICES]
+        if not self.transports or bad:
+            raise ValueError(f"transports must be some of {', '.join(TRANSPORT_CHOICES)}; got {self.transports}")
+        if self.worker_max_tokens < 1 or self.answer_max_tokens < 1:
+            raise ValueError("worker_max_tokens and answer_max_tokens must be >= 1")
+
+    def requests(self, n: int) -> list[pb.WorkflowRequest]:
+        """n requests; the same seed gives the same requests."""
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(n):
+            task = generate(rng.choice(self.tasks), self.seed * 100_003 + i, rng.choice(self.branches), self.length)
+            out.append(pb.WorkflowRequest(
+                task=turn("system", task.system), branch_prompts=[turn("user", b.context) for b in task.branches],
+                synthesis_prompt=task.prompt(), transport=TRANSPORT_CHOICES[rng.choice(self.transports)],
+                worker_sampling=pb.Sampling(max_tokens=self.worker_max_tokens),
+                synthesis_sampling=pb.Sampling(max_tokens=self.answer_max_tokens)))
+        return out
