@@ -1,0 +1,56 @@
+"""The load generator and the soak run, against real in-process agent API servers."""
+
+import json
+
+import pytest
+
+from braid.api.directory import Directory, EmbeddedRedis
+from braid.cluster.inprocess import start_in_process
+from braid.engine import Engine, EngineConfig
+from braid.loadtest.metrics import RequestRecord, parse_slos, summarize
+from braid.loadtest.run import main as loadtest_main
+from braid.loadtest.soak import soak, verdict
+from braid.loadtest.workload import Workload
+from braid.models import REFERENCE_MODEL
+
+
+def test_metrics_follow_vllm_definitions():
+    r = RequestRecord(start=0.0, first_token=0.1, token_times=[0.1, 0.15, 0.3], branch_tokens=5, end=0.3)
+    s = summarize([r, RequestRecord(start=0.0, error="UNAVAILABLE: x")], duration_s=1.0, slos=parse_slos(["ttft:200"]))
+    assert s["completed"] == 1 and s["failed"] == 1 and s["errors"] == ["UNAVAILABLE: x"]
+    assert s["mean_ttft_ms"] == pytest.approx(100) and s["mean_tpot_ms"] == pytest.approx(100)  # (0.3 - 0.1) / 2
+    assert s["median_itl_ms"] == pytest.approx(100) and s["p99_e2el_ms"] == pytest.approx(300)
+    assert s["output_throughput"] == 3 and s["generated_token_throughput"] == 8 and s["request_goodput"] == 1
+    with pytest.raises(ValueError, match="ttft, tpot or e2el"):
+        parse_slos(["itl:5"])
+
+
+def test_loadtest_drives_a_server_and_writes_its_report(tmp_path, capsys):
+    redis = EmbeddedRedis()
+    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu"))
+    server = start_in_process(engine, Directory.connect(redis.url))
+    try:
+        out = tmp_path / "load.json"
+        assert loadtest_main(["--address", f"127.0.0.1:{server.port}", "--num-prompts", "6", "--max-concurrency",
+                              "3", "--transports", "text,local", "--worker-max-tokens", "8", "--answer-max-tokens",
+                              "8", "--goodput", "ttft:60000", "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        s = report["summary"]
+        assert s["completed"] == 6 and s["failed"] == 0 and s["request_goodput"] > 0 and s["p99_tpot_ms"] > 0
+        assert {r["transport"] for r in report["requests"]} == {"text", "local"}
+        assert (tmp_path / "load.png").exists() and "TTFT" in capsys.readouterr().out
+        # bad options: one clear line, exit 2, nothing sent
+        assert loadtest_main(["--address", f"127.0.0.1:{server.port}", "--goodput", "ttft:fast"]) == 2
+        assert engine.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def test_short_soak_stays_within_its_memory_bounds():
+    """The soak script's short version: a 4 MiB store (the working set of 4 workflows, and little more) keeps
+    evicting the prefix cache and finished sessions' messages all along; nothing fails."""
+    result = soak(REFERENCE_MODEL, 8.0, 4, 4 << 20, Workload(worker_max_tokens=8, answer_max_tokens=8))
+    ok, line = verdict(result, max_growth_mib=128)
+    assert ok, line
+    assert result["evictions"] > 0 and len(result["samples"]) >= 5
