@@ -150,8 +150,8 @@ def plot(rows, path):
                 ax.plot(c, [r[f"p99_{metric}_ms"] for r in sel], marker="x", ls="--", label=f"{name} p99")
         axrow[0].set(xscale="log", xlabel="concurrent workflows", ylabel="generated tokens/s",
                      title=f"throughput ({transport})")
-        axrow[1].set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"TTFT ({transport})")
-        axrow[2].set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"TPOT ({transport})")
+        for ax, metric in ((axrow[1], "TTFT"), (axrow[2], "TPOT")):
+            ax.set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"{metric} ({transport})")
         for ax in axrow:
             ax.legend(fontsize=7)
     fig.tight_layout()

@@ -61,7 +61,8 @@ class ClusterConfig:
         synthesizer's engine (colocated: the one engine) loads the calibration; workers run the base model."""
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
                             store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
-                            max_batched_tokens=self.max_batched_tokens, calibration=self.calibration if role == "synthesizer" else "none")
+                            max_batched_tokens=self.max_batched_tokens,
+                            calibration=self.calibration if role == "synthesizer" else "none")
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))

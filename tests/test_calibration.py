@@ -265,7 +265,8 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         assert decision.transport == pb.TRANSPORT_LOCAL and f"calibration {path}" in decision.reason
         # three branches are beyond what it was verified for: `auto` re-prefills text, and says why
         decision, = [e.decision for e in wider if e.HasField("decision")]
-        assert decision.transport == pb.TRANSPORT_TEXT and "only up to 2 branches; this request has 3" in decision.reason
+        assert decision.transport == pb.TRANSPORT_TEXT
+        assert "only up to 2 branches; this request has 3" in decision.reason
         answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         prefix = engine.prefill([PrefillCall("User: add the partial results.")])
