@@ -24,7 +24,7 @@ class ClusterConfig:
     # "none" runs the cache path uncalibrated (then kv_transport=auto re-prefills text)
     calibration: str = "auto"
     store_budget_bytes: int = 2 << 30
-    kv_budget_bytes: int = 1 << 30  # each engine's work KV for the calls it batches at once (more wait)
+    kv_budget_bytes: int = 0  # each engine's work KV for the calls it batches at once (more wait); 0: auto
     max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
     max_ongoing_requests: int = 64

@@ -17,7 +17,9 @@ class EngineConfig:
     store_budget_bytes: int = 2 << 30  # message store capacity (KV bytes)
     max_parallel_calls: int = 64
     max_batched_tokens: int = 512  # rows per forward across all running calls (the scheduler's step budget)
-    kv_budget_bytes: int = 1 << 30  # work KV of the calls running at once; more wait their turn
+    # work KV of the calls running at once (more wait their turn), allocated when the engine starts; 0: auto,
+    # 256 MiB on CPU, half the device memory free after loading the model on CUDA
+    kv_budget_bytes: int = 0
     max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
@@ -38,9 +40,11 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
         if self.store_budget_bytes <= 0:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
-        for name in ("max_parallel_calls", "max_batched_tokens", "kv_budget_bytes", "prefix_block_tokens"):
+        for name in ("max_parallel_calls", "max_batched_tokens", "prefix_block_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_budget_bytes < 0:
+            raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,

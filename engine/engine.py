@@ -24,7 +24,7 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.runner import ModelRunner, WorkCache
+from braid.engine.runner import KVArena, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
@@ -125,7 +125,10 @@ class Engine:
         self.lock = threading.RLock()
         self._store_lock = threading.Lock()
         self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
-        self.scheduler = Scheduler(self.runner, config.max_batched_tokens, config.kv_budget_bytes,
+        s = self.spec
+        slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+        self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
+                                   KVArena(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes)),
                                    config.max_running_calls, name=self.fingerprint[:8])
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
         if config.calibration != "none":
@@ -258,11 +261,9 @@ class Engine:
         if plan is None:
             release()
             return None, ready
-        s = self.spec
         capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
-        kv_bytes = capacity * s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
-        group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, kv_bytes,
-                      lambda g: self._assemble(plan, sum(extra), transform),
+        group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
+                      lambda start: self._assemble(plan, sum(extra), transform, start),
                       lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                          cache_prefill=params is None),
                       release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
@@ -372,10 +373,11 @@ class Engine:
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
                      [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls])
 
-    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None) -> WorkCache:
-        """A work cache holding copies of every parent, re-rotated to its offset."""
+    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, start: int) -> WorkCache:
+        """A work cache (the arena's range from `start`) holding copies of every parent, re-rotated to its
+        offset."""
         context = sum(m.num_tokens for m, _ in plan.entries)
-        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens)
+        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.arena, start)
         for e, (msg, off) in enumerate(plan.entries):
             start = cache.length
             cache.append(msg.kv, segment=e)
@@ -416,3 +418,11 @@ class Engine:
             if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
                 self.prefix_cache.prune(self.store)
         return [m.id for m in messages]
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_budget_bytes:
+        return config.kv_budget_bytes
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return 256 << 20

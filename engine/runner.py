@@ -17,12 +17,54 @@ from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
 
 
-class WorkCache:
-    """KV for one engine call. transformers calls `update` once per layer per forward."""
+class KVArena:
+    """An engine's work KV in one tensor [L, 2, H, slots, D]: every running call's WorkCache is a contiguous
+    range of it, so one forward writes and reads the KV of all its calls with one indexed op per layer.
+    Ranges are handed out first fit and merged back when released; the memory is touched only as used."""
 
-    def __init__(self, lm: LoadedModel, capacity: int):
+    def __init__(self, lm: LoadedModel, slots: int):
         s = lm.spec
-        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, capacity, s.head_dim, dtype=lm.dtype, device=lm.device)
+        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=lm.dtype, device=lm.device)
+        self.free: list[tuple[int, int]] = [(0, slots)]  # (start, length), sorted by start
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def free_slots(self) -> int:
+        return sum(n for _, n in self.free)
+
+    def allocate(self, n: int) -> int | None:
+        """The start of a free range of n slots, or None when no free range is that long."""
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        self.free.append((start, n))
+        self.free.sort()
+        merged = [self.free[0]]
+        for s0, n0 in self.free[1:]:
+            ps, pn = merged[-1]
+            if ps + pn == s0:
+                merged[-1] = (ps, pn + n0)
+            else:
+                merged.append((s0, n0))
+        self.free = merged
+
+
+class WorkCache:
+    """KV for one engine call: a range of the engine's arena (or its own tensor when none is given)."""
+
+    def __init__(self, lm: LoadedModel, capacity: int, arena: KVArena | None = None, start: int = 0):
+        s = lm.spec
+        if arena is None:
+            arena, start = KVArena(lm, capacity), 0
+        self.arena, self.start = arena, start
+        self.kv = arena.kv[:, :, :, start:start + capacity]  # a view: [L, 2, H, capacity, D]
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
 
@@ -83,51 +125,71 @@ SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (de
 
 
 class _Step:
-    """One forward's groups, as the attention reads them: groups with many rows (prefill chunks) attend one by
-    one; the others (decode steps) in one padded batch, their keys padded to the longest cache and masked."""
+    """One forward's groups, as the cache writes and the attention use them. Every new row's KV goes to its
+    group's range of the arena in one indexed write per layer. Groups with many rows (prefill chunks)
+    attend their own cache one by one; the others (decode steps) share one padded attention call, their
+    caches read from the arena in one indexed gather per layer, padded to the longest and masked."""
 
     def __init__(self, parts: list[_Part]):
+        self.parts = parts
+        self.arena = parts[0].cache.arena
+        device = self.arena.kv.device
+        self.shared_arena = all(p.cache.arena is self.arena for p in parts)
+        if self.shared_arena:  # where each row's KV goes: [rows]
+            self.write_index = torch.cat([torch.arange(p.cache.start + p.slots.start, p.cache.start + p.slots.stop)
+                                          for p in parts]).to(device)
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None]
-        self.small = small if len(small) > 1 else []
+        self.small = small if len(small) > 1 and self.shared_arena else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         if not self.small:
             return
-        device = small[0].mask.device
         g, r, t = len(small), max(p.rows.stop - p.rows.start for p in small), max(p.cache.length for p in small)
         row_index = torch.zeros(g, r, dtype=torch.long)
         valid = torch.zeros(g, r, dtype=torch.bool)
+        read_index = torch.zeros(g, t, dtype=torch.long)
         mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # (padding rows see one key, so they stay finite; they are dropped)
         for i, p in enumerate(small):
-            n = p.rows.stop - p.rows.start
+            n, length = p.rows.stop - p.rows.start, p.cache.length
             row_index[i, :n] = torch.arange(p.rows.start, p.rows.stop)
             valid[i, :n] = True
+            read_index[i] = p.cache.start  # (padding keys: the group's first slot, masked out)
+            read_index[i, :length] = torch.arange(p.cache.start, p.cache.start + length)
             mask[i, 0, :n] = False
-            mask[i, 0, :n, :p.cache.length] = p.mask[0, 0]
+            mask[i, 0, :n, :length] = p.mask[0, 0]
         self.shape = (g, r, t)
         self.row_index = row_index.flatten().to(device)  # [g * r]: each padded query row's row in the forward
         self.valid = valid.flatten().nonzero().squeeze(1).to(device)  # which padded rows are real
         self.rows = row_index[valid].to(device)  # and their rows in the forward, in the same order
+        self.read_index = read_index.flatten().to(device)  # [g * t]: each padded key's arena slot
         self.mask = mask
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """This forward's new K/V rows ([1, H, rows, D] each) into their groups' caches."""
+        if self.shared_arena:
+            self.arena.kv[layer, 0].index_copy_(1, self.write_index, keys[0])
+            self.arena.kv[layer, 1].index_copy_(1, self.write_index, values[0])
+            return
+        for p in self.parts:
+            p.cache.kv[layer, :, :, p.slots] = torch.stack([keys[0, :, p.rows], values[0, :, p.rows]])
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the shared-attention groups, padded: [groups, H, longest cache, D] each."""
-        pad = torch.nn.utils.rnn.pad_sequence
-        kv = [p.cache.kv[layer, :, :, :p.cache.length].permute(2, 0, 1, 3) for p in self.small]  # [T, 2, H, D]
-        both = pad(kv, batch_first=True)  # [G, T, 2, H, D]
-        return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+        g, _, t = self.shape
+        kv = self.arena.kv[layer].index_select(2, self.read_index)  # [2, H, g * t, D]
+        kv = kv.view(2, kv.shape[1], g, t, kv.shape[3]).transpose(1, 2)  # [2, g, H, t, D]
+        return kv[0], kv[1]
 
 
 class _StepCache:
-    """transformers' cache seam for one forward over several groups: each layer's new K/V rows go to the
-    work cache of the group they belong to; attention then reads each group's own cache."""
+    """transformers' cache seam for one forward over several groups: the new K/V rows go to their groups'
+    caches (_Step.write); attention then reads each group's own cache."""
 
-    def __init__(self, parts: list[_Part]):
-        self.parts = parts
+    def __init__(self, step: _Step):
+        self.step = step
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        for p in self.parts:  # (a group's new slots are contiguous: WorkCache.reserve)
-            p.cache.kv[layer_idx, :, :, p.slots] = torch.stack([key_states[0, :, p.rows], value_states[0, :, p.rows]])
+        self.step.write(layer_idx, key_states, value_states)
         return key_states, value_states
 
 
@@ -163,8 +225,9 @@ class ModelRunner:
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]
         placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
+        step = _Step(parts)
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
-                           past_key_values=_StepCache(parts), use_cache=True, braid_step=_Step(parts))
+                           past_key_values=_StepCache(step), use_cache=True, braid_step=step)
         hidden = out.last_hidden_state[0]
         return [None if g.logit_rows is None else self.lm_head(hidden[p.rows][g.logit_rows]).float()
                 for g, p in zip(groups, parts)]

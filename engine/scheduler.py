@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -22,7 +23,7 @@ import torch
 
 from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import StoreFullError
-from braid.engine.runner import GroupInput, ModelRunner, WorkCache
+from braid.engine.runner import GroupInput, KVArena, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams, make_generator, sample_rows
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,13 @@ class Group:
     group samples a call's next token from the logits of the call's last encoded row."""
 
     def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
-                 params: list[SamplingParams] | None, kv_bytes: int, assemble: Callable[["Group"], WorkCache],
+                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[[int], WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
                  adapter: Callable[[], AbstractContextManager] | None = None):
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
-        self.kv_bytes = kv_bytes  # its work cache, reserved against the scheduler's budget while it runs
+        self.capacity = capacity  # its work cache's size in tokens: a range of the arena while it runs
+        self.arena_start: int | None = None
         self._assemble, self._commit, self._release = assemble, commit, release
         self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
         self.cache: WorkCache | None = None
@@ -85,10 +87,11 @@ class Group:
         return self.tokens[call] + (self.generated[call] if self.params is not None else [])
 
     # ---- called by the scheduler ----------------------------------------------------------------
-    def start(self, device: torch.device) -> None:
+    def start(self, device: torch.device, arena_start: int) -> None:
         begin = time.perf_counter()
         self.timings["queued"] = begin - self.submitted
-        self.cache = self._assemble(self)
+        self.arena_start = arena_start
+        self.cache = self._assemble(arena_start)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = time.perf_counter() - begin
@@ -168,49 +171,45 @@ class Group:
 
 
 class Scheduler:
-    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward;
-    `kv_budget_bytes`: work caches of running groups together; `max_running`: groups at once (0: no cap)."""
+    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward; `arena`:
+    where running groups' work caches live (a group waits until a range of it is free); `max_running`:
+    groups at once (0: no cap)."""
 
-    def __init__(self, runner: ModelRunner, max_batched_tokens: int, kv_budget_bytes: int, max_running: int = 0,
+    def __init__(self, runner: ModelRunner, max_batched_tokens: int, arena: KVArena, max_running: int = 0,
                  name: str = "engine"):
-        self.runner = runner
-        self.max_batched_tokens, self.kv_budget_bytes = max_batched_tokens, kv_budget_bytes
+        self.runner, self.arena = runner, arena
+        self.max_batched_tokens = max_batched_tokens
+        self.slot_bytes = arena.kv[:, :, :, 0].numel() * arena.kv.element_size()
         self.max_running = max_running
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []
-        self.reserved_bytes = 0
         self.steps = 0  # forwards run
         self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
         self.busy_s = 0.0  # time spent in steps (against wall time: how loaded the model is)
         self.rows_stepped = 0  # tokens encoded over all forwards
         self._turn = 0
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=f"braid-scheduler-{name}", daemon=True)
+        # The thread holds the scheduler weakly, so an engine nobody uses any more is freed with its model and
+        # arena, and the thread ends.
+        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv),
+                                        name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, group: Group) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
-        if group.kv_bytes > self.kv_budget_bytes:
+        if group.capacity > self.arena.slots:
             raise StoreFullError(
-                f"this call needs {group.kv_bytes} bytes of work KV (context, tokens and max_tokens), more than "
-                f"the engine's whole kv_budget_bytes={self.kv_budget_bytes}; shorten it or raise the budget")
+                f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and max_tokens), "
+                f"more than the engine's whole kv_budget_bytes={self.arena.slots * self.slot_bytes}; shorten it or "
+                "raise the budget")
         with self._cv:
             self.waiting.append(group)
             self._cv.notify()
 
     @property
     def load(self) -> dict[str, int]:
-        return {"waiting": len(self.waiting), "running": len(self.running), "reserved_bytes": self.reserved_bytes}
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self.waiting and not self.running:
-                    self._cv.wait()
-            try:
-                self.step()
-            except Exception:  # pragma: no cover - step() fails groups itself; this keeps the loop alive
-                log.exception("scheduler step failed")
+        return {"waiting": len(self.waiting), "running": len(self.running),
+                "reserved_bytes": (self.arena.slots - self.arena.free_slots) * self.slot_bytes}
 
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
@@ -232,20 +231,21 @@ class Scheduler:
         for i, g in enumerate(waiting):
             if g.cancelled:
                 g.fail(RuntimeError("cancelled"))
-            elif (self.reserved_bytes + g.kv_bytes <= self.kv_budget_bytes
-                  and not (self.max_running and len(self.running) + len(admitted) >= self.max_running)):
-                admitted.append(g)
-                self.reserved_bytes += g.kv_bytes
-            else:  # first come, first served: the rest wait behind it
+                continue
+            start = None
+            if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
+                start = self.arena.allocate(g.capacity)
+            if start is None:  # first come, first served: the rest wait behind it
                 with self._cv:
                     self.waiting.extendleft(reversed([w for w in waiting[i:] if not w.cancelled]))
                 break
-        for g in admitted:
+            admitted.append((g, start))
+        for g, start in admitted:
             try:
-                g.start(self.runner.lm.device)
+                g.start(self.runner.lm.device, start)
                 self.running.append(g)
             except Exception as e:
-                self.reserved_bytes -= g.kv_bytes
+                self.arena.release(start, g.capacity)
                 g.fail(e)
         ready = [g for g in self.running if g.pending]
         if not ready:
@@ -295,4 +295,26 @@ class Scheduler:
     def _retire(self, g: Group) -> None:
         if g in self.running:
             self.running.remove(g)
-            self.reserved_bytes -= g.kv_bytes
+            self.arena.release(g.arena_start, g.capacity)
+
+
+def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:
+    """The scheduler's thread: step while there is work, wait (holding no reference to it) while not."""
+    while True:
+        with cv:
+            scheduler = ref()
+            if scheduler is None:
+                return
+            idle = not scheduler.waiting and not scheduler.running
+            del scheduler
+            if idle:
+                cv.wait(timeout=1.0)
+                continue
+        scheduler = ref()
+        if scheduler is None:
+            return
+        try:
+            scheduler.step()
+        except Exception:  # pragma: no cover - step() fails groups itself; this keeps the loop alive
+            log.exception("scheduler step failed")
+        del scheduler

@@ -102,3 +102,30 @@ def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
     eng.free(prefix[0])  # and its parent is no longer pinned
     # the engine serves on
     assert len(workflow(eng, *REQUESTS[0])) == 2
+
+
+def test_arena_hands_out_ranges_first_fit_and_merges_them_back(llama_engine):
+    from braid.engine.runner import KVArena
+
+    arena = KVArena(llama_engine.lm, 100)
+    a, b, c = arena.allocate(30), arena.allocate(30), arena.allocate(30)
+    assert (a, b, c) == (0, 30, 60) and arena.allocate(20) is None  # 10 left
+    arena.release(b, 30)
+    assert arena.allocate(40) is None and arena.allocate(25) == 30  # first fit into the hole
+    arena.release(30, 25)
+    arena.release(a, 30)
+    arena.release(c, 30)
+    assert arena.free == [(0, 100)] and arena.allocate(100) == 0
+
+
+def test_a_dropped_engine_is_freed_and_its_scheduler_thread_ends(checkpoint):
+    import gc
+    import weakref
+
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    workflow(eng, *REQUESTS[0])
+    thread, ref = eng.scheduler._thread, weakref.ref(eng)
+    del eng
+    gc.collect()
+    thread.join(5)
+    assert ref() is None and not thread.is_alive()
