@@ -80,8 +80,8 @@ class DecodeStream:
     into the work cache), `first_token` (from the call to the first sampled token), `decode` (the rest).
     """
 
-    def __init__(self, group: Group):
-        self._group = group
+    def __init__(self, group: Group, store: MessageStore):
+        self._group, self._store = group, store
         self._events = group.results()
         self.timings = group.timings
         self.ids: list[str] | None = None
@@ -90,23 +90,43 @@ class DecodeStream:
         self.ids = yield from self._events
 
     def close(self) -> None:
-        """Stop a stream early: it leaves the batch at the next step and its messages are not stored."""
-        self._group.cancelled = True
+        """Stop a stream early: it leaves the batch, its messages are not stored (unless it had already
+        ended), and its parents are unpinned by the time this returns."""
         self._events.close()
+        self._group.cancel()
+
+    def _reused(self, call: int) -> int:
+        prefix = self._group.prefix[call]
+        return prefix.num_tokens if prefix is not None else 0
 
     def encoded(self, call: int) -> int:
         """How many of the call's tokens (header included) already have KV. It grows as the scheduler runs,
         which may be ahead of the events read so far: read it once per use."""
-        return len(self._group.slots[call])
+        return self._reused(call) + len(self._group.slots[call])
 
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
-        """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes."""
-        if not 0 <= start <= end <= self.encoded(call):
-            raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
-        slots = self._group.slots[call][start:end]
-        cache = self._group.cache
-        return self._group.all_tokens(call)[start:end], cache.gather(torch.tensor(slots, dtype=torch.long,
-                                                                                         device=cache.kv.device))
+        """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes, or
+        from the stored message once it has ended."""
+        g = self._group
+        with g.lock:  # (the work cache is not handed to another call while this reads it)
+            if g.committed:
+                msg = self._store.get(g.message_ids[call])
+                return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
+            if g.ended:
+                raise BraidError(f"call {call} ended without storing its message")
+            if not 0 <= start <= end <= self.encoded(call):
+                raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
+            n, prefix = self._reused(call), g.prefix[call]
+            tokens, parts = [], []
+            if start < n:  # the cached start it reused
+                tokens += prefix.token_ids[start:min(end, n)]
+                parts.append(prefix.kv[:, :, :, start:min(end, n)])
+            if end > n:
+                lo = max(start, n) - n
+                slots = torch.tensor(g.slots[call][lo:end - n], dtype=torch.long, device=g.cache.kv.device)
+                tokens += g.all_tokens(call)[lo:end - n]
+                parts.append(g.cache.gather(slots))
+            return list(tokens), parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3)
 
 
 class Engine:
@@ -118,7 +138,7 @@ class Engine:
         self.config = config = config.resolved()
         self.lm = load_model(config)
         self.spec = self.lm.spec
-        self.tokenizer = self.lm.tokenizer
+        self.tokenizer = _SharedTokenizer(self.lm.tokenizer)
         self.fingerprint = self.lm.fingerprint
         self.store = MessageStore(config.store_budget_bytes)
         self.runner = ModelRunner(self.lm)
@@ -150,9 +170,11 @@ class Engine:
     def text(self, message_id: str) -> str:
         return self.tokenizer.decode(list(self.store.get(message_id).token_ids))
 
-    def free(self, message_id: str) -> None:
+    def free(self, message_id: str, when_unpinned: bool = False) -> None:
+        """Free a message; one a running call uses raises MessageInUseError, or with `when_unpinned` goes
+        as soon as no call uses it."""
         with self._store_lock:
-            self.store.free(message_id)
+            self.store.free(message_id, when_unpinned)
 
     def clear_prefix_cache(self) -> int:
         """Drop what the prefix cache alone keeps (messages' KV still in use stays); returns the bytes freed."""
@@ -201,6 +223,9 @@ class Engine:
                     next(events)
             except StopIteration as done:
                 encoded = done.value
+            except BaseException:  # the whole call fails: the messages found in the cache go too
+                self._drop(list(ready.values()))
+                raise
         encoded = iter(encoded)
         return [ready[c] if c in ready else next(encoded) for c in range(len(calls))]
 
@@ -224,7 +249,7 @@ class Engine:
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
         group, _ = self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform, adapter,
                                 fingerprint)
-        return DecodeStream(group)
+        return DecodeStream(group, self.store)
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -248,7 +273,8 @@ class Engine:
             plan = self._plan(values, calls, extra, what)
             ready: dict[int, str] = {}
             views: list[str] = []
-            if self.prefix_cache is not None:
+            # A mapped or adapted call's KV is not what the base model gives for the same content: not cached.
+            if self.prefix_cache is not None and transform is None and adapter is None:
                 plan, ready, views, extra = self._reuse(plan, values, calls, extra, what, fingerprint)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
 
@@ -267,12 +293,20 @@ class Engine:
                       lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                          cache_prefill=params is None),
                       release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
+        group.prefix = plan.prefix or group.prefix
         try:
             self.scheduler.submit(group)
         except BaseException:
             release()
+            self._drop(list(ready.values()))
             raise
         return group, ready
+
+    def _drop(self, message_ids: list[str]) -> None:
+        with self._store_lock:
+            for mid in message_ids:
+                if mid in self.store:
+                    self.store.free(mid)
 
     def _reuse(self, plan: _Plan, values, calls, extra: list[int], what: str, fingerprint: str):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
@@ -426,3 +460,22 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
     return 256 << 20
+
+
+class _SharedTokenizer:
+    """The model's tokenizer, used from caller threads and the scheduler's: a fast tokenizer may not be
+    used by two threads at once (it can fail with "Already borrowed"), so encode and decode take a lock."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._lock = tokenizer, threading.Lock()
+
+    def encode(self, *args, **kwargs):
+        with self._lock:
+            return self._tokenizer.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        with self._lock:
+            return self._tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)

@@ -62,7 +62,14 @@ class Group:
         self.arena_start: int | None = None
         self._assemble, self._commit, self._release = assemble, commit, release
         self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
+        self.prefix: list = [None] * len(tokens)  # per call, a cached start (a Message) its tokens follow
         self.cache: WorkCache | None = None
+        # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; `ended` is set
+        # under it before the cache's arena range is handed back, `committed` once the messages are stored.
+        self.lock = threading.Lock()
+        self.ended = self.committed = False
+        self._done_seen = False
+        self.wake: Callable[[], None] = lambda: None  # (set by the scheduler: a cancel is noticed at once)
         self.slots: list[list[int]] = [[] for _ in tokens]  # cache slot of each encoded token, per call
         self.pending: deque[tuple[int, int, int]] = deque(
             (t, off + i, c) for c, (toks, off) in enumerate(zip(tokens, offsets)) for i, t in enumerate(toks))
@@ -105,7 +112,8 @@ class Group:
         logit_rows = None
         if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
             last = {c: i for i, (_, _, c) in enumerate(rows)}
-            ends = [i for c, i in last.items() if c in self.running and not any(r[2] == c for r in self.pending)]
+            unfinished = {c for _, _, c in self.pending}  # calls with rows left for later steps
+            ends = [i for c, i in last.items() if c in self.running and c not in unfinished]
             self._logit_calls = [rows[i][2] for i in sorted(ends)]
             logit_rows = torch.tensor(sorted(ends), device=device) if ends else None
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
@@ -148,12 +156,23 @@ class Group:
             done = _Done(self._commit([self.all_tokens(c) for c in range(len(self.tokens))], self.slots))
         except BaseException as e:  # e.g. the store is full: nothing is stored
             done = _Done(error=e)
-        self._release()
-        self.events.put(done)
+        with self.lock:
+            self.ended, self.committed = True, done.error is None
+        self._end(done)
 
     def fail(self, error: BaseException) -> None:
-        self._release()
-        self.events.put(_Done(error=error))
+        with self.lock:
+            self.ended = True
+        self._end(_Done(error=error))
+
+    def _end(self, done: _Done) -> None:
+        try:
+            self._release()
+        except BaseException as e:  # pragma: no cover - the consumer must hear the end whatever happens
+            log.exception("releasing a call's pins failed")
+            done = _Done(error=done.error or e)
+        finally:
+            self.events.put(done)
 
     # ---- called by the consumer ------------------------------------------------------------------
     def results(self) -> Iterator[TokenEvent]:
@@ -162,12 +181,28 @@ class Group:
             while True:
                 item = self.events.get()
                 if isinstance(item, _Done):
+                    self._done_seen = True
                     if item.error is not None:
                         raise item.error
                     return item.ids
                 yield from item  # a step's events
         finally:
-            self.cancelled = True  # (no effect once it is done) a consumer that left: it leaves the batch
+            if not self._done_seen:  # a consumer that left: it leaves the batch at the next step
+                self.cancelled = True
+                self.wake()
+
+    def cancel(self, timeout: float = 60.0) -> None:
+        """Take it out of the batch and wait until it has ended (its parents unpinned, nothing stored)."""
+        self.cancelled = True
+        self.wake()
+        deadline = time.monotonic() + timeout
+        while not self._done_seen:
+            try:
+                item = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                log.warning("a cancelled call did not end within %.0f s", timeout)
+                return
+            self._done_seen = isinstance(item, _Done)
 
 
 class Scheduler:
@@ -202,8 +237,13 @@ class Scheduler:
                 f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and max_tokens), "
                 f"more than the engine's whole kv_budget_bytes={self.arena.slots * self.slot_bytes}; shorten it or "
                 "raise the budget")
+        group.wake = self._wake
         with self._cv:
             self.waiting.append(group)
+            self._cv.notify()
+
+    def _wake(self) -> None:
+        with self._cv:
             self._cv.notify()
 
     @property
@@ -223,8 +263,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[tuple[Group, GroupInput]], Callable | None]:
         """Admit what fits, drop what was cancelled, and pick this step's rows."""
         for g in [g for g in self.running if g.cancelled]:
-            self._retire(g)
             g.fail(RuntimeError("cancelled"))
+            self._retire(g)
         with self._cv:
             waiting, self.waiting = list(self.waiting), deque()
         admitted = []
@@ -236,8 +276,12 @@ class Scheduler:
             if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
                 start = self.arena.allocate(g.capacity)
             if start is None:  # first come, first served: the rest wait behind it
+                rest = waiting[i:]
+                for w in rest[1:]:
+                    if w.cancelled:
+                        w.fail(RuntimeError("cancelled"))
                 with self._cv:
-                    self.waiting.extendleft(reversed([w for w in waiting[i:] if not w.cancelled]))
+                    self.waiting.extendleft(reversed([g] + [w for w in rest[1:] if not w.cancelled]))
                 break
             admitted.append((g, start))
         for g, start in admitted:
@@ -245,8 +289,8 @@ class Scheduler:
                 g.start(self.runner.lm.device, start)
                 self.running.append(g)
             except Exception as e:
-                self.arena.release(start, g.capacity)
                 g.fail(e)
+                self.arena.release(start, g.capacity)
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
@@ -275,8 +319,8 @@ class Scheduler:
         except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
             log.exception("forward failed for %d group(s)", len(batch))
             for g, _ in batch:
-                self._retire(g)
                 g.fail(e)
+                self._retire(g)
             return []
 
     def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
@@ -285,12 +329,12 @@ class Scheduler:
             try:
                 done = g.advance(lg)
             except Exception as e:
-                self._retire(g)
                 g.fail(e)
-                continue
-            if done:
                 self._retire(g)
+                continue
+            if done:  # (stored, and `ended` set, before its arena range can go to another call)
                 g.finish()
+                self._retire(g)
 
     def _retire(self, g: Group) -> None:
         if g in self.running:

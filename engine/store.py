@@ -60,6 +60,7 @@ class MessageStore:
         self._messages: OrderedDict[str, Message] = OrderedDict()
         self._pins: Counter[str] = Counter()
         self._storage_refs: Counter[int] = Counter()  # messages per KV storage
+        self._doomed: set[str] = set()  # freed while in use: removed when the last call using them ends
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -98,6 +99,10 @@ class MessageStore:
     def unpin(self, ids: list[str]) -> None:
         self._pins.subtract(ids)
         self._pins += Counter()  # drop zero counts
+        for mid in [m for m in self._doomed if not self._pins[m]]:
+            self._doomed.discard(mid)
+            if mid in self._messages:
+                self._remove(mid)
 
     @contextmanager
     def pinned(self, message_ids):
@@ -134,9 +139,12 @@ class MessageStore:
             self.used_bytes += size if not self._storage_refs[ptr] else 0
             self._storage_refs[ptr] += 1
 
-    def free(self, message_id: str) -> None:
+    def free(self, message_id: str, when_unpinned: bool = False) -> None:
         self.get(message_id)
         if self._pins[message_id]:
+            if when_unpinned:
+                self._doomed.add(message_id)
+                return
             raise MessageInUseError(f"message {message_id!r} is in use by a running call and cannot be freed")
         self._remove(message_id)
 

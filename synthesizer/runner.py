@@ -37,9 +37,9 @@ class SynthesisRunner:
         self.link_bytes_per_s: float | None = None  # from completed transfers
 
     def _measure_prefill(self, tokens: int = 256) -> float:
-        ids = [3 + i % (self.engine.spec.vocab_size - 3) for i in range(tokens)]
         rates = []
-        for _ in range(2):  # the first run warms up
+        for run in range(2):  # the first run warms up; each its own tokens, so the prefix cache cannot answer
+            ids = [3 + (i + 101 * run) % (self.engine.spec.vocab_size - 3) for i in range(tokens)]
             start = time.perf_counter()
             mid, = self.engine.prefill([PrefillCall(ids)])
             rates.append(tokens / (time.perf_counter() - start))

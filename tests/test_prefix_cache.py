@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.errors import StoreFullError
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 TASK = ("System: you are one of several workers. Read the records, find the one asked for, and answer "
@@ -90,3 +91,33 @@ def test_the_cache_yields_to_the_store_budget(checkpoint):
     mid, = eng.prefill([PrefillCall(f"{TASK} Case 0.")])  # evicted: encoded again, correctly
     torch.testing.assert_close(eng.message(mid).kv[:, :, :, :10], probe.message(one).kv[:, :, :, :10])
     assert eng.clear_prefix_cache() > 0 and eng.store.used_bytes == eng.message(mid).nbytes
+
+
+def test_a_failed_call_leaves_no_cached_message_and_mapped_calls_are_not_cached(engines, checkpoint):
+    cached, _ = engines
+    per_token = cached.spec.num_layers * 2 * cached.spec.num_kv_heads * cached.spec.head_dim * 4
+    small = Engine(EngineConfig(checkpoint("llama"), prefix_block_tokens=4, kv_budget_bytes=200 * per_token))
+    small.prefill([PrefillCall(TASK)])
+    kept = set(small.store.ids())
+    with pytest.raises(StoreFullError):  # TASK is found whole; the long one can never fit: the call fails whole
+        small.prefill([PrefillCall(TASK), PrefillCall(" ".join(["word"] * 400))])
+    assert set(small.store.ids()) == kept
+    # a header whose start is cached, decoded while its KV is read as it grows, as a worker ships it
+    stream = cached.decode_stream([DecodeCall(TASK + " Assistant:", sampling=GREEDY)])
+    events = iter(stream)
+    next(events)
+    n = stream.encoded(0)
+    tokens, kv = stream.partial_kv(0, 0, n)
+    for _ in events:
+        pass
+    msg = cached.message(stream.ids[0])
+    assert n > len(cached.tokenize(TASK)) and tokens == list(msg.token_ids[:n])
+    torch.testing.assert_close(kv, msg.kv[:, :, :, :n])
+    # a call whose parents' KV a mapper changes is neither a hit nor cached
+    hits, entries = cached.prefix_cache.hits, len(cached.prefix_cache)
+    task, = cached.prefill([PrefillCall(TASK)])
+    mapped = cached.decode_stream([DecodeCall(" Assistant:", parents=[task], sampling=GREEDY)],
+                                  transform=lambda msg, kv: kv)
+    list(mapped)
+    assert cached.prefix_cache.hits == hits + 1  # (the prefill above; the mapped decode itself looks nothing up)
+    assert cached.message(mapped.ids[0]).content_key is None and len(cached.prefix_cache) == entries

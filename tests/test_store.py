@@ -44,3 +44,13 @@ def test_failed_insert_changes_nothing():
     with pytest.raises(StoreFullError, match="exceed the store budget"):
         store.add([msg("big", 100)])
     assert store.ids() == ["a", "b"] and store.used_bytes == 128 * 8 and store.evictions == 0
+
+
+def test_free_when_unpinned_waits_for_the_last_user():
+    store = MessageStore(budget_bytes=10_000)
+    store.add([msg("a")])
+    pins = store.pin(["a"])
+    store.free("a", when_unpinned=True)
+    assert "a" in store  # still in use
+    store.unpin(pins)
+    assert "a" not in store and store.used_bytes == 0
