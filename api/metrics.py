@@ -1,5 +1,7 @@
 """Serve metrics (Ray dashboard and its Prometheus export, prefixed `ray_`), named as a vLLM user expects."""
 
+import threading
+import time
 from functools import cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -25,4 +27,30 @@ def metrics() -> dict:
         # Serve tags every metric with its deployment and replica itself.
         "store_bytes": Gauge("braid_store_bytes", "Bytes of KV held in an engine's message store."),
         "control_plane_errors": Counter("braid_control_plane_errors", "Redis operations that failed mid-request."),
+        "waiting": Gauge("braid_scheduler_waiting", "Engine calls queued for KV room (the queue depth)."),
+        "running": Gauge("braid_scheduler_running", "Engine calls in the running batch."),
+        "work_kv_bytes": Gauge("braid_work_kv_bytes", "KV arena bytes held by running calls."),
+        "prefix_hits": Gauge("braid_prefix_cache_hits", "Calls that reused cached KV, since the replica started."),
+        "prefix_misses": Gauge("braid_prefix_cache_misses", "Cacheable calls that found nothing, since start."),
     }
+
+
+def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
+    """Keep this replica's engine gauges (scheduler queue and batch, work KV, store, prefix cache) current."""
+    m = metrics()
+
+    def loop():
+        while True:
+            load = engine.scheduler.load
+            m["waiting"].set(load["waiting"])
+            m["running"].set(load["running"])
+            m["work_kv_bytes"].set(load["reserved_bytes"])
+            m["store_bytes"].set(engine.store.used_bytes)
+            if engine.prefix_cache is not None:
+                m["prefix_hits"].set(engine.prefix_cache.hits)
+                m["prefix_misses"].set(engine.prefix_cache.misses)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=loop, daemon=True, name="engine-metrics")
+    thread.start()
+    return thread

@@ -11,7 +11,7 @@ from ray import serve
 
 from braid.api.directory import Directory
 from braid.api.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
-from braid.api.metrics import metrics
+from braid.api.metrics import metrics, report_engine
 from braid.api.service import AgentLogic, ServiceConfig
 from braid.api.workflow import in_thread, run_in_thread
 from braid.engine import Engine, EngineConfig
@@ -35,6 +35,7 @@ class Synthesizer:
         self.branches = BranchRunner(self.engine, colocated_worker, f"colocated-{replica}") if colocated_worker else None
         self.metrics = metrics()
         self.metrics["store_bytes"].set(self.engine.store.used_bytes)
+        report_engine(self.engine)
         log.info("synthesizer %s: KV at %s, prefill %.0f tok/s", replica, receiver.address,
                  self.runner.prefill_tokens_per_s)
 

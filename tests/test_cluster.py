@@ -170,7 +170,8 @@ def test_metrics_reach_the_prometheus_export(cluster):
         synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC)
     wanted = ["ray_braid_time_to_first_token_seconds", "ray_braid_time_per_output_token_seconds",
               "ray_braid_kv_bytes_shipped_total", "ray_braid_kv_transfer_seconds", "ray_braid_synthesis_requests_total",
-              "ray_braid_store_bytes"]
+              "ray_braid_store_bytes", "ray_braid_scheduler_waiting", "ray_braid_scheduler_running",
+              "ray_braid_work_kv_bytes", "ray_braid_prefix_cache_hits"]
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()

@@ -3,6 +3,7 @@
 from ray import serve
 
 from braid.api.messages import BranchRequest
+from braid.api.metrics import report_engine
 from braid.api.workflow import in_thread
 from braid.engine import Engine, EngineConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
@@ -13,6 +14,7 @@ class Worker:
     def __init__(self, engine_config: EngineConfig, config: WorkerConfig):
         replica = serve.get_replica_context().replica_id.unique_id
         self.runner = BranchRunner(Engine(engine_config), config, name=f"worker-{replica}")
+        report_engine(self.runner.engine)
 
     async def run_branches(self, req: BranchRequest):
         """Streams BranchToken per token, then BranchDone per branch (braid.api.messages). Async, so the
