@@ -20,6 +20,7 @@ class EngineConfig:
     # work KV of the calls running at once (more wait their turn), allocated when the engine starts; 0: auto,
     # 256 MiB on CPU, half the device memory free after loading the model on CUDA
     kv_budget_bytes: int = 0
+    kv_block_tokens: int = 16  # the work KV's page size: a call holds whole blocks of the pool
     max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
@@ -40,7 +41,7 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
         if self.store_budget_bytes <= 0:
             raise ValueError(f"store_budget_bytes must be positive, got {self.store_budget_bytes}")
-        for name in ("max_parallel_calls", "max_batched_tokens", "prefix_block_tokens"):
+        for name in ("max_parallel_calls", "max_batched_tokens", "prefix_block_tokens", "kv_block_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:

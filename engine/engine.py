@@ -24,7 +24,7 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.runner import KVArena, ModelRunner, WorkCache
+from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
@@ -123,7 +123,7 @@ class DecodeStream:
                 parts.append(prefix.kv[:, :, :, start:min(end, n)])
             if end > n:
                 lo = max(start, n) - n
-                slots = torch.tensor(g.slots[call][lo:end - n], dtype=torch.long, device=g.cache.kv.device)
+                slots = torch.tensor(g.slots[call][lo:end - n], dtype=torch.long, device=g.cache.index.device)
                 tokens += g.all_tokens(call)[lo:end - n]
                 parts.append(g.cache.gather(slots))
             return list(tokens), parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3)
@@ -148,7 +148,8 @@ class Engine:
         s = self.spec
         slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
         self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
-                                   KVArena(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes)),
+                                   KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
+                                                       // config.kv_block_tokens), config.kv_block_tokens),
                                    config.max_running_calls, name=self.fingerprint[:8])
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
         if config.calibration != "none":
@@ -289,7 +290,7 @@ class Engine:
             return None, ready
         capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
         group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
-                      lambda start: self._assemble(plan, sum(extra), transform, start),
+                      lambda blocks: self._assemble(plan, sum(extra), transform, blocks),
                       lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                          cache_prefill=params is None),
                       release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
@@ -407,23 +408,20 @@ class Engine:
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
                      [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls])
 
-    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, start: int) -> WorkCache:
-        """A work cache (the arena's range from `start`) holding copies of every parent, re-rotated to its
-        offset."""
+    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None,
+                  blocks: list[int]) -> WorkCache:
+        """A work cache (over `blocks` of the pool) holding copies of every parent, re-rotated to its offset."""
         context = sum(m.num_tokens for m, _ in plan.entries)
-        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.arena, start)
+        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
         for e, (msg, off) in enumerate(plan.entries):
-            start = cache.length
-            cache.append(msg.kv, segment=e)
+            placed = msg.kv
             if off != msg.offset:
-                placed = cache.kv[:, 0, :, start:cache.length]
                 delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=placed.device)
-                placed.copy_(rerotate_keys(placed, delta, self.lm.inv_freq))
+                placed = torch.stack([rerotate_keys(placed[:, 0], delta, self.lm.inv_freq), placed[:, 1]], dim=1)
             if transform is not None:
-                block = cache.kv[:, :, :, start:cache.length]
-                mapped = transform(msg, block)
-                if mapped is not block:  # (a transform may work in place on the placed copy)
-                    block.copy_(mapped)
+                placed = placed.clone() if placed is msg.kv else placed  # (a transform may work in place)
+                placed = transform(msg, placed)
+            cache.append(placed, segment=e)
         return cache
 
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],

@@ -17,78 +17,79 @@ from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
 
 
-class KVArena:
-    """An engine's work KV in one tensor [L, 2, H, slots, D]: every running call's WorkCache is a contiguous
-    range of it, so one forward writes and reads the KV of all its calls with one indexed op per layer.
-    Ranges are handed out first fit and merged back when released; the memory is touched only as used."""
+class KVPool:
+    """An engine's work KV, paged: one tensor [L, 2, H, blocks * block_tokens, D] cut into fixed-size blocks.
+    Every running call's WorkCache holds a block table; one forward writes and reads the KV of all its calls
+    with one indexed op per layer. Any free blocks serve any call (no fragmentation); the memory is touched
+    only as it is used."""
 
-    def __init__(self, lm: LoadedModel, slots: int):
+    def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16):
         s = lm.spec
-        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=lm.dtype, device=lm.device)
-        self.free: list[tuple[int, int]] = [(0, slots)]  # (start, length), sorted by start
+        self.block_tokens = block_tokens
+        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, blocks * block_tokens, s.head_dim, dtype=lm.dtype,
+                              device=lm.device)
+        self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
 
     @property
-    def slots(self) -> int:
-        return self.kv.shape[3]
+    def blocks(self) -> int:
+        return self.kv.shape[3] // self.block_tokens
 
     @property
-    def free_slots(self) -> int:
-        return sum(n for _, n in self.free)
+    def free_blocks(self) -> int:
+        return len(self.free)
 
-    def allocate(self, n: int) -> int | None:
-        """The start of a free range of n slots, or None when no free range is that long."""
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
-                return start
-        return None
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
 
-    def release(self, start: int, n: int) -> None:
-        self.free.append((start, n))
-        self.free.sort()
-        merged = [self.free[0]]
-        for s0, n0 in self.free[1:]:
-            ps, pn = merged[-1]
-            if ps + pn == s0:
-                merged[-1] = (ps, pn + n0)
-            else:
-                merged.append((s0, n0))
-        self.free = merged
+    def allocate(self, tokens: int) -> list[int] | None:
+        """Blocks enough for `tokens`, or None when fewer are free."""
+        n = self.blocks_for(tokens)
+        if n > len(self.free):
+            return None
+        taken, self.free = self.free[len(self.free) - n:][::-1], self.free[:len(self.free) - n]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
 
 
 class WorkCache:
-    """KV for one engine call: a range of the engine's arena (or its own tensor when none is given)."""
+    """KV for one engine call: logical slots 0..capacity-1 over the blocks of its table in the engine's pool
+    (or over a pool of its own when none is given)."""
 
-    def __init__(self, lm: LoadedModel, capacity: int, arena: KVArena | None = None, start: int = 0):
-        s = lm.spec
-        if arena is None:
-            arena, start = KVArena(lm, capacity), 0
-        self.arena, self.start = arena, start
-        self.kv = arena.kv[:, :, :, start:start + capacity]  # a view: [L, 2, H, capacity, D]
+    def __init__(self, lm: LoadedModel, capacity: int, pool: KVPool | None = None, blocks: list[int] | None = None):
+        if pool is None:
+            pool = KVPool(lm, 1, max(capacity, 1))
+            blocks = [0]
+        self.pool, self.blocks, self.capacity = pool, blocks, capacity
+        b = pool.block_tokens
+        table = torch.tensor(blocks, dtype=torch.long, device=lm.device)
+        # each logical slot's place in the pool: [capacity]
+        self.index = (table[:, None] * b + torch.arange(b, device=lm.device)[None, :]).flatten()[:capacity]
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[3]
-
     def append(self, kv: torch.Tensor, segment: int) -> None:
-        """Copy an already-encoded block [L, 2, H, T, D] in as one segment."""
+        """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
         start, end = self.length, self.length + kv.shape[3]
-        self.kv[:, :, :, start:end] = kv
+        self.pool.kv.index_copy_(3, self.index[start:end], kv)
         self.segment[start:end] = segment
         self.length = end
 
     def reserve(self, segments: torch.Tensor) -> slice:
-        """Claim slots for the next forward's tokens; returns their (contiguous) range."""
+        """Claim slots for the next forward's tokens; returns their (logical, contiguous) range."""
         start, end = self.length, self.length + segments.numel()
         self.segment[start:end] = segments
         self.length = end
         return slice(start, end)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """The KV of the given slots as a contiguous block [L, 2, H, T, D]."""
-        return self.kv.index_select(3, slots)
+        """The KV of the given logical slots as a contiguous block [L, 2, H, T, D]."""
+        return self.pool.kv.index_select(3, self.index[slots])
+
+    def layer_kv(self, layer: int, end: int) -> torch.Tensor:
+        """Keys and values of slots [0, end) in one layer: [2, H, end, D]."""
+        return self.pool.kv[layer].index_select(2, self.index[:end])
 
 
 @dataclass
@@ -117,8 +118,8 @@ class _Part:
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values of the group's whole cache, new rows included: [1, H, T, D] each."""
-        end = self.cache.length
-        return self.cache.kv[layer, 0, :, :end][None], self.cache.kv[layer, 1, :, :end][None]
+        kv = self.cache.layer_kv(layer, self.cache.length)
+        return kv[0][None], kv[1][None]
 
 
 SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (decoding) share one attention call
@@ -126,57 +127,58 @@ SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (de
 
 class _Step:
     """One forward's groups, as the cache writes and the attention use them. Every new row's KV goes to its
-    group's range of the arena in one indexed write per layer. Groups with many rows (prefill chunks)
+    group's blocks in the pool in one indexed write per layer. Groups with many rows (prefill chunks)
     attend their own cache one by one; the others (decode steps) share one padded attention call, their
-    caches read from the arena in one indexed gather per layer, padded to the longest and masked."""
+    caches read from the pool in one indexed gather per layer, padded to the longest and masked."""
 
     def __init__(self, parts: list[_Part]):
         self.parts = parts
-        self.arena = parts[0].cache.arena
-        device = self.arena.kv.device
-        self.shared_arena = all(p.cache.arena is self.arena for p in parts)
-        if self.shared_arena:  # where each row's KV goes: [rows]
-            self.write_index = torch.cat([torch.arange(p.cache.start + p.slots.start, p.cache.start + p.slots.stop)
-                                          for p in parts]).to(device)
+        self.pool = parts[0].cache.pool
+        device = self.pool.kv.device
+        self.shared_pool = all(p.cache.pool is self.pool for p in parts)
+        if self.shared_pool:  # where each row's KV goes: [rows]
+            self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None]
-        self.small = small if len(small) > 1 and self.shared_arena else []
+        self.small = small if len(small) > 1 and self.shared_pool else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         if not self.small:
             return
         g, r, t = len(small), max(p.rows.stop - p.rows.start for p in small), max(p.cache.length for p in small)
         row_index = torch.zeros(g, r, dtype=torch.long)
         valid = torch.zeros(g, r, dtype=torch.bool)
-        read_index = torch.zeros(g, t, dtype=torch.long)
+        read_index = torch.zeros(g, t, dtype=torch.long, device=device)
         mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # (padding rows see one key, so they stay finite; they are dropped)
         for i, p in enumerate(small):
             n, length = p.rows.stop - p.rows.start, p.cache.length
             row_index[i, :n] = torch.arange(p.rows.start, p.rows.stop)
             valid[i, :n] = True
-            read_index[i] = p.cache.start  # (padding keys: the group's first slot, masked out)
-            read_index[i, :length] = torch.arange(p.cache.start, p.cache.start + length)
+            read_index[i] = p.cache.index[0]  # (padding keys: the group's first slot, masked out)
+            read_index[i, :length] = p.cache.index[:length]
             mask[i, 0, :n] = False
             mask[i, 0, :n, :length] = p.mask[0, 0]
         self.shape = (g, r, t)
         self.row_index = row_index.flatten().to(device)  # [g * r]: each padded query row's row in the forward
         self.valid = valid.flatten().nonzero().squeeze(1).to(device)  # which padded rows are real
         self.rows = row_index[valid].to(device)  # and their rows in the forward, in the same order
-        self.read_index = read_index.flatten().to(device)  # [g * t]: each padded key's arena slot
+        self.read_index = read_index.flatten()  # [g * t]: each padded key's place in the pool
         self.mask = mask
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """This forward's new K/V rows ([1, H, rows, D] each) into their groups' caches."""
-        if self.shared_arena:
-            self.arena.kv[layer, 0].index_copy_(1, self.write_index, keys[0])
-            self.arena.kv[layer, 1].index_copy_(1, self.write_index, values[0])
+        if self.shared_pool:
+            self.pool.kv[layer, 0].index_copy_(1, self.write_index, keys[0])
+            self.pool.kv[layer, 1].index_copy_(1, self.write_index, values[0])
             return
         for p in self.parts:
-            p.cache.kv[layer, :, :, p.slots] = torch.stack([keys[0, :, p.rows], values[0, :, p.rows]])
+            index = p.cache.index[p.slots]
+            p.cache.pool.kv[layer, 0].index_copy_(1, index, keys[0, :, p.rows])
+            p.cache.pool.kv[layer, 1].index_copy_(1, index, values[0, :, p.rows])
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the shared-attention groups, padded: [groups, H, longest cache, D] each."""
         g, _, t = self.shape
-        kv = self.arena.kv[layer].index_select(2, self.read_index)  # [2, H, g * t, D]
+        kv = self.pool.kv[layer].index_select(2, self.read_index)  # [2, H, g * t, D]
         kv = kv.view(2, kv.shape[1], g, t, kv.shape[3]).transpose(1, 2)  # [2, g, H, t, D]
         return kv[0], kv[1]
 

@@ -23,7 +23,7 @@ import torch
 
 from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import StoreFullError
-from braid.engine.runner import GroupInput, KVArena, ModelRunner, WorkCache
+from braid.engine.runner import GroupInput, KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams, make_generator, sample_rows
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,14 @@ class Group:
                  adapter: Callable[[], AbstractContextManager] | None = None):
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
-        self.capacity = capacity  # its work cache's size in tokens: a range of the arena while it runs
-        self.arena_start: int | None = None
+        self.capacity = capacity  # its work cache's size in tokens: blocks of the pool while it runs
+        self.blocks: list[int] = []
         self._assemble, self._commit, self._release = assemble, commit, release
         self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
         self.prefix: list = [None] * len(tokens)  # per call, a cached start (a Message) its tokens follow
         self.cache: WorkCache | None = None
         # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; `ended` is set
-        # under it before the cache's arena range is handed back, `committed` once the messages are stored.
+        # under it before the cache's blocks are handed back, `committed` once the messages are stored.
         self.lock = threading.Lock()
         self.ended = self.committed = False
         self._done_seen = False
@@ -94,11 +94,11 @@ class Group:
         return self.tokens[call] + (self.generated[call] if self.params is not None else [])
 
     # ---- called by the scheduler ----------------------------------------------------------------
-    def start(self, device: torch.device, arena_start: int) -> None:
+    def start(self, device: torch.device, blocks: list[int]) -> None:
         begin = time.perf_counter()
         self.timings["queued"] = begin - self.submitted
-        self.arena_start = arena_start
-        self.cache = self._assemble(arena_start)
+        self.blocks = blocks
+        self.cache = self._assemble(blocks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = time.perf_counter() - begin
@@ -108,7 +108,7 @@ class Group:
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
         self._taken = rows
         self._base = self.cache.length
-        device = self.cache.kv.device
+        device = self.cache.index.device
         logit_rows = None
         if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
             last = {c: i for i, (_, _, c) in enumerate(rows)}
@@ -206,15 +206,15 @@ class Group:
 
 
 class Scheduler:
-    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward; `arena`:
-    where running groups' work caches live (a group waits until a range of it is free); `max_running`:
+    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward; `pool`:
+    where running groups' work caches live (a group waits until enough blocks are free); `max_running`:
     groups at once (0: no cap)."""
 
-    def __init__(self, runner: ModelRunner, max_batched_tokens: int, arena: KVArena, max_running: int = 0,
+    def __init__(self, runner: ModelRunner, max_batched_tokens: int, pool: KVPool, max_running: int = 0,
                  name: str = "engine"):
-        self.runner, self.arena = runner, arena
+        self.runner, self.pool = runner, pool
         self.max_batched_tokens = max_batched_tokens
-        self.slot_bytes = arena.kv[:, :, :, 0].numel() * arena.kv.element_size()
+        self.slot_bytes = pool.kv[:, :, :, 0].numel() * pool.kv.element_size()
         self.max_running = max_running
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []
@@ -225,18 +225,18 @@ class Scheduler:
         self._turn = 0
         self._cv = threading.Condition()
         # The thread holds the scheduler weakly, so an engine nobody uses any more is freed with its model and
-        # arena, and the thread ends.
+        # KV pool, and the thread ends.
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv),
                                         name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, group: Group) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
-        if group.capacity > self.arena.slots:
+        if self.pool.blocks_for(group.capacity) > self.pool.blocks:
+            total = self.pool.blocks * self.pool.block_tokens * self.slot_bytes
             raise StoreFullError(
                 f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and max_tokens), "
-                f"more than the engine's whole kv_budget_bytes={self.arena.slots * self.slot_bytes}; shorten it or "
-                "raise the budget")
+                f"more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
         group.wake = self._wake
         with self._cv:
             self.waiting.append(group)
@@ -249,7 +249,7 @@ class Scheduler:
     @property
     def load(self) -> dict[str, int]:
         return {"waiting": len(self.waiting), "running": len(self.running),
-                "reserved_bytes": (self.arena.slots - self.arena.free_slots) * self.slot_bytes}
+                "reserved_bytes": (self.pool.blocks - self.pool.free_blocks) * self.pool.block_tokens * self.slot_bytes}
 
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
@@ -272,10 +272,10 @@ class Scheduler:
             if g.cancelled:
                 g.fail(RuntimeError("cancelled"))
                 continue
-            start = None
+            blocks = None
             if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
-                start = self.arena.allocate(g.capacity)
-            if start is None:  # first come, first served: the rest wait behind it
+                blocks = self.pool.allocate(g.capacity)
+            if blocks is None:  # first come, first served: the rest wait behind it
                 rest = waiting[i:]
                 for w in rest[1:]:
                     if w.cancelled:
@@ -283,14 +283,14 @@ class Scheduler:
                 with self._cv:
                     self.waiting.extendleft(reversed([g] + [w for w in rest[1:] if not w.cancelled]))
                 break
-            admitted.append((g, start))
-        for g, start in admitted:
+            admitted.append((g, blocks))
+        for g, blocks in admitted:
             try:
-                g.start(self.runner.lm.device, start)
+                g.start(self.runner.lm.device, blocks)
                 self.running.append(g)
             except Exception as e:
                 g.fail(e)
-                self.arena.release(start, g.capacity)
+                self.pool.release(blocks)
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
@@ -332,14 +332,14 @@ class Scheduler:
                 g.fail(e)
                 self._retire(g)
                 continue
-            if done:  # (stored, and `ended` set, before its arena range can go to another call)
+            if done:  # (stored, and `ended` set, before its blocks can go to another call)
                 g.finish()
                 self._retire(g)
 
     def _retire(self, g: Group) -> None:
         if g in self.running:
             self.running.remove(g)
-            self.arena.release(g.arena_start, g.capacity)
+            self.pool.release(g.blocks)
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:

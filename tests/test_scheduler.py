@@ -101,18 +101,20 @@ def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
     assert len(workflow(eng, *REQUESTS[0])) == 2
 
 
-def test_arena_hands_out_ranges_first_fit_and_merges_them_back(llama_engine):
-    from braid.engine.runner import KVArena
+def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
+    from braid.engine.runner import KVPool, WorkCache
 
-    arena = KVArena(llama_engine.lm, 100)
-    a, b, c = arena.allocate(30), arena.allocate(30), arena.allocate(30)
-    assert (a, b, c) == (0, 30, 60) and arena.allocate(20) is None  # 10 left
-    arena.release(b, 30)
-    assert arena.allocate(40) is None and arena.allocate(25) == 30  # first fit into the hole
-    arena.release(30, 25)
-    arena.release(a, 30)
-    arena.release(c, 30)
-    assert arena.free == [(0, 100)] and arena.allocate(100) == 0
+    pool = KVPool(llama_engine.lm, 6, block_tokens=4)
+    a, b = pool.allocate(9), pool.allocate(4)  # 9 tokens: 3 blocks
+    assert (len(a), len(b), pool.free_blocks) == (3, 1, 2) and pool.allocate(9) is None
+    pool.release(a)
+    c = pool.allocate(20)  # any free blocks serve: no fragmentation
+    assert len(c) == 5 and pool.free_blocks == 0
+    cache = WorkCache(llama_engine.lm, 20, pool, c)
+    kv = torch.randn(*pool.kv.shape[:3], 20, pool.kv.shape[4])
+    cache.append(kv, segment=0)
+    assert torch.equal(cache.gather(torch.arange(20)), kv)  # logical order, whatever the blocks
+    assert torch.equal(cache.layer_kv(1, 20), kv[1])
 
 
 def test_a_dropped_engine_is_freed_and_its_scheduler_thread_ends(checkpoint):
