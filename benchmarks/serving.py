@@ -151,7 +151,8 @@ def plot(rows, path):
         axrow[0].set(xscale="log", xlabel="concurrent workflows", ylabel="generated tokens/s",
                      title=f"throughput ({transport})")
         for ax, metric in ((axrow[1], "TTFT"), (axrow[2], "TPOT")):
-            ax.set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms", title=f"{metric} ({transport})")
+            ax.set(xscale="log", yscale="log", xlabel="concurrent workflows", ylabel="ms",
+                   title=f"{metric} ({transport})")
         for ax in axrow:
             ax.legend(fontsize=7)
     fig.tight_layout()

@@ -235,8 +235,8 @@ class Scheduler:
         if self.pool.blocks_for(group.capacity) > self.pool.blocks:
             total = self.pool.blocks * self.pool.block_tokens * self.slot_bytes
             raise StoreFullError(
-                f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and max_tokens), "
-                f"more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
+                f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and "
+                f"max_tokens), more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
         group.wake = self._wake
         with self._cv:
             self.waiting.append(group)
