@@ -1,11 +1,14 @@
 """Serve metrics (Ray dashboard and its Prometheus export, prefixed `ray_`), named as a vLLM user expects."""
 
+import logging
 import threading
 import time
+import weakref
 from functools import cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -29,7 +32,7 @@ def metrics() -> dict:
         "control_plane_errors": Counter("braid_control_plane_errors", "Redis operations that failed mid-request."),
         "waiting": Gauge("braid_scheduler_waiting", "Engine calls queued for KV room (the queue depth)."),
         "running": Gauge("braid_scheduler_running", "Engine calls in the running batch."),
-        "work_kv_bytes": Gauge("braid_work_kv_bytes", "KV arena bytes held by running calls."),
+        "work_kv_bytes": Gauge("braid_work_kv_bytes", "Paged work-KV bytes held by running calls."),
         "prefix_hits": Gauge("braid_prefix_cache_hits", "Calls that reused cached KV, since the replica started."),
         "prefix_misses": Gauge("braid_prefix_cache_misses", "Cacheable calls that found nothing, since start."),
     }
@@ -37,18 +40,22 @@ def metrics() -> dict:
 
 def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
     """Keep this replica's engine gauges (scheduler queue and batch, work KV, store, prefix cache) current."""
-    m = metrics()
+    m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
 
     def loop():
-        while True:
-            load = engine.scheduler.load
-            m["waiting"].set(load["waiting"])
-            m["running"].set(load["running"])
-            m["work_kv_bytes"].set(load["reserved_bytes"])
-            m["store_bytes"].set(engine.store.used_bytes)
-            if engine.prefix_cache is not None:
-                m["prefix_hits"].set(engine.prefix_cache.hits)
-                m["prefix_misses"].set(engine.prefix_cache.misses)
+        while (engine := ref()) is not None:
+            try:
+                load = engine.scheduler.load
+                m["waiting"].set(load["waiting"])
+                m["running"].set(load["running"])
+                m["work_kv_bytes"].set(load["reserved_bytes"])
+                m["store_bytes"].set(engine.store.used_bytes)
+                if engine.prefix_cache is not None:
+                    m["prefix_hits"].set(engine.prefix_cache.hits)
+                    m["prefix_misses"].set(engine.prefix_cache.misses)
+            except Exception:  # noqa: BLE001 - a metric that cannot be set now may be next time
+                log.warning("engine metrics not recorded", exc_info=True)
+            del engine
             time.sleep(every_s)
 
     thread = threading.Thread(target=loop, daemon=True, name="engine-metrics")

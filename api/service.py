@@ -118,7 +118,9 @@ class AgentLogic:
         freed = 0
         with self.engine.lock:
             for rec in self.directory.close_session(request.session_id):
-                if rec.message_id in self.engine.store:  # (one a running call uses goes when the call ends)
+                try:  # (one a running call uses goes when the call ends)
                     self.engine.free(rec.message_id, when_unpinned=True)
                     freed += 1
+                except UnknownMessageError:  # evicted already
+                    pass
         return pb.CloseSessionResponse(freed_messages=freed)

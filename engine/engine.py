@@ -94,6 +94,8 @@ class DecodeStream:
         ended), and its parents are unpinned by the time this returns."""
         self._events.close()
         self._group.cancel()
+        if self.ids is None and self._group.stored_ids is not None:  # it had ended, stored, before the close
+            self.ids = self._group.stored_ids
 
     def _reused(self, call: int) -> int:
         prefix = self._group.prefix[call]
@@ -289,13 +291,13 @@ class Engine:
             release()
             return None, ready
         capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
-        group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
-                      lambda blocks: self._assemble(plan, sum(extra), transform, blocks),
-                      lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
-                                                         cache_prefill=params is None),
-                      release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
-        group.prefix = plan.prefix or group.prefix
         try:
+            group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
+                          lambda blocks: self._assemble(plan, sum(extra), transform, blocks),
+                          lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
+                                                             cache_prefill=params is None),
+                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
+            group.prefix = plan.prefix or group.prefix
             self.scheduler.submit(group)
         except BaseException:
             release()

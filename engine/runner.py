@@ -66,13 +66,15 @@ class WorkCache:
         table = torch.tensor(blocks, dtype=torch.long, device=lm.device)
         # each logical slot's place in the pool: [capacity]
         self.index = (table[:, None] * b + torch.arange(b, device=lm.device)[None, :]).flatten()[:capacity]
+        # blocks in one ascending run (the usual case) are read as a view, without a gather
+        self.run_start = blocks[0] * b if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
 
     def append(self, kv: torch.Tensor, segment: int) -> None:
         """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
         start, end = self.length, self.length + kv.shape[3]
-        self.pool.kv.index_copy_(3, self.index[start:end], kv)
+        self.pool.kv.index_copy_(3, self.index[start:end], kv.to(self.pool.kv.dtype))
         self.segment[start:end] = segment
         self.length = end
 
@@ -89,6 +91,8 @@ class WorkCache:
 
     def layer_kv(self, layer: int, end: int) -> torch.Tensor:
         """Keys and values of slots [0, end) in one layer: [2, H, end, D]."""
+        if self.run_start is not None:
+            return self.pool.kv[layer, :, :, self.run_start:self.run_start + end]
         return self.pool.kv[layer].index_select(2, self.index[:end])
 
 

@@ -70,6 +70,8 @@ class Group:
         self.ended = self.committed = False
         self._done_seen = False
         self.wake: Callable[[], None] = lambda: None  # (set by the scheduler: a cancel is noticed at once)
+        self.on_end: Callable[[], None] = lambda: None  # (set by the scheduler: hands its blocks back)
+        self.stored_ids: list[str] | None = None  # once it has ended with its messages stored
         self.slots: list[list[int]] = [[] for _ in tokens]  # cache slot of each encoded token, per call
         self.pending: deque[tuple[int, int, int]] = deque(
             (t, off + i, c) for c, (toks, off) in enumerate(zip(tokens, offsets)) for i, t in enumerate(toks))
@@ -166,13 +168,18 @@ class Group:
         self._end(_Done(error=error))
 
     def _end(self, done: _Done) -> None:
+        """Unpin, hand the blocks back, then tell the consumer: by the time it hears, nothing is held."""
+        self.stored_ids = done.ids if done.error is None else None
         try:
             self._release()
         except BaseException as e:  # pragma: no cover - the consumer must hear the end whatever happens
             log.exception("releasing a call's pins failed")
             done = _Done(error=done.error or e)
         finally:
-            self.events.put(done)
+            try:
+                self.on_end()
+            finally:
+                self.events.put(done)
 
     # ---- called by the consumer ------------------------------------------------------------------
     def results(self) -> Iterator[TokenEvent]:
@@ -238,6 +245,7 @@ class Scheduler:
                 f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and "
                 f"max_tokens), more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
         group.wake = self._wake
+        group.on_end = lambda: self._retire(group)
         with self._cv:
             self.waiting.append(group)
             self._cv.notify()
@@ -264,7 +272,6 @@ class Scheduler:
         """Admit what fits, drop what was cancelled, and pick this step's rows."""
         for g in [g for g in self.running if g.cancelled]:
             g.fail(RuntimeError("cancelled"))
-            self._retire(g)
         with self._cv:
             waiting, self.waiting = list(self.waiting), deque()
         admitted = []
@@ -290,7 +297,6 @@ class Scheduler:
                 self.running.append(g)
             except Exception as e:
                 g.fail(e)
-                self.pool.release(blocks)
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
@@ -320,7 +326,6 @@ class Scheduler:
             log.exception("forward failed for %d group(s)", len(batch))
             for g, _ in batch:
                 g.fail(e)
-                self._retire(g)
             return []
 
     def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
@@ -330,16 +335,17 @@ class Scheduler:
                 done = g.advance(lg)
             except Exception as e:
                 g.fail(e)
-                self._retire(g)
                 continue
             if done:  # (stored, and `ended` set, before its blocks can go to another call)
                 g.finish()
-                self._retire(g)
 
     def _retire(self, g: Group) -> None:
+        """(Group.on_end, in this thread) out of the batch, its blocks back to the pool."""
         if g in self.running:
             self.running.remove(g)
+        if g.blocks:
             self.pool.release(g.blocks)
+            g.blocks = []
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:

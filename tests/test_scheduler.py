@@ -158,3 +158,19 @@ def test_partial_kv_reads_the_stored_message_once_the_call_has_ended(llama_engin
     msg = eng.message(stream.ids[0])
     tokens, kv = stream.partial_kv(0, 2, msg.num_tokens)  # (the work cache may belong to another call now)
     assert tokens == list(msg.token_ids[2:]) and torch.equal(kv, msg.kv[:, :, :, 2:]) and len(events) == 10
+
+
+def test_closing_a_stream_that_has_just_ended_keeps_its_messages_known(llama_engine):
+    """A client that leaves as the last token arrives: the call had already stored its messages, and the
+    stream still names them, so whoever owns it can free them."""
+    eng = llama_engine
+    p = eng.prefill([PrefillCall("User: short.")])
+    stream = eng.decode_stream([DecodeCall("Assistant:", parents=p, sampling=SamplingParams(max_tokens=2))])
+    deadline = time.time() + 30
+    while stream._group.stored_ids is None and time.time() < deadline:  # ended, stored; nothing read yet
+        time.sleep(0.01)
+    stream.close()
+    assert stream.ids == stream._group.stored_ids and stream.ids[0] in eng.store
+    assert eng.scheduler.load["reserved_bytes"] == 0  # its blocks were back before the end was told
+    eng.free(stream.ids[0])
+    eng.free(p[0])
