@@ -179,6 +179,17 @@ class Engine:
         with self._store_lock:
             self.store.free(message_id, when_unpinned)
 
+    def hold(self, message_ids: Sequence[str]) -> list[str]:
+        """Keep messages from eviction between calls, until `release(returned)` (they can still be freed)."""
+        with self._store_lock:
+            for mid in message_ids:
+                self.store.get(mid)  # (NOT_FOUND if it is gone already)
+            return self.store.hold(message_ids)
+
+    def release(self, held: list[str]) -> None:
+        with self._store_lock:
+            self.store.release(held)
+
     def clear_prefix_cache(self) -> int:
         """Drop what the prefix cache alone keeps (messages' KV still in use stays); returns the bytes freed."""
         with self._store_lock:

@@ -61,6 +61,7 @@ class MessageStore:
         self._pins: Counter[str] = Counter()
         self._storage_refs: Counter[int] = Counter()  # messages per KV storage
         self._doomed: set[str] = set()  # freed while in use: removed when the last call using them ends
+        self._held: Counter[str] = Counter()  # kept from eviction (not from an explicit free) by their owner
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -96,6 +97,17 @@ class MessageStore:
         self._pins.update(ids)
         return ids
 
+    def hold(self, message_ids) -> list[str]:
+        """Keep these messages from eviction until `release` with the returned list; their owner may still
+        free them."""
+        ids = list(message_ids)
+        self._held.update(ids)
+        return ids
+
+    def release(self, ids: list[str]) -> None:
+        self._held.subtract(ids)
+        self._held += Counter()
+
     def unpin(self, ids: list[str]) -> None:
         self._pins.subtract(ids)
         self._pins += Counter()  # drop zero counts
@@ -122,7 +134,7 @@ class MessageStore:
         for mid, msg in self._messages.items():
             if self.used_bytes - freed + need <= self.budget_bytes:
                 break
-            if not self._pins[mid]:
+            if not self._pins[mid] and not self._held[mid]:
                 victims.append(mid)
                 ptr, size = msg.storage
                 leaving[ptr] += 1

@@ -30,6 +30,7 @@ class BranchStream:
         self.prefix: list[str] = []
         self.contexts: list[str] = []
         self.offsets: list[int] = []
+        self._held: list[str] = []
         self.decode: DecodeStream | None = None
 
     def __len__(self) -> int:
@@ -39,13 +40,17 @@ class BranchStream:
         eng = self.engine
         if self.on_start is not None:
             self.on_start(self)
+        # what the fan-out stores is held between its calls, so other requests' inserts cannot evict it
         self.prefix = eng.prefill([PrefillCall(self.task)])
+        self._held += eng.hold(self.prefix)
         self.contexts = eng.prefill([PrefillCall(c, parents=self.prefix) for c in self.context_texts])
+        self._held += eng.hold(self.contexts)
         self.offsets = [eng.message(c).end for c in self.contexts]
         self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
                                                     sampling=self.sampling) for c in self.contexts])
         try:
             yield from self.decode
+            self._held += eng.hold(self.decode.ids)
         finally:
             self.decode.close()
 
@@ -63,6 +68,8 @@ class BranchStream:
 
     def free(self, keep_branches: bool = False) -> None:
         """Free what the fan-out stored: the prefix, the contexts and (unless kept) the branch messages."""
+        self.engine.release(self._held)
+        self._held = []
         keep = set(self.ids or ()) if keep_branches else set()
         for mid in [*self.prefix, *self.contexts, *(self.ids or ())]:
             if mid not in keep and mid in self.engine.store:

@@ -54,3 +54,14 @@ def test_free_when_unpinned_waits_for_the_last_user():
     assert "a" in store  # still in use
     store.unpin(pins)
     assert "a" not in store and store.used_bytes == 0
+
+
+def test_held_messages_are_not_evicted_but_can_be_freed():
+    store = MessageStore(budget_bytes=128 * 8)
+    store.add([msg("a"), msg("b")])
+    held = store.hold(["a"])
+    store.add([msg("c")])  # needs room: b goes, a is held
+    assert store.ids() == ["a", "c"]
+    store.free("a")  # its owner may still free it
+    store.release(held)
+    assert store.ids() == ["c"]
