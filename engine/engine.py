@@ -289,7 +289,7 @@ class Engine:
             views: list[str] = []
             # A mapped or adapted call's KV is not what the base model gives for the same content: not cached.
             if self.prefix_cache is not None and transform is None and adapter is None:
-                plan, ready, views, extra = self._reuse(plan, values, calls, extra, what, fingerprint)
+                plan, ready, views, extra = self._reuse(plan, calls, extra, what, fingerprint)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
 
         def release():
@@ -322,7 +322,7 @@ class Engine:
                 if mid in self.store:
                     self.store.free(mid)
 
-    def _reuse(self, plan: _Plan, values, calls, extra: list[int], what: str, fingerprint: str):
+    def _reuse(self, plan: _Plan, calls, extra: list[int], what: str, fingerprint: str):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
         message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
         (a view, no copy) and encodes only the rest. Returns (plan of what is left or None, ready ids,
@@ -450,16 +450,16 @@ class Engine:
             if prefix is not None:
                 kv, toks, offset = torch.cat([prefix.kv, kv], dim=3), [*prefix.token_ids, *toks], prefix.offset
             seed = plan.seeds[c] if plan.seeds else None
-            key = self.prefix_cache.content_key(seed, toks) if seed is not None else None
+            keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once, used twice)
             messages.append(Message(plan.new_ids[c], tuple(toks), kv, offset, plan.parents[c], plan.parent_offsets[c],
-                                    fingerprint or self.fingerprint, key))
-            if cache_prefill and key is not None:
-                twins.append((seed, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
+                                    fingerprint or self.fingerprint, keys[-1][1] if keys else None))
+            if cache_prefill and keys:
+                twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:
             self.store.add(messages + [t for _, t in twins])
             self.store.touch(plan.parent_ids)
-            for seed, twin in twins:
-                self.prefix_cache.insert(seed, twin)
+            for keys, twin in twins:
+                self.prefix_cache.insert(keys, twin)
             if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
                 self.prefix_cache.prune(self.store)
         return [m.id for m in messages]

@@ -56,8 +56,9 @@ class PrefixCache:
     def content_key(self, seed: bytes, tokens: Sequence[int]) -> bytes:
         return self.keys(seed, tokens)[-1][1]
 
-    def insert(self, seed: bytes, message: Message) -> None:
-        for n, key in self.keys(seed, message.token_ids):
+    def insert(self, keys: list[tuple[int, bytes]], message: Message) -> None:
+        """Index `message` under its `keys(seed, message.token_ids)`."""
+        for n, key in keys:
             self._index[key] = (message.id, n)
 
     def lookup(self, seed: bytes | None, tokens: Sequence[int], limit: int, store: MessageStore

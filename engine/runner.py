@@ -1,12 +1,12 @@
-"""Forward passes over transformers' modules with a preallocated, segment-tagged KV cache.
+"""Forward passes over transformers' modules with paged, segment-tagged KV caches.
 
-One engine call gets one WorkCache: the placed context entries (copies of parent
-messages, re-rotated to their offsets) first, then the tokens of every parallel
-call, appended as they are encoded. Each slot carries a segment id: context entry
-e has segment e, call c's own tokens have segment E + c. A query of call c may
-attend slot s iff visible[c, segment[s]] and s <= its own slot, which gives the
-choreography masks of parallel prefill (each message contiguous) and parallel
-decode (tokens interleaved) from one rule.
+One engine call gets one WorkCache (a block table in the engine's KVPool): the placed
+context entries (copies of parent messages, re-rotated to their offsets) first, then the
+tokens of every parallel call, appended as they are encoded. Each slot carries a segment
+id: context entry e has segment e, call c's own tokens have segment E + c. A query of call
+c may attend slot s iff visible[c, segment[s]] and s <= its own slot, which gives the
+choreography masks of parallel prefill (each message contiguous) and parallel decode
+(tokens interleaved) from one rule.
 """
 
 from dataclasses import dataclass
@@ -54,13 +54,9 @@ class KVPool:
 
 
 class WorkCache:
-    """KV for one engine call: logical slots 0..capacity-1 over the blocks of its table in the engine's pool
-    (or over a pool of its own when none is given)."""
+    """KV for one engine call: logical slots 0..capacity-1 over the blocks of its table in the engine's pool."""
 
-    def __init__(self, lm: LoadedModel, capacity: int, pool: KVPool | None = None, blocks: list[int] | None = None):
-        if pool is None:
-            pool = KVPool(lm, 1, max(capacity, 1))
-            blocks = [0]
+    def __init__(self, lm: LoadedModel, capacity: int, pool: KVPool, blocks: list[int]):
         self.pool, self.blocks, self.capacity = pool, blocks, capacity
         b = pool.block_tokens
         table = torch.tensor(blocks, dtype=torch.long, device=lm.device)
@@ -137,13 +133,11 @@ class _Step:
 
     def __init__(self, parts: list[_Part]):
         self.parts = parts
-        self.pool = parts[0].cache.pool
+        self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
-        self.shared_pool = all(p.cache.pool is self.pool for p in parts)
-        if self.shared_pool:  # where each row's KV goes: [rows]
-            self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])
+        self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])  # where each row's KV goes: [rows]
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None]
-        self.small = small if len(small) > 1 and self.shared_pool else []
+        self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         if not self.small:
             return
@@ -168,16 +162,12 @@ class _Step:
         self.read_index = read_index.flatten()  # [g * t]: each padded key's place in the pool
         self.mask = mask
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """This forward's new K/V rows ([1, H, rows, D] each) into their groups' caches."""
-        if self.shared_pool:
-            self.pool.kv[layer, 0].index_copy_(1, self.write_index, keys[0])
-            self.pool.kv[layer, 1].index_copy_(1, self.write_index, values[0])
-            return
-        for p in self.parts:
-            index = p.cache.index[p.slots]
-            p.cache.pool.kv[layer, 0].index_copy_(1, index, keys[0, :, p.rows])
-            p.cache.pool.kv[layer, 1].index_copy_(1, index, values[0, :, p.rows])
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        """transformers' cache seam: this forward's new K/V rows ([1, H, rows, D] each) go to their groups'
+        caches; attention then reads each group's own cache (engine.attention)."""
+        self.pool.kv[layer_idx, 0].index_copy_(1, self.write_index, key_states[0])
+        self.pool.kv[layer_idx, 1].index_copy_(1, self.write_index, value_states[0])
+        return key_states, value_states
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the shared-attention groups, padded: [groups, H, longest cache, D] each."""
@@ -187,28 +177,11 @@ class _Step:
         return kv[0], kv[1]
 
 
-class _StepCache:
-    """transformers' cache seam for one forward over several groups: the new K/V rows go to their groups'
-    caches (_Step.write); attention then reads each group's own cache."""
-
-    def __init__(self, step: _Step):
-        self.step = step
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        self.step.write(layer_idx, key_states, value_states)
-        return key_states, value_states
-
-
 class ModelRunner:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
-
-    def forward(self, cache: WorkCache, visible: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                call_of_row: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """One group alone: `step` with one input."""
-        return self.step([GroupInput(cache, visible, input_ids, positions, call_of_row, logit_rows)])[0]
 
     @torch.inference_mode()
     def step(self, groups: list[GroupInput]) -> list[torch.Tensor | None]:
@@ -233,7 +206,7 @@ class ModelRunner:
         placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
         step = _Step(parts)
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
-                           past_key_values=_StepCache(step), use_cache=True, braid_step=step)
+                           past_key_values=step, use_cache=True, braid_step=step)
         hidden = out.last_hidden_state[0]
         return [None if g.logit_rows is None else self.lm_head(hidden[p.rows][g.logit_rows]).float()
                 for g, p in zip(groups, parts)]

@@ -47,13 +47,13 @@ class _Done:
 class Group:
     """One engine call through the scheduler: its rows still to encode, its work cache, what it generated.
 
-    Built by the engine after validation. `assemble(group)` makes its work cache (parents placed) when
-    it is admitted; `commit(tokens, slots)` stores its messages and returns their ids; `release()` runs
-    once at the end whatever happened (unpins its parents). Rows are (token, position, call); a decode
-    group samples a call's next token from the logits of the call's last encoded row."""
+    Built by the engine after validation. `assemble(blocks)` makes its work cache (parents placed) over the
+    pool blocks it gets when it is admitted; `commit(tokens, slots)` stores its messages and returns their
+    ids; `release()` runs once at the end whatever happened (unpins its parents). Rows are (token, position,
+    call); a decode group samples a call's next token from the logits of the call's last encoded row."""
 
     def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
-                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[[int], WorkCache],
+                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[[list[int]], WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
                  adapter: Callable[[], AbstractContextManager] | None = None):
         self.tokens, self.offsets, self.params = tokens, offsets, params

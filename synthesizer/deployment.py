@@ -34,8 +34,7 @@ class Synthesizer:
         self.runner = SynthesisRunner(self.engine, receiver, self.agent, config)
         self.branches = BranchRunner(self.engine, colocated_worker, f"colocated-{replica}") if colocated_worker else None
         self.metrics = metrics()
-        self.metrics["store_bytes"].set(self.engine.store.used_bytes)
-        report_engine(self.engine)
+        report_engine(self.engine)  # (store bytes and the scheduler's gauges, every second)
         log.info("synthesizer %s: KV at %s, prefill %.0f tok/s", replica, receiver.address,
                  self.runner.prefill_tokens_per_s)
 
@@ -45,17 +44,11 @@ class Synthesizer:
     # Async methods: the replica takes many calls at once; each blocking runner call goes to its own thread,
     # and the engine's scheduler batches what they submit.
     async def agent_unary(self, name: str, request):
-        try:
-            return await run_in_thread(lambda: getattr(self.agent, name)(request))
-        finally:
-            self.metrics["store_bytes"].set(self.engine.store.used_bytes)
+        return await run_in_thread(lambda: getattr(self.agent, name)(request))
 
     async def agent_stream(self, name: str, request):
-        try:
-            async for item in in_thread(lambda: getattr(self.agent, name)(request)):
-                yield item
-        finally:
-            self.metrics["store_bytes"].set(self.engine.store.used_bytes)
+        async for item in in_thread(lambda: getattr(self.agent, name)(request)):
+            yield item
 
     async def run_branches(self, req: BranchRequest):
         """Colocated only: the worker role on this replica's engine."""
@@ -67,16 +60,13 @@ class Synthesizer:
     async def synthesize(self, req: SynthesisRequest):
         """Streams SynthesisOpened, then KVArrived per copied branch, AnswerToken per token, SynthesisDone."""
         m, tags = self.metrics, {"transport": req.transport}
-        try:
-            async for item in in_thread(lambda: self.runner.run(req)):
-                if isinstance(item, KVArrived):
-                    m["kv_bytes"].inc(item.bytes, tags={"transport": item.transport})
-                    m["kv_seconds"].observe(item.transfer_ms / 1e3, tags={"transport": item.transport})
-                elif isinstance(item, SynthesisDone):
-                    if item.tpot_s is not None:
-                        m["tpot"].observe(item.tpot_s, tags=tags)
-                    if not item.registered:
-                        m["control_plane_errors"].inc()
-                yield item
-        finally:
-            m["store_bytes"].set(self.engine.store.used_bytes)
+        async for item in in_thread(lambda: self.runner.run(req)):
+            if isinstance(item, KVArrived):
+                m["kv_bytes"].inc(item.bytes, tags={"transport": item.transport})
+                m["kv_seconds"].observe(item.transfer_ms / 1e3, tags={"transport": item.transport})
+            elif isinstance(item, SynthesisDone):
+                if item.tpot_s is not None:
+                    m["tpot"].observe(item.tpot_s, tags=tags)
+                if not item.registered:
+                    m["control_plane_errors"].inc()
+            yield item
