@@ -8,6 +8,7 @@ Every key carries the session TTL, renewed on use.
 """
 
 import logging
+import os
 import secrets
 import socket
 import subprocess
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import redis
 
 from braid.engine.errors import UnknownMessageError
+
+REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,9 @@ class Directory:
 
     @classmethod
     def connect(cls, url: str, session_ttl_s: int = 3600) -> "Directory":
-        return cls(redis.Redis.from_url(url, decode_responses=True), session_ttl_s)
+        """$BRAID_REDIS_PASSWORD is used when the URL carries no password (a Kubernetes Secret sets it)."""
+        return cls(redis.Redis.from_url(url, decode_responses=True, password=os.environ.get(REDIS_PASSWORD_ENV)),
+                   session_ttl_s)
 
     def create_session(self) -> str:
         sid = secrets.token_urlsafe(16)

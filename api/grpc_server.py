@@ -8,6 +8,7 @@ from concurrent import futures
 import grpc
 import redis
 
+from braid.api.auth import ApiKeys
 from braid.api.service import AgentLogic
 from braid.api.workflow import WorkflowDriver, iterate_blocking
 from braid.engine.errors import BraidError
@@ -62,10 +63,37 @@ def make_servicer(logic: AgentLogic, workflows: WorkflowDriver) -> agent_pb2_grp
     return servicer
 
 
+class KeyCheck(grpc.ServerInterceptor):
+    """Refuses every RPC without a valid API key (UNAUTHENTICATED) before its handler runs."""
+
+    def __init__(self, keys: ApiKeys):
+        self.keys = keys
+
+    def intercept_service(self, continuation, handler_call_details):
+        try:
+            self.keys.check(handler_call_details.invocation_metadata)
+        except BraidError as e:
+            handler = continuation(handler_call_details)
+            if handler is None:
+                return None
+            code, details = grpc_status(e)
+
+            def deny(request, context):
+                context.abort(code, details)
+
+            wrap = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
+                grpc.unary_unary_rpc_method_handler
+            return wrap(deny, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+        return continuation(handler_call_details)
+
+
 def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
-                 workers: int = 8):
-    """Start a gRPC server for the agent API; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+                 workers: int = 8, keys: ApiKeys | None = None):
+    """Start a gRPC server for the agent API; returns (server, bound port). `keys`: API keys every RPC
+    must carry (None: open)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         interceptors=[KeyCheck(keys)] if keys is not None else [])
     agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()

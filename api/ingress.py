@@ -5,6 +5,7 @@ import logging
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from braid.api.auth import ApiKeys
 from braid.api.directory import Directory
 from braid.api.grpc_server import grpc_status
 from braid.api.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
@@ -44,24 +45,32 @@ class ServeRoles:
 @serve.deployment(name="AgentIngress")
 class AgentIngress:
     def __init__(self, workers: DeploymentHandle, synthesizer: DeploymentHandle, config: WorkflowConfig,
-                 redis_url: str, session_ttl_s: int, model_path: str):
+                 redis_url: str, session_ttl_s: int, model_path: str, api_keys_file: str | None = None):
         from transformers import AutoTokenizer
 
         self.synth = synthesizer
+        self.keys = ApiKeys.load(api_keys_file)  # (and $BRAID_API_KEYS); None: open
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.workflows = WorkflowDriver(ServeRoles(workers, synthesizer), Directory.connect(redis_url, session_ttl_s),
                                         config, lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.workflows.metrics = metrics()
 
+    def _authenticate(self, grpc_context) -> None:
+        """Every RPC, before any work: a missing or wrong key is UNAUTHENTICATED."""
+        if self.keys is not None:
+            self.keys.check(grpc_context.invocation_metadata() if grpc_context is not None else None)
+
     # ---- session-level calls: answered by the synthesizer that holds the session's messages ----
     async def _unary(self, name, request, grpc_context):
         try:
+            self._authenticate(grpc_context)
             return await self.synth.agent_unary.remote(name, request)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             _fail(grpc_context, e)
 
     async def _stream(self, name, request, grpc_context):
         try:
+            self._authenticate(grpc_context)
             async for event in self.synth.options(stream=True).agent_stream.remote(name, request):
                 yield event
         except Exception as e:  # noqa: BLE001
@@ -92,6 +101,7 @@ class AgentIngress:
 
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
+            self._authenticate(grpc_context)
             async for event in self.workflows.run(request):
                 yield event
         except Exception as e:  # noqa: BLE001

@@ -116,7 +116,7 @@ class WorkflowDriver:
                 synth_req.branch_tokens = [done[j].token_ids for j in range(n)]
                 synth = aiter(self.roles.synthesis(synth_req))
                 await anext(synth)  # the receiver's address, unused in text mode
-            first, kv_bytes, kv_ms = None, 0, 0.0
+            first, last, kv_bytes, kv_ms = None, None, 0, 0.0
             async for item in synth:
                 if isinstance(item, KVArrived):
                     sent = done[item.branch]
@@ -129,7 +129,10 @@ class WorkflowDriver:
                         transfer_ms=item.transfer_ms,
                         transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
                 elif isinstance(item, AnswerToken):
-                    first = first or time.perf_counter()
+                    now = time.perf_counter()
+                    if self.metrics and first is not None:
+                        self.metrics["itl"].observe(now - last, tags={"transport": mode})
+                    first, last = first or now, now
                     yield pb.WorkflowEvent(synthesis_token=pb.TokenEvent(
                         token_id=item.token_id, text=item.text, finish_reason=item.finish_reason,
                         message_id=item.message_id))

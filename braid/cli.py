@@ -131,10 +131,40 @@ def serve_cmd(args) -> int:
     return 0
 
 
+def serve_config_cmd(args) -> int:
+    """Print Ray Serve's deploy config for a cluster config: what `serve deploy` runs on any Ray cluster, and
+    the `serveConfigV2` the Helm chart renders into its RayService."""
+    import json
+
+    import yaml
+
+    from braid.cluster.config import ClusterConfig
+    from braid.cluster.deploy import serve_config
+
+    if args.json_schema:
+        print(json.dumps(ClusterConfig.json_schema(), indent=2))
+        return 0
+    values = {}
+    if args.config:
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{args.config} must hold a mapping of cluster config fields")
+    for item in args.set:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
+        values[name] = yaml.safe_load(text)
+    out = serve_config(values)
+    print(json.dumps(out, indent=2) if args.format == "json" else yaml.safe_dump(out, sort_keys=False), end="")
+    return 0
+
+
 def run_cmd(args) -> int:
     """Run a parallel-synthesis workflow on a running cluster and stream its events."""
     import grpc
 
+    from braid.api.auth import client_metadata
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
 
@@ -146,7 +176,8 @@ def run_cmd(args) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         try:
-            for event in stub.RunWorkflow(request, metadata=(("application", "braid"),), timeout=args.timeout):
+            metadata = (("application", "braid"), *client_metadata(args.api_key))
+            for event in stub.RunWorkflow(request, metadata=metadata, timeout=args.timeout):
                 kind = event.WhichOneof("event")
                 if kind == "decision":
                     print(f"[transport] {pb.Transport.Name(event.decision.transport)}: {event.decision.reason}")
@@ -221,7 +252,17 @@ def main(argv=None) -> int:
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
+    p.add_argument("--api-key", help="the API key to send, when the cluster checks keys (default: $BRAID_API_KEY)")
     p.set_defaults(func=run_cmd)
+
+    p = sub.add_parser("serve-config", help="print Ray Serve's deploy config (serveConfigV2) for a cluster config",
+                       description=serve_config_cmd.__doc__)
+    p.add_argument("--config", help="a YAML or JSON file of cluster config fields (braid.cluster.config)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="set one field, its value read as YAML (repeatable; after --config)")
+    p.add_argument("--format", default="yaml", choices=["yaml", "json"], help="output format (default: yaml)")
+    p.add_argument("--json-schema", action="store_true", help="print the JSON Schema of the cluster config instead")
+    p.set_defaults(func=serve_config_cmd)
     p = sub.add_parser("eval", help="measure answer quality and TTFT of every synthesis mode on synthetic tasks",
                        description=eval_cmd.__doc__)
     p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")

@@ -3,31 +3,46 @@
 import torch
 
 from braid.api.ingress import AgentIngress
-from braid.cluster.config import ClusterConfig
+from braid.cluster.config import Autoscaling, ClusterConfig
 from braid.synthesizer.deployment import Synthesizer
 from braid.workers.deployment import Worker
 
 SERVICER = "braid.protos.agent_pb2_grpc.add_AgentServiceServicer_to_server"
+APP = "braid"  # the Serve application: clients send it as gRPC metadata `application`
+
+
+def deployment_options(replicas: int, autoscaling: Autoscaling | None, gpus: float | None,
+                       resources: dict[str, float], ongoing: int) -> dict:
+    """Serve options of one role's deployment: a GPU each when GPUs exist (unless set), a fixed replica count
+    or autoscaling, and the custom resources that pin it to a node group."""
+    if gpus is None:
+        gpus = 1 if torch.cuda.is_available() else 0
+    options = {"max_ongoing_requests": ongoing,
+               "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0, "resources": dict(resources)}}
+    if autoscaling is None:
+        options["num_replicas"] = replicas
+    else:
+        options["autoscaling_config"] = {"min_replicas": autoscaling.min_replicas,
+                                         "max_replicas": autoscaling.max_replicas,
+                                         "target_ongoing_requests": autoscaling.target_ongoing_requests}
+    return options
 
 
 def build_app(config: ClusterConfig, redis_url: str):
-    """The Serve application. Workers and the synthesizer get a GPU each when GPUs exist; colocated,
-    there are no Worker replicas: the synthesizer's replicas run the branches too (transport "local")."""
-    gpu = 1 if torch.cuda.is_available() else 0
-    engine = config.engine_config("synthesizer")
+    """The Serve application. Colocated, there are no Worker replicas: the synthesizer's replicas run the
+    branches too (transport "local")."""
     # Each replica's scheduler batches the calls it holds. Colocated, a workflow holds a synthesis call
     # (waiting for its branches) and a branch call on the same deployment: twice the room.
     ongoing = config.max_ongoing_requests * (2 if config.colocate else 1)
-    synth = Synthesizer.options(num_replicas=config.synthesizer_replicas, max_ongoing_requests=ongoing,
-                                ray_actor_options={
-        "num_gpus": gpu if config.gpus_per_synthesizer is None else config.gpus_per_synthesizer, "num_cpus": 0}).bind(
-        engine, config.synthesizer_config(), config.service_config(), redis_url, config.session_ttl_s,
-        config.worker_config() if config.colocate else None)
+    synth = Synthesizer.options(**deployment_options(
+        config.synthesizer_replicas, config.synthesizer_autoscaling, config.gpus_per_synthesizer,
+        config.synthesizer_resources, ongoing)).bind(
+        config.engine_config("synthesizer"), config.synthesizer_config(), config.service_config(), redis_url,
+        config.session_ttl_s, config.worker_config() if config.colocate else None)
     workers = synth
     if not config.colocate:
-        workers = Worker.options(num_replicas=config.worker_replicas, max_ongoing_requests=config.max_ongoing_requests,
-                                 ray_actor_options={
-            "num_gpus": gpu if config.gpus_per_worker is None else config.gpus_per_worker, "num_cpus": 0}).bind(
-            config.engine_config("worker"), config.worker_config())
+        workers = Worker.options(**deployment_options(
+            config.worker_replicas, config.worker_autoscaling, config.gpus_per_worker, config.worker_resources,
+            config.max_ongoing_requests)).bind(config.engine_config("worker"), config.worker_config())
     return AgentIngress.bind(workers, synth, config.workflow_config(), redis_url, config.session_ttl_s,
-                             config.model_path)
+                             config.model_path, config.api_keys_file)

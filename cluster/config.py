@@ -1,14 +1,33 @@
 """One validated configuration for the whole cluster; each deployment gets the part it needs."""
 
+import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass
 
 from braid.api.service import ServiceConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
+from braid.engine.config import paths_elsewhere, paths_here
 from braid.models.chat import WORKER_HEADER
 from braid.synthesizer.runner import SynthesizerConfig
 from braid.workers.runner import WorkerConfig
+
+
+@dataclass
+class Autoscaling:
+    """Serve autoscaling for one deployment: replicas between min and max, aiming at this many calls each."""
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_ongoing_requests: float = 16.0
+
+    def __post_init__(self):
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"autoscaling needs 1 <= min_replicas <= max_replicas, got {self.min_replicas} and "
+                             f"{self.max_replicas} (a session's messages live on a synthesizer replica, so never 0)")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError(f"autoscaling target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
 
 
 @dataclass
@@ -40,9 +59,16 @@ class ClusterConfig:
     grpc_port: int = 9000
     session_ttl_s: int = 3600
     worker_header: str = WORKER_HEADER  # opens each worker's answer (the reference model's chat role)
+    # Serve autoscaling instead of a fixed replica count (then *_replicas is ignored)
+    worker_autoscaling: Autoscaling | None = None
+    synthesizer_autoscaling: Autoscaling | None = None
+    # custom Ray resources each replica needs: pins a deployment to the nodes that offer them (a node group)
+    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    synthesizer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    api_keys_file: str | None = None  # API keys the agent API accepts (braid.api.auth); None: the API is open
 
     def __post_init__(self):
-        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+        if paths_here() and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ValueError(f"model_path {self.model_path!r} holds no checkpoint (no config.json)")
         for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
                      "max_ongoing_requests"):
@@ -50,11 +76,61 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
+        for name in ("gpus_per_worker", "gpus_per_synthesizer"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (or unset: 1 when CUDA is visible), got {getattr(self, name)}")
+        for name in ("worker_autoscaling", "synthesizer_autoscaling"):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, Autoscaling(**getattr(self, name)))
+        for name in ("worker_resources", "synthesizer_resources"):
+            bad = {k: v for k, v in getattr(self, name).items() if not (isinstance(v, (int, float)) and v > 0)}
+            if bad:
+                raise ValueError(f"{name} must map resource names to amounts > 0, got {bad}")
+        if paths_here() and self.api_keys_file is not None and not os.path.isfile(self.api_keys_file):
+            raise ValueError(f"api_keys_file {self.api_keys_file!r} does not exist")
+        self.kv_schedule = tuple(self.kv_schedule)
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port {self.grpc_port} is not a port number")
         # The parts validate themselves: a bad value fails here, not in a replica.
         self.engine_config(), self.worker_config(), self.synthesizer_config(), self.workflow_config()
         self.service_config()
+
+    @classmethod
+    def from_dict(cls, values: dict, paths_here: bool = True) -> "ClusterConfig":
+        """From plain values (a YAML or JSON file, Serve's application args); an unknown name is refused.
+        `paths_here=False`: the model and key files are on the machines that will run it, not on this one."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown cluster config field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        if paths_here:
+            return cls(**values)
+        with paths_elsewhere():
+            return cls(**values)
+
+    def to_dict(self) -> dict:
+        """Plain values (lists, dicts, numbers): from_dict(to_dict()) gives this config back."""
+        out = dataclasses.asdict(self)
+        out["kv_schedule"] = list(self.kv_schedule)
+        return out
+
+    @classmethod
+    def json_schema(cls) -> dict:
+        """The JSON Schema of the fields (the Helm chart's `config` values are checked against it)."""
+        hints = typing.get_type_hints(cls)
+        props = {f.name: _schema(hints[f.name]) for f in dataclasses.fields(cls)}
+        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
+                     "max_ongoing_requests", "max_batched_tokens", "default_max_tokens", "max_branches"):
+            props[name]["minimum"] = 1
+        for name in ("worker_autoscaling", "synthesizer_autoscaling"):
+            scaling = props[name]["anyOf"][0]["properties"]
+            scaling["min_replicas"]["minimum"] = scaling["max_replicas"]["minimum"] = 1
+            scaling["target_ongoing_requests"]["exclusiveMinimum"] = 0
+        for name in ("gpus_per_worker", "gpus_per_synthesizer"):
+            props[name]["anyOf"][0]["minimum"] = 0
+        props["grpc_port"].update(minimum=1, maximum=65535)
+        props["kv_transport"]["enum"] = list(TRANSPORTS)
+        return {"type": "object", "additionalProperties": False, "required": ["model_path"], "properties": props}
 
     def engine_config(self, role: str = "synthesizer") -> EngineConfig:
         """Each replica's engine: the device is picked where it runs ("auto": CUDA when visible). Only the
@@ -74,6 +150,26 @@ class ClusterConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens)
 
     def workflow_config(self) -> WorkflowConfig:
-        return WorkflowConfig(self.kv_transport, self.colocate,
-                              self.synthesizer_replicas if self.colocate else self.worker_replicas,
+        # a workflow's branches are split into one call per replica that can run them (batched on each)
+        replicas, scaling = ((self.synthesizer_replicas, self.synthesizer_autoscaling) if self.colocate
+                             else (self.worker_replicas, self.worker_autoscaling))
+        return WorkflowConfig(self.kv_transport, self.colocate, scaling.max_replicas if scaling else replicas,
                               self.default_max_tokens, self.max_branches, self.worker_header)
+
+
+def _schema(hint) -> dict:
+    """JSON Schema of one field's type hint."""
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        return {"type": "object", "additionalProperties": False,
+                "properties": {f.name: _schema(hints[f.name]) for f in dataclasses.fields(hint)}}
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [_schema(a) for a in args if a is not type(None)]
+        return {"anyOf": [*inner, {"type": "null"}]} if type(None) in args else {"anyOf": inner}
+    if origin is tuple:
+        return {"type": "array", "items": _schema(args[0])}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema(args[1])}
+    return {str: {"type": "string"}, int: {"type": "integer"}, float: {"type": "number"},
+            bool: {"type": "boolean"}}[hint]

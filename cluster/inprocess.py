@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from braid.api.auth import ApiKeys
 from braid.api.directory import Directory
 from braid.api.grpc_server import start_server
 from braid.api.service import AgentLogic, ServiceConfig
@@ -29,8 +30,10 @@ class InProcessServer:
 
 def start_in_process(engine: Engine, directory: Directory, service: ServiceConfig | None = None,
                      worker: WorkerConfig | None = None, synthesizer: SynthesizerConfig | None = None,
-                     host: str = "127.0.0.1", port: int = 0, grpc_threads: int = 64) -> InProcessServer:
-    """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs)."""
+                     host: str = "127.0.0.1", port: int = 0, grpc_threads: int = 64,
+                     keys: ApiKeys | None = None) -> InProcessServer:
+    """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs); `keys`: the API keys
+    every RPC must carry (None: open)."""
     logic = AgentLogic(engine, directory, service)
     receiver = KVReceiver(engine.fingerprint, host=host)
     synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
@@ -38,5 +41,5 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
                             worker_header=branches.config.header)
     workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize)
-    server, bound = start_server(logic, workflows, host, port, grpc_threads)
+    server, bound = start_server(logic, workflows, host, port, grpc_threads, keys)
     return InProcessServer(server, bound, logic, receiver)

@@ -7,12 +7,11 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from braid.cluster.app import SERVICER, build_app
+from braid.cluster.app import APP, SERVICER, build_app
 from braid.cluster.config import ClusterConfig
 from braid.api.directory import EmbeddedRedis
 
 log = logging.getLogger(__name__)
-APP = "braid"
 
 
 @dataclass

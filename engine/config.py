@@ -1,5 +1,7 @@
 """Engine configuration: one validated dataclass."""
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass, replace
 
@@ -7,6 +9,23 @@ import torch
 
 CALIBRATION_MANIFEST = "calibration.json"  # (engine.calibration.MANIFEST)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_PATHS_HERE = contextvars.ContextVar("braid_paths_here", default=True)
+
+
+@contextlib.contextmanager
+def paths_elsewhere():
+    """Validate configs without looking for their files: they are on the machines that will run them (a
+    Kubernetes pod's volume), not on this one. Every other check still runs."""
+    token = _PATHS_HERE.set(False)
+    try:
+        yield
+    finally:
+        _PATHS_HERE.reset(token)
+
+
+def paths_here() -> bool:
+    return _PATHS_HERE.get()
 
 
 @dataclass
@@ -29,9 +48,9 @@ class EngineConfig:
     calibration: str = "auto"
 
     def __post_init__(self):
-        if not os.path.isdir(self.model_path):
+        if paths_here() and not os.path.isdir(self.model_path):
             raise ValueError(f"model_path {self.model_path!r} is not a directory holding a checkpoint")
-        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+        if paths_here() and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ValueError(f"model_path {self.model_path!r} has no config.json")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
@@ -48,7 +67,7 @@ class EngineConfig:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
-        if self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
+        if paths_here() and self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
                                                                                           CALIBRATION_MANIFEST)):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "
                              f"(no {CALIBRATION_MANIFEST}); give one, 'auto' or 'none'")

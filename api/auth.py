@@ -1,0 +1,74 @@
+"""API keys for the agent API: loaded from a file or the environment, checked on every RPC."""
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from braid.engine.errors import BraidError
+
+ENV_KEYS = "BRAID_API_KEYS"  # comma-separated [name:]key entries, added to the file's
+ENV_CLIENT_KEY = "BRAID_API_KEY"  # the key `braid run` and `braid loadtest` send when --api-key is not given
+HEADER = "authorization"  # gRPC metadata: "Bearer <key>"
+
+
+class UnauthenticatedError(BraidError):
+    code = "UNAUTHENTICATED"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def client_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata a client adds to each call (none without a key)."""
+    key = key or os.environ.get(ENV_CLIENT_KEY)
+    return ((HEADER, f"Bearer {key}"),) if key else ()
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """Accepted keys, held as SHA-256 digests, each with a name (the key's owner, for logs and limits)."""
+    names: dict[bytes, str]
+
+    @classmethod
+    def parse(cls, entries: Iterable[str], source: str) -> "ApiKeys":
+        names = {}
+        for n, entry in enumerate(entries, 1):
+            entry = entry.strip()
+            if not entry or entry.startswith("#"):
+                continue
+            name, _, key = entry.rpartition(":")
+            if len(key) < 16:
+                raise ValueError(f"{source}, entry {n}: an API key must be at least 16 characters "
+                                 f"(make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+            names[_digest(key)] = name or f"key-{n}"
+        return cls(names)
+
+    @classmethod
+    def load(cls, path: str | None = None, env: Mapping[str, str] = os.environ) -> "ApiKeys | None":
+        """Keys from `path` (one `[name:]key` per line, # comments) and $BRAID_API_KEYS; None when neither
+        gives any, which leaves the API open."""
+        names = {}
+        if path:
+            with open(path) as f:
+                names.update(cls.parse(f.read().splitlines(), path).names)
+        if env.get(ENV_KEYS):
+            names.update(cls.parse(env[ENV_KEYS].split(","), f"${ENV_KEYS}").names)
+        return cls(names) if names else None
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """The caller's key name; UnauthenticatedError when the call carries no key or a wrong one."""
+        value = next((v for k, v in metadata or () if k.lower() == HEADER), None)
+        if value is None:
+            raise UnauthenticatedError(f"this API needs a key: send gRPC metadata '{HEADER}: Bearer <key>' "
+                                       f"(braid run --api-key, or ${ENV_CLIENT_KEY})")
+        value = value.decode() if isinstance(value, bytes) else value
+        scheme, _, key = value.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise UnauthenticatedError(f"metadata '{HEADER}' must be 'Bearer <key>'")
+        # looked up by digest: how long a lookup takes says nothing about how close a guess was
+        name = self.names.get(_digest(key.strip()))
+        if name is None:
+            raise UnauthenticatedError("the API key is not valid")
+        return name
