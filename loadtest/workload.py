@@ -4,7 +4,7 @@ import random
 from dataclasses import dataclass
 
 from braid.models.chat import turn
-from braid.models.tasks import TASKS, generate
+from braid.models.tasks import TASKS, Task, generate
 from braid.protos import agent_pb2 as pb
 
 TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, "text": pb.TRANSPORT_TEXT, "grpc": pb.TRANSPORT_GRPC,
@@ -39,9 +39,16 @@ class Workload:
         out = []
         for i in range(n):
             task = generate(rng.choice(self.tasks), self.seed * 100_003 + i, rng.choice(self.branches), self.length)
-            out.append(pb.WorkflowRequest(
-                task=turn("system", task.system), branch_prompts=[turn("user", b.context) for b in task.branches],
-                synthesis_prompt=task.prompt(), transport=TRANSPORT_CHOICES[rng.choice(self.transports)],
-                worker_sampling=pb.Sampling(max_tokens=self.worker_max_tokens),
-                synthesis_sampling=pb.Sampling(max_tokens=self.answer_max_tokens)))
+            out.append(task_request(task, pb.Sampling(max_tokens=self.worker_max_tokens),
+                                    pb.Sampling(max_tokens=self.answer_max_tokens),
+                                    TRANSPORT_CHOICES[rng.choice(self.transports)]))
         return out
+
+
+def task_request(task: Task, worker: pb.Sampling, answer: pb.Sampling,
+                 transport: int = pb.TRANSPORT_UNSPECIFIED) -> pb.WorkflowRequest:
+    """A reference task as a workflow request, in the reference model's chat turns."""
+    return pb.WorkflowRequest(task=turn("system", task.system),
+                              branch_prompts=[turn("user", b.context) for b in task.branches],
+                              synthesis_prompt=task.prompt(), transport=transport, worker_sampling=worker,
+                              synthesis_sampling=answer)
