@@ -1,4 +1,5 @@
-"""API keys for the agent API: loaded from a file or the environment, checked on every RPC."""
+"""API keys for the agent API (loaded from a file or the environment, checked on every RPC), and what a client
+sends: its key, and TLS where the API sits behind a TLS endpoint."""
 
 import hashlib
 import os
@@ -26,6 +27,19 @@ def client_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {key}"),) if key else ()
 
 
+def client_credentials(tls: bool, ca_cert: str | None = None):
+    """TLS channel credentials (the system's roots, or `ca_cert`'s PEM), or None for a plaintext channel."""
+    import grpc
+
+    if not tls and not ca_cert:
+        return None
+    roots = None
+    if ca_cert:
+        with open(ca_cert, "rb") as f:
+            roots = f.read()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 @dataclass(frozen=True)
 class ApiKeys:
     """Accepted keys, held as SHA-256 digests, each with a name (the key's owner, for logs and limits)."""
@@ -47,12 +61,15 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: str | None = None, env: Mapping[str, str] = os.environ) -> "ApiKeys | None":
-        """Keys from `path` (one `[name:]key` per line, # comments) and $BRAID_API_KEYS; None when neither
-        gives any, which leaves the API open."""
+        """Keys from `path` (one `[name:]key` per line, # comments) and $BRAID_API_KEYS; None when neither is
+        given, which leaves the API open. A file given without a key is refused: it must not open the API."""
         names = {}
         if path:
             with open(path) as f:
                 names.update(cls.parse(f.read().splitlines(), path).names)
+            if not names:
+                raise ValueError(f"API key file {path} holds no key: add `[name:]key` lines, or give no file to "
+                                 f"leave the API open")
         if env.get(ENV_KEYS):
             names.update(cls.parse(env[ENV_KEYS].split(","), f"${ENV_KEYS}").names)
         return cls(names) if names else None

@@ -33,7 +33,7 @@ PANELS = (
           (("sum by (deployment) (ray_braid_scheduler_waiting)", "waiting {{deployment}}"),
            ("sum by (deployment) (ray_braid_scheduler_running)", "running {{deployment}}"))),
     Panel("Paged work KV", "bytes", (("sum by (deployment) (ray_braid_work_kv_bytes)", "{{deployment}}"),)),
-    Panel("Prefix cache hit rate", "percentunit",
+    Panel("Prefix cache hit ratio since each replica started", "percentunit",
           (("sum by (deployment) (ray_braid_prefix_cache_hits) / clamp_min(sum by (deployment) "
             "(ray_braid_prefix_cache_hits + ray_braid_prefix_cache_misses), 1)", "{{deployment}}"),)),
 )

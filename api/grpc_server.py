@@ -89,13 +89,17 @@ class KeyCheck(grpc.ServerInterceptor):
 
 
 def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
-                 workers: int = 8, keys: ApiKeys | None = None):
+                 workers: int = 8, keys: ApiKeys | None = None, tls: tuple[str, str] | None = None):
     """Start a gRPC server for the agent API; returns (server, bound port). `keys`: API keys every RPC
-    must carry (None: open)."""
+    must carry (None: open); `tls`: (certificate chain, private key) PEM files to serve TLS with."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=[KeyCheck(keys)] if keys is not None else [])
     agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        chain, key = (open(path, "rb").read() for path in tls)
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, chain)]))
     server.start()
     log.info("agent API on %s:%d", host, bound)
     return server, bound

@@ -13,7 +13,6 @@ Prints which node ran what, the KV bytes that crossed and both answers; writes J
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 
@@ -22,6 +21,7 @@ import yaml
 
 from braid.api.directory import Directory, EmbeddedRedis
 from braid.cluster.inprocess import start_in_process
+from braid.cluster.local import free_port
 from braid.cluster.multinode import NodeGroup, placement, serve_deploy, start_multinode
 from braid.engine import Engine, EngineConfig
 from braid.models import REFERENCE_MODEL
@@ -33,11 +33,6 @@ from braid.results import pyplot, write_json
 
 CHART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helm", "braid")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def render_chart(values: dict) -> tuple[dict, dict]:

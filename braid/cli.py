@@ -164,7 +164,7 @@ def run_cmd(args) -> int:
     """Run a parallel-synthesis workflow on a running cluster and stream its events."""
     import grpc
 
-    from braid.api.auth import client_metadata
+    from braid.api.auth import client_credentials, client_metadata
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
 
@@ -173,7 +173,9 @@ def run_cmd(args) -> int:
                                  worker_sampling=sampling, synthesis_sampling=sampling,
                                  transport=pb.Transport.Value(f"TRANSPORT_{args.transport.upper()}"),
                                  placement=args.placement)
-    with grpc.insecure_channel(args.address) as channel:
+    credentials = client_credentials(args.tls, args.ca_cert)
+    channel = grpc.secure_channel(args.address, credentials) if credentials else grpc.insecure_channel(args.address)
+    with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         try:
             metadata = (("application", "braid"), *client_metadata(args.api_key))
@@ -253,6 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
     p.add_argument("--api-key", help="the API key to send, when the cluster checks keys (default: $BRAID_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS (an Ingress that terminates it)")
+    p.add_argument("--ca-cert", help="PEM file of the CA to trust for --tls (default: the system's roots)")
     p.set_defaults(func=run_cmd)
 
     p = sub.add_parser("serve-config", help="print Ray Serve's deploy config (serveConfigV2) for a cluster config",

@@ -15,12 +15,25 @@ from braid.synthesizer.runner import SynthesizerConfig
 from braid.workers.runner import WorkerConfig
 
 
+# fields that must be >= 1 (checked here and in the JSON Schema the Helm chart's values are checked against)
+AT_LEAST_ONE = ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
+                "max_ongoing_requests", "max_batched_tokens", "default_max_tokens", "max_branches")
+
+
 @dataclass
 class Autoscaling:
     """Serve autoscaling for one deployment: replicas between min and max, aiming at this many calls each."""
-    min_replicas: int = 1
-    max_replicas: int = 4
+    min_replicas: int
+    max_replicas: int
     target_ongoing_requests: float = 16.0
+
+    @classmethod
+    def from_dict(cls, values: dict, name: str) -> "Autoscaling":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or set(values) - fields or not {"min_replicas", "max_replicas"} <= set(values):
+            raise ValueError(f"{name} takes min_replicas and max_replicas (and optionally target_ongoing_requests), "
+                             f"got {values!r}")
+        return cls(**values)
 
     def __post_init__(self):
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -36,7 +49,8 @@ class ClusterConfig:
     colocate: bool = False  # one engine per replica runs workers and synthesis: KV reused in place, no copy
     worker_replicas: int = 1
     synthesizer_replicas: int = 1
-    gpus_per_worker: float | None = None  # None: 1 when CUDA is visible, else 0 (CPU)
+    # None: 1 when CUDA is visible where the app is built, else 0 (set it when that node may differ from the replicas')
+    gpus_per_worker: float | None = None
     gpus_per_synthesizer: float | None = None
     dtype: str = "auto"
     # the synthesizer's calibration (braid calibrate): "auto" loads <model_path>/calibration when it is there;
@@ -70,8 +84,7 @@ class ClusterConfig:
     def __post_init__(self):
         if paths_here() and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ValueError(f"model_path {self.model_path!r} holds no checkpoint (no config.json)")
-        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
-                     "max_ongoing_requests"):
+        for name in AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
@@ -80,10 +93,11 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (or unset: 1 when CUDA is visible), got {getattr(self, name)}")
         for name in ("worker_autoscaling", "synthesizer_autoscaling"):
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, Autoscaling(**getattr(self, name)))
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Autoscaling):
+                setattr(self, name, Autoscaling.from_dict(getattr(self, name), name))
         for name in ("worker_resources", "synthesizer_resources"):
-            bad = {k: v for k, v in getattr(self, name).items() if not (isinstance(v, (int, float)) and v > 0)}
+            bad = {k: v for k, v in getattr(self, name).items()
+                   if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0)}
             if bad:
                 raise ValueError(f"{name} must map resource names to amounts > 0, got {bad}")
         if paths_here() and self.api_keys_file is not None and not os.path.isfile(self.api_keys_file):
@@ -96,31 +110,24 @@ class ClusterConfig:
         self.service_config()
 
     @classmethod
-    def from_dict(cls, values: dict, paths_here: bool = True) -> "ClusterConfig":
+    def from_dict(cls, values: dict, local_paths: bool = True) -> "ClusterConfig":
         """From plain values (a YAML or JSON file, Serve's application args); an unknown name is refused.
-        `paths_here=False`: the model and key files are on the machines that will run it, not on this one."""
+        `local_paths=False`: the model and key files are on the machines that will run it, not on this one."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown cluster config field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        if paths_here:
+        if local_paths:
             return cls(**values)
         with paths_elsewhere():
             return cls(**values)
-
-    def to_dict(self) -> dict:
-        """Plain values (lists, dicts, numbers): from_dict(to_dict()) gives this config back."""
-        out = dataclasses.asdict(self)
-        out["kv_schedule"] = list(self.kv_schedule)
-        return out
 
     @classmethod
     def json_schema(cls) -> dict:
         """The JSON Schema of the fields (the Helm chart's `config` values are checked against it)."""
         hints = typing.get_type_hints(cls)
         props = {f.name: _schema(hints[f.name]) for f in dataclasses.fields(cls)}
-        for name in ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
-                     "max_ongoing_requests", "max_batched_tokens", "default_max_tokens", "max_branches"):
+        for name in AT_LEAST_ONE:
             props[name]["minimum"] = 1
         for name in ("worker_autoscaling", "synthesizer_autoscaling"):
             scaling = props[name]["anyOf"][0]["properties"]
@@ -160,9 +167,10 @@ class ClusterConfig:
 def _schema(hint) -> dict:
     """JSON Schema of one field's type hint."""
     if dataclasses.is_dataclass(hint):
-        hints = typing.get_type_hints(hint)
+        hints, fields = typing.get_type_hints(hint), dataclasses.fields(hint)
         return {"type": "object", "additionalProperties": False,
-                "properties": {f.name: _schema(hints[f.name]) for f in dataclasses.fields(hint)}}
+                "properties": {f.name: _schema(hints[f.name]) for f in fields},
+                "required": [f.name for f in fields if f.default is dataclasses.MISSING]}
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [_schema(a) for a in args if a is not type(None)]

@@ -31,9 +31,9 @@ class InProcessServer:
 def start_in_process(engine: Engine, directory: Directory, service: ServiceConfig | None = None,
                      worker: WorkerConfig | None = None, synthesizer: SynthesizerConfig | None = None,
                      host: str = "127.0.0.1", port: int = 0, grpc_threads: int = 64,
-                     keys: ApiKeys | None = None) -> InProcessServer:
+                     keys: ApiKeys | None = None, tls: tuple[str, str] | None = None) -> InProcessServer:
     """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs); `keys`: the API keys
-    every RPC must carry (None: open)."""
+    every RPC must carry (None: open); `tls`: (certificate chain, private key) PEM files."""
     logic = AgentLogic(engine, directory, service)
     receiver = KVReceiver(engine.fingerprint, host=host)
     synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
@@ -41,5 +41,5 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
                             worker_header=branches.config.header)
     workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize)
-    server, bound = start_server(logic, workflows, host, port, grpc_threads, keys)
+    server, bound = start_server(logic, workflows, host, port, grpc_threads, keys, tls)
     return InProcessServer(server, bound, logic, receiver)

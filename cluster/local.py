@@ -1,6 +1,7 @@
 """Starting the cluster on a local Ray: `braid serve`, the tests and the benchmarks share this."""
 
 import logging
+import socket
 from dataclasses import dataclass
 
 import ray
@@ -12,6 +13,13 @@ from braid.cluster.config import ClusterConfig
 from braid.api.directory import EmbeddedRedis
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for local clusters, tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

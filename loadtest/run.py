@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from braid.api.auth import client_metadata
+from braid.api.auth import client_credentials, client_metadata
 from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
 from braid.loadtest.workload import TRANSPORT_CHOICES, Workload
 from braid.protos import agent_pb2 as pb
@@ -48,12 +48,13 @@ async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem,
 async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int = 0, timeout: float = 600, seed: int = 0,
                    application: str = "braid", progress: bool = True,
-                   api_key: str | None = None) -> tuple[list[RequestRecord], float]:
+                   api_key: str | None = None, credentials=None) -> tuple[list[RequestRecord], float]:
     """Send every request; returns each one's record and the run's duration (first send to last end)."""
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency or len(requests))
     metadata = (("application", application), *client_metadata(api_key))
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
+    async with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
             start, tasks = time.perf_counter(), []
@@ -96,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
     p.add_argument("--application", default="braid", help="Serve application metadata (default: braid)")
     p.add_argument("--api-key", help="the API key to send, when the cluster checks keys (default: $BRAID_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS (an Ingress that terminates it)")
+    p.add_argument("--ca-cert", help="PEM file of the CA to trust for --tls (default: the system's roots)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second (default: inf, all at once under --max-concurrency)")
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
         return 2
     records, duration = asyncio.run(run_load(args.address, workload.requests(args.num_prompts), args.request_rate,
                                              args.burstiness, args.max_concurrency, args.timeout, args.seed,
-                                             args.application, api_key=args.api_key))
+                                             args.application, api_key=args.api_key,
+                                             credentials=client_credentials(args.tls, args.ca_cert)))
     summary = summarize(records, duration, slos)
     print(format_summary(summary))
     if args.json:

@@ -1,7 +1,6 @@
 """The cluster on a real local Ray, Serve's gRPC proxy and a real Redis, on CPU."""
 
 import os
-import socket
 import time
 
 import grpc
@@ -9,7 +8,7 @@ import pytest
 import ray
 
 from braid.cluster.config import ClusterConfig
-from braid.cluster.local import start_local_cluster
+from braid.cluster.local import free_port, start_local_cluster
 from braid.engine.calibration import Calibration
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.synthesis import synthesize, synthesize_text
@@ -21,11 +20,6 @@ from braid.train.calibrate import write_untrained
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
 METADATA = (("application", "braid"),)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +179,10 @@ def test_metrics_reach_the_prometheus_export(cluster):
 
 
 def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
-    """A second app on the same Serve: no Worker replicas, one engine does both jobs."""
+    """A second app on the same Serve: no Worker replicas, one engine does both jobs; it checks API keys."""
     from ray import serve
 
+    from braid.api.auth import client_metadata
     from braid.cluster.app import build_app
 
     stub, config, _, _, local = cluster
@@ -195,13 +190,22 @@ def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
     # bit for bit), recorded as verified up to 3 branches, which lets `auto` reuse the KV in place
     calibration = write_untrained(config.model_path, str(tmp_path / "calibration"))
     Calibration.load(calibration).record_verification({"mode": "calibrated", "max_branches": 3})
-    colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port, calibration=calibration)
+    keys = tmp_path / "keys"
+    keys.write_text("ci:0123456789abcdef0123\n")
+    colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port, calibration=calibration,
+                              api_keys_file=str(keys))
     serve.run(build_app(colocated, local.redis_url), name="braid-colocated", route_prefix="/colocated")
     try:
         task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
-        events = list(stub.RunWorkflow(pb.WorkflowRequest(
-            task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
-            synthesis_sampling=GREEDY), metadata=(("application", "braid-colocated"),), timeout=120))
+        request = pb.WorkflowRequest(task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:",
+                                     worker_sampling=GREEDY, synthesis_sampling=GREEDY)
+        app = (("application", "braid-colocated"),)
+        for call in (lambda: stub.Health(pb.HealthRequest(), metadata=app),
+                     lambda: list(stub.RunWorkflow(request, metadata=app, timeout=60))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "needs a key" in err.value.details()
+        events = list(stub.RunWorkflow(request, metadata=app + client_metadata("0123456789abcdef0123"), timeout=120))
         decision = next(e.decision for e in events if e.HasField("decision"))
         assert decision.transport == pb.TRANSPORT_LOCAL and not any(e.HasField("kv_receipt") for e in events)
         assert f"calibration {calibration}" in decision.reason

@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 
 import helm_python as helm
 import jsonschema
@@ -130,6 +129,9 @@ def test_dashboard_is_generated_and_queries_only_metrics_braid_exports():
     ({"redis": {"mode": "external"}}, "redis.external.url is required"),
     ({"config": {"gpus_per_worker": 1}}, "workerGroups.workers.gpus is 0"),
     ({"grpcPort": 70000}, "/grpcPort"),
+    ({"config": {"worker_autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+     "config.worker_autoscaling: min_replicas (3) is above max_replicas (2)"),
+    ({"config": {"synthesizer_autoscaling": {}}}, "missing properties 'min_replicas', 'max_replicas'"),
 ])
 def test_bad_values_fail_at_render_naming_the_value(values, message):
     with pytest.raises(helm.HelmError) as e:
@@ -150,8 +152,9 @@ def test_the_chart_wires_keys_redis_and_gpus_where_they_are_used():
         assert env["BRAID_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "braid-redis", "key": "password"}
         assert template["spec"]["volumes"][-2]["hostPath"]["path"] == "/mnt/models/braid-reference"
     # one Redis for the control plane and GCS fault tolerance; external: no StatefulSet
-    assert config["redis_url"] == cluster["gcsFaultToleranceOptions"]["redisAddress"] \
-        == "redis://redis.infra.svc.cluster.local:6379/2"
+    assert config["redis_url"] == "redis://redis.infra.svc.cluster.local:6379/2"
+    gcs = cluster["gcsFaultToleranceOptions"]["redisAddress"]  # Ray takes host:port: no scheme, database, password
+    assert gcs == "redis.infra.svc.cluster.local:6379" and int(gcs.rsplit(":", 1)[1]) == 6379
     assert cluster["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"]["name"] == "braid-redis"
     assert not [d for d in docs if d["kind"] == "StatefulSet"] and cluster["authOptions"]["mode"] == "token"
     ingress = one(docs, "Ingress")
@@ -159,6 +162,11 @@ def test_the_chart_wires_keys_redis_and_gpus_where_they_are_used():
     assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == \
         one(docs, "Service")["metadata"]["name"]
     assert one(docs, "PodMonitor")["metadata"]["labels"]["release"] == "prometheus"
+    # only this release's pods reach the Ray ports and Redis; the agent API and metrics are open
+    policies = {d["metadata"]["name"]: d for d in render() if d["kind"] == "NetworkPolicy"}
+    ray_policy = policies["braid-ray"]["spec"]["ingress"]
+    assert ray_policy[0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "braid"
+    assert {p["port"] for p in ray_policy[1]["ports"]} == {9000, 8080} and "braid-redis" in policies
 
     gpu = render(example("gpu.yaml"))
     groups = {g["groupName"]: g for g in one(gpu, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
@@ -181,7 +189,7 @@ def test_autoscaling_and_colocated_shapes():
     # 1-4 worker replicas at 2 a pod: 1-2 pods; 1-2 synthesizers at 1 a pod
     assert (groups["workers"]["minReplicas"], groups["workers"]["maxReplicas"]) == (1, 2)
     assert (groups["synthesizers"]["minReplicas"], groups["synthesizers"]["maxReplicas"]) == (1, 2)
-    config = ClusterConfig.from_dict(serve_config(docs)["applications"][0]["args"]["config"], paths_here=False)
+    config = ClusterConfig.from_dict(serve_config(docs)["applications"][0]["args"]["config"], local_paths=False)
     assert config.worker_autoscaling.max_replicas == 4 and config.workflow_config().branch_groups == 4
 
     colocated = render(example("colocated.yaml"))
@@ -203,5 +211,19 @@ def test_serve_config_cli_refuses_what_a_replica_would():
         assert message in err.getvalue(), err.getvalue()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+
+def test_image_and_chart_match_the_package():
+    """The Dockerfile copies every package folder and pins torch as pyproject does; the chart's rayVersion is
+    the ray the package pins (KubeRay starts that version's `ray start` in the image)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "..", "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    with open(os.path.join(ROOT, "..", "Dockerfile")) as f:
+        dockerfile = f.read()
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ") and "--from" not in line}
+    assert set(project["tool"]["setuptools"]["package-dir"].values()) <= copied
+    pins = dict(d.split("==") for d in project["project"]["dependencies"] if "==" in d)
+    assert dockerfile.count(f"torch=={pins['torch']}") == 2
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        assert yaml.safe_load(f)["rayVersion"] == pins["ray[serve]"]

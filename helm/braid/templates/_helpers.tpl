@@ -25,9 +25,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- else -}}redis://{{ include "braid.redisHost" . }}:6379/0{{- end -}}
 {{- end -}}
 
-{{/* GCS fault tolerance takes host:port or a redis:// address. */}}
+{{/* GCS fault tolerance takes host:port (rediss:// kept for TLS): no database, no password in it. */}}
 {{- define "braid.redisAddress" -}}
-{{- if eq .Values.redis.mode "external" -}}{{ include "braid.redisUrl" . }}
+{{- if eq .Values.redis.mode "external" -}}
+{{- $url := urlParse (include "braid.redisUrl" .) -}}
+{{- if eq $url.scheme "rediss" }}rediss://{{ end }}{{ $url.host | splitList "@" | last -}}
 {{- else -}}{{ include "braid.redisHost" . }}:6379{{- end -}}
 {{- end -}}
 
@@ -42,6 +44,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if .Values.apiKeys.secretName -}}{{- $_ := set $c "api_keys_file" (include "braid.apiKeysFile" .) -}}{{- end -}}
 {{- $_ := set $c "synthesizer_resources" (dict "braid_synthesizer" 1) -}}
 {{- if not $c.colocate -}}{{- $_ := set $c "worker_resources" (dict "braid_worker" 1) -}}{{- end -}}
+{{- /* GPUs per replica decided here, from the groups' GPUs, not on whichever node builds the app */ -}}
+{{- range $key, $group := dict "gpus_per_synthesizer" "synthesizers" "gpus_per_worker" "workers" -}}
+{{- if not (hasKey $c $key) -}}{{- $_ := set $c $key (include "braid.gpusEach" (dict "root" $ "key" $key "group" $group) | atoi) -}}{{- end -}}
+{{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
 
@@ -140,4 +146,12 @@ spec:
   - name: api-keys
     secret: {secretName: {{ $root.Values.apiKeys.secretName }}}
   {{- end }}
+{{- end -}}
+
+
+{{/* GPUs each replica of a role takes: config.gpus_per_<role> when set, else 1 when its group has GPUs. */}}
+{{- define "braid.gpusEach" -}}
+{{- $set := index .root.Values.config .key -}}
+{{- if hasKey .root.Values.config .key -}}{{ $set }}
+{{- else -}}{{ ternary 1 0 (gt (int (index .root.Values.workerGroups .group).gpus) 0) }}{{- end -}}
 {{- end -}}

@@ -1,0 +1,115 @@
+"""API keys on every RPC of the agent API, and TLS, over a real gRPC server, a real Redis and `braid run`."""
+
+import contextlib
+import datetime
+import io
+
+import grpc
+import pytest
+
+from braid.api.auth import ApiKeys, client_metadata
+from braid.api.directory import Directory, EmbeddedRedis
+from braid.cli import main as braid_main
+from braid.cluster.inprocess import start_in_process
+from braid.engine import Engine, EngineConfig
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+
+ALICE, BOB = "k-alice-0123456789abcdef", "k-bob-0123456789abcdef"
+
+
+def self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "braid-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auth")
+    keys_file = tmp / "keys"
+    keys_file.write_text(f"# team keys\nalice:{ALICE}\n{BOB}\n")
+    cert, key = self_signed(tmp)
+    redis = EmbeddedRedis()
+    engine = Engine(EngineConfig(checkpoint("llama")))
+    srv = start_in_process(engine, Directory.connect(redis.url), keys=ApiKeys.load(str(keys_file), env={}),
+                           tls=(cert, key))
+    credentials = grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())
+    channel = grpc.secure_channel(f"127.0.0.1:{srv.port}", credentials)
+    yield agent_pb2_grpc.AgentServiceStub(channel), srv, cert
+    channel.close()
+    srv.stop()
+    redis.stop()
+
+
+def status(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        list(result) if hasattr(result, "__iter__") else result
+    return err.value.code(), err.value.details()
+
+
+def test_every_rpc_needs_a_valid_key(server):
+    stub, *_ = server
+    workflow = pb.WorkflowRequest(task="User: add.", branch_prompts=["Part 3."], synthesis_prompt="Synthesizer:",
+                                  worker_sampling=pb.Sampling(max_tokens=2), synthesis_sampling=pb.Sampling(max_tokens=2))
+    for metadata, message in [((), "this API needs a key"), ((("authorization", "Bearer wrong-key-0123456789"),),
+                                                                   "not valid"),
+                              ((("authorization", ALICE),), "must be 'Bearer <key>'")]:
+        for call in (lambda: stub.Health(pb.HealthRequest(), metadata=metadata),
+                     lambda: stub.ListSessions(pb.ListSessionsRequest(), metadata=metadata),
+                     lambda: stub.RunWorkflow(workflow, metadata=metadata)):
+            code, details = status(call)
+            assert code == grpc.StatusCode.UNAUTHENTICATED and message in details
+    # both keys (named and unnamed) work, unary and streaming, and the server kept serving throughout
+    assert stub.Health(pb.HealthRequest(), metadata=client_metadata(ALICE)).model_fingerprint
+    events = list(stub.RunWorkflow(workflow, metadata=client_metadata(BOB), timeout=60))
+    assert events[-1].HasField("done")
+
+
+def test_braid_run_sends_its_key_over_tls(server, monkeypatch):
+    _, srv, cert = server
+    argv = ["run", "--address", f"127.0.0.1:{srv.port}", "--tls", "--ca-cert", cert, "--task", "User: add.",
+            "--branch", "Part 3.", "--prompt", "Synthesizer:", "--max-tokens", "2", "--transport", "text"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert braid_main(argv) == 1
+    assert "UNAUTHENTICATED" in err.getvalue()
+    monkeypatch.setenv("BRAID_API_KEY", ALICE)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert braid_main(argv) == 0
+    assert "[done]" in out.getvalue()
+
+
+def test_key_sources_and_bad_key_files(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing yet\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        ApiKeys.load(str(empty), env={})
+    short = tmp_path / "short"
+    short.write_text("ops:tooshort\n")
+    with pytest.raises(ValueError, match="entry 1: an API key must be at least 16 characters"):
+        ApiKeys.load(str(short), env={})
+    assert ApiKeys.load(None, env={}) is None  # nothing given: the API is open
+    keys = ApiKeys.load(None, env={"BRAID_API_KEYS": f"ci:{ALICE},{BOB}"})
+    assert keys.check(client_metadata(ALICE)) == "ci" and keys.check(client_metadata(BOB)) == "key-2"
