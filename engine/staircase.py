@@ -1,0 +1,303 @@
+"""Staircase streaming (seed 003): the aggregator answers from the branches' first chunks and takes in later
+chunks as they arrive, from their text or their KV, re-prefilled into each branch's slot or appended after its
+own output so far.
+
+A round: wait for the branch chunks the schedule asks for, take in what every branch has decoded up to its
+last chunk boundary (all of it once it ended), then decode one aggregator chunk. Round 0 waits for the first
+chunk of m - r branches (`redundancy` r skips the slowest); every later round waits until each live branch has
+a new chunk or has ended, as the seed's aggregator does.
+
+Two variants:
+- re-prefill: each round is one synthesis over every branch's tokens so far, each in its own slot, with the
+  prompt and the answer so far as the header (recomputed; the prefix cache reuses what it can);
+- append: the new chunks go after the aggregator's output so far, one after another, then a short
+  continuation header; nothing before is recomputed. In KV mode the chunks' keys are re-rotated there, with
+  the calibration's mapper and adapter applied when a mode carries them.
+"""
+
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from braid.engine.engine import DecodeCall, Engine, TokenEvent, Tokens
+from braid.engine.errors import BraidError
+from braid.engine.sampling import SamplingParams
+from braid.engine.synthesis import Placement, SynthesisMode, synthesis_stream
+from braid.engine.workflow import BranchStream
+
+
+@dataclass(frozen=True)
+class StaircaseSchedule:
+    """Chunk sizes (the last repeats) for the proposers and the aggregator, and the first round's redundancy."""
+    proposer: tuple[int, ...] = (8, 128, 256)
+    aggregator: tuple[int, ...] = (8, 128)
+    redundancy: int = 0  # round 0 waits for m - redundancy branches' first chunk
+
+    def __post_init__(self):
+        for name in ("proposer", "aggregator"):
+            sizes = tuple(getattr(self, name))
+            if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+                raise BraidError(f"staircase {name} chunk sizes must be positive integers, got {sizes}")
+            object.__setattr__(self, name, sizes)
+        if self.redundancy < 0:
+            raise BraidError(f"staircase redundancy must be >= 0, got {self.redundancy}")
+
+    def quorum(self, branches: int) -> int:
+        """Branches whose first chunk round 0 waits for."""
+        if self.redundancy >= branches:
+            raise BraidError(f"staircase redundancy {self.redundancy} leaves no branch to wait for: this request "
+                             f"has {branches}")
+        return branches - self.redundancy
+
+    def boundary(self, available: int) -> int:
+        """The last proposer chunk boundary at or below `available` tokens (0 before the first chunk)."""
+        at, k = 0, 0
+        while True:
+            size = self.proposer[min(k, len(self.proposer) - 1)]
+            if at + size > available:
+                return at
+            at, k = at + size, k + 1
+
+    def aggregator_chunk(self, round_: int) -> int:
+        return self.aggregator[min(round_, len(self.aggregator) - 1)]
+
+
+class Variant(str, Enum):
+    REPREFILL = "reprefill"
+    APPEND = "append"
+
+
+@dataclass
+class RoundTaken:
+    """What one aggregator round saw: per branch, the token range [start, end) of its message taken in."""
+    round: int
+    chunks: dict[int, tuple[int, int]]
+
+
+@dataclass
+class StaircaseResult:
+    answer: list[int] = field(default_factory=list)
+    rounds: list[RoundTaken] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)  # branches that failed mid-stream, with why
+    message_ids: list[str] = field(default_factory=list)  # the aggregator's messages (append: one per round)
+
+
+class BranchFeed:
+    """The branches of one or more fan-outs (a fan-out per worker call), numbered in order, as the aggregator
+    sees them while they decode: how many of each branch message's tokens have KV, which have ended, which
+    failed. Each fan-out runs in its own thread; one that fails, or stops without finishing its branches,
+    fails only its own branches."""
+
+    def __init__(self, fan_outs: Sequence[BranchStream]):
+        self.where = [(s, j) for s in fan_outs for j in range(len(s))]  # branch -> (fan-out, its index there)
+        self.ended = [False] * len(self.where)
+        self.length = [None] * len(self.where)  # an ended branch's message length (its last token's KV comes a
+        # step after its last event)
+        self.failed: dict[int, str] = {}
+        self.cv = threading.Condition()
+        self.threads = []
+        first = 0
+        for stream in fan_outs:
+            thread = threading.Thread(target=self._pump, args=(stream, first), daemon=True, name="staircase-feed")
+            thread.start()
+            self.threads.append(thread)
+            first += len(stream)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def _pump(self, stream: BranchStream, first: int) -> None:
+        why = "its worker call stopped before the branch finished"
+        header = len(stream.engine.tokenize(stream.header) if isinstance(stream.header, str) else stream.header)
+        counts = [0] * len(stream)
+        try:
+            for event in stream:
+                with self.cv:
+                    counts[event.call] += 1
+                    if event.finish_reason is not None:
+                        self.ended[first + event.call] = True
+                        self.length[first + event.call] = header + counts[event.call]
+                    self.cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported as the branches' failure
+            why = f"{type(e).__name__}: {e}"
+        with self.cv:
+            for j in range(first, first + len(stream)):
+                if not self.ended[j]:
+                    self.failed[j] = why
+            self.cv.notify_all()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+
+    def available(self, branch: int) -> int:
+        stream, j = self.where[branch]
+        return stream.encoded(j) if stream.decode is not None else 0
+
+    def live(self, branch: int) -> bool:
+        return not self.ended[branch] and branch not in self.failed
+
+    def settled(self, branch: int) -> bool:
+        """Failed, or ended with every token's KV in place: nothing more will come from it."""
+        return branch in self.failed or (self.ended[branch] and self.available(branch) >= self.length[branch])
+
+    def wait(self, ready, timeout_s: float) -> None:
+        """Until ready() (called under the lock, re-checked on each token), or BraidError at the timeout."""
+        with self.cv:
+            if not self.cv.wait_for(ready, timeout=timeout_s):
+                raise BraidError(f"staircase: branches gave no chunk within {timeout_s:.0f}s")
+
+    def readable(self, branch: int, end: int) -> bool:
+        """Whether tokens up to `end` can still be read (a call failing just now stored nothing): if not, the
+        branch is failed from here on."""
+        stream, j = self.where[branch]
+        try:
+            stream.partial_kv(j, end - 1, end)
+            return True
+        except BraidError as e:
+            with self.cv:
+                self.failed.setdefault(branch, str(e))
+            return False
+
+    def chunk(self, branch: int, start: int, end: int) -> tuple[list[int], torch.Tensor, int]:
+        """Tokens [start, end) of the branch message, their KV and the position the first was encoded at."""
+        stream, j = self.where[branch]
+        tokens, kv = stream.partial_kv(j, start, end)
+        return tokens, kv, stream.offsets[j] + start
+
+
+def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence[str] = (),
+              schedule: StaircaseSchedule = StaircaseSchedule(), variant: Variant = Variant.REPREFILL,
+              mode: SynthesisMode = SynthesisMode(), sampling: SamplingParams = SamplingParams(),
+              continue_header: Tokens = "", timeout_s: float = 120.0,
+              result: StaircaseResult | None = None) -> Iterator[TokenEvent | RoundTaken]:
+    """Yields each round's RoundTaken, then its answer tokens; `result` collects the whole run. `mode`: text
+    (placement None) or KV re-encoded to its placement (append always places chunks one after another, the
+    positions text would give them); `continue_header`: the tokens that resume the answer after appended
+    chunks (append only; default the prompt's last token)."""
+    result = result if result is not None else StaircaseResult()
+    m = len(feed)
+    quorum = schedule.quorum(m)
+    prompt_ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    resume = (engine.tokenize(continue_header) if isinstance(continue_header, str) else list(continue_header)) \
+        or prompt_ids[-1:]
+    taken = [0] * m
+    held: list[str] = []  # imported chunks and the aggregator's earlier rounds (append), freed at the end
+    # the append variant's growing context: parents with their offsets (None: where stored), where it ends, and
+    # which branch each imported chunk came from (the mapper calibrates every chunk, each round)
+    parents, offsets = list(prefix), [None] * len(prefix)
+    end = max((engine.message(p).end for p in prefix), default=0)
+    chunk_branch: dict[str, int] = {}
+    slots: dict[int, str | list[int]] = {}  # re-prefill: each branch's tokens so far (text) or their message (KV)
+
+    def target(j: int) -> int:
+        """How far branch j can be taken in now: all of it once settled, else its last whole chunk."""
+        if j in feed.failed:
+            return taken[j]
+        return feed.length[j] if feed.settled(j) else max(taken[j], schedule.boundary(feed.available(j)))
+
+    try:
+        round_ = 0
+        while len(result.answer) < sampling.max_tokens:
+            if round_ == 0:
+                feed.wait(lambda: sum(1 for j in range(m) if target(j) > 0 or feed.settled(j)) >= quorum
+                          and any(target(j) > 0 for j in range(m)), timeout_s)
+            else:
+                feed.wait(lambda: all(target(j) > taken[j] or feed.settled(j) for j in range(m)), timeout_s)
+            new = {}
+            for j in range(m):
+                if target(j) > taken[j] and feed.readable(j, target(j)):
+                    new[j] = (taken[j], target(j))
+            result.failed.update(feed.failed)
+            seen = RoundTaken(round_, new)
+            result.rounds.append(seen)
+            yield seen
+            for j, (_, b) in new.items():
+                taken[j] = b
+            budget = min(schedule.aggregator_chunk(round_), sampling.max_tokens - len(result.answer))
+            params = dataclasses.replace(sampling, max_tokens=budget)
+            if variant is Variant.REPREFILL:
+                stream = _reprefill_round(engine, feed, new, slots, prompt_ids + result.answer, prefix, mode, params,
+                                          held)
+            else:
+                stream, end = _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end,
+                                            chunk_branch, m, mode, params, held)
+            finished = False
+            for event in stream:
+                result.answer.append(event.token_id)
+                finished = event.finish_reason == "stop"
+                yield event
+            result.message_ids.append(stream.ids[0])
+            if variant is Variant.APPEND:
+                parents.append(stream.ids[0])
+                offsets.append(None)
+                end = engine.message(stream.ids[0]).end
+                held.append(stream.ids[0])
+            elif len(result.message_ids) > 1:  # re-prefill: only the last round's message is the answer
+                engine.free(result.message_ids[-2])
+            if finished:
+                break
+            round_ += 1
+    finally:
+        keep = set(result.message_ids[-1:])
+        for mid in held:
+            if mid not in keep and mid in engine.store:
+                engine.free(mid)
+
+
+def _import(engine: Engine, feed: BranchFeed, j: int, start: int, end: int, held: list[str]) -> str:
+    tokens, kv, at = feed.chunk(j, start, end)
+    mid = engine.import_message(tokens, kv.to(engine.lm.dtype), at, engine.fingerprint)
+    held.append(mid)
+    return mid
+
+
+def _reprefill_round(engine, feed, new, slots, header, prefix, mode: SynthesisMode, params, held):
+    """Every branch's tokens so far in its slot, the prompt and the answer so far after them, recomputed. A
+    branch that grew is read again whole (text) or imported again whole (KV); one that failed keeps what was
+    taken from it."""
+    for j, (_, b) in new.items():
+        if mode.text:
+            slots[j] = feed.chunk(j, 0, b)[0]
+        else:
+            if j in slots:
+                held.remove(slots[j])
+                engine.free(slots[j])
+            slots[j] = _import(engine, feed, j, 0, b, held)
+    return synthesis_stream(engine, [slots[j] for j in sorted(slots)], header, prefix, mode, params)
+
+
+def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end, chunk_branch, m,
+                  mode: SynthesisMode, params, held):
+    """The new chunks one after another after the context so far, then the prompt (round 0) or the resume
+    tokens; the context before is reused as it is."""
+    header = prompt_ids if round_ == 0 else resume
+    if mode.text:
+        tokens = [t for j, (a, b) in sorted(new.items()) for t in feed.chunk(j, a, b)[0]]
+        call = DecodeCall(tokens + header, parents=list(parents), offsets=list(offsets), new_offset=end,
+                          sampling=params)
+        stream = engine.decode_stream([call])
+        return stream, end
+    at = end
+    for j, (a, b) in sorted(new.items()):
+        mid = _import(engine, feed, j, a, b, held)
+        chunk_branch[mid] = j
+        parents.append(mid)
+        offsets.append(at)
+        at += b - a
+    hooks = mode.hooks
+    transform = None
+    if hooks is not None and hooks.mapper is not None:
+        def transform(msg, kv):
+            j = chunk_branch.get(msg.id)
+            return kv if j is None else hooks.mapper(kv, branch=j, num_branches=m)
+
+    call = DecodeCall(header, parents=list(parents), offsets=list(offsets), new_offset=at, sampling=params)
+    stream = engine.decode_stream([call], transform=transform,
+                                  adapter=hooks.adapter if hooks is not None else None,
+                                  tag=hooks.tag if hooks is not None and hooks.adapter is not None else None)
+    return stream, at

@@ -1,0 +1,106 @@
+"""Staircase streaming on one engine: the chunk schedule, exactness against wait-for-all, the append layout in
+text and KV, redundancy, and a branch that fails mid-stream."""
+
+import threading
+import time
+
+import pytest
+
+from braid.engine import PrefillCall, SamplingParams
+from braid.engine.errors import BraidError
+from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
+from braid.engine.workflow import fan_out
+
+TASK, CONTEXTS, PROMPT = "User: add the parts.", ["Part 3.", "Part 4 and 5.", "Part 6, 7."], "Synthesizer:"
+WORKER = SamplingParams(max_tokens=12, ignore_eos=True)
+ANSWER = SamplingParams(max_tokens=10, ignore_eos=True)
+WHOLE = (10_000,)  # a first chunk no branch reaches: the aggregator takes each branch once it has ended
+KV = SynthesisMode(Placement.SEQUENTIAL)
+
+
+def run(engine, schedule, variant, mode, fan_outs=None, prefix=None):
+    fan_outs = fan_outs or [fan_out(engine, TASK, CONTEXTS, "W:", WORKER)]
+    prefix = prefix if prefix is not None else engine.prefill([PrefillCall(TASK)])
+    feed = BranchFeed(fan_outs)
+    result = StaircaseResult()
+    events = list(staircase(engine, feed, PROMPT, prefix, schedule, variant, mode, ANSWER, timeout_s=60,
+                            result=result))
+    feed.join()
+    return result, events, fan_outs, prefix
+
+
+def test_schedule_boundaries_quorum_and_validation():
+    s = StaircaseSchedule((8, 128, 256), (8, 128), redundancy=2)
+    assert [s.boundary(n) for n in (0, 7, 8, 135, 136, 391, 392, 647, 648)] == [0, 0, 8, 8, 136, 136, 392, 392, 648]
+    assert [s.aggregator_chunk(k) for k in range(4)] == [8, 128, 128, 128]
+    assert s.quorum(5) == 3
+    with pytest.raises(BraidError, match="redundancy 2 leaves no branch"):
+        s.quorum(2)
+    for bad in [dict(proposer=()), dict(proposer=(8, 0)), dict(aggregator=(-1,)), dict(redundancy=-1)]:
+        with pytest.raises(BraidError):
+            StaircaseSchedule(**bad)
+
+
+@pytest.mark.parametrize("mode", [TEXT, SynthesisMode(Placement.BRANCH_POINT)], ids=["text", "kv"])
+def test_reprefill_of_whole_branches_is_wait_for_all(fresh_engine, mode):
+    """Branches taken whole, the answer decoded in rounds of 3 and 5 tokens with the answer so far re-prefilled
+    each round: the same greedy tokens as one synthesis after every branch has ended."""
+    result, events, (branches,), prefix = run(fresh_engine, StaircaseSchedule(WHOLE, (3, 5)), Variant.REPREFILL,
+                                              mode)
+    lengths = [fresh_engine.message(b).num_tokens for b in branches.ids]  # header + 12 tokens
+    assert result.rounds[0].chunks == {j: (0, n) for j, n in enumerate(lengths)}
+    assert all(not r.chunks for r in result.rounds[1:]) and len(result.rounds) == 3
+    expected = [e.token_id for e in synthesis_stream(fresh_engine, branches.ids, PROMPT, prefix, mode, ANSWER)]
+    assert result.answer == expected and len(expected) == 10
+
+
+def test_append_puts_text_and_kv_chunks_at_the_same_positions(fresh_engine):
+    """Append, text and KV: the chunks sit right after the context so far, in branch order, then the prompt; the
+    rounds after it resume with one token. Same tokens, same positions; only where the chunk KV came from differs
+    (the workers' encoding in KV mode, the aggregator's context in text mode)."""
+    ends, answers = {}, {}
+    for name, mode in (("text", TEXT), ("kv", KV)):
+        result, _, (branches,), prefix = run(fresh_engine, StaircaseSchedule(WHOLE, (4, 3)), Variant.APPEND, mode)
+        last = fresh_engine.message(result.message_ids[-1])
+        ends[name] = last.end
+        answers[name] = result.answer
+        chunk_tokens = sum(fresh_engine.message(b).num_tokens for b in branches.ids)
+        prompt_tokens = len(fresh_engine.tokenize(PROMPT))
+        # prefix, the three branches, the prompt, 10 answer tokens, and one resume token for each later round
+        assert last.end == fresh_engine.message(prefix[0]).end + chunk_tokens + prompt_tokens + 10 + 2
+    assert ends["text"] == ends["kv"] and len(answers["text"]) == len(answers["kv"]) == 10
+
+
+@pytest.mark.parametrize("variant", list(Variant))
+def test_redundancy_starts_without_the_slowest_branch(fresh_engine, variant):
+    """Two worker calls; the second starts late. With redundancy 1 the first round takes only the first call's
+    first chunk; the late branch is taken in by a later round."""
+    fast = fan_out(fresh_engine, TASK, CONTEXTS[:1], "W:", WORKER)
+    slow = fan_out(fresh_engine, TASK, CONTEXTS[1:2], "W:", WORKER, on_start=lambda _: time.sleep(1.0))
+    result, *_ = run(fresh_engine, StaircaseSchedule((4, 4), (2, 3), redundancy=1), variant, KV, [fast, slow])
+    assert set(result.rounds[0].chunks) == {0}
+    assert any(1 in r.chunks for r in result.rounds[1:]) and len(result.answer) == 10 and not result.failed
+
+
+def test_a_failed_worker_call_leaves_the_answer_to_the_others(fresh_engine):
+    """One worker call stops mid-stream (its client went away): the aggregator finishes with the other call's
+    branches and reports the lost ones."""
+    keep = fan_out(fresh_engine, TASK, CONTEXTS[:2], "W:", WORKER)
+    lost = fan_out(fresh_engine, TASK, CONTEXTS[2:], "W:", SamplingParams(max_tokens=400, ignore_eos=True))
+
+    def stop_soon(stream):
+        def later():
+            while stream.decode is None or stream.encoded(0) < 6:
+                time.sleep(0.01)
+            stream.decode._group.cancelled = True  # what a client going away does to its call
+            stream.decode._group.wake()
+        threading.Thread(target=later, daemon=True).start()
+
+    lost.on_start = stop_soon
+    result, *_ = run(fresh_engine, StaircaseSchedule((4, 4), (3, 4)), Variant.REPREFILL, KV, [keep, lost])
+    assert set(result.failed) == {2} and "cancelled" in result.failed[2]
+    for j in (0, 1):  # the kept branches were taken in whole
+        taken = max(r.chunks[j][1] for r in result.rounds if j in r.chunks)
+        assert taken == fresh_engine.message(keep.ids[j]).num_tokens
+    assert len(result.answer) == 10
