@@ -79,9 +79,9 @@ def run(model_path: str, redis_url: str, request: pb.WorkflowRequest, config: di
             where = placement(multi)
         finally:
             multi.shutdown()
-    receipts = [{"branch": r.branch, "bytes": r.bytes, "transfer_ms": r.transfer_ms, "digest_ok": r.crc32 == r.crc32_sent,
-                 "transport": pb.Transport.Name(r.transport)} for e in events if e.HasField("kv_receipt")
-                for r in [e.kv_receipt]]
+    receipts = [{"branch": r.branch, "bytes": r.bytes, "transfer_ms": r.transfer_ms,
+                 "digest_ok": r.crc32 == r.crc32_sent, "transport": pb.Transport.Name(r.transport)}
+                for e in events if e.HasField("kv_receipt") for r in [e.kv_receipt]]
     multi_answer = answer(events)
     multi_text = events[-1].done.answer_text if events and events[-1].HasField("done") else ""
 

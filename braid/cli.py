@@ -279,9 +279,10 @@ def main(argv=None) -> int:
     p.add_argument("--answer-max-tokens", type=int, default=160, help="cap on the synthesizer's answer (default: 160)")
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--modes", default="all",
-                   help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential and, "
-                        "with a calibration, calibrated, calibrated:sequential and the ablations "
-                        "calibrated-no-reencode, calibrated-no-mapper, calibrated-no-lora (default: all)")
+                   help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential, "
+                        "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
+                        "staircase-append:kv and, with a calibration, calibrated, calibrated:sequential and the "
+                        "ablations calibrated-no-reencode, calibrated-no-mapper, calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
     p.add_argument("--verify", action="store_true",

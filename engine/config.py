@@ -67,8 +67,8 @@ class EngineConfig:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
-        if paths_here() and self.calibration not in ("auto", "none") and not os.path.isfile(os.path.join(self.calibration,
-                                                                                          CALIBRATION_MANIFEST)):
+        manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)
+        if paths_here() and self.calibration not in ("auto", "none") and not os.path.isfile(manifest):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "
                              f"(no {CALIBRATION_MANIFEST}); give one, 'auto' or 'none'")
 

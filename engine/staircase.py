@@ -83,7 +83,8 @@ class StaircaseResult:
     answer: list[int] = field(default_factory=list)
     rounds: list[RoundTaken] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)  # branches that failed mid-stream, with why
-    message_ids: list[str] = field(default_factory=list)  # the aggregator's messages (append: one per round)
+    message_ids: list[str] = field(default_factory=list)  # the aggregator's messages, one per round; only the
+    # last is kept (the answer), the earlier ones are freed as the run goes
 
 
 class BranchFeed:

@@ -4,12 +4,14 @@ For each task the workers run once, in parallel, on the shared system prompt and
 their own contexts (MultiQA's branches are its questions, prefilled instead). The
 same branch messages then go to each mode: text re-prefill, or the cached KV with
 no re-encoding or re-encoded per placement, optionally through SynthesisHooks (a
-trained calibration's cache mapper and LoRA adapter, and its ablations). Answers are
+trained calibration's cache mapper and LoRA adapter, and its ablations). The staircase
+modes run the workers again and answer while they decode (seed 003). Answers are
 scored by exact match; results are paired across modes.
 """
 
 import importlib
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -17,6 +19,8 @@ from tqdm import tqdm
 
 from braid.engine import Engine, PrefillCall, SamplingParams, fan_out
 from braid.engine.calibration import Attached
+from braid.engine.engine import TokenEvent
+from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.engine.synthesis import TEXT as TEXT_MODE
 from braid.engine.synthesis import Placement, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
@@ -26,15 +30,23 @@ from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
 
 @dataclass(frozen=True)
 class Mode:
-    """A named synthesis mode, as the tables show it."""
+    """A named synthesis mode, as the tables show it. With a staircase variant, the answer starts from the
+    workers' first chunks (seed 003) and reads the branches as `synthesis` says; where a task has no workers
+    (its branches are given whole), there is nothing to stream and it is plain synthesis."""
 
     name: str
     synthesis: SynthesisMode = TEXT_MODE
+    staircase: Variant | None = None
+    schedule: StaircaseSchedule = StaircaseSchedule()
 
 
 TEXT = Mode("text")
 BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
                       for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)))
+
+
+STAIRCASE_MODES = tuple(Mode(f"staircase-{v.value}:{t}", m, v) for v in Variant
+                        for t, m in (("text", TEXT_MODE), ("kv", SynthesisMode(Placement.SEQUENTIAL))))
 
 
 def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
@@ -59,7 +71,8 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
 
 def engine_modes(engine: Engine) -> list[Mode]:
     """Every mode this engine can run: text, the untrained cached modes and, with a calibration, its modes."""
-    return [*BASE_MODES, *(calibrated_modes(engine.calibration) if engine.calibration is not None else [])]
+    return [*BASE_MODES, *STAIRCASE_MODES,
+            *(calibrated_modes(engine.calibration) if engine.calibration is not None else [])]
 
 
 def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:
@@ -137,17 +150,41 @@ def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConf
         result = TaskResult(task.name, task.seed, len(task.branches), task.answer, workers_correct, outputs)
         answer = SamplingParams(max_tokens=config.answer_max_tokens)
         for mode in modes:
-            stream = synthesis_stream(engine, branches, task.prompt(), prefix=prefix, mode=mode.synthesis,
-                                      sampling=answer)
-            text = _drain(stream)[0]
-            made += stream.ids
+            if mode.staircase is not None and task.has_workers:
+                text, ttft = _staircase(engine, task, mode, prefix, config, answer, made)
+            else:
+                stream = synthesis_stream(engine, branches, task.prompt(), prefix=prefix, mode=mode.synthesis,
+                                          sampling=answer)
+                text, ttft = _drain(stream)[0], stream.timings["first_token"]
+                made += stream.ids
             result.answers[mode.name] = text
             result.correct[mode.name] = task.correct(text)
-            result.ttft[mode.name] = stream.timings["first_token"]
+            result.ttft[mode.name] = ttft
         return result
     finally:
         for message_id in reversed(made):
             engine.free(message_id)
+
+
+def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfig, answer: SamplingParams,
+               made: list[str]) -> tuple[str, float]:
+    """The workers again (greedy: the same replies), the answer streamed from their chunks as they decode; its
+    TTFT runs from the workers' start, since the answer starts before they end."""
+    start = time.perf_counter()
+    workers = fan_out(engine, turn("system", task.system), [turn("user", b.context) for b in task.branches],
+                      header("worker"), SamplingParams(max_tokens=config.worker_max_tokens))
+    feed, result, texts, first = BranchFeed([workers]), StaircaseResult(), [], None
+    try:
+        for event in staircase(engine, feed, task.prompt(), prefix, mode.schedule, mode.staircase, mode.synthesis,
+                               answer, result=result):
+            if isinstance(event, TokenEvent):
+                first = first or time.perf_counter()
+                texts.append(event.text)
+    finally:
+        feed.join()
+        made += result.message_ids[-1:]  # (the earlier rounds' messages are freed as it goes)
+        workers.free()
+    return "".join(texts), (first or time.perf_counter()) - start
 
 
 def evaluate(engine: Engine, config: EvalConfig, modes: Sequence[Mode], progress: bool = True) -> list[TaskResult]:

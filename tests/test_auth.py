@@ -70,8 +70,9 @@ def status(call) -> tuple[grpc.StatusCode, str]:
 
 def test_every_rpc_needs_a_valid_key(server):
     stub, *_ = server
+    two = pb.Sampling(max_tokens=2)
     workflow = pb.WorkflowRequest(task="User: add.", branch_prompts=["Part 3."], synthesis_prompt="Synthesizer:",
-                                  worker_sampling=pb.Sampling(max_tokens=2), synthesis_sampling=pb.Sampling(max_tokens=2))
+                                  worker_sampling=two, synthesis_sampling=two)
     for metadata, message in [((), "this API needs a key"), ((("authorization", "Bearer wrong-key-0123456789"),),
                                                                    "not valid"),
                               ((("authorization", ALICE),), "must be 'Bearer <key>'")]:

@@ -9,7 +9,8 @@ from braid.cli import main
 from braid.models import REFERENCE_MODEL
 from braid.engine import Engine, EngineConfig
 from braid.engine.synthesis import SynthesisHooks
-from braid.evals.harness import BASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report, run_task, summarize
+from braid.evals.harness import (BASE_MODES, STAIRCASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report,
+                                 run_task, summarize)
 from braid.models.tasks import TASKS, generate
 
 # Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,7,12
@@ -66,7 +67,7 @@ def test_eval_cli_writes_json_and_refuses_bad_input(checkpoint, tmp_path, capsys
     assert main(["eval", "--model", checkpoint("llama"), "--tasks", "vote", "--branches", "2", "--samples", "2",
                  "--device", "cpu", "--worker-max-tokens", "4", "--answer-max-tokens", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["mode"] for r in result["summary"]] == [m.name for m in BASE_MODES]
+    assert [r["mode"] for r in result["summary"]] == [m.name for m in [*BASE_MODES, *STAIRCASE_MODES]]
     assert len(result["results"]) == 2 and "cache:sequential" in capsys.readouterr().out
     assert (tmp_path / "eval.png").stat().st_size > 0
     for bad, message in [(["--modes", "text,magic"], "unknown mode"), (["--branches", "1"], "branch counts"),
