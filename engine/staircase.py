@@ -127,7 +127,8 @@ class BranchFeed:
             why = f"{type(e).__name__}: {e}"
         with self.cv:
             for j in range(first, first + len(stream)):
-                if not self.ended[j]:
+                # not ended, or ended without its last token's KV (a call that failed stored nothing)
+                if not self.ended[j] or stream.ids is None:
                     self.failed[j] = why
             self.cv.notify_all()
 
@@ -201,18 +202,26 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
             return taken[j]
         return feed.length[j] if feed.settled(j) else max(taken[j], schedule.boundary(feed.available(j)))
 
+    if variant is Variant.APPEND and mode.hooks is not None and mode.hooks.adapter is not None:
+        raise BraidError("the append variant cannot run with a LoRA adapter yet: each round's answer is stored as "
+                         "adapted KV, which the next round may not take as a parent; use the re-prefill variant")
+    stream = None
     try:
         round_ = 0
         while len(result.answer) < sampling.max_tokens:
             if round_ == 0:
-                feed.wait(lambda: sum(1 for j in range(m) if target(j) > 0 or feed.settled(j)) >= quorum
-                          and any(target(j) > 0 for j in range(m)), timeout_s)
+                feed.wait(lambda: all(feed.settled(j) for j in range(m)) or (
+                    sum(1 for j in range(m) if target(j) > 0 or feed.settled(j)) >= quorum
+                    and any(target(j) > 0 for j in range(m))), timeout_s)
+                if not any(target(j) > 0 for j in range(m)):
+                    raise BraidError(f"staircase: every branch failed ({'; '.join(sorted(set(feed.failed.values())))})")
             else:
                 feed.wait(lambda: all(target(j) > taken[j] or feed.settled(j) for j in range(m)), timeout_s)
             new = {}
             for j in range(m):
-                if target(j) > taken[j] and feed.readable(j, target(j)):
-                    new[j] = (taken[j], target(j))
+                b = target(j)
+                if b > taken[j] and feed.readable(j, b):
+                    new[j] = (taken[j], b)
             result.failed.update(feed.failed)
             seen = RoundTaken(round_, new)
             result.rounds.append(seen)
@@ -232,22 +241,25 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                 result.answer.append(event.token_id)
                 finished = event.finish_reason == "stop"
                 yield event
-            result.message_ids.append(stream.ids[0])
+            answer_id, stream = stream.ids[0], None
+            result.message_ids.append(answer_id)
             if variant is Variant.APPEND:
-                parents.append(stream.ids[0])
+                parents.append(answer_id)
                 offsets.append(None)
-                end = engine.message(stream.ids[0]).end
-                held.append(stream.ids[0])
+                end = engine.message(answer_id).end
+                held.append(answer_id)
             elif len(result.message_ids) > 1:  # re-prefill: only the last round's message is the answer
                 engine.free(result.message_ids[-2])
             if finished:
                 break
             round_ += 1
     finally:
+        if stream is not None:  # stopped mid-round (an error, or the consumer left): the call leaves the batch
+            stream.close()      # and unpins what it used before anything here is freed
         keep = set(result.message_ids[-1:])
         for mid in held:
             if mid not in keep and mid in engine.store:
-                engine.free(mid)
+                engine.free(mid, when_unpinned=True)
 
 
 def _import(engine: Engine, feed: BranchFeed, j: int, start: int, end: int, held: list[str]) -> str:

@@ -9,6 +9,7 @@ modes run the workers again and answer while they decode (seed 003). Answers are
 scored by exact match; results are paired across modes.
 """
 
+import contextlib
 import importlib
 import statistics
 import time
@@ -175,11 +176,13 @@ def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfi
                       header("worker"), SamplingParams(max_tokens=config.worker_max_tokens))
     feed, result, texts, first = BranchFeed([workers]), StaircaseResult(), [], None
     try:
-        for event in staircase(engine, feed, task.prompt(), prefix, mode.schedule, mode.staircase, mode.synthesis,
-                               answer, result=result):
-            if isinstance(event, TokenEvent):
-                first = first or time.perf_counter()
-                texts.append(event.text)
+        run = staircase(engine, feed, task.prompt(), prefix, mode.schedule, mode.staircase, mode.synthesis, answer,
+                        result=result)
+        with contextlib.closing(run):
+            for event in run:
+                if isinstance(event, TokenEvent):
+                    first = first or time.perf_counter()
+                    texts.append(event.text)
     finally:
         feed.join()
         made += result.message_ids[-1:]  # (the earlier rounds' messages are freed as it goes)

@@ -104,3 +104,23 @@ def test_a_failed_worker_call_leaves_the_answer_to_the_others(fresh_engine):
         taken = max(r.chunks[j][1] for r in result.rounds if j in r.chunks)
         assert taken == fresh_engine.message(keep.ids[j]).num_tokens
     assert len(result.answer) == 10
+
+
+def test_a_consumer_that_leaves_mid_answer_leaves_nothing_behind(fresh_engine):
+    """Closing the staircase mid-round stops its call and frees every chunk it imported."""
+    before = set(fresh_engine.store.ids())
+    prefix = fresh_engine.prefill([PrefillCall(TASK)])
+    fan = fan_out(fresh_engine, TASK, CONTEXTS, "W:", WORKER)
+    feed = BranchFeed([fan])
+    run = staircase(fresh_engine, feed, PROMPT, prefix, StaircaseSchedule((4, 4), (3, 5)), Variant.APPEND, KV, ANSWER)
+    tokens = 0
+    for event in run:
+        tokens += hasattr(event, "token_id")
+        if tokens == 2:
+            break
+    run.close()
+    feed.join()
+    fan.free()
+    fresh_engine.free(prefix[0])
+    left = {m for m in set(fresh_engine.store.ids()) - before if not m.startswith("~")}
+    assert not left, left
