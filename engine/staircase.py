@@ -26,7 +26,7 @@ import torch
 from braid.engine.engine import DecodeCall, Engine, TokenEvent, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
-from braid.engine.synthesis import Placement, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import SynthesisMode, decode_with_hooks, synthesis_stream
 from braid.engine.workflow import BranchStream
 
 
@@ -302,15 +302,6 @@ def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offset
         parents.append(mid)
         offsets.append(at)
         at += b - a
-    hooks = mode.hooks
-    transform = None
-    if hooks is not None and hooks.mapper is not None:
-        def transform(msg, kv):
-            j = chunk_branch.get(msg.id)
-            return kv if j is None else hooks.mapper(kv, branch=j, num_branches=m)
-
     call = DecodeCall(header, parents=list(parents), offsets=list(offsets), new_offset=at, sampling=params)
-    stream = engine.decode_stream([call], transform=transform,
-                                  adapter=hooks.adapter if hooks is not None else None,
-                                  tag=hooks.tag if hooks is not None and hooks.adapter is not None else None)
+    stream = decode_with_hooks(engine, call, mode.hooks, chunk_branch, m)
     return stream, at

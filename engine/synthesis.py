@@ -81,15 +81,20 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
                                             [m.offset for m in branch_msgs])
     call = DecodeCall(prompt, parents=[*prefix, *branches], offsets=[None] * len(prefix) + offsets,
                       new_offset=prompt_offset, sampling=sampling)
+    index = {m.id: j for j, m in reversed(list(enumerate(branch_msgs)))}
+    return decode_with_hooks(engine, call, hooks, index, len(branch_msgs))
+
+
+def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | None, branch_of: dict[str, int],
+                      num_branches: int) -> DecodeStream:
+    """One synthesizer call through the hooks: the mapper on the branch messages (`branch_of`: id -> branch),
+    never on the rest (the shared prefix, the synthesizer's own context); the adapter around its forwards."""
     hooks = hooks or SynthesisHooks()
     transform = None
     if hooks.mapper is not None:
-        index = {m.id: j for j, m in reversed(list(enumerate(branch_msgs)))}
-
         def transform(msg: Message, kv: torch.Tensor) -> torch.Tensor:
-            if msg.id not in index:
-                return kv  # the shared prefix is the synthesizer's own context: left as is
-            return hooks.mapper(kv, branch=index[msg.id], num_branches=len(branch_msgs))
+            j = branch_of.get(msg.id)
+            return kv if j is None else hooks.mapper(kv, branch=j, num_branches=num_branches)
 
     return engine.decode_stream([call], transform=transform, adapter=hooks.adapter,
                                 tag=hooks.tag if hooks.adapter is not None else None)
