@@ -221,3 +221,55 @@ def lookup_drill(rng: random.Random, max_records: int = 8) -> list[tuple[str, bo
     keys = rng.sample(NAMES, rng.randint(2, max_records))
     records = [(k, rng.choice([v for v in NAMES if v != k])) for k in keys]
     return _worker_turn(CHAIN_SYSTEM, _lookup(rng.choice(("who", "where")), rng.choice(keys), records))
+
+
+MULTIQA_SYSTEM = "answer every question."
+
+
+@dataclass(frozen=True)
+class SharedTextTask:
+    """KVComm's reference task (seed 002): agents with fixed roles read the same user text, each under its own
+    prefix. Agent j's role is its own question (a MultiQA turn fixed for that agent, of its own length, so
+    the shared text starts at a different position with different context in each agent); the user's text is
+    `questions` more MultiQA turns. Each agent answers its own question and all of the user's; its answer is
+    right only if it read every digit of the shared text.
+    """
+
+    seed: int
+    roles: tuple[str, ...]  # agent j's own question turn: the text of its prefix after the system prompt
+    shared: str  # the user's questions (the placeholder every agent reads)
+    answers: tuple[str, ...]  # per agent
+
+    def prefix(self, j: int) -> str:
+        return turn("system", MULTIQA_SYSTEM) + self.roles[j]
+
+    @staticmethod
+    def reply_header() -> str:
+        return turn("user", "answer all questions.") + header("synthesizer")
+
+    def correct(self, j: int, prediction: str) -> bool:
+        return _answer_set(prediction) == _answer_set(self.answers[j])
+
+
+def _question(rng: random.Random, label: str, words: int) -> tuple[str, str]:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    aside = " ".join(rng.choice(WORDS) for _ in range(words))
+    return turn("user", f"{label} asks: {aside}. what is {a} plus {b}?"), f"{label} {a} plus {b} is {a + b}"
+
+
+def shared_text_task(seed: int, num_agents: int, questions: int = 3, length: tuple[int, int] = DEFAULT_LENGTH
+                     ) -> SharedTextTask:
+    """A pure function of its arguments. Agent j's role depends on j alone (a fixed template); the user's
+    questions on the seed. Labels never repeat within a task."""
+    if not 1 <= num_agents <= 8 or not 1 <= questions <= 8:
+        raise ValueError(f"num_agents and questions must be in 1..8, got {num_agents} and {questions}")
+    roles, own = [], []
+    for j in range(num_agents):
+        text, answer = _question(random.Random(f"role:{j}"), PEOPLE[j], 2 + 3 * j)  # ann, bob, ...: 2-23 words
+        roles.append(text)
+        own.append(answer)
+    rng = random.Random(f"shared:{seed}:{questions}:{length}")
+    labels = rng.sample(PEOPLE[8:], questions)
+    turns, answers = zip(*(_question(rng, label, rng.randint(*length)) for label in labels))
+    return SharedTextTask(seed, tuple(roles), "".join(turns),
+                          tuple(", ".join([own[j], *answers]) for j in range(num_agents)))

@@ -1,0 +1,411 @@
+"""KVComm (seed 002): reuse a shared text's KV under each agent's own prefix, offset by interpolated anchors.
+
+An agent's prompt is its fixed role prefix, then placeholders (texts that change per request: the user's
+text, other agents' replies), each followed by a fixed join; the last join opens the agent's reply and is
+the decode header. Dense prefill encodes every placeholder and join after the prefix. KVComm instead starts
+from each placeholder's *base* KV (the text encoded on its own behind a neutral `base_prefix`, once per
+replica through the prefix cache) and adds the offset it would have under this agent's prefix, interpolated
+from *anchors*: earlier texts of the same placeholder whose real KV under this agent was measured. The join
+after a placeholder gets the same treatment (its own base KV plus the anchors' join offsets).
+
+Keys are compared and offset in frame 0: every key de-rotated to position 0 (`kernels.rerotate_keys`), then
+rotated to where it goes. Values carry no position and are offset directly. Braid matches per token: each
+token of a new text interpolates the offsets of the pool's tokens whose base KV is nearest its own, where
+the seed aligns texts by index (on the reference task this leaves half the residual offset error).
+
+One pool per (scope, placeholder); `scope` keeps tenants apart (a request only ever matches anchors made
+by requests of its own scope). An anchor holds the base KV of its text (also its embedding), its length,
+a use count, and per agent the offset of the placeholder and of the join after it.
+
+- prediction: a text is shareable for an agent when the pool holds an anchor at least as long as it with
+  that agent's offsets, and the mean over its tokens of the entropy of w = softmax(-d / temperature) is at
+  most gamma * log(#pool tokens) (d: L2 distance between a token's base KV and each pool token's, over
+  layers, K/V, heads and dims, relative to the text's mean token norm). An anchor holding the text itself is used alone: it is its measured KV.
+- fallback: a text that is not shareable is prefilled densely; its measured offsets fill in a new anchor
+  (or the agent's part of the anchor that already holds the text).
+- pruning: a pool never exceeds `capacity`; the least used of its `EARLIEST` oldest anchors goes.
+
+gamma = 0 or capacity = 0 turns reuse off: every prompt is dense prefill, exactly.
+"""
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
+from braid.engine.errors import BraidError
+from braid.engine.sampling import SamplingParams
+from braid.kernels import rerotate_keys
+
+log = logging.getLogger(__name__)
+EARLIEST = 5  # pruning looks at this many of the oldest anchors and drops the least used of them
+SKETCH = 128  # token embedding size: a fixed random projection of a token's base KV (all layers, K and V)
+RERANK = 128  # a token's nearest pool tokens by sketch, whose exact distances are then taken
+TOP_K = 32  # of which it interpolates from the nearest TOP_K
+
+
+@dataclass(frozen=True)
+class KVCommConfig:
+    gamma: float = 0.3  # entropy threshold, as a fraction of log(#anchors); 0: never reuse
+    capacity: int = 20  # V: anchors per pool; 0: never reuse
+    # of the softmax over distances between a token's base KV and the pool's tokens', relative to the text's
+    # mean token norm; lower: nearer to one nearest token (more reuse, larger errors)
+    temperature: float = 0.05
+
+    def __post_init__(self):
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"kvcomm gamma must be in [0, 1], got {self.gamma}")
+        if not isinstance(self.capacity, int) or self.capacity < 0:
+            raise ValueError(f"kvcomm capacity must be an int >= 0, got {self.capacity!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"kvcomm temperature must be > 0, got {self.temperature}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.gamma > 0 and self.capacity > 0
+
+
+@dataclass
+class AgentPrompt:
+    """One agent's prompt: prefix, then (placeholder, text) slots, each followed by its join.
+    joins[-1] is the decode header (non-empty); joins before it may be empty."""
+
+    agent: str  # whose offsets the anchors keep (one role template)
+    prefix: Tokens
+    slots: Sequence[tuple[str, Tokens]]
+    joins: Sequence[Tokens]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class SlotDecision:
+    placeholder: str
+    tokens: int
+    reused: bool
+    anchors: tuple[tuple[int, float], ...] = ()  # (anchor id, mean weight) interpolated from, when reused
+    new_anchor: bool = False  # its measured offsets started a new anchor
+
+
+@dataclass
+class Prepared:
+    """What `KVComm.prepare` built: decode `header` after `parents` (prefix message, context message)."""
+
+    parents: list[str]
+    header: list[int]
+    slots: list[SlotDecision]
+    seconds: float  # preparing: reuse or dense prefill, offsets included
+
+    @property
+    def reused(self) -> bool:
+        return all(s.reused for s in self.slots)
+
+
+@dataclass(eq=False)
+class Anchor:
+    """A placeholder text whose offsets were measured; all KV in frame 0 (every key de-rotated to position 0)."""
+
+    id: int
+    tokens: tuple[int, ...]
+    base: torch.Tensor  # [L, 2, H, T, D]: the text's KV on its own
+    sketch: torch.Tensor  # [T, SKETCH]: its tokens' embeddings, a random projection of their base KV
+    offsets: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # agent: (text, join)
+    uses: int = 0  # prompts interpolated from it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   [self.base, self.sketch, *(x for pair in self.offsets.values() for x in pair if x is not None)])
+
+
+@dataclass(frozen=True)
+class Match:
+    """How a text's offsets are interpolated for one agent: its token j takes sum_k weight[j, k] times the
+    offset of token `token[j, k]` of anchor `anchors[anchor[j, k]]`; the join after it takes, from each
+    anchor, that anchor's share of the weight times its join offset."""
+
+    anchors: tuple[Anchor, ...]
+    anchor: torch.Tensor  # [T, k] long: which anchor
+    token: torch.Tensor  # [T, k] long: which of its tokens
+    weight: torch.Tensor  # [T, k]: rows sum to 1
+    shareable: bool
+
+    @property
+    def anchor_weights(self) -> torch.Tensor:  # [anchors]: each anchor's share of the weight, mean over tokens
+        share = torch.zeros(len(self.anchors)).index_add_(0, self.anchor.flatten(), self.weight.flatten())
+        return share / self.anchor.shape[0]
+
+
+def features(kv: torch.Tensor) -> torch.Tensor:
+    """Frame-0 KV [L, 2, H, T, D] as one vector per token [T, L*2*H*D], in fp32."""
+    return kv.permute(3, 0, 1, 2, 4).reshape(kv.shape[3], -1).float()
+
+
+class AnchorPool:
+    """The anchors of one placeholder in one scope, oldest first; never more than `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.anchors: list[Anchor] = []
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.anchors)
+
+    def find(self, tokens: tuple[int, ...]) -> Anchor | None:
+        return next((a for a in self.anchors if a.tokens == tokens), None)
+
+    def match(self, tokens: tuple[int, ...], base: torch.Tensor, sketch: torch.Tensor, agent: str,
+              config: KVCommConfig) -> Match:
+        """Which anchor tokens the text `tokens` (frame-0 base KV `base`, its sketch [T, SKETCH]) interpolates
+        from for `agent`, and whether it is shareable (seed 002, eq. 5: the length, then the entropy,
+        criterion)."""
+        n = len(tokens)
+        same = self.find(tokens)
+        if same is not None:  # its own measured KV, or (without this agent's offsets) an anchor still filling in
+            return Match((same,), torch.zeros(n, 1, dtype=torch.long), torch.arange(n)[:, None], torch.ones(n, 1),
+                         agent in same.offsets)
+        found = tuple(a for a in self.anchors if agent in a.offsets)
+        if not found or n > max(len(a.tokens) for a in found):
+            empty = torch.zeros(n, 0)
+            return Match(found, empty.long(), empty.long(), empty, False)
+        # every token against every pool token: w[j, p] = softmax_p(-||h_j - h_p|| / (|h| temperature)), with
+        # distances relative to the text's mean token norm |h|, so that one temperature fits any model's scale.
+        # The criterion reads the sketches' distances; the weights, exact distances to the nearest RERANK.
+        pool = torch.cat([a.sketch for a in found])  # [P, SKETCH]
+        scale = sketch.norm(dim=1).mean()
+        w = torch.softmax(-torch.cdist(sketch, pool) / (scale * config.temperature), dim=1)  # [T, P]
+        entropy = float(-(w * w.clamp_min(1e-30).log()).sum(dim=1).mean())  # mean over the text's tokens
+        shareable = entropy <= config.gamma * math.log(w.shape[1]) + 1e-9
+        p = w.topk(min(RERANK, w.shape[1]), dim=1).indices  # [T, C]
+        owner = torch.cat([torch.full((len(a.tokens),), i) for i, a in enumerate(found)])
+        first = torch.tensor([0, *[len(a.tokens) for a in found]]).cumsum(0)
+        anchor, token = owner[p], p - first[owner[p]]
+        h, exact = features(base), torch.empty(p.shape)
+        rows = torch.arange(n)[:, None].expand_as(p)
+        for i, a in enumerate(found):
+            sel = anchor == i
+            if sel.any():
+                theirs = features(a.base.index_select(3, token[sel].to(a.base.device)))
+                exact[sel] = (h[rows[sel].to(h.device)] - theirs).norm(dim=1).cpu()
+        wx = torch.softmax(-exact / (features(base).norm(dim=1).mean().cpu() * config.temperature), dim=1)
+        top, k = wx.topk(min(TOP_K, wx.shape[1]), dim=1)  # interpolate from the nearest TOP_K
+        return Match(found, anchor.gather(1, k), token.gather(1, k), top / top.sum(dim=1, keepdim=True), shareable)
+
+    def add(self, anchor: Anchor) -> Anchor | None:
+        """Insert `anchor`, pruning first if full; returns the anchor pruned."""
+        pruned = None
+        if len(self.anchors) >= self.capacity:
+            oldest = self.anchors[:EARLIEST]
+            pruned = min(oldest, key=lambda a: a.uses)  # (min keeps the oldest among equals)
+            self.anchors.remove(pruned)
+        self.anchors.append(anchor)
+        return pruned
+
+
+def rotate(kv: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """KV [L, 2, H, T, D] with its keys moved by delta [T] positions (a copy; values as they are)."""
+    return torch.stack([rerotate_keys(kv[:, 0], delta.to(kv.device), inv_freq), kv[:, 1]], dim=1)
+
+
+def interpolate(base: torch.Tensor, offsets: Sequence[torch.Tensor], m: Match) -> torch.Tensor:
+    """base [L, 2, H, T, D] plus, per token, the match's weighted sum of anchor tokens' offsets (offsets[a]
+    [L, 2, H, T_a, D] for anchor a) (seed 002, eq. 6), in fp32, returned in the base's dtype."""
+    out = base.float()
+    j = torch.arange(base.shape[3])[:, None].expand_as(m.anchor)
+    for a, d in enumerate(offsets):
+        sel = m.anchor == a
+        if sel.any():
+            rows = d.index_select(3, m.token[sel].to(d.device)).float() * m.weight[sel].to(out.device)[:, None]
+            out.index_add_(3, j[sel].to(out.device), rows)
+    return out.to(base.dtype)
+
+
+def interpolate_join(base: torch.Tensor, offsets: Sequence[torch.Tensor], share: torch.Tensor) -> torch.Tensor:
+    """base [L, 2, H, T, D] + sum_a share[a] * offsets[a] (seed 002, eq. 7: the same text in every anchor)."""
+    out = base.float()
+    for w, d in zip(share.tolist(), offsets):
+        out = out + w * d.float()
+    return out.to(base.dtype)
+
+
+class KVComm:
+    """Anchor pools over one engine. Thread-safe; `prepare` is the entry point."""
+
+    def __init__(self, engine: Engine, config: KVCommConfig = KVCommConfig(), base_prefix: Tokens = ()):
+        self.engine, self.config = engine, config
+        self.base_prefix = engine.tokenize(base_prefix) if isinstance(base_prefix, str) else list(base_prefix)
+        self.pools: dict[tuple[str, str], AnchorPool] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.prepared = self.reused = 0
+        self._projection: torch.Tensor | None = None
+
+    def sketch(self, base: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, SKETCH] of frame-0 KV [L, 2, H, T, D]: a fixed random projection (distances
+        are kept to a few percent, at a cost independent of the model's size)."""
+        if self._projection is None:
+            gen = torch.Generator().manual_seed(0)
+            width = features(base[:, :, :, :1]).shape[1]
+            self._projection = (torch.randn(width, SKETCH, generator=gen) / math.sqrt(SKETCH)).to(base.device)
+        return features(base) @ self._projection
+
+    # ---- pools ----------------------------------------------------------------------------------
+    def pool(self, scope: str, placeholder: str) -> AnchorPool:
+        with self._lock:
+            return self.pools.setdefault((scope, placeholder), AnchorPool(self.config.capacity))
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(p.nbytes for p in self.pools.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"pools": len(self.pools), "anchors": sum(map(len, self.pools.values())),
+                    "bytes": sum(p.nbytes for p in self.pools.values()), "prepared": self.prepared,
+                    "reused": self.reused, "reuse_rate": self.reused / self.prepared if self.prepared else 0.0}
+
+    # ---- one agent's prompt -------------------------------------------------------------------------
+    def decode_stream(self, prompt: AgentPrompt, scope: str) -> tuple[Prepared, DecodeStream]:
+        """Prepare the prompt's context (reused or dense) and start decoding the agent's reply. The caller
+        frees `prepared.parents` when done with them (the store's LRU would evict them otherwise)."""
+        prep = self.prepare(prompt, scope)
+        try:
+            return prep, self.engine.decode_stream([DecodeCall(prep.header, parents=prep.parents,
+                                                              sampling=prompt.sampling)])
+        except BaseException:
+            self._free(prep.parents)
+            raise
+
+    def prepare(self, prompt: AgentPrompt, scope: str) -> Prepared:
+        """The prompt's prefix message and its context message (placeholders and joins but the last):
+        approximated from the anchors when every placeholder is shareable, else prefilled densely, with
+        the measured offsets recorded."""
+        start = time.perf_counter()
+        eng = self.engine
+        prefix, texts, joins, names = self._tokens(prompt)
+        bounds, at = [], 0  # (start, end) in the context of each placeholder, then of each join but the last
+        for i, text in enumerate(texts):
+            bounds.append((at, at + len(text)))
+            at += len(text)
+            if i < len(texts) - 1:
+                bounds.append((at, at + len(joins[i])))
+                at += len(joins[i])
+        context = [t for i, text in enumerate(texts) for t in [*text, *(joins[i] if i < len(texts) - 1 else [])]]
+        prefix_id = eng.prefill([PrefillCall(prefix)])[0]  # the role's prefix: a prefix-cache hit after its first
+        P = len(prefix)
+        try:
+            matches, bases = [], []
+            if self.config.enabled:
+                for name, text in zip(names, texts):
+                    base = self._base(text)
+                    bases.append(base)
+                    matches.append(self.pool(scope, name).match(tuple(text), base, self.sketch(base), prompt.agent,
+                                                                self.config))
+            if matches and all(m.shareable for m in matches):
+                ctx_id, slots = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds, P,
+                                                  context, prefix_id)
+            else:
+                ctx_id = eng.prefill([PrefillCall(context, parents=[prefix_id])])[0]
+                slots = self._record(scope, prompt.agent, names, texts, joins, bounds, P, ctx_id, bases)
+        except BaseException:
+            self._free([prefix_id])
+            raise
+        prep = Prepared([prefix_id, ctx_id], joins[-1], slots, time.perf_counter() - start)
+        with self._lock:
+            self.prepared += 1
+            self.reused += prep.reused
+        return prep
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _tokens(self, prompt: AgentPrompt):
+        eng = self.engine
+        tok = (lambda v: eng.tokenize(v) if isinstance(v, str) else [int(t) for t in v])
+        if not prompt.slots:
+            raise BraidError(f"agent {prompt.agent!r}: a KVComm prompt needs at least one placeholder")
+        if len(prompt.joins) != len(prompt.slots):
+            raise BraidError(f"agent {prompt.agent!r}: {len(prompt.joins)} joins for {len(prompt.slots)} "
+                             "placeholders; give one join after each (the last opens the reply)")
+        names = [n for n, _ in prompt.slots]
+        texts, joins, prefix = [tok(t) for _, t in prompt.slots], [tok(j) for j in prompt.joins], tok(prompt.prefix)
+        for name, text in zip(names, texts):
+            if not text:
+                raise BraidError(f"agent {prompt.agent!r}: placeholder {name!r} is empty")
+        if not prefix or not joins[-1]:
+            raise BraidError(f"agent {prompt.agent!r}: the prefix and the last join (the reply's header) must "
+                             "hold at least one token")
+        return prefix, texts, joins, names
+
+    def _base(self, tokens: list[int]) -> torch.Tensor:
+        """`tokens` encoded on their own behind base_prefix, in frame 0 [L, 2, H, T, D]. Through the prefix
+        cache each text is encoded once per replica, whichever agent asks."""
+        eng = self.engine
+        ids = eng.prefill([PrefillCall(self.base_prefix)]) if self.base_prefix else []
+        try:
+            mid = eng.prefill([PrefillCall(tokens, parents=ids)])[0]
+            msg = eng.message(mid)
+            kv = rotate(msg.kv, -torch.arange(msg.offset, msg.end), eng.lm.inv_freq)
+            eng.free(mid)
+        finally:
+            self._free(ids)
+        return kv
+
+    def _approximate(self, agent, names, texts, joins, bases, matches, bounds, P, context, prefix_id):
+        """Every placeholder and join (but the last) as base + interpolated offsets, placed after the prefix
+        and stored as one message: no forward pass."""
+        eng, parts, slots = self.engine, [], []
+        for i, (text, base, m) in enumerate(zip(texts, bases, matches)):
+            parts.append(interpolate(base, [a.offsets[agent][0] for a in m.anchors], m))
+            share = m.anchor_weights
+            if i < len(texts) - 1 and joins[i]:  # the join after it: the same text in every anchor
+                parts.append(interpolate_join(self._base(joins[i]), [a.offsets[agent][1] for a in m.anchors],
+                                              share))
+            with self._lock:
+                for a in m.anchors:
+                    a.uses += 1
+            slots.append(SlotDecision(names[i], len(text), True,
+                                      tuple((a.id, round(float(w), 4)) for a, w in zip(m.anchors, share))))
+        positions = torch.cat([torch.arange(P + s, P + e) for s, e in bounds])
+        kv = rotate(torch.cat(parts, dim=3), positions, eng.lm.inv_freq)
+        return eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots
+
+    def _record(self, scope, agent, names, texts, joins, bounds, P, ctx_id, bases) -> list[SlotDecision]:
+        """After a dense prefill: each placeholder's and join's measured offsets go into the anchor that holds
+        its text, a new one if none does (a pool at capacity prunes first)."""
+        if not self.config.enabled:
+            return [SlotDecision(n, len(t), False) for n, t in zip(names, texts)]
+        eng = self.engine
+        kv = eng.message(ctx_id).kv
+        real = lambda s, e: rotate(kv[:, :, :, s:e], -torch.arange(P + s, P + e), eng.lm.inv_freq)  # noqa: E731
+        slots, b = [], iter(bounds)
+        for i, (name, text, base) in enumerate(zip(names, texts, bases)):
+            d_text = real(*next(b)) - base
+            d_join = None
+            if i < len(texts) - 1:
+                s, e = next(b)
+                d_join = real(s, e) - self._base(joins[i]) if e > s else None
+            pool, new = self.pool(scope, name), False
+            with self._lock:
+                anchor = pool.find(tuple(text))
+                if anchor is None:
+                    self._next_id += 1
+                    anchor, new = Anchor(self._next_id, tuple(text), base, self.sketch(base)), True
+                    pruned = pool.add(anchor)
+                    if pruned is not None:
+                        log.debug("kvcomm %s/%s: pruned anchor %d (%d uses)", scope, name, pruned.id, pruned.uses)
+                anchor.offsets[agent] = (d_text, d_join)
+            slots.append(SlotDecision(name, len(text), False, new_anchor=new))
+        return slots
+
+    def _free(self, ids: Sequence[str]) -> None:
+        for mid in ids:
+            if mid in self.engine.store:
+                self.engine.free(mid, when_unpinned=True)
