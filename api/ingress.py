@@ -99,6 +99,10 @@ class AgentIngress:
         async for event in self._stream("Generate", request, grpc_context):
             yield event
 
+    async def RunAgents(self, request, grpc_context=None):
+        async for event in self._stream("RunAgents", request, grpc_context):
+            yield event
+
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
             self._authenticate(grpc_context)

@@ -15,7 +15,9 @@ import redis
 from braid.api import convert
 from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
+from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
 from braid.engine.errors import BraidError, UnknownMessageError
+from braid.engine.kvcomm import KVComm, KVCommConfig
 from braid.protos import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class SessionElsewhereError(BraidError):
 class ServiceConfig:
     replica: str = "local"
     default_max_tokens: int = 128
+    kvcomm: KVCommConfig = KVCommConfig()  # RunAgents' anchor pools (one set per replica, per session)
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
@@ -40,6 +43,7 @@ class AgentLogic:
         self.engine = engine
         self.directory = directory
         self.config = config or ServiceConfig()
+        self.kvcomm = KVComm(engine, self.config.kvcomm)
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str) -> str:
@@ -124,3 +128,35 @@ class AgentLogic:
                 except UnknownMessageError:  # evicted already
                     pass
         return pb.CloseSessionResponse(freed_messages=freed)
+
+    def RunAgents(self, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:
+        """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
+        sid = self._session(request.session_id)
+        graph = AgentGraph([Agent(a.name, a.prefix) for a in request.agents], request.user_text,
+                           request.rounds or 1, request.kvcomm,
+                           request.peer_join or AgentGraph.peer_join, request.reply_header or AgentGraph.reply_header,
+                           convert.sampling(request.sampling, self.config.default_max_tokens))
+        reused = prompts = 0
+        events = run_agent_graph(self.kvcomm, graph, scope=sid)
+        try:
+            while True:
+                item = next(events)
+                if isinstance(item, AgentStarted):
+                    p = item.prepared
+                    prompts += 1
+                    reused += p.reused
+                    yield pb.AgentsEvent(report=pb.AgentReport(
+                        round=item.round, agent=item.agent, reused=p.reused, prepare_ms=1e3 * p.seconds,
+                        placeholders=[pb.PlaceholderReport(name=s.placeholder, tokens=s.tokens, reused=s.reused,
+                                                           anchor_ids=[a for a, _ in s.anchors],
+                                                           anchor_weights=[w for _, w in s.anchors],
+                                                           new_anchor=s.new_anchor) for s in p.slots]))
+                else:
+                    token = convert.token_event(item.event)
+                    token.message_id = ""  # (the graph frees its messages when it ends)
+                    yield pb.AgentsEvent(token=pb.AgentToken(round=item.round, agent=item.agent, token=token))
+        except StopIteration as done:
+            yield pb.AgentsEvent(done=pb.AgentsDone(session_id=sid, replies=done.value, reused=reused,
+                                                    prompts=prompts))
+        finally:
+            events.close()

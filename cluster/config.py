@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass
 
 from braid.api.service import ServiceConfig
+from braid.engine.kvcomm import KVCommConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.engine.config import paths_elsewhere, paths_here
@@ -80,6 +81,9 @@ class ClusterConfig:
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     synthesizer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     api_keys_file: str | None = None  # API keys the agent API accepts (braid.api.auth); None: the API is open
+    # KVComm (RunAgents): the entropy threshold gamma (0: never reuse) and anchors per placeholder pool (V)
+    kvcomm_gamma: float = 0.3
+    kvcomm_capacity: int = 20
 
     def __post_init__(self):
         if paths_here() and not os.path.isfile(os.path.join(self.model_path, "config.json")):
@@ -137,6 +141,8 @@ class ClusterConfig:
             props[name]["anyOf"][0]["minimum"] = 0
         props["grpc_port"].update(minimum=1, maximum=65535)
         props["kv_transport"]["enum"] = list(TRANSPORTS)
+        props["kvcomm_gamma"].update(minimum=0, maximum=1)
+        props["kvcomm_capacity"]["minimum"] = 0
         return {"type": "object", "additionalProperties": False, "required": ["model_path"], "properties": props}
 
     def engine_config(self, role: str = "synthesizer") -> EngineConfig:
@@ -154,7 +160,8 @@ class ClusterConfig:
         return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s)
 
     def service_config(self) -> ServiceConfig:
-        return ServiceConfig(default_max_tokens=self.default_max_tokens)
+        return ServiceConfig(default_max_tokens=self.default_max_tokens,
+                             kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity))
 
     def workflow_config(self) -> WorkflowConfig:
         # a workflow's branches are split into one call per replica that can run them (batched on each)

@@ -45,8 +45,7 @@ from braid.kernels import rerotate_keys
 log = logging.getLogger(__name__)
 EARLIEST = 5  # pruning looks at this many of the oldest anchors and drops the least used of them
 SKETCH = 128  # token embedding size: a fixed random projection of a token's base KV (all layers, K and V)
-RERANK = 128  # a token's nearest pool tokens by sketch, whose exact distances are then taken
-TOP_K = 32  # of which it interpolates from the nearest TOP_K
+TOP_K = 16  # of which it interpolates from the nearest TOP_K
 
 
 @dataclass(frozen=True)
@@ -107,11 +106,11 @@ class Prepared:
 
 @dataclass(eq=False)
 class Anchor:
-    """A placeholder text whose offsets were measured; all KV in frame 0 (every key de-rotated to position 0)."""
+    """A placeholder text whose offsets were measured. Offsets are token-major [T, L*2*H*D] fp32 rows of
+    frame-0 KV (every key de-rotated to position 0): what `features` makes of a KV tensor."""
 
     id: int
     tokens: tuple[int, ...]
-    base: torch.Tensor  # [L, 2, H, T, D]: the text's KV on its own
     sketch: torch.Tensor  # [T, SKETCH]: its tokens' embeddings, a random projection of their base KV
     offsets: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # agent: (text, join)
     uses: int = 0  # prompts interpolated from it
@@ -119,7 +118,7 @@ class Anchor:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   [self.base, self.sketch, *(x for pair in self.offsets.values() for x in pair if x is not None)])
+                   [self.sketch, *(x for pair in self.offsets.values() for x in pair if x is not None)])
 
 
 @dataclass(frozen=True)
@@ -141,8 +140,14 @@ class Match:
 
 
 def features(kv: torch.Tensor) -> torch.Tensor:
-    """Frame-0 KV [L, 2, H, T, D] as one vector per token [T, L*2*H*D], in fp32."""
+    """KV [L, 2, H, T, D] as one fp32 row per token [T, L*2*H*D]."""
     return kv.permute(3, 0, 1, 2, 4).reshape(kv.shape[3], -1).float()
+
+
+def unfeatures(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Token rows [T, L*2*H*D] back to KV [L, 2, H, T, D] in `like`'s shape (T may differ) and dtype."""
+    L, two, H, _, D = like.shape
+    return rows.reshape(rows.shape[0], L, two, H, D).permute(1, 2, 3, 0, 4).contiguous().to(like.dtype)
 
 
 class AnchorPool:
@@ -162,11 +167,9 @@ class AnchorPool:
     def find(self, tokens: tuple[int, ...]) -> Anchor | None:
         return next((a for a in self.anchors if a.tokens == tokens), None)
 
-    def match(self, tokens: tuple[int, ...], base: torch.Tensor, sketch: torch.Tensor, agent: str,
-              config: KVCommConfig) -> Match:
-        """Which anchor tokens the text `tokens` (frame-0 base KV `base`, its sketch [T, SKETCH]) interpolates
-        from for `agent`, and whether it is shareable (seed 002, eq. 5: the length, then the entropy,
-        criterion)."""
+    def match(self, tokens: tuple[int, ...], sketch: torch.Tensor, agent: str, config: KVCommConfig) -> Match:
+        """Which anchor tokens the text `tokens` (its token embeddings `sketch` [T, SKETCH]) interpolates from
+        for `agent`, and whether it is shareable (seed 002, eq. 5: the length, then the entropy, criterion)."""
         n = len(tokens)
         same = self.find(tokens)
         if same is not None:  # its own measured KV, or (without this agent's offsets) an anchor still filling in
@@ -177,27 +180,17 @@ class AnchorPool:
             empty = torch.zeros(n, 0)
             return Match(found, empty.long(), empty.long(), empty, False)
         # every token against every pool token: w[j, p] = softmax_p(-||h_j - h_p|| / (|h| temperature)), with
-        # distances relative to the text's mean token norm |h|, so that one temperature fits any model's scale.
-        # The criterion reads the sketches' distances; the weights, exact distances to the nearest RERANK.
+        # distances relative to the text's mean token norm |h|, so that one temperature fits any model's scale
         pool = torch.cat([a.sketch for a in found])  # [P, SKETCH]
         scale = sketch.norm(dim=1).mean()
-        w = torch.softmax(-torch.cdist(sketch, pool) / (scale * config.temperature), dim=1)  # [T, P]
-        entropy = float(-(w * w.clamp_min(1e-30).log()).sum(dim=1).mean())  # mean over the text's tokens
-        shareable = entropy <= config.gamma * math.log(w.shape[1]) + 1e-9
-        p = w.topk(min(RERANK, w.shape[1]), dim=1).indices  # [T, C]
+        logw = torch.log_softmax(-torch.cdist(sketch, pool) / (scale * config.temperature), dim=1)  # [T, P]
+        entropy = float(-(logw.exp() * logw).sum(dim=1).mean())  # mean over the text's tokens
+        top, p = logw.topk(min(TOP_K, logw.shape[1]), dim=1)  # interpolate from the nearest TOP_K
+        top, p = top.exp().cpu(), p.cpu()
         owner = torch.cat([torch.full((len(a.tokens),), i) for i, a in enumerate(found)])
         first = torch.tensor([0, *[len(a.tokens) for a in found]]).cumsum(0)
-        anchor, token = owner[p], p - first[owner[p]]
-        h, exact = features(base), torch.empty(p.shape)
-        rows = torch.arange(n)[:, None].expand_as(p)
-        for i, a in enumerate(found):
-            sel = anchor == i
-            if sel.any():
-                theirs = features(a.base.index_select(3, token[sel].to(a.base.device)))
-                exact[sel] = (h[rows[sel].to(h.device)] - theirs).norm(dim=1).cpu()
-        wx = torch.softmax(-exact / (features(base).norm(dim=1).mean().cpu() * config.temperature), dim=1)
-        top, k = wx.topk(min(TOP_K, wx.shape[1]), dim=1)  # interpolate from the nearest TOP_K
-        return Match(found, anchor.gather(1, k), token.gather(1, k), top / top.sum(dim=1, keepdim=True), shareable)
+        return Match(found, owner[p], p - first[owner[p]], top / top.sum(dim=1, keepdim=True),
+                     entropy <= config.gamma * math.log(logw.shape[1]) + 1e-9)
 
     def add(self, anchor: Anchor) -> Anchor | None:
         """Insert `anchor`, pruning first if full; returns the anchor pruned."""
@@ -216,24 +209,25 @@ def rotate(kv: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> tor
 
 
 def interpolate(base: torch.Tensor, offsets: Sequence[torch.Tensor], m: Match) -> torch.Tensor:
-    """base [L, 2, H, T, D] plus, per token, the match's weighted sum of anchor tokens' offsets (offsets[a]
-    [L, 2, H, T_a, D] for anchor a) (seed 002, eq. 6), in fp32, returned in the base's dtype."""
-    out = base.float()
-    j = torch.arange(base.shape[3])[:, None].expand_as(m.anchor)
+    """Token rows base [T, F] plus, per token, the match's weighted sum of anchor tokens' offsets (offsets[a]
+    [T_a, F] for anchor a) (seed 002, eq. 6): one sparse [T, T_a] by dense [T_a, F] product per anchor."""
+    out = base.clone()
+    j = torch.arange(base.shape[0])[:, None].expand_as(m.anchor)
     for a, d in enumerate(offsets):
         sel = m.anchor == a
         if sel.any():
-            rows = d.index_select(3, m.token[sel].to(d.device)).float() * m.weight[sel].to(out.device)[:, None]
-            out.index_add_(3, j[sel].to(out.device), rows)
-    return out.to(base.dtype)
+            w = torch.sparse_coo_tensor(torch.stack([j[sel], m.token[sel]]), m.weight[sel], (base.shape[0], d.shape[0]),
+                                        check_invariants=False)  # (indices from topk: in range by construction)
+            out += torch.sparse.mm(w.to(d.device), d)
+    return out
 
 
 def interpolate_join(base: torch.Tensor, offsets: Sequence[torch.Tensor], share: torch.Tensor) -> torch.Tensor:
-    """base [L, 2, H, T, D] + sum_a share[a] * offsets[a] (seed 002, eq. 7: the same text in every anchor)."""
-    out = base.float()
+    """Token rows base [T, F] + sum_a share[a] * offsets[a] (seed 002, eq. 7: the same text in every anchor)."""
+    out = base.clone()
     for w, d in zip(share.tolist(), offsets):
-        out = out + w * d.float()
-    return out.to(base.dtype)
+        out += w * d
+    return out
 
 
 class KVComm:
@@ -247,15 +241,15 @@ class KVComm:
         self._next_id = 0
         self.prepared = self.reused = 0
         self._projection: torch.Tensor | None = None
+        self._like: torch.Tensor | None = None  # an empty KV tensor [L, 2, H, 0, D] of the engine's dtype
 
-    def sketch(self, base: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, SKETCH] of frame-0 KV [L, 2, H, T, D]: a fixed random projection (distances
-        are kept to a few percent, at a cost independent of the model's size)."""
+    def sketch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, SKETCH] of token rows [T, F]: a fixed random projection, which keeps distances
+        to a few percent at a cost that does not grow with the pool's KV width."""
         if self._projection is None:
             gen = torch.Generator().manual_seed(0)
-            width = features(base[:, :, :, :1]).shape[1]
-            self._projection = (torch.randn(width, SKETCH, generator=gen) / math.sqrt(SKETCH)).to(base.device)
-        return features(base) @ self._projection
+            self._projection = (torch.randn(rows.shape[1], SKETCH, generator=gen) / math.sqrt(SKETCH)).to(rows.device)
+        return rows @ self._projection
 
     # ---- pools ----------------------------------------------------------------------------------
     def pool(self, scope: str, placeholder: str) -> AnchorPool:
@@ -308,7 +302,7 @@ class KVComm:
                 for name, text in zip(names, texts):
                     base = self._base(text)
                     bases.append(base)
-                    matches.append(self.pool(scope, name).match(tuple(text), base, self.sketch(base), prompt.agent,
+                    matches.append(self.pool(scope, name).match(tuple(text), self.sketch(base), prompt.agent,
                                                                 self.config))
             if matches and all(m.shareable for m in matches):
                 ctx_id, slots = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds, P,
@@ -345,18 +339,19 @@ class KVComm:
         return prefix, texts, joins, names
 
     def _base(self, tokens: list[int]) -> torch.Tensor:
-        """`tokens` encoded on their own behind base_prefix, in frame 0 [L, 2, H, T, D]. Through the prefix
+        """`tokens` encoded on their own behind base_prefix, as frame-0 token rows [T, F]. Through the prefix
         cache each text is encoded once per replica, whichever agent asks."""
         eng = self.engine
         ids = eng.prefill([PrefillCall(self.base_prefix)]) if self.base_prefix else []
         try:
             mid = eng.prefill([PrefillCall(tokens, parents=ids)])[0]
             msg = eng.message(mid)
-            kv = rotate(msg.kv, -torch.arange(msg.offset, msg.end), eng.lm.inv_freq)
+            rows = features(rotate(msg.kv, -torch.arange(msg.offset, msg.end), eng.lm.inv_freq))
+            self._like = msg.kv[:, :, :, :0]
             eng.free(mid)
         finally:
             self._free(ids)
-        return kv
+        return rows
 
     def _approximate(self, agent, names, texts, joins, bases, matches, bounds, P, context, prefix_id):
         """Every placeholder and join (but the last) as base + interpolated offsets, placed after the prefix
@@ -374,7 +369,7 @@ class KVComm:
             slots.append(SlotDecision(names[i], len(text), True,
                                       tuple((a.id, round(float(w), 4)) for a, w in zip(m.anchors, share))))
         positions = torch.cat([torch.arange(P + s, P + e) for s, e in bounds])
-        kv = rotate(torch.cat(parts, dim=3), positions, eng.lm.inv_freq)
+        kv = rotate(unfeatures(torch.cat(parts), self._like), positions, eng.lm.inv_freq)
         return eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots
 
     def _record(self, scope, agent, names, texts, joins, bounds, P, ctx_id, bases) -> list[SlotDecision]:
@@ -384,7 +379,7 @@ class KVComm:
             return [SlotDecision(n, len(t), False) for n, t in zip(names, texts)]
         eng = self.engine
         kv = eng.message(ctx_id).kv
-        real = lambda s, e: rotate(kv[:, :, :, s:e], -torch.arange(P + s, P + e), eng.lm.inv_freq)  # noqa: E731
+        real = lambda s, e: features(rotate(kv[:, :, :, s:e], -torch.arange(P + s, P + e), eng.lm.inv_freq))  # noqa: E731
         slots, b = [], iter(bounds)
         for i, (name, text, base) in enumerate(zip(names, texts, bases)):
             d_text = real(*next(b)) - base
@@ -397,13 +392,17 @@ class KVComm:
                 anchor = pool.find(tuple(text))
                 if anchor is None:
                     self._next_id += 1
-                    anchor, new = Anchor(self._next_id, tuple(text), base, self.sketch(base)), True
+                    anchor, new = Anchor(self._next_id, tuple(text), self.sketch(base)), True
                     pruned = pool.add(anchor)
                     if pruned is not None:
                         log.debug("kvcomm %s/%s: pruned anchor %d (%d uses)", scope, name, pruned.id, pruned.uses)
                 anchor.offsets[agent] = (d_text, d_join)
             slots.append(SlotDecision(name, len(text), False, new_anchor=new))
         return slots
+
+    def free(self, prepared: Prepared) -> None:
+        """Free what `prepare` stored (a call still using it keeps it until the call ends)."""
+        self._free(prepared.parents)
 
     def _free(self, ids: Sequence[str]) -> None:
         for mid in ids:

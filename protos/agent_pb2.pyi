@@ -283,3 +283,93 @@ class HealthResponse(_message.Message):
     status: str
     model_fingerprint: str
     def __init__(self, status: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class AgentSpec(_message.Message):
+    __slots__ = ("name", "prefix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    prefix: str
+    def __init__(self, name: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+
+class AgentsRequest(_message.Message):
+    __slots__ = ("session_id", "user_text", "agents", "rounds", "kvcomm", "peer_join", "reply_header", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    KVCOMM_FIELD_NUMBER: _ClassVar[int]
+    PEER_JOIN_FIELD_NUMBER: _ClassVar[int]
+    REPLY_HEADER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    user_text: str
+    agents: _containers.RepeatedCompositeFieldContainer[AgentSpec]
+    rounds: int
+    kvcomm: bool
+    peer_join: str
+    reply_header: str
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., user_text: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentSpec, _Mapping]]] = ..., rounds: _Optional[int] = ..., kvcomm: _Optional[bool] = ..., peer_join: _Optional[str] = ..., reply_header: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class PlaceholderReport(_message.Message):
+    __slots__ = ("name", "tokens", "reused", "anchor_ids", "anchor_weights", "new_anchor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens: int
+    reused: bool
+    anchor_ids: _containers.RepeatedScalarFieldContainer[int]
+    anchor_weights: _containers.RepeatedScalarFieldContainer[float]
+    new_anchor: bool
+    def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ..., reused: _Optional[bool] = ..., anchor_ids: _Optional[_Iterable[int]] = ..., anchor_weights: _Optional[_Iterable[float]] = ..., new_anchor: _Optional[bool] = ...) -> None: ...
+
+class AgentReport(_message.Message):
+    __slots__ = ("round", "agent", "reused", "placeholders", "prepare_ms")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    agent: int
+    reused: bool
+    placeholders: _containers.RepeatedCompositeFieldContainer[PlaceholderReport]
+    prepare_ms: float
+    def __init__(self, round: _Optional[int] = ..., agent: _Optional[int] = ..., reused: _Optional[bool] = ..., placeholders: _Optional[_Iterable[_Union[PlaceholderReport, _Mapping]]] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
+
+class AgentToken(_message.Message):
+    __slots__ = ("round", "agent", "token")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    agent: int
+    token: TokenEvent
+    def __init__(self, round: _Optional[int] = ..., agent: _Optional[int] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
+
+class AgentsDone(_message.Message):
+    __slots__ = ("session_id", "replies", "reused", "prompts")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    replies: _containers.RepeatedScalarFieldContainer[str]
+    reused: int
+    prompts: int
+    def __init__(self, session_id: _Optional[str] = ..., replies: _Optional[_Iterable[str]] = ..., reused: _Optional[int] = ..., prompts: _Optional[int] = ...) -> None: ...
+
+class AgentsEvent(_message.Message):
+    __slots__ = ("report", "token", "done")
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    report: AgentReport
+    token: AgentToken
+    done: AgentsDone
+    def __init__(self, report: _Optional[_Union[AgentReport, _Mapping]] = ..., token: _Optional[_Union[AgentToken, _Mapping]] = ..., done: _Optional[_Union[AgentsDone, _Mapping]] = ...) -> None: ...

@@ -75,6 +75,11 @@ class AgentServiceStub:
                 request_serializer=braid_dot_protos_dot_agent__pb2.HealthRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_agent__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.RunAgents = channel.unary_stream(
+                '/braid.v1.AgentService/RunAgents',
+                request_serializer=braid_dot_protos_dot_agent__pb2.AgentsRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.AgentsEvent.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -132,6 +137,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunAgents(self, request, context):
+        """A fully connected agent graph over one user text (KVComm, seed 002): each agent reads the shared texts
+        under its own prefix, reused through anchors (kvcomm) or prefilled densely.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=braid_dot_protos_dot_agent__pb2.HealthRequest.FromString,
                     response_serializer=braid_dot_protos_dot_agent__pb2.HealthResponse.SerializeToString,
+            ),
+            'RunAgents': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunAgents,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.AgentsRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.AgentsEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +411,33 @@ class AgentService:
             '/braid.v1.AgentService/Health',
             braid_dot_protos_dot_agent__pb2.HealthRequest.SerializeToString,
             braid_dot_protos_dot_agent__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/braid.v1.AgentService/RunAgents',
+            braid_dot_protos_dot_agent__pb2.AgentsRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.AgentsEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,214 @@
+"""KVComm (engine.kvcomm): gamma=0 / V=0 are dense prefill exactly, an anchor reproduces the KV it was
+measured on, the pool never exceeds V, and anchors stay within their scope and their engine's model."""
+
+import pytest
+import torch
+
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.errors import BraidError
+from braid.engine.kvcomm import (AgentPrompt, AnchorPool, KVComm, KVCommConfig, features, interpolate, rotate,
+                                 unfeatures)
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+ROLES = {"critic": "System: you are the critic. Be brief.", "solver": "System: you solve it step by step, then stop."}
+TEXTS = ["User: what is two plus three?", "User: name a city by the sea.", "User: is seven a prime number?",
+         "User: what colour is the sky?", "User: count to four.", "User: spell the word cat."]
+
+
+def prompt(agent: str, text: str, second: str | None = None) -> AgentPrompt:
+    if second is None:
+        return AgentPrompt(agent, ROLES[agent], [("user", text)], [" Answer:"], GREEDY)
+    return AgentPrompt(agent, ROLES[agent], [("user", text), ("peer", second)], [" Peer said:", " Answer:"], GREEDY)
+
+
+def dense_tokens(engine: Engine, p: AgentPrompt) -> tuple[list[int], torch.Tensor]:
+    """The reply and the context's KV from a plain dense prefill of the same token segments."""
+    tok = engine.tokenize
+    context = [t for i, (_, text) in enumerate(p.slots) for t in
+               [*tok(text), *(tok(p.joins[i]) if i < len(p.slots) - 1 else [])]]
+    pre = engine.prefill([PrefillCall(tok(p.prefix))])
+    ctx = engine.prefill([PrefillCall(context, parents=pre)])
+    ids = engine.decode([DecodeCall(tok(p.joins[-1]), parents=pre + ctx, sampling=p.sampling)])
+    return list(engine.message(ids[0]).token_ids), engine.message(ctx[0]).kv
+
+
+def run(comm: KVComm, p: AgentPrompt, scope: str = "tenant"):
+    prep, stream = comm.decode_stream(p, scope)
+    for _ in stream:
+        pass
+    return prep, list(comm.engine.message(stream.ids[0]).token_ids), comm.engine.message(prep.parents[1]).kv
+
+
+@pytest.mark.parametrize("config", [KVCommConfig(gamma=0.0), KVCommConfig(capacity=0)])
+def test_gamma_zero_or_no_capacity_is_dense_prefill(llama_engine, config):
+    comm = KVComm(llama_engine, config)
+    for text in TEXTS[:3]:
+        for agent in ROLES:
+            p = prompt(agent, text, TEXTS[-1])
+            prep, tokens, kv = run(comm, p)
+            want_tokens, want_kv = dense_tokens(llama_engine, p)
+            assert not prep.reused and tokens == want_tokens
+            assert torch.equal(kv, want_kv)
+    assert comm.stats()["anchors"] == 0 and comm.stats()["reused"] == 0
+
+
+def test_an_anchor_reproduces_the_kv_it_was_measured_on(fresh_engine):
+    comm = KVComm(fresh_engine, KVCommConfig(gamma=0.3), base_prefix="Text:")
+    p = prompt("solver", TEXTS[0], TEXTS[1])
+    first, dense_reply, dense_kv = run(comm, p)  # no anchors: dense, and the offsets are recorded
+    assert not first.reused and [s.new_anchor for s in first.slots] == [True, True]
+    again, reply, kv = run(comm, p)  # the same texts: each interpolated from its own anchor alone
+    assert again.reused and all(len(s.anchors) == 1 and s.anchors[0][1] == 1.0 for s in again.slots)
+    torch.testing.assert_close(kv, dense_kv, rtol=0, atol=2e-5)  # (two fp32 rotations apart)
+    assert reply == dense_reply
+    other, _, _ = run(comm, prompt("critic", TEXTS[0], TEXTS[1]))  # a text is an anchor per agent: dense first
+    assert not other.reused and not any(s.new_anchor for s in other.slots)
+
+
+def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
+    comm = KVComm(llama_engine, KVCommConfig(gamma=1.0, temperature=0.5))
+    for text in TEXTS[:4]:
+        run(comm, prompt("solver", text))
+    pool = comm.pools[("tenant", "user")]
+    text = llama_engine.tokenize(TEXTS[4])
+    base = comm._base(text)
+    m = pool.match(tuple(text), comm.sketch(base), "solver", comm.config)
+    assert m.shareable and torch.allclose(m.weight.sum(dim=1), torch.ones(len(text)))
+    got = interpolate(base, [a.offsets["solver"][0] for a in m.anchors], m)
+    want = base.clone()  # token rows [T, F]
+    for j in range(len(text)):
+        for a, t, w in zip(m.anchor[j].tolist(), m.token[j].tolist(), m.weight[j].tolist()):
+            want[j] += w * m.anchors[a].offsets["solver"][0][t]
+    torch.testing.assert_close(got, want)
+    kv = torch.randn(2, 2, 2, 3, 4)
+    assert torch.equal(unfeatures(features(kv), kv), kv)
+    prep, _, kv = run(comm, prompt("solver", TEXTS[4]))  # and the reply runs on it, no prefill of the text
+    assert prep.reused and kv.shape[3] == len(text)
+
+
+def test_rotation_to_frame_zero_and_back_is_exact_to_fp32_rounding(llama_engine):
+    kv = torch.randn(2, 2, 2, 5, 2 * llama_engine.lm.inv_freq.numel())
+    positions = torch.arange(7, 12)
+    torch.testing.assert_close(rotate(rotate(kv, -positions, llama_engine.lm.inv_freq), positions,
+                                      llama_engine.lm.inv_freq), kv, rtol=0, atol=1e-5)
+
+
+def test_the_pool_never_exceeds_capacity_and_prunes_the_least_used_of_the_earliest(llama_engine):
+    comm = KVComm(llama_engine, KVCommConfig(gamma=0.3, capacity=3))
+    for i, text in enumerate(TEXTS):
+        run(comm, prompt("solver", text))
+        pool = comm.pools[("tenant", "user")]
+        assert len(pool) <= 3
+        if i == 2:  # the pool is full: make the oldest anchor the most used
+            pool.anchors[0].uses, pool.anchors[1].uses, kept = 5, 1, pool.anchors[0].id
+    assert kept in [a.id for a in pool.anchors]  # the least used of the earliest went, not the oldest
+    bare = AnchorPool(0)
+    assert bare.capacity == 0 and len(bare) == 0
+
+
+def test_scopes_never_read_each_others_texts(llama_engine):
+    comm = KVComm(llama_engine, KVCommConfig(gamma=1.0))
+    for text in TEXTS[:3]:
+        run(comm, prompt("solver", text), scope="alice")
+    prep, _, _ = run(comm, prompt("solver", TEXTS[0]), scope="bob")  # alice's very text: bob still prefills
+    assert not prep.reused and prep.slots[0].new_anchor
+    bob = comm.pools[("bob", "user")]
+    alice = {a.id for a in comm.pools[("alice", "user")].anchors}
+    assert len(bob) == 1 and bob.anchors[0].id not in alice
+    prep, _, _ = run(comm, prompt("solver", TEXTS[3]), scope="bob")  # bob's match reads bob's anchors alone
+    assert prep.reused and {a for a, _ in prep.slots[0].anchors} <= {a.id for a in bob.anchors}
+
+
+def test_anchors_belong_to_their_engines_model(checkpoint, llama_engine):
+    other = Engine(EngineConfig(checkpoint("llama", seed=1)))
+    assert other.fingerprint != llama_engine.fingerprint
+    mine, theirs = KVComm(llama_engine, KVCommConfig(gamma=1.0)), KVComm(other, KVCommConfig(gamma=1.0))
+    run(mine, prompt("solver", TEXTS[0]))
+    prep, _, _ = run(theirs, prompt("solver", TEXTS[0]))
+    assert not prep.reused and not theirs.pools[("tenant", "user")].anchors[0] in mine.pools[("tenant", "user")].anchors
+    ctx = llama_engine.message(run(mine, prompt("solver", TEXTS[0]))[0].parents[1])
+    assert ctx.fingerprint == llama_engine.fingerprint  # an approximated context is this model's message
+
+
+def test_bad_prompts_are_refused_with_what_to_fix(llama_engine):
+    comm = KVComm(llama_engine)
+    with pytest.raises(BraidError, match="at least one placeholder"):
+        comm.prepare(AgentPrompt("a", "System:", [], []), "t")
+    with pytest.raises(BraidError, match="1 joins for 2 placeholders"):
+        comm.prepare(AgentPrompt("a", "System:", [("x", "hi"), ("y", "yo")], [" A:"]), "t")
+    with pytest.raises(BraidError, match="placeholder 'x' is empty"):
+        comm.prepare(AgentPrompt("a", "System:", [("x", "")], [" A:"]), "t")
+    with pytest.raises(BraidError, match="reply's header"):
+        comm.prepare(AgentPrompt("a", "System:", [("x", "hi")], [""]), "t")
+    for bad in [dict(gamma=-0.1), dict(gamma=1.5), dict(capacity=-1), dict(temperature=0)]:
+        with pytest.raises(ValueError, match="kvcomm"):
+            KVCommConfig(**bad)
+
+
+# ---- the agent graph over the gRPC agent API -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def api(checkpoint):
+    import grpc
+
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.cluster.inprocess import start_in_process
+    from braid.protos import agent_pb2_grpc
+
+    redis_server = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield agent_pb2_grpc.AgentServiceStub(channel), server.logic
+    channel.close()
+    server.stop()
+    redis_server.stop()
+
+
+def agents_request(session_id="", kvcomm=True, rounds=2, user=TEXTS[0], **kw):
+    from braid.protos import agent_pb2 as pb
+
+    return pb.AgentsRequest(session_id=session_id, user_text=user, rounds=rounds, kvcomm=kvcomm,
+                            agents=[pb.AgentSpec(name=n, prefix=p) for n, p in ROLES.items()],
+                            sampling=pb.Sampling(max_tokens=4, ignore_eos=True), **kw)
+
+
+def test_run_agents_reports_every_agent_and_streams_its_tokens(api):
+    stub, logic = api
+    events = list(stub.RunAgents(agents_request(kvcomm=False)))
+    reports = [e.report for e in events if e.HasField("report")]
+    tokens = [e.token for e in events if e.HasField("token")]
+    done = events[-1].done
+    assert [(r.round, r.agent) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [p.name for p in reports[2].placeholders] == ["user", "reply:solver"]  # round 2 reads the peer
+    assert not any(r.reused for r in reports) and done.reused == 0 and done.prompts == 4
+    assert len(tokens) == 2 * 2 * 4 and len(done.replies) == 2
+    for agent in (0, 1):  # the last round's replies are its streamed tokens
+        assert done.replies[agent] == "".join(t.token.text for t in tokens if t.round == 1 and t.agent == agent)
+
+
+def test_run_agents_with_kvcomm_reuses_within_a_session_only(api):
+    stub, logic = api
+    first = list(stub.RunAgents(agents_request()))
+    sid = first[-1].done.session_id
+    again = list(stub.RunAgents(agents_request(session_id=sid)))  # the same texts: every anchor is its own
+    assert again[-1].done.reused == again[-1].done.prompts == 4
+    dense = list(stub.RunAgents(agents_request(session_id=sid, kvcomm=False)))
+    assert [e.token.token.token_id for e in again if e.HasField("token")] == \
+        [e.token.token.token_id for e in dense if e.HasField("token")]
+    other = list(stub.RunAgents(agents_request()))  # another session: nothing of the first one's anchors
+    assert other[-1].done.reused == 0 and other[-1].done.session_id != sid
+
+
+def test_run_agents_refuses_bad_graphs_and_keeps_serving(api):
+    import grpc
+
+    from braid.protos import agent_pb2 as pb
+
+    stub, _ = api
+    bad = [agents_request(user=""), agents_request(rounds=9),
+           pb.AgentsRequest(user_text="hi", agents=[pb.AgentSpec(name="a", prefix="x"), pb.AgentSpec(name="a", prefix="y")]),
+           pb.AgentsRequest(user_text="hi", agents=[pb.AgentSpec(name="a", prefix="")])]
+    for request in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.RunAgents(request))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    assert list(stub.RunAgents(agents_request(rounds=1)))[-1].done.prompts == 2
