@@ -32,6 +32,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +46,9 @@ from braid.kernels import rerotate_keys
 log = logging.getLogger(__name__)
 EARLIEST = 5  # pruning looks at this many of the oldest anchors and drops the least used of them
 SKETCH = 128  # token embedding size: a fixed random projection of a token's base KV (all layers, K and V)
-TOP_K = 16  # of which it interpolates from the nearest TOP_K
+TOP_K = 16  # a token interpolates from the TOP_K pool tokens nearest it
+SKETCH_CACHE = 256  # recent texts whose sketches are kept (every agent of a round reads the same texts)
+ENTROPY_SAMPLE = 128  # tokens of a text the entropy criterion is estimated on (evenly spaced)
 
 
 @dataclass(frozen=True)
@@ -183,14 +186,16 @@ class AnchorPool:
         # distances relative to the text's mean token norm |h|, so that one temperature fits any model's scale
         pool = torch.cat([a.sketch for a in found])  # [P, SKETCH]
         scale = sketch.norm(dim=1).mean()
-        logw = torch.log_softmax(-torch.cdist(sketch, pool) / (scale * config.temperature), dim=1)  # [T, P]
-        entropy = float(-(logw.exp() * logw).sum(dim=1).mean())  # mean over the text's tokens
-        top, p = logw.topk(min(TOP_K, logw.shape[1]), dim=1)  # interpolate from the nearest TOP_K
-        top, p = top.exp().cpu(), p.cpu()
+        d = torch.cdist(sketch, pool) / (scale * config.temperature)  # [T, P]
+        # the entropy criterion is a mean over tokens: estimated on at most ENTROPY_SAMPLE of them
+        logw = torch.log_softmax(-d[::max(1, n // ENTROPY_SAMPLE)], dim=1)
+        entropy = float(-(logw.exp() * logw).sum(dim=1).mean())
+        near, p = (-d).topk(min(TOP_K, d.shape[1]), dim=1)  # interpolate from the nearest TOP_K
+        weight, p = torch.softmax(near, dim=1).cpu(), p.cpu()  # (the full softmax, renormalised over them)
         owner = torch.cat([torch.full((len(a.tokens),), i) for i, a in enumerate(found)])
         first = torch.tensor([0, *[len(a.tokens) for a in found]]).cumsum(0)
-        return Match(found, owner[p], p - first[owner[p]], top / top.sum(dim=1, keepdim=True),
-                     entropy <= config.gamma * math.log(logw.shape[1]) + 1e-9)
+        return Match(found, owner[p], p - first[owner[p]], weight,
+                     entropy <= config.gamma * math.log(d.shape[1]) + 1e-9)
 
     def add(self, anchor: Anchor) -> Anchor | None:
         """Insert `anchor`, pruning first if full; returns the anchor pruned."""
@@ -241,6 +246,7 @@ class KVComm:
         self._next_id = 0
         self.prepared = self.reused = 0
         self._projection: torch.Tensor | None = None
+        self._sketches: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # recent texts' sketches
         self._like: torch.Tensor | None = None  # an empty KV tensor [L, 2, H, 0, D] of the engine's dtype
 
     def sketch(self, rows: torch.Tensor) -> torch.Tensor:
@@ -250,6 +256,20 @@ class KVComm:
             gen = torch.Generator().manual_seed(0)
             self._projection = (torch.randn(rows.shape[1], SKETCH, generator=gen) / math.sqrt(SKETCH)).to(rows.device)
         return rows @ self._projection
+
+    def _sketch_of(self, tokens: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """The sketch of a text's base rows, remembered for the next agents reading the same text."""
+        key = tuple(tokens)
+        with self._lock:
+            if key in self._sketches:
+                self._sketches.move_to_end(key)
+                return self._sketches[key]
+        sketch = self.sketch(rows)
+        with self._lock:
+            self._sketches[key] = sketch
+            while len(self._sketches) > SKETCH_CACHE:
+                self._sketches.popitem(last=False)
+        return sketch
 
     # ---- pools ----------------------------------------------------------------------------------
     def pool(self, scope: str, placeholder: str) -> AnchorPool:
@@ -302,8 +322,8 @@ class KVComm:
                 for name, text in zip(names, texts):
                     base = self._base(text)
                     bases.append(base)
-                    matches.append(self.pool(scope, name).match(tuple(text), self.sketch(base), prompt.agent,
-                                                                self.config))
+                    matches.append(self.pool(scope, name).match(tuple(text), self._sketch_of(text, base),
+                                                                prompt.agent, self.config))
             if matches and all(m.shareable for m in matches):
                 ctx_id, slots = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds, P,
                                                   context, prefix_id)
@@ -387,12 +407,12 @@ class KVComm:
             if i < len(texts) - 1:
                 s, e = next(b)
                 d_join = real(s, e) - self._base(joins[i]) if e > s else None
-            pool, new = self.pool(scope, name), False
+            pool, new, sketch = self.pool(scope, name), False, self._sketch_of(text, base)
             with self._lock:
                 anchor = pool.find(tuple(text))
                 if anchor is None:
                     self._next_id += 1
-                    anchor, new = Anchor(self._next_id, tuple(text), self.sketch(base)), True
+                    anchor, new = Anchor(self._next_id, tuple(text), sketch), True
                     pruned = pool.add(anchor)
                     if pruned is not None:
                         log.debug("kvcomm %s/%s: pruned anchor %d (%d uses)", scope, name, pruned.id, pruned.uses)

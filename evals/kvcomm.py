@@ -6,7 +6,7 @@ requests it fell back on. Each config starts from an empty pool; the dense answe
 Reports accuracy with a paired bootstrap interval against dense, the reuse rate and the pool's memory,
 for a sweep of gamma and capacity (seed 002, Table 3).
 
-    python -m braid.evals.kvcomm --out results/eval_kvcomm_cpu.json
+    python -m braid.evals.kvcomm --out benchmarks/results/eval_kvcomm_cpu.json
 """
 
 import argparse
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gammas", default="0,0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--capacities", default="0,5,10,20,40")
     ap.add_argument("--temperature", type=float, default=KVCommConfig.temperature)
-    ap.add_argument("--out", default="results/eval_kvcomm_cpu.json")
+    ap.add_argument("--out", default="benchmarks/results/eval_kvcomm_cpu.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     engine = Engine(EngineConfig(args.model))
