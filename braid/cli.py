@@ -280,9 +280,12 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--modes", default="all",
                    help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential, "
+                        "cache:sequential+refresh (each branch's first and last token re-encoded with the earlier "
+                        "branches in view), "
                         "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
-                        "staircase-append:kv and, with a calibration, calibrated, calibrated:sequential and the "
-                        "ablations calibrated-no-reencode, calibrated-no-mapper, calibrated-no-lora (default: all)")
+                        "staircase-append:kv and, with a calibration, calibrated, calibrated+refresh, "
+                        "calibrated:sequential and the ablations calibrated-no-reencode, calibrated-no-mapper, "
+                        "calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
     p.add_argument("--verify", action="store_true",

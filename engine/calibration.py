@@ -115,11 +115,15 @@ class CacheMapper(torch.nn.Module):
         return scale[:, :, :, :, None, :], shift[:, :, :, :, None, :]
 
     @torch.no_grad()
-    def forward(self, kv: torch.Tensor, *, branch: int = 0, num_branches: int = 1) -> torch.Tensor:
-        """One branch's placed KV [L, 2, H, T, D], mapped in place and returned (the engine's mapper seam:
-        the engine passes its own placed copy, never stored KV). One pass over the KV."""
+    def forward(self, kv: torch.Tensor, *, branch: int = 0, num_branches: int = 1,
+                length: int | None = None) -> torch.Tensor:
+        """One branch's placed KV [L, 2, H, T, D], or a part of a branch of `length` tokens, mapped in place and
+        returned (the engine's mapper seam: the engine passes its own placed copy, never stored KV). The map is
+        the same for every token of a branch, so mapping a part is mapping the whole, then slicing. One pass
+        over the KV."""
         device = kv.device
-        f = self.features(torch.tensor([kv.shape[3]], device=device), torch.tensor([num_branches], device=device))
+        f = self.features(torch.tensor([length or kv.shape[3]], device=device),
+                          torch.tensor([num_branches], device=device))
         scale, shift = self.affine(f, torch.tensor([branch], device=device))
         if self.config.rank:
             low = torch.einsum("lshtd,lshdr,lshre->lshte", kv.float(), self.down, self.up)

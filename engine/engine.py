@@ -224,6 +224,19 @@ class Engine:
             self.store.add([msg])
         return msg.id
 
+    def view(self, message_id: str, start: int, end: int) -> str:
+        """A new message over tokens [start, end) of a stored one, at their own positions, sharing its KV (no
+        copy); freed like any other. Its content key is unknown, so nothing encoded after it is prefix-cached."""
+        with self._store_lock:
+            msg = self.store.get(message_id)
+            if not 0 <= start < end <= msg.num_tokens:
+                raise BraidError(f"view [{start}, {end}) of message {message_id!r} is out of range: it has "
+                                 f"{msg.num_tokens} tokens")
+            part = Message(new_message_id(), msg.token_ids[start:end], msg.kv[:, :, :, start:end],
+                           msg.offset + start, (message_id,), (msg.offset,), msg.fingerprint)
+            self.store.add([part])
+        return part.id
+
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
         """Encode each call's message (all in one group of forwards); each message stays contiguous. A message

@@ -6,6 +6,11 @@ attends to copies of those messages re-rotated to a placement, prefills only the
 synthesizer prompt, and decodes. The text path re-prefills the branches' tokens
 after the shared prefix, reusing the prefix's KV as prefix caching would, so both
 run on the same engine with the same tokens.
+
+A boundary refresh (`Refresh`) re-encodes a few tokens at each end of every branch at synthesis time, with
+the shared prefix and the earlier branches in view, as KVLink's link tokens and EPIC's recomputed chunk
+starts do: a branch encoded alone never saw the others, and its boundary tokens are where the text model
+records that it follows them.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from braid.engine.engine import DecodeCall, DecodeStream, Engine, Tokens
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.engine.store import Message
@@ -46,10 +51,35 @@ def place_branches(branch_point: int, lengths: Sequence[int], placement: Placeme
 
 
 class CacheMapper(Protocol):
-    """Calibrates one placed branch's KV copy [L, 2, H, T, D]; returns a tensor of the same shape (it may
-    work in place: the copy is the engine's own, never stored KV)."""
+    """Calibrates one placed branch's KV copy [L, 2, H, T, D], or a part of it (`length`: the whole branch's
+    length, when that differs from T); returns a tensor of the same shape (it may work in place: the copy is
+    the engine's own, never stored KV)."""
 
-    def __call__(self, kv: torch.Tensor, *, branch: int, num_branches: int) -> torch.Tensor: ...
+    def __call__(self, kv: torch.Tensor, *, branch: int, num_branches: int,
+                 length: int | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """Re-encode the first `head` and last `tail` tokens of every branch after the branch's placement, with the
+    shared prefix, every earlier branch and the branch's own earlier tokens in view (one parallel prefill, base
+    weights, no mapper), and let the synthesizer read those instead of the branch's own KV for them. The rest
+    of each branch is read as shipped (through the mapper, when there is one). Measured on the reference model
+    (README, Calibration): one token at each end brings chain and trail from shipped KV to text's accuracy."""
+
+    head: int = 1
+    tail: int = 1
+
+    def __post_init__(self):
+        if self.head < 0 or self.tail < 0 or not isinstance(self.head, int) or not isinstance(self.tail, int):
+            raise BraidError(f"refresh head and tail must be non-negative ints, got {self.head} and {self.tail}")
+
+    def runs(self, length: int) -> list[tuple[int, int]]:
+        """The [start, end) token runs of a branch of `length` tokens that are re-encoded (merged, in order)."""
+        head, tail = min(self.head, length), max(0, length - self.tail)
+        if head >= tail:
+            return [(0, length)]
+        return [r for r in ((0, head), (tail, length)) if r[0] < r[1]]
 
 
 @dataclass
@@ -71,30 +101,80 @@ def _check_branches(branches: Sequence[str]) -> None:
 
 def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
                       placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
-                      hooks: SynthesisHooks | None = None) -> DecodeStream:
-    """Cache path: re-encoded branch KV + prefilled prompt, then decode."""
+                      hooks: SynthesisHooks | None = None, refresh: Refresh | None = None) -> DecodeStream:
+    """Cache path: re-encoded branch KV (its boundary tokens refreshed, with `refresh`) + prefilled prompt,
+    then decode."""
     _check_branches(branches)
     prefix_msgs = [engine.message(m) for m in prefix]
     branch_msgs = [engine.message(m) for m in branches]
     branch_point = sum(m.num_tokens for m in prefix_msgs)
     offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement,
                                             [m.offset for m in branch_msgs])
-    call = DecodeCall(prompt, parents=[*prefix, *branches], offsets=[None] * len(prefix) + offsets,
-                      new_offset=prompt_offset, sampling=sampling)
-    index = {m.id: j for j, m in reversed(list(enumerate(branch_msgs)))}
-    return decode_with_hooks(engine, call, hooks, index, len(branch_msgs))
+    if refresh is None or not (refresh.head or refresh.tail):
+        parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]
+        temporary: list[str] = []
+    else:
+        parts, temporary = refresh_branches(engine, prefix, branch_msgs, offsets, refresh)
+    try:
+        call = DecodeCall(prompt, parents=[*prefix, *(p for p, _, _ in parts)],
+                          offsets=[None] * len(prefix) + [off for _, off, _ in parts], new_offset=prompt_offset,
+                          sampling=sampling)
+        index = {p: j for p, _, j in reversed(parts) if j is not None}
+        lengths = {p: branch_msgs[j].num_tokens for p, j in index.items()}
+        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths)
+    finally:
+        for mid in temporary:  # the call pins what it reads: they go when it ends (now, if it failed to start)
+            engine.free(mid, when_unpinned=True)
+
+
+def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],
+                     refresh: Refresh) -> tuple[list[tuple[str, int, int | None]], list[str]]:
+    """Re-encode each branch's boundary runs in one parallel prefill: a run starting at token a of branch j is
+    encoded at offset_j + a after the prefix, branches 0..j-1 at their offsets and branch j's tokens [0, a).
+    Returns the synthesizer's branch parents in order, as (message id, offset, branch index or None for a
+    refreshed run, which the mapper leaves alone), and the temporary messages (views and runs) to free."""
+    views: list[str] = []
+    try:
+        calls, layout = [], []
+        for j, (msg, off) in enumerate(zip(branches, offsets)):
+            at = 0
+            for a, b in refresh.runs(msg.num_tokens):
+                if a > at:  # the part between runs is read as shipped: a view of it
+                    views.append(engine.view(msg.id, at, a))
+                    layout.append((views[-1], off + at, j))
+                own = [engine.view(msg.id, 0, a)] if a else []
+                views += own
+                calls.append(PrefillCall(list(msg.token_ids[a:b]),
+                                         parents=[*prefix, *(m.id for m in branches[:j]), *own],
+                                         offsets=[None] * len(prefix) + list(offsets[:j]) + [off] * len(own),
+                                         new_offset=off + a))
+                layout.append((len(calls) - 1, off + a, None))
+                at = b
+            if at < msg.num_tokens:
+                views.append(engine.view(msg.id, at, msg.num_tokens))
+                layout.append((views[-1], off + at, j))
+        runs = engine.prefill(calls) if calls else []
+    except BaseException:
+        for mid in views:
+            engine.free(mid, when_unpinned=True)
+        raise
+    parts = [(runs[p] if isinstance(p, int) else p, off, j) for p, off, j in layout]
+    return parts, views + runs
 
 
 def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | None, branch_of: dict[str, int],
-                      num_branches: int) -> DecodeStream:
-    """One synthesizer call through the hooks: the mapper on the branch messages (`branch_of`: id -> branch),
-    never on the rest (the shared prefix, the synthesizer's own context); the adapter around its forwards."""
+                      num_branches: int, lengths: dict[str, int] | None = None) -> DecodeStream:
+    """One synthesizer call through the hooks: the mapper on the branch messages (`branch_of`: id -> branch;
+    `lengths`: id -> its whole branch's length, where a message is a part of one), never on the rest (the
+    shared prefix, the synthesizer's own context); the adapter around its forwards."""
     hooks = hooks or SynthesisHooks()
     transform = None
     if hooks.mapper is not None:
         def transform(msg: Message, kv: torch.Tensor) -> torch.Tensor:
             j = branch_of.get(msg.id)
-            return kv if j is None else hooks.mapper(kv, branch=j, num_branches=num_branches)
+            if j is None:
+                return kv
+            return hooks.mapper(kv, branch=j, num_branches=num_branches, length=(lengths or {}).get(msg.id))
 
     return engine.decode_stream([call], transform=transform, adapter=hooks.adapter,
                                 tag=hooks.tag if hooks.adapter is not None else None)
@@ -116,6 +196,7 @@ class SynthesisMode:
 
     placement: Placement | None = None
     hooks: SynthesisHooks | None = None
+    refresh: Refresh | None = None  # re-encode each branch's boundary tokens (cache path only)
 
     @property
     def text(self) -> bool:
@@ -132,7 +213,7 @@ def synthesis_stream(engine: Engine, branches: Sequence[str | Sequence[int]], pr
     In text mode a branch may be given as its token ids instead of a stored message."""
     if mode.text:
         return synthesize_text_stream(engine, branches, prompt, prefix, sampling)
-    return synthesize_stream(engine, branches, prompt, prefix, mode.placement, sampling, mode.hooks)
+    return synthesize_stream(engine, branches, prompt, prefix, mode.placement, sampling, mode.hooks, mode.refresh)
 
 
 def _run(stream: DecodeStream, on_token) -> str:
@@ -144,9 +225,9 @@ def _run(stream: DecodeStream, on_token) -> str:
 
 def synthesize(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),
                placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
-               hooks: SynthesisHooks | None = None, on_token=None) -> str:
+               hooks: SynthesisHooks | None = None, on_token=None, refresh: Refresh | None = None) -> str:
     """Returns the id of the synthesized message (prompt + answer)."""
-    return _run(synthesize_stream(engine, branches, prompt, prefix, placement, sampling, hooks), on_token)
+    return _run(synthesize_stream(engine, branches, prompt, prefix, placement, sampling, hooks, refresh), on_token)
 
 
 def synthesize_text(engine: Engine, branches: Sequence[str], prompt: Tokens, prefix: Sequence[str] = (),

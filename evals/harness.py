@@ -14,7 +14,7 @@ import importlib
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -23,7 +23,7 @@ from braid.engine.calibration import Attached
 from braid.engine.engine import TokenEvent
 from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.engine.synthesis import TEXT as TEXT_MODE
-from braid.engine.synthesis import Placement, SynthesisHooks, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
@@ -42,8 +42,10 @@ class Mode:
 
 
 TEXT = Mode("text")
+REFRESH = Refresh(head=1, tail=1)  # the boundary refresh the `+refresh` modes use
 BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
-                      for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)))
+                      for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)),
+              Mode("cache:sequential+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH)))
 
 
 STAIRCASE_MODES = tuple(Mode(f"staircase-{v.value}:{t}", m, v) for v in Variant
@@ -52,18 +54,19 @@ STAIRCASE_MODES = tuple(Mode(f"staircase-{v.value}:{t}", m, v) for v in Variant
 
 def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
     """The cached modes again, through a mapper/adapter: `cache:<placement>+<name>`."""
-    return [Mode(f"{m.name}+{name}", SynthesisMode(m.synthesis.placement, hooks))
-            for m in BASE_MODES if not m.synthesis.text]
+    return [Mode(f"{m.name}+{name}", replace(m.synthesis, hooks=hooks)) for m in BASE_MODES if not m.synthesis.text]
 
 
 def calibrated_modes(attached: Attached) -> list[Mode]:
     """A trained calibration (seed 004's full method: re-encoding to the placement it was trained for, mapper
     and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
-    and `calibrated:<placement>` for the other re-encoding placement."""
+    and `calibrated:<placement>` for the other re-encoding placement; `calibrated+refresh` adds the boundary
+    refresh."""
     full, placement = attached.hooks, attached.calibration.placement
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
     return [Mode("calibrated", SynthesisMode(placement, full)),
+            Mode("calibrated+refresh", SynthesisMode(placement, full, REFRESH)),
             Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
             Mode("calibrated-no-mapper", SynthesisMode(placement, attached.without(mapper=True))),

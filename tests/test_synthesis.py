@@ -5,7 +5,12 @@ from contextlib import contextmanager
 import torch
 
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
-from braid.engine.synthesis import Placement, SynthesisHooks, place_branches, synthesize, synthesize_stream, synthesize_text
+import pytest
+
+from braid.engine.errors import BraidError
+from braid.engine.engine import CACHED_PREFIX
+from braid.engine.synthesis import (Placement, Refresh, SynthesisHooks, SynthesisMode, place_branches, synthesis_stream,
+                                   synthesize, synthesize_stream, synthesize_text)
 from braid.kernels import rerotate_keys_torch
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -47,7 +52,7 @@ def test_branch_point_reencodes_each_branch(llama_engine):
     assert [eng.message(b).offset for b in branches] != [n, n]  # they sit after different contexts
     seen = {}
 
-    def mapper(kv, *, branch, num_branches):
+    def mapper(kv, *, branch, num_branches, length=None):
         seen[branch] = (kv.clone(), num_branches)
         return kv
 
@@ -88,7 +93,7 @@ def test_mapper_and_adapter_plug_in(llama_engine):
         yield
         entered.append("out")
 
-    def silence_values(kv, *, branch, num_branches):
+    def silence_values(kv, *, branch, num_branches, length=None):
         out = kv.clone()
         out[:, 1] = 0
         return out
@@ -103,3 +108,83 @@ def test_mapper_and_adapter_plug_in(llama_engine):
     assert (eng.message(stream.ids[0]).kv - eng.message(plain).kv).abs().max() > 1e-4
     for b in branches:  # and the stored branches were not touched
         assert eng.message(b).kv[:, 1].abs().max() > 0
+
+
+def test_refresh_runs():
+    assert Refresh(1, 1).runs(5) == [(0, 1), (4, 5)]
+    assert Refresh(1, 1).runs(2) == [(0, 2)] and Refresh(1, 1).runs(1) == [(0, 1)]  # runs that meet merge
+    assert Refresh(0, 2).runs(5) == [(3, 5)] and Refresh(3, 0).runs(5) == [(0, 3)] and Refresh(0, 0).runs(5) == []
+    assert Refresh(8, 0).runs(5) == [(0, 5)]
+    with pytest.raises(BraidError, match="non-negative"):
+        Refresh(-1, 0)
+
+
+def _answer(eng, mid):
+    return eng.message(mid).token_ids[-GREEDY.max_tokens:]
+
+
+def test_refresh_of_exact_branches_changes_nothing(family_engine):
+    """Branches encoded one after another are already what text gives: refreshing their boundaries re-encodes
+    the same tokens in the same context, so the answer is text's and the refreshed KV is the shipped KV."""
+    eng = family_engine
+    prefix = eng.prefill([PrefillCall("User: add the partial results.")])
+    chain = []
+    for text in ["Worker one: 3 + 4 = 7", "Worker two: 5 and 6", "Worker three: 1 2 3"]:
+        chain += eng.prefill([PrefillCall(text, parents=[*prefix, *chain])])
+    seen = []
+
+    def mapper(kv, *, branch, num_branches, length=None):
+        seen.append((branch, kv.shape[3], length))
+        return kv
+
+    own = lambda: [m for m in eng.store.ids() if not m.startswith(CACHED_PREFIX)]  # noqa: E731 (not the cache's)
+    before = len(own())
+    out = synthesize(eng, chain, "Synthesizer:", prefix=prefix, placement=Placement.SEQUENTIAL, sampling=GREEDY,
+                     hooks=SynthesisHooks(mapper=mapper), refresh=Refresh(1, 2))
+    text = synthesize_text(eng, chain, "Synthesizer:", prefix=prefix, sampling=GREEDY)
+    assert _answer(eng, out) == _answer(eng, text)
+    lengths = [eng.message(b).num_tokens for b in chain]
+    # the mapper saw each branch's middle only, as a part of the whole branch; never the refreshed runs
+    assert seen == [(j, n - 3, n) for j, n in enumerate(lengths)]
+    assert len(own()) == before + 2  # the views and refreshed runs are gone; the two answers stay
+    # the refreshed runs' KV is the shipped KV (same tokens, same context): read it back through a refresh
+    # of everything, whose answer KV matches the plain cache path's
+    whole = synthesize(eng, chain, "Synthesizer:", prefix=prefix, placement=Placement.SEQUENTIAL, sampling=GREEDY,
+                       refresh=Refresh(100, 0))
+    plain = synthesize(eng, chain, "Synthesizer:", prefix=prefix, placement=Placement.SEQUENTIAL, sampling=GREEDY)
+    assert (eng.message(whole).kv - eng.message(plain).kv).abs().max() < 1e-4
+
+
+def test_refresh_of_whole_branches_reads_them_together(checkpoint):
+    """Two branches encoded independently after the prefix: the second never saw the first, so the plain cache
+    path differs from text; refreshing all of it (it is then encoded after the prefix and the first branch)
+    gives text's KV and answer. Refreshing nothing is the plain cache path exactly. (Weights drawn wider than
+    the default, so that attention, and with it the context, visibly matters.)"""
+    from braid.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama", initializer_range=0.3)))
+    prefix = eng.prefill([PrefillCall("User: add the partial results.")])
+    branches = eng.prefill([PrefillCall(t, parents=prefix) for t in ["Worker one: 3 + 4 = 7", "Worker two: 5 6"]])
+    text = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
+    cached = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY)
+    whole = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY,
+                       refresh=Refresh(100, 0))
+    none = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY,
+                      refresh=Refresh(0, 0))
+    prompt = len(eng.tokenize("Synthesizer:")) + GREEDY.max_tokens
+    text_kv = eng.message(text).kv[:, :, :, -prompt:]
+    assert (eng.message(cached).kv - text_kv).abs().max() > 1e-4
+    assert (eng.message(whole).kv - text_kv).abs().max() < 1e-4
+    assert _answer(eng, whole) == _answer(eng, text)
+    assert torch.equal(eng.message(none).kv, eng.message(cached).kv)
+
+
+def test_refresh_failure_leaves_the_store_as_it_was(llama_engine):
+    eng = llama_engine
+    prefix, branches = workflow(eng, ["Context A.", "Context B, longer."])
+    own = lambda: sorted(m for m in eng.store.ids() if not m.startswith(CACHED_PREFIX))  # noqa: E731
+    before = own()
+    with pytest.raises(BraidError, match="empty"):
+        synthesis_stream(eng, branches, [], prefix=prefix,
+                         mode=SynthesisMode(Placement.SEQUENTIAL, refresh=Refresh(1, 1)))
+    assert own() == before  # (what the prefix cache keeps of the refreshed runs may stay: it is evictable)
