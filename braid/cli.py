@@ -54,17 +54,17 @@ def eval_cmd(args) -> int:
     modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
-    if args.verify and (engine.calibration is None or not {"text", "calibrated"} <= set(names)):
-        raise ValueError("--verify compares the calibrated mode with text: load a calibration and run both modes")
+    if args.verify and (engine.calibration is None or not {"text", args.verify_mode} <= set(names)):
+        raise ValueError(f"--verify compares {args.verify_mode} with text: load a calibration and run both modes")
     results = evaluate(engine, config, modes)
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
     if args.verify:
-        verification = {**verify(out["summary"], tolerance=args.tolerance), "seed": config.seed,
+        verification = {**verify(out["summary"], args.verify_mode, args.tolerance), "seed": config.seed,
                         "length": list(config.length)}
         out["verification"] = verification
         engine.calibration.calibration.record_verification(verification)
-        print(f"\ncalibrated answers match text (within {100 * args.tolerance:g} points on every task) up to "
+        print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "
               f"{verification['max_branches']} branches; recorded in {engine.calibration.calibration.path}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -291,6 +291,9 @@ def main(argv=None) -> int:
     p.add_argument("--verify", action="store_true",
                    help="record in the calibration up to which branch count its answers match text's; `auto` "
                         "transport ships KV only up to there")
+    p.add_argument("--verify-mode", default="calibrated+refresh",
+                   help="the mode --verify checks: the one the synthesizer serves, calibrated+refresh with "
+                        "refresh_tokens=1 (the default), calibrated with 0 (default: calibrated+refresh)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")

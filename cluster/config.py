@@ -68,6 +68,9 @@ class ClusterConfig:
     kv_schedule: tuple[int, ...] = (8, 128, 256)  # staircase: ship after 8 tokens, then every 128, then 256
     kv_wait_timeout_s: float = 120.0  # a started branch's KV may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # a branch may wait this long for a worker to start on it
+    # the cache path re-encodes this many tokens at each end of every shipped branch, with the earlier branches
+    # in view (engine.synthesis.Refresh); 0: off
+    refresh_tokens: int = 1
     default_max_tokens: int = 128
     max_branches: int = 16
     redis_url: str | None = None  # None: the embedded server
@@ -93,6 +96,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
+        if self.refresh_tokens < 0:
+            raise ValueError(f"refresh_tokens must be >= 0 (0: off), got {self.refresh_tokens}")
         for name in ("gpus_per_worker", "gpus_per_synthesizer"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (or unset: 1 when CUDA is visible), got {getattr(self, name)}")
@@ -157,7 +162,7 @@ class ClusterConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))
 
     def synthesizer_config(self) -> SynthesizerConfig:
-        return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s)
+        return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens)
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens,

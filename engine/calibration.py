@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.errors import BraidError, FingerprintMismatchError
-from braid.engine.synthesis import Placement, SynthesisHooks
+from braid.engine.synthesis import Placement, Refresh, SynthesisHooks
 
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
@@ -177,6 +177,11 @@ class Calibration:
         (0: never verified, or not even at the fewest branches evaluated)."""
         return int((self.verification or {}).get("max_branches", 0))
 
+    def verified_for(self, refresh: Refresh | None) -> int:
+        """verified_branches, where the verification checked the mode served with this boundary refresh
+        (mode_name(refresh)); else 0: a check of another mode says nothing about this one."""
+        return self.verified_branches if (self.verification or {}).get("mode") == mode_name(refresh) else 0
+
     @property
     def placement(self) -> Placement:
         """The placement it was trained for (the first, if several): the synthesizer's default with it."""
@@ -270,6 +275,13 @@ class MergedLora:
         finally:
             for base, original, _ in self.swaps:
                 base.weight = original
+
+
+def mode_name(refresh: Refresh | None) -> str:
+    """The evaluation's name for the calibrated cache path with this boundary refresh (braid eval --modes)."""
+    if refresh is None or not (refresh.head or refresh.tail):
+        return "calibrated"
+    return "calibrated+refresh" + ("" if refresh == Refresh() else f"{refresh.head},{refresh.tail}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from tqdm import tqdm
 
 from braid.engine import Engine, PrefillCall, SamplingParams, fan_out
-from braid.engine.calibration import Attached
+from braid.engine.calibration import Attached, mode_name
 from braid.engine.engine import TokenEvent
 from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.engine.synthesis import TEXT as TEXT_MODE
@@ -66,7 +66,7 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     full, placement = attached.hooks, attached.calibration.placement
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
     return [Mode("calibrated", SynthesisMode(placement, full)),
-            Mode("calibrated+refresh", SynthesisMode(placement, full, REFRESH)),
+            Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH)),
             Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
             Mode("calibrated-no-mapper", SynthesisMode(placement, attached.without(mapper=True))),

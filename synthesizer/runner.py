@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 from braid.api.messages import AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesizerInfo
 from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
-from braid.engine.synthesis import Placement
-from braid.engine.synthesis import synthesis_stream
+from braid.engine.synthesis import Placement, Refresh, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
 
@@ -20,11 +19,14 @@ log = logging.getLogger(__name__)
 class SynthesizerConfig:
     kv_wait_timeout_s: float = 120.0  # a started branch stream may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # how long a branch may wait for a worker to start on it
+    refresh_tokens: int = 1  # the cache path re-encodes this many tokens at each end of every branch (0: off)
 
     def __post_init__(self):
         for name in ("kv_wait_timeout_s", "kv_queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not isinstance(self.refresh_tokens, int) or self.refresh_tokens < 0:
+            raise ValueError(f"refresh_tokens must be an int >= 0, got {self.refresh_tokens!r}")
 
 
 class SynthesisRunner:
@@ -52,7 +54,13 @@ class SynthesisRunner:
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
                                attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
-                               attached.calibration.verified_branches if attached else 0)
+                               attached.calibration.verified_for(self.refresh) if attached else 0)
+
+    @property
+    def refresh(self) -> Refresh | None:
+        """The boundary refresh the cache path is served with (None: off)."""
+        n = self.config.refresh_tokens
+        return Refresh(n, n) if n else None
 
     @property
     def calibration_name(self) -> str:
@@ -85,6 +93,8 @@ class SynthesisRunner:
         mode = req.mode
         if not mode.text and mode.hooks is None and eng.calibration is not None:
             mode = replace(mode, hooks=eng.calibration.hooks)  # the cache path, calibrated
+        if not mode.text and mode.refresh is None:
+            mode = replace(mode, refresh=self.refresh)  # and its branches' boundaries re-encoded
         stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
                                   sampling=req.sampling)
         answer = []

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from braid.cli import main
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams, fan_out
-from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig
+from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig, mode_name
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, synthesize
+from braid.engine.synthesis import Placement, Refresh, synthesize
 from braid.kernels import rerotate_keys_torch
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER, turn
@@ -248,7 +248,8 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
     ckpt = checkpoint("llama")
     path = make_calibration(ckpt, tmp_path / "cal", random=True)
     # as if `braid eval --verify` had found it matching text up to 2 branches (this one is random: it would not)
-    Calibration.load(path).record_verification({"mode": "calibrated", "max_branches": 2})
+    # (of the mode the synthesizer serves: calibrated, with each branch's first and last token refreshed)
+    Calibration.load(path).record_verification({"mode": "calibrated+refresh", "max_branches": 2})
     engine = Engine(EngineConfig(ckpt, calibration=path))
     redis_server = EmbeddedRedis()
     server = start_in_process(engine, Directory.connect(redis_server.url))
@@ -273,7 +274,7 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         ctx = engine.prefill([PrefillCall(p, parents=prefix) for p in ["Part 3.", "Part 4 and 5."]])
         branches = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=sampling) for c in ctx])
         calibrated = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling,
-                                hooks=engine.calibration.hooks)
+                                hooks=engine.calibration.hooks, refresh=Refresh(1, 1))
         plain = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling)
         assert answer == list(engine.message(calibrated).token_ids[-6:])
         assert engine.message(calibrated).token_ids != engine.message(plain).token_ids  # it did change the answer
@@ -309,6 +310,9 @@ def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(che
     loaded.record_verification(got)
     again = Calibration.load(path)
     assert again.verified_branches == 3 and again.verification == got and again.digest == digest
+    # it vouches only for the mode it checked: the calibrated path without a boundary refresh, not with one
+    assert again.verified_for(None) == 3 and again.verified_for(Refresh(1, 1)) == 0
+    assert mode_name(Refresh(1, 1)) == "calibrated+refresh" and mode_name(Refresh(2, 0)) == "calibrated+refresh2,0"
 
 
 def test_committed_calibration_reproduces_its_recorded_sample():

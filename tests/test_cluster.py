@@ -11,7 +11,7 @@ from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
 from braid.engine.calibration import Calibration
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.synthesis import synthesize, synthesize_text
+from braid.engine.synthesis import Refresh, synthesize, synthesize_text
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.models.chat import WORKER_HEADER
@@ -50,7 +50,8 @@ def in_process(path, task, prompts, text_mode):
     if text_mode:
         answer = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
     else:
-        answer = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
+        # the served cache path: each branch's first and last token refreshed (refresh_tokens=1)
+        answer = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy, refresh=Refresh(1, 1))
     return list(eng.message(answer).token_ids[-6:])
 
 
@@ -189,7 +190,7 @@ def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
     # its synthesizer loads a calibration (at its init: the identity, so answers match the uncalibrated path
     # bit for bit), recorded as verified up to 3 branches, which lets `auto` reuse the KV in place
     calibration = write_untrained(config.model_path, str(tmp_path / "calibration"))
-    Calibration.load(calibration).record_verification({"mode": "calibrated", "max_branches": 3})
+    Calibration.load(calibration).record_verification({"mode": "calibrated+refresh", "max_branches": 3})
     keys = tmp_path / "keys"
     keys.write_text("ci:0123456789abcdef0123\n")
     colocated = ClusterConfig(config.model_path, colocate=True, grpc_port=config.grpc_port, calibration=calibration,

@@ -21,7 +21,7 @@ RECORDED = os.path.join(REFERENCE_MODEL, "eval_sample.json")
 def test_hooks_plug_into_every_cached_mode(llama_engine):
     seen, entered = [], []
 
-    def identity(kv, *, branch, num_branches):
+    def identity(kv, *, branch, num_branches, length=None):
         seen.append((branch, num_branches, tuple(kv.shape)))
         return kv
 
@@ -32,15 +32,15 @@ def test_hooks_plug_into_every_cached_mode(llama_engine):
 
     hooked = hooked_modes("identity", SynthesisHooks(identity, adapter))
     assert [m.name for m in hooked] == ["cache:none+identity", "cache:branch_point+identity",
-                                        "cache:sequential+identity"]
+                                        "cache:sequential+identity", "cache:sequential+refresh+identity"]
     task = generate("vote", 0, 3)
     config = EvalConfig(answer_max_tokens=4, worker_max_tokens=6)
     result = run_task(llama_engine, task, [*BASE_MODES, *hooked], config)
     for mode in hooked:  # an identity mapper changes nothing
-        assert result.answers[mode.name] == result.answers[mode.name.split("+")[0]]
-    # entered around every synthesizer forward of the three hooked modes: the header's and one per fed token
+        assert result.answers[mode.name] == result.answers[mode.name.rsplit("+", 1)[0]]
+    # entered around every synthesizer forward of the four hooked modes: the header's and one per fed token
     assert sorted({(b, m) for b, m, _ in seen}) == [(0, 3), (1, 3), (2, 3)]
-    assert 3 * 2 <= len(entered) <= 3 * (1 + config.answer_max_tokens)
+    assert 4 * 2 <= len(entered) <= 4 * (1 + config.answer_max_tokens)
     assert set(result.ttft) == {m.name for m in [*BASE_MODES, *hooked]}
 
 
