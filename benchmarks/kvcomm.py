@@ -54,7 +54,7 @@ def kvcomm_ttft(comm: KVComm, p: AgentPrompt) -> tuple[float, bool]:
     took = time.perf_counter() - start
     for _ in events:
         pass
-    for mid in [*prep.parents, *stream.ids]:
+    for mid in [*prep.owned, *stream.ids]:
         comm.engine.free(mid)
     return took, prep.reused
 

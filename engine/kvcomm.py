@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
+from braid.engine.synthesis import Refresh, refresh_branches
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.kernels import rerotate_keys
@@ -58,6 +59,9 @@ class KVCommConfig:
     # of the softmax over distances between a token's base KV and the pool's tokens', relative to the text's
     # mean token norm; lower: nearer to one nearest token (more reuse, larger errors)
     temperature: float = 0.05
+    # a reused context re-encodes this many tokens at each end with the agent's prefix in view
+    # (engine.synthesis.Refresh); 0: none, the seed's method as it is
+    refresh: int = 0
 
     def __post_init__(self):
         if not 0 <= self.gamma <= 1:
@@ -66,6 +70,8 @@ class KVCommConfig:
             raise ValueError(f"kvcomm capacity must be an int >= 0, got {self.capacity!r}")
         if not self.temperature > 0:
             raise ValueError(f"kvcomm temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.refresh, int) or self.refresh < 0:
+            raise ValueError(f"kvcomm refresh must be an int >= 0, got {self.refresh!r}")
 
     @property
     def enabled(self) -> bool:
@@ -101,10 +107,16 @@ class Prepared:
     header: list[int]
     slots: list[SlotDecision]
     seconds: float  # preparing: reuse or dense prefill, offsets included
+    held: list[str] = field(default_factory=list)  # stored for the parents' sake (a refreshed context's whole)
 
     @property
     def reused(self) -> bool:
         return all(s.reused for s in self.slots)
+
+    @property
+    def owned(self) -> list[str]:
+        """Every message it stored: what `KVComm.free` frees."""
+        return [*self.parents, *self.held]
 
 
 @dataclass(eq=False)
@@ -296,7 +308,7 @@ class KVComm:
             return prep, self.engine.decode_stream([DecodeCall(prep.header, parents=prep.parents,
                                                               sampling=prompt.sampling)])
         except BaseException:
-            self._free(prep.parents)
+            self._free(prep.owned)
             raise
 
     def prepare(self, prompt: AgentPrompt, scope: str) -> Prepared:
@@ -324,16 +336,28 @@ class KVComm:
                     bases.append(base)
                     matches.append(self.pool(scope, name).match(tuple(text), self._sketch_of(text, base),
                                                                 prompt.agent, self.config))
+            held: list[str] = []
             if matches and all(m.shareable for m in matches):
                 ctx_id, slots = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds, P,
                                                   context, prefix_id)
+                parts = [ctx_id]
+                if self.config.refresh:  # its two ends re-encoded with the prefix in view
+                    try:
+                        runs, made = refresh_branches(eng, [prefix_id], [eng.message(ctx_id)], [P],
+                                                      Refresh(self.config.refresh, self.config.refresh))
+                    except BaseException:
+                        self._free([ctx_id])
+                        raise
+                    parts = [p for p, _, _ in runs]
+                    held = [ctx_id, *(m for m in made if m not in parts)]  # (the views the runs were encoded on)
             else:
                 ctx_id = eng.prefill([PrefillCall(context, parents=[prefix_id])])[0]
+                parts = [ctx_id]
                 slots = self._record(scope, prompt.agent, names, texts, joins, bounds, P, ctx_id, bases)
         except BaseException:
             self._free([prefix_id])
             raise
-        prep = Prepared([prefix_id, ctx_id], joins[-1], slots, time.perf_counter() - start)
+        prep = Prepared([prefix_id, *parts], joins[-1], slots, time.perf_counter() - start, held)
         with self._lock:
             self.prepared += 1
             self.reused += prep.reused
@@ -422,7 +446,7 @@ class KVComm:
 
     def free(self, prepared: Prepared) -> None:
         """Free what `prepare` stored (a call still using it keeps it until the call ends)."""
-        self._free(prepared.parents)
+        self._free(prepared.owned)
 
     def _free(self, ids: Sequence[str]) -> None:
         for mid in ids:

@@ -61,7 +61,7 @@ def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig) ->
             correct.append(task.correct(j, reply(engine, stream.ids[0])))
             reused.append(prep.reused)
             seconds.append(prep.seconds)
-            for mid in [*prep.parents, *stream.ids]:
+            for mid in [*prep.owned, *stream.ids]:
                 engine.free(mid)
     return {"correct": correct, "reused": reused, "pool_bytes": comm.nbytes, "prepare_seconds": seconds}
 
@@ -76,15 +76,18 @@ def main(argv=None) -> None:
     ap.add_argument("--gammas", default="0,0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--capacities", default="0,5,10,20,40")
     ap.add_argument("--temperature", type=float, default=KVCommConfig.temperature)
+    ap.add_argument("--refresh", default=str(KVCommConfig.refresh),
+                    help="comma-separated tokens re-encoded at each end of a reused text (each a config; 0: none)")
     ap.add_argument("--out", default="benchmarks/results/eval_kvcomm_cpu.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     engine = Engine(EngineConfig(args.model))
     tasks = [shared_text_task(args.seed + i, args.agents, args.questions) for i in range(args.requests)]
     base = dense(engine, tasks)
-    configs = [KVCommConfig(g, 20, args.temperature) for g in map(float, args.gammas.split(","))]
-    configs += [KVCommConfig(0.3, v, args.temperature) for v in map(int, args.capacities.split(","))
-                if v != 20]
+    configs = [KVCommConfig(g, 20, args.temperature, r) for r in map(int, args.refresh.split(","))
+               for g in map(float, args.gammas.split(","))]
+    configs += [KVCommConfig(0.3, v, args.temperature, r) for r in map(int, args.refresh.split(","))
+                for v in map(int, args.capacities.split(",")) if v != 20]
     rows = []
     for config in configs:
         start = time.perf_counter()
@@ -103,7 +106,7 @@ def main(argv=None) -> None:
         json.dump(out, f, indent=1)
     plot(out, args.out.removesuffix(".json") + ".png")
     print(json.dumps({"dense": out["dense_accuracy"]["value"],
-                      "configs": [(r["gamma"], r["capacity"], round(r["accuracy"]["value"], 3),
+                      "configs": [(r["gamma"], r["capacity"], r["refresh"], round(r["accuracy"]["value"], 3),
                                    round(r["reuse_rate"], 3)) for r in rows]}))
 
 
@@ -116,7 +119,8 @@ def plot(out: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, fixed, label in ((axes[0], "gamma", ("capacity", 20), "gamma (V=20)"),
                                   (axes[1], "capacity", ("gamma", 0.3), "capacity V (gamma=0.3)")):
-        rows = sorted((r for r in out["configs"] if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
+        rows = sorted((r for r in out["configs"] if r[fixed[0]] == fixed[1] and not r.get("refresh")),
+                      key=lambda r: r[key])
         x = [r[key] for r in rows]
         ax.plot(x, [100 * r["accuracy"]["value"] for r in rows], "o-", label="KVComm accuracy")
         ax.fill_between(x, [100 * r["accuracy"]["low"] for r in rows], [100 * r["accuracy"]["high"] for r in rows],

@@ -65,6 +65,28 @@ def test_an_anchor_reproduces_the_kv_it_was_measured_on(fresh_engine):
     assert not other.reused and not any(s.new_anchor for s in other.slots)
 
 
+def test_a_refreshed_reuse_re_encodes_both_ends_and_frees_everything(fresh_engine):
+    """With refresh, a reused context's first and last tokens are re-encoded after the agent's prefix: over an
+    anchor measured on the very text (an exact approximation) that is dense prefill's answer again; what
+    prepare stored (the approximated context, its middle's view, the two refreshed runs) all goes."""
+    eng = fresh_engine
+    comm = KVComm(eng, KVCommConfig(gamma=0.3, refresh=1), base_prefix="Text:")
+    p = prompt("solver", TEXTS[0])
+    _, dense_reply, _ = run(comm, p)
+    own = lambda: sorted(m for m in eng.store.ids() if not m.startswith("~"))  # noqa: E731 (not the cache's)
+    before = own()
+    prep, stream = comm.decode_stream(p, "tenant")
+    reply = [e.token_id for e in stream]
+    assert prep.reused and len(prep.parents) == 4  # prefix, head, middle, tail
+    assert [eng.message(m).num_tokens for m in prep.parents[1:]] == [1, len(eng.tokenize(TEXTS[0])) - 2, 1]
+    assert reply == dense_reply[-GREEDY.max_tokens:]
+    comm.free(prep)
+    eng.free(stream.ids[0])
+    assert own() == before
+    with pytest.raises(ValueError, match="kvcomm refresh"):
+        KVCommConfig(refresh=-1)
+
+
 def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
     comm = KVComm(llama_engine, KVCommConfig(gamma=1.0, temperature=0.5))
     for text in TEXTS[:4]:
