@@ -11,7 +11,8 @@ The calibrated cache path (mapper on every branch, LoRA on in the synthesizer's
 forwards) runs beside the uncalibrated one: with --checkpoint, the checkpoint's own
 calibration when it has one; otherwise a calibration of the same shape as a trained
 one (LoRA rank 16 on q/k/v/o, affine mapper) with random weights, since its cost does
-not depend on their values.
+not depend on their values. So does the served cache path: calibrated, with each branch's first and last
+token refreshed (engine.synthesis.Refresh), whose overhead is measured against the sequential cache path.
 """
 
 import argparse
@@ -24,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.synthesis import Placement, synthesize_stream, synthesize_text_stream
+from braid.engine.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import SHAPES, make_random_checkpoint
 from braid.results import pyplot, write_json
 from braid.train.calibrate import write_untrained
@@ -110,6 +111,12 @@ def main(argv=None):
             "cache_calibrated": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
                                                           placement=Placement.BRANCH_POINT, sampling=FIRST_TOKEN,
                                                           hooks=hooks),
+            "cache_refresh": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
+                                                       placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN,
+                                                       refresh=Refresh(1, 1)),
+            "cache_served": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
+                                                      placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN,
+                                                      hooks=hooks, refresh=Refresh(1, 1)),
         }
         row = {"branch_tokens": length, "branches": args.branches}
         for name, make in modes.items():
@@ -121,6 +128,8 @@ def main(argv=None):
         row["speedup_sequential"] = row["text_ttft_ms"] / row["cache_sequential_ttft_ms"]
         row["speedup_calibrated"] = row["text_ttft_ms"] / row["cache_calibrated_ttft_ms"]
         row["calibration_overhead"] = row["cache_calibrated_ttft_ms"] / row["cache_branch_point_ttft_ms"] - 1
+        row["speedup_served"] = row["text_ttft_ms"] / row["cache_served_ttft_ms"]
+        row["refresh_overhead"] = row["cache_refresh_ttft_ms"] / row["cache_sequential_ttft_ms"] - 1
         # The physical limit: text prefills branches + prompt, the cache path the prompt only.
         row["token_ratio"] = (args.branches * length + args.prompt_tokens) / args.prompt_tokens
         rows.append(row)
@@ -141,7 +150,8 @@ def main(argv=None):
 
 def report(result, out_dir):
     header = f"{'tokens/branch':>13} {'text ms':>9} {'cache ms':>9} {'assemble ms':>11} {'speedup':>8} " \
-             f"{'seq ms':>8} {'seq speedup':>11} {'calibrated ms':>13} {'speedup':>8} {'overhead':>8}"
+             f"{'seq ms':>8} {'seq speedup':>11} {'calibrated ms':>13} {'speedup':>8} {'overhead':>8} " \
+             f"{'refresh ms':>10} {'overhead':>8} {'served ms':>9} {'speedup':>8}"
     print(f"\n{result['device']} {result['dtype']} {result['parameters'] / 1e6:.0f}M params, "
           f"{result['rows'][0]['branches']} branches\n{header}")
     for r in result["rows"]:
@@ -149,7 +159,8 @@ def report(result, out_dir):
               f"{r['cache_branch_point_assemble_ms']:>11.1f} {r['speedup_branch_point']:>7.1f}x "
               f"{r['cache_sequential_ttft_ms']:>8.1f} {r['speedup_sequential']:>10.1f}x "
               f"{r['cache_calibrated_ttft_ms']:>13.1f} {r['speedup_calibrated']:>7.1f}x "
-              f"{100 * r['calibration_overhead']:>+7.1f}%")
+              f"{100 * r['calibration_overhead']:>+7.1f}% {r['cache_refresh_ttft_ms']:>10.1f} "
+              f"{100 * r['refresh_overhead']:>+7.1f}% {r['cache_served_ttft_ms']:>9.1f} {r['speedup_served']:>7.1f}x")
     if "decode_tokens_per_s_batch1" in result:
         print(f"batch-1 decode: {result['decode_tokens_per_s_batch1']:.1f} tokens/s")
     stem = write_json(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}", result)
@@ -159,12 +170,14 @@ def report(result, out_dir):
     xs = [r["branch_tokens"] for r in result["rows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for key, label in [("text", "text re-prefill"), ("cache_branch_point", "cache, branch point"),
-                       ("cache_sequential", "cache, sequential"), ("cache_calibrated", "cache, calibrated")]:
+                       ("cache_sequential", "cache, sequential"), ("cache_calibrated", "cache, calibrated"),
+                       ("cache_served", "cache, calibrated + refresh (served)")]:
         ax[0].plot(xs, [r[f"{key}_ttft_ms"] for r in result["rows"]], marker="o", label=label)
     ax[0].set(xscale="log", yscale="log", xlabel="tokens per branch", ylabel="TTFT (ms)",
               title=f"Synthesis TTFT, {result['rows'][0]['branches']} branches")
     ax[1].plot(xs, [r["speedup_branch_point"] for r in result["rows"]], marker="o", label="measured (branch point)")
     ax[1].plot(xs, [r["speedup_calibrated"] for r in result["rows"]], marker="o", label="measured (calibrated)")
+    ax[1].plot(xs, [r["speedup_served"] for r in result["rows"]], marker="o", label="measured (served)")
     ax[1].set(xscale="log", xlabel="tokens per branch", ylabel="text TTFT / cache TTFT", title="Speedup")
     for a in ax:
         a.grid(alpha=0.3)

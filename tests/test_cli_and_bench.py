@@ -46,6 +46,8 @@ def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
         assert row["speedup_branch_point"] == pytest.approx(row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"])
         assert row["calibration_overhead"] == pytest.approx(row["cache_calibrated_ttft_ms"]
                                                             / row["cache_branch_point_ttft_ms"] - 1)
+        assert row["refresh_overhead"] == pytest.approx(row["cache_refresh_ttft_ms"] / row["cache_sequential_ttft_ms"]
+                                                        - 1) and row["cache_served_ttft_ms"] > 0
     assert result["calibration"] == "random weights, trained shape"  # a random checkpoint has none of its own
     assert result["decode_tokens_per_s_batch1"] > 0
     assert (tmp_path / "synthesis_ttft_cpu.png").stat().st_size > 0
