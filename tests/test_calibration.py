@@ -40,9 +40,9 @@ def run_workers(engine: Engine, task):
     return workers
 
 
-def answer(engine: Engine, workers, task, placement, hooks) -> tuple[tuple[int, ...], torch.Tensor]:
+def answer(engine: Engine, workers, task, placement, hooks, refresh=None) -> tuple[tuple[int, ...], torch.Tensor]:
     mid = synthesize(engine, workers.ids, task.prompt(), workers.prefix, placement, SamplingParams(max_tokens=6),
-                     hooks)
+                     hooks, refresh=refresh)
     msg = engine.message(mid)
     out = msg.token_ids, msg.kv.clone()
     engine.free(mid)
@@ -214,6 +214,41 @@ def test_trainer_sees_what_the_cache_path_sees(checkpoint):
         target = list(tokens[len(prompt):])
         logits = synthesizer_logits(model, None, [dataclasses.replace(example, target=target)])[0]
         assert logits[len(prompt) - 1:len(prompt) - 1 + len(target)].argmax(-1).tolist() == target
+    workers.free()
+
+
+def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint):
+    """With refresh, the trainer's re-encoded boundary tokens are the engine's refreshed runs (same KV), the
+    rest of each branch stays as shipped, and its synthesizer forward gives the engine's refreshed answer."""
+    from braid.engine.synthesis import place_branches, refresh_branches
+
+    ckpt = checkpoint("llama", initializer_range=0.3)  # (wide weights: the context visibly matters)
+    engine = Engine(EngineConfig(ckpt, calibration="none"))
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
+    cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1)
+    encoder = Encoder(model, AutoTokenizer.from_pretrained(ckpt), model.model.rotary_emb.inv_freq.float(), cfg)
+    task = generate("chain", 11, 3)
+    workers = run_workers(engine, task)
+    example = encoder.example(task, "synthesis", Placement.SEQUENTIAL)
+    msgs = [engine.message(m) for m in workers.ids]
+    n = engine.message(workers.prefix[0]).num_tokens
+    offsets, _ = place_branches(n, [m.num_tokens for m in msgs], Placement.SEQUENTIAL)
+    parts, made = refresh_branches(engine, workers.prefix, msgs, offsets, Refresh(1, 1))
+    for j, (msg, (where, fixed)) in enumerate(zip(msgs, example.refreshed)):
+        assert where.nonzero().flatten().tolist() == [0, msg.num_tokens - 1]
+        runs = [engine.message(p) for p, off, b in parts
+                if b is None and offsets[j] <= off < offsets[j] + msg.num_tokens]
+        got = torch.cat([r.kv for r in runs], dim=3)
+        assert torch.allclose(fixed[:, :, :, where], got, atol=1e-4)
+        assert torch.equal(fixed[:, :, :, ~where], example.branches[j][:, :, :, ~where])
+        assert (fixed[:, :, :, 0] - example.branches[j][:, :, :, 0]).abs().max() > 1e-3 or j == 0
+    for mid in made:
+        engine.free(mid)
+    tokens, _ = answer(engine, workers, task, Placement.SEQUENTIAL, None, Refresh(1, 1))
+    prompt = engine.tokenize(task.prompt())
+    target = list(tokens[len(prompt):])
+    logits = synthesizer_logits(model, None, [dataclasses.replace(example, target=target)])[0]
+    assert logits[len(prompt) - 1:len(prompt) - 1 + len(target)].argmax(-1).tolist() == target
     workers.free()
 
 

@@ -47,7 +47,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from braid.engine import attention
 from braid.engine.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, place_branches
+from braid.engine.synthesis import Placement, Refresh, place_branches
 from braid.kernels import rerotate_keys_torch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
@@ -92,6 +92,9 @@ class CalibrateConfig:
     # start from this calibration's LoRA and mapper weights (a fresh optimizer and schedule; mapper parts it
     # lacks start at their init)
     init_from: str = ""
+    # tokens at each end of every branch re-encoded with the earlier branches in view, as the served cache path
+    # does with refresh_tokens (engine.synthesis.Refresh): the synthesizer trains on what it will read
+    refresh: int = 0
 
     def __post_init__(self):
         if not self.out:
@@ -109,6 +112,8 @@ class CalibrateConfig:
         bad = [m for m in self.branch_counts if not 2 <= m <= MAX_BRANCHES]
         if bad or not self.branch_counts:
             raise ValueError(f"branches must be counts in 2..{MAX_BRANCHES}, got {self.branches!r}")
+        if self.refresh < 0:
+            raise ValueError(f"refresh must be >= 0 (0: none), got {self.refresh}")
         if not 1 <= self.max_length <= 12:
             raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
         try:
@@ -168,6 +173,9 @@ class Example:
     teacher: torch.Tensor | None  # [len(target), V] log-probabilities of the text pipeline (distill only)
     source: str
     task: Task
+    # per branch, with a refresh: (bool [T] of its re-encoded tokens, their KV [L, 2, H, T, D] there); the mapper
+    # leaves those tokens alone
+    refreshed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def context(self) -> int:
@@ -249,6 +257,7 @@ class Encoder:
             keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
                                        self.inv_freq)
             branches.append(torch.stack([keys, block[:, 1]], dim=1))
+        refreshed = self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets) if cfg.refresh else None
         prompt = self.ids(task.prompt())
         target = self.ids(task.answer + END)
         teacher = None
@@ -260,7 +269,42 @@ class Encoder:
                 target = answer
                 _, _, logits = self.forward([context + target], want_logits=True)
             teacher = F.log_softmax(logits[0, len(context) - 1:len(context) - 1 + len(target)], dim=-1)
-        return Example(kv[:, :, 0, :, :n], branches, len(branches), prompt, target, new_offset, teacher, source, task)
+        return Example(kv[:, :, 0, :, :n], branches, len(branches), prompt, target, new_offset, teacher, source, task,
+                       refreshed)
+
+    @torch.no_grad()
+    def refresh(self, prefix_kv: torch.Tensor, branches: list[torch.Tensor], replies: list[list[int]],
+                offsets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What engine.synthesis.refresh_branches computes, in one forward: each branch's boundary runs
+        re-encoded at their placed positions, a run starting at token a of branch j seeing the prefix, branches
+        0..j-1 and branch j's tokens before a (as shipped), and its own run causally."""
+        spec = Refresh(self.cfg.refresh, self.cfg.refresh)
+        n = prefix_kv.shape[3]
+        ctx = torch.cat([prefix_kv, *branches], dim=3)  # [L, 2, H, C, D]
+        owner = torch.cat([torch.full((n,), -1), *(torch.full((b.shape[3],), j) for j, b in enumerate(branches))])
+        index = torch.cat([torch.arange(n), *(torch.arange(b.shape[3]) for b in branches)])
+        rows = []  # (branch, run start, token index)
+        for j, b in enumerate(branches):
+            rows += [(j, a, t) for a, e in spec.runs(b.shape[3]) for t in range(a, e)]
+        j_, a_, t_ = (torch.tensor(x) for x in zip(*rows))
+        sees_ctx = (owner[None] < j_[:, None]) | ((owner[None] == j_[:, None]) & (index[None] < a_[:, None]))
+        same_run = (j_[None] == j_[:, None]) & (a_[None] == a_[:, None]) & (t_[None] <= t_[:, None])
+        mask = torch.cat([sees_ctx, same_run], dim=1)[None, None].to(self.device)
+        ids = torch.tensor([[replies[j][t] for j, _, t in rows]], device=self.device)
+        positions = torch.tensor([[offsets[j] + t for j, _, t in rows]], device=self.device)
+        capture = CaptureCache(list(ctx[:, 0, None]), list(ctx[:, 1, None]))
+        self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=capture,
+                         use_cache=True)
+        new = torch.stack([torch.stack([k[0], v[0]]) for k, v in capture.new])  # [L, 2, H, R, D]
+        out = []
+        for j, b in enumerate(branches):
+            mine = (j_ == j).nonzero().flatten()
+            where = torch.zeros(b.shape[3], dtype=torch.bool)
+            where[t_[mine]] = True
+            fixed = b.clone()
+            fixed[:, :, :, t_[mine]] = new[:, :, :, mine.to(new.device)]
+            out.append((where.to(b.device), fixed))
+        return out
 
 
 # ---- the synthesizer's forward, with gradients into the mapper and the LoRA -------------------------------------
@@ -273,6 +317,18 @@ class ContextCache:
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         return (torch.cat([self.keys[layer_idx], key_states], dim=2),
                 torch.cat([self.values[layer_idx], value_states], dim=2))
+
+
+class CaptureCache(ContextCache):
+    """A ContextCache that keeps each layer's new KV (the refreshed tokens'), for `Encoder.refresh`."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        super().__init__(keys, values)
+        self.new: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.new.append((key_states, value_states))
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
 
 
 @dataclass
@@ -299,6 +355,9 @@ def synthesizer_logits(model, mapper: CacheMapper | None, examples: list[Example
             if mapper is not None:
                 f = mapper.features(torch.tensor([b.shape[3]]), torch.tensor([e.num_branches]))
                 b = mapper.apply(b[None], f.to(device), torch.tensor([j]))[0]
+            if e.refreshed is not None:  # re-encoded tokens are read as they are, never mapped
+                where, fixed = e.refreshed[j]
+                b = torch.where(where[None, None, None, :, None], fixed, b)
             blocks.append(b)
         ctx = torch.cat(blocks, dim=3)  # [L, 2, H, C_i, D]
         ctx = F.pad(ctx, (0, 0, 0, width_c - ctx.shape[3]))
