@@ -71,7 +71,7 @@ class Refresh:
     tail: int = 1
 
     def __post_init__(self):
-        if self.head < 0 or self.tail < 0 or not isinstance(self.head, int) or not isinstance(self.tail, int):
+        if not isinstance(self.head, int) or not isinstance(self.tail, int) or self.head < 0 or self.tail < 0:
             raise BraidError(f"refresh head and tail must be non-negative ints, got {self.head} and {self.tail}")
 
     def runs(self, length: int) -> list[tuple[int, int]]:
