@@ -53,6 +53,7 @@ class SessionRecord:
     messages: int
     kv_bytes: int
     created_unix: float
+    owner: str = ""  # the API key's name that opened it ("" on an open API)
 
 
 class EmbeddedRedis:
@@ -102,18 +103,22 @@ class Directory:
         return cls(redis.Redis.from_url(url, decode_responses=True, password=os.environ.get(REDIS_PASSWORD_ENV)),
                    session_ttl_s)
 
-    def create_session(self) -> str:
+    def create_session(self, owner: str = "") -> str:
+        """A new session belonging to `owner` (the caller's API key name; "" on an open API)."""
         sid = secrets.token_urlsafe(16)
         key = f"braid:session:{sid}"
-        self.r.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0})
+        self.r.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0, "owner": owner})
         self.r.expire(key, self.ttl)
         return sid
 
-    def session(self, session_id: str) -> SessionRecord:
+    def session(self, session_id: str, owner: str | None = None) -> SessionRecord:
+        """The session; with `owner`, only if it belongs to that caller. Another caller's session is refused
+        exactly as one that never existed, so nothing says that it does."""
         h = self.r.hgetall(f"braid:session:{session_id}")
-        if not h:
+        if not h or (owner is not None and h.get("owner", "") != owner):
             raise UnknownMessageError(f"unknown session {session_id!r} (never opened, closed or expired)")
-        return SessionRecord(session_id, int(h["messages"]), int(h["kv_bytes"]), float(h["created"]))
+        return SessionRecord(session_id, int(h["messages"]), int(h["kv_bytes"]), float(h["created"]),
+                             h.get("owner", ""))
 
     def register(self, rec: MessageRecord) -> None:
         skey = f"braid:session:{rec.session_id}"
@@ -134,19 +139,21 @@ class Directory:
         return MessageRecord(message_id, session_id, h["replica"], h["fingerprint"], int(h["tokens"]),
                              int(h["kv_bytes"]))
 
-    def list_sessions(self) -> list[SessionRecord]:
+    def list_sessions(self, owner: str | None = None) -> list[SessionRecord]:
+        """Every session (with `owner`: that caller's)."""
         out = []
         for key in self.r.scan_iter(match="braid:session:*", count=500):
             if key.count(":") == 2:  # the session hash, not its message set
                 try:
-                    out.append(self.session(key.split(":", 2)[2]))
-                except UnknownMessageError:  # expired between scan and read
+                    out.append(self.session(key.split(":", 2)[2], owner))
+                except UnknownMessageError:  # expired between scan and read, or another caller's
                     pass
         return sorted(out, key=lambda s: s.created_unix)
 
-    def close_session(self, session_id: str) -> list[MessageRecord]:
-        """Forget the session; returns its messages so their holders can free them."""
-        self.session(session_id)
+    def close_session(self, session_id: str, owner: str | None = None) -> list[MessageRecord]:
+        """Forget the session (with `owner`: only that caller's); returns its messages so their holders can
+        free them."""
+        self.session(session_id, owner)
         ids = self.r.smembers(f"braid:session:{session_id}:messages")
         records = []
         for mid in ids:

@@ -27,22 +27,27 @@ def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-def _unary(fn):
+def _caller(keys: ApiKeys | None, context) -> str:
+    """The calling key's name ("" on an open API); KeyCheck has refused a call without a valid one already."""
+    return keys.check(context.invocation_metadata()) if keys is not None else ""
+
+
+def _unary(fn, keys: ApiKeys | None):
     @functools.wraps(fn)
     def handler(request, context):
         try:
-            return fn(request)
+            return fn(request, _caller(keys, context))
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             context.abort(*grpc_status(e))
 
     return handler
 
 
-def _streaming(fn):
+def _streaming(fn, keys: ApiKeys | None):
     @functools.wraps(fn)
     def handler(request, context):
         try:
-            yield from fn(request)
+            yield from fn(request, _caller(keys, context))
         except Exception as e:  # noqa: BLE001
             context.abort(*grpc_status(e))
 
@@ -52,14 +57,15 @@ def _streaming(fn):
 STREAMING = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods if m.server_streaming}
 
 
-def make_servicer(logic: AgentLogic, workflows: WorkflowDriver) -> agent_pb2_grpc.AgentServiceServicer:
+def make_servicer(logic: AgentLogic, workflows: WorkflowDriver,
+                  keys: ApiKeys | None = None) -> agent_pb2_grpc.AgentServiceServicer:
     servicer = agent_pb2_grpc.AgentServiceServicer()
     for method in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
         if method.name == "RunWorkflow":
-            fn = lambda request: iterate_blocking(workflows.run(request))  # noqa: E731
+            fn = lambda request, caller: iterate_blocking(workflows.run(request, caller))  # noqa: E731
         else:
             fn = getattr(logic, method.name)
-        setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn))
+        setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn, keys))
     return servicer
 
 
@@ -94,7 +100,7 @@ def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.
     must carry (None: open); `tls`: (certificate chain, private key) PEM files to serve TLS with."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=[KeyCheck(keys)] if keys is not None else [])
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows), server)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows, keys), server)
     if tls is None:
         bound = server.add_insecure_port(f"{host}:{port}")
     else:

@@ -55,23 +55,25 @@ class AgentIngress:
                                         config, lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.workflows.metrics = metrics()
 
-    def _authenticate(self, grpc_context) -> None:
-        """Every RPC, before any work: a missing or wrong key is UNAUTHENTICATED."""
-        if self.keys is not None:
-            self.keys.check(grpc_context.invocation_metadata() if grpc_context is not None else None)
+    def _authenticate(self, grpc_context) -> str:
+        """Every RPC, before any work: a missing or wrong key is UNAUTHENTICATED. Returns the key's name (the
+        caller, whose sessions are its own; "" on an open API)."""
+        if self.keys is None:
+            return ""
+        return self.keys.check(grpc_context.invocation_metadata() if grpc_context is not None else None)
 
     # ---- session-level calls: answered by the synthesizer that holds the session's messages ----
     async def _unary(self, name, request, grpc_context):
         try:
-            self._authenticate(grpc_context)
-            return await self.synth.agent_unary.remote(name, request)
+            caller = self._authenticate(grpc_context)
+            return await self.synth.agent_unary.remote(name, request, caller)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             _fail(grpc_context, e)
 
     async def _stream(self, name, request, grpc_context):
         try:
-            self._authenticate(grpc_context)
-            async for event in self.synth.options(stream=True).agent_stream.remote(name, request):
+            caller = self._authenticate(grpc_context)
+            async for event in self.synth.options(stream=True).agent_stream.remote(name, request, caller):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)
@@ -105,8 +107,8 @@ class AgentIngress:
 
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
-            self._authenticate(grpc_context)
-            async for event in self.workflows.run(request):
+            caller = self._authenticate(grpc_context)
+            async for event in self.workflows.run(request, caller):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)

@@ -46,10 +46,11 @@ class AgentLogic:
         self.kvcomm = KVComm(engine, self.config.kvcomm)
 
     # ---- sessions and ids -----------------------------------------------------------------------
-    def _session(self, session_id: str) -> str:
+    def _session(self, session_id: str, caller: str) -> str:
+        """The call's session: a new one for `caller`, or the one named, if it is the caller's."""
         if not session_id:
-            return self.directory.create_session()
-        self.directory.session(session_id)
+            return self.directory.create_session(caller)
+        self.directory.session(session_id, caller)
         return session_id
 
     def _resolve(self, session_id: str, ids) -> None:
@@ -83,45 +84,46 @@ class AgentLogic:
             yield convert.token_event(event)
         self.register(session_id, stream.ids)
 
-    # ---- RPCs -----------------------------------------------------------------------------------
-    def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+    # ---- RPCs: `caller` is the API key's name the server checked ("" on an open API); sessions are its own ----
+    def Health(self, request: pb.HealthRequest, caller: str = "") -> pb.HealthResponse:
         self.directory.r.ping()
         return pb.HealthResponse(status="SERVING", model_fingerprint=self.engine.fingerprint)
 
-    def Prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
-        sid = self._session(request.session_id)
+    def Prefill(self, request: pb.PrefillRequest, caller: str = "") -> pb.PrefillResponse:
+        sid = self._session(request.session_id, caller)
         calls = [convert.prefill_call(c) for c in request.calls]
         self._resolve(sid, {p for c in calls for p in c.parents})
         ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
         self.register(sid, ids)
         return pb.PrefillResponse(session_id=sid, message_ids=ids)
 
-    def Decode(self, request: pb.DecodeRequest) -> Iterator[pb.TokenEvent]:
-        sid = self._session(request.session_id)
+    def Decode(self, request: pb.DecodeRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
+        sid = self._session(request.session_id, caller)
         calls = [convert.decode_call(c, self.config.default_max_tokens) for c in request.calls]
         self._resolve(sid, {p for c in calls for p in c.parents})
         yield from self._stream(sid, self.engine.decode_stream(calls))
 
-    def Generate(self, request: pb.GenerateRequest) -> Iterator[pb.TokenEvent]:
-        sid = self._session(request.session_id)
+    def Generate(self, request: pb.GenerateRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
+        sid = self._session(request.session_id, caller)
         call = DecodeCall(request.prompt, sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
         yield from self._stream(sid, self.engine.decode_stream([call]))
 
-    def GetMessage(self, request: pb.GetMessageRequest) -> pb.MessageInfo:
+    def GetMessage(self, request: pb.GetMessageRequest, caller: str = "") -> pb.MessageInfo:
+        self.directory.session(request.session_id, caller)
         self._resolve(request.session_id, [request.message_id])
         m = self.engine.message(request.message_id)
         return pb.MessageInfo(message_id=m.id, text=self.engine.text(m.id), token_ids=m.token_ids, offset=m.offset,
                               parents=m.parents, fingerprint=m.fingerprint, kv_bytes=m.nbytes)
 
-    def ListSessions(self, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:
+    def ListSessions(self, request: pb.ListSessionsRequest, caller: str = "") -> pb.ListSessionsResponse:
         return pb.ListSessionsResponse(sessions=[
             pb.SessionInfo(session_id=s.session_id, messages=s.messages, kv_bytes=s.kv_bytes,
-                           created_unix=s.created_unix) for s in self.directory.list_sessions()])
+                           created_unix=s.created_unix) for s in self.directory.list_sessions(caller)])
 
-    def CloseSession(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+    def CloseSession(self, request: pb.CloseSessionRequest, caller: str = "") -> pb.CloseSessionResponse:
         freed = 0
         with self.engine.lock:
-            for rec in self.directory.close_session(request.session_id):
+            for rec in self.directory.close_session(request.session_id, caller):
                 try:  # (one a running call uses goes when the call ends)
                     self.engine.free(rec.message_id, when_unpinned=True)
                     freed += 1
@@ -129,9 +131,9 @@ class AgentLogic:
                     pass
         return pb.CloseSessionResponse(freed_messages=freed)
 
-    def RunAgents(self, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:
+    def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
         """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
-        sid = self._session(request.session_id)
+        sid = self._session(request.session_id, caller)
         graph = AgentGraph([Agent(a.name, a.prefix) for a in request.agents], request.user_text,
                            request.rounds or 1, request.kvcomm,
                            request.peer_join or AgentGraph.peer_join, request.reply_header or AgentGraph.reply_header,

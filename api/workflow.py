@@ -71,14 +71,15 @@ class WorkflowDriver:
         self.roles, self.directory, self.config, self.tokenize = roles, directory, config, tokenize
         self.metrics = None  # set by a Serve ingress: braid.api.metrics
 
-    async def run(self, request: pb.WorkflowRequest) -> AsyncIterator[pb.WorkflowEvent]:
+    async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
+        """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's."""
         start = time.perf_counter()
         cfg = self.config
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated)
-        session = wf.session or self.directory.create_session()
-        self.directory.session(session)
+        session = wf.session or self.directory.create_session(caller)
+        self.directory.session(session, caller)
         n = wf.num_branches
         transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,

@@ -43,11 +43,11 @@ class Synthesizer:
 
     # Async methods: the replica takes many calls at once; each blocking runner call goes to its own thread,
     # and the engine's scheduler batches what they submit.
-    async def agent_unary(self, name: str, request):
-        return await run_in_thread(lambda: getattr(self.agent, name)(request))
+    async def agent_unary(self, name: str, request, caller: str = ""):
+        return await run_in_thread(lambda: getattr(self.agent, name)(request, caller=caller))
 
-    async def agent_stream(self, name: str, request):
-        async for item in in_thread(lambda: getattr(self.agent, name)(request)):
+    async def agent_stream(self, name: str, request, caller: str = ""):
+        async for item in in_thread(lambda: getattr(self.agent, name)(request, caller=caller)):
             yield item
 
     async def run_branches(self, req: BranchRequest):

@@ -114,3 +114,39 @@ def test_key_sources_and_bad_key_files(tmp_path):
     assert ApiKeys.load(None, env={}) is None  # nothing given: the API is open
     keys = ApiKeys.load(None, env={"BRAID_API_KEYS": f"ci:{ALICE},{BOB}"})
     assert keys.check(client_metadata(ALICE)) == "ci" and keys.check(client_metadata(BOB)) == "key-2"
+
+
+def test_a_session_belongs_to_its_key_and_another_key_cannot_tell_it_exists(server):
+    """Every session call with another key's session gets NOT_FOUND, worded exactly as for a session that never
+    existed; the owner's session is untouched and keeps serving."""
+    stub, *_ = server
+    alice, bob = client_metadata(ALICE), client_metadata(BOB)
+    made = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: a private note.")]), metadata=alice)
+    sid, mid = made.session_id, made.message_ids[0]
+    two = pb.Sampling(max_tokens=2, ignore_eos=True)
+    workflow = lambda session: pb.WorkflowRequest(  # noqa: E731
+        session_id=session, task="User: add.", branch_prompts=["Part 3."], synthesis_prompt="Synthesizer:",
+        worker_sampling=two, synthesis_sampling=two)
+    calls = {
+        "Prefill": lambda s: stub.Prefill(pb.PrefillRequest(session_id=s, calls=[
+            pb.PrefillCallSpec(text="more", parents=[mid])]), metadata=bob),
+        "Decode": lambda s: stub.Decode(pb.DecodeRequest(session_id=s, calls=[
+            pb.DecodeCallSpec(header="Answer:", parents=[mid], sampling=two)]), metadata=bob),
+        "Generate": lambda s: stub.Generate(pb.GenerateRequest(session_id=s, prompt="hi", sampling=two), metadata=bob),
+        "GetMessage": lambda s: stub.GetMessage(pb.GetMessageRequest(session_id=s, message_id=mid), metadata=bob),
+        "CloseSession": lambda s: stub.CloseSession(pb.CloseSessionRequest(session_id=s), metadata=bob),
+        "RunWorkflow": lambda s: stub.RunWorkflow(workflow(s), metadata=bob),
+    }
+    for name, call in calls.items():
+        theirs, never = status(lambda: call(sid)), status(lambda: call("no-such-session-0123"))
+        assert theirs[0] == grpc.StatusCode.NOT_FOUND, name
+        assert theirs[1] == never[1].replace("no-such-session-0123", sid), name  # the same words either way
+    def listed(metadata):
+        return {s.session_id for s in stub.ListSessions(pb.ListSessionsRequest(), metadata=metadata).sessions}
+
+    assert sid in listed(alice) and sid not in listed(bob)
+    # alice's session is as it was, and still hers to use
+    assert stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=mid), metadata=alice).text
+    assert list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[
+        pb.DecodeCallSpec(header="Answer:", parents=[mid], sampling=two)]), metadata=alice))
+    assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=alice).freed_messages >= 1
