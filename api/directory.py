@@ -4,6 +4,8 @@ Keys are scoped by session, so a call can only ever resolve ids of its own sessi
   braid:session:{sid}           hash  created, messages, kv_bytes
   braid:session:{sid}:messages  set   message ids
   braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes
+  braid:owner:{key}:sessions    set   the sessions an API key opened (for its limits)
+  braid:owner:{key}:running     int   its workflows running now
 Every key carries the session TTL, renewed on use.
 """
 
@@ -14,10 +16,13 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
 
+from braid.api.auth import KeyLimits, QuotaError
 from braid.engine.errors import UnknownMessageError
 
 REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
@@ -103,13 +108,71 @@ class Directory:
         return cls(redis.Redis.from_url(url, decode_responses=True, password=os.environ.get(REDIS_PASSWORD_ENV)),
                    session_ttl_s)
 
-    def create_session(self, owner: str = "") -> str:
-        """A new session belonging to `owner` (the caller's API key name; "" on an open API)."""
+    def create_session(self, owner: str = "", limit: int = 0) -> str:
+        """A new session belonging to `owner` (the caller's API key name; "" on an open API). With `limit`,
+        an owner that holds that many open sessions already is refused (RESOURCE_EXHAUSTED), atomically."""
         sid = secrets.token_urlsafe(16)
-        key = f"braid:session:{sid}"
-        self.r.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0, "owner": owner})
-        self.r.expire(key, self.ttl)
-        return sid
+        key, owned = f"braid:session:{sid}", f"braid:owner:{owner}:sessions"
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(owned)
+                    members = sorted(pipe.smembers(owned))
+                    gone = [m for m in members if not pipe.exists(f"braid:session:{m}")]  # expired or closed
+                    if limit and len(members) - len(gone) >= limit:
+                        raise QuotaError(f"API key {owner!r} holds {limit} open sessions, its limit: close one "
+                                         f"(CloseSession) or let one expire ({self.ttl} s unused)")
+                    pipe.multi()
+                    if gone:
+                        pipe.srem(owned, *gone)
+                    pipe.sadd(owned, sid)
+                    pipe.expire(owned, self.ttl)
+                    pipe.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0, "owner": owner})
+                    pipe.expire(key, self.ttl)
+                    pipe.execute()
+                    return sid
+                except redis.WatchError:  # another session of this owner was opened meanwhile: count again
+                    continue
+
+    def open_session(self, session_id: str, caller: str, limits: KeyLimits = KeyLimits()) -> str:
+        """A call's session: a new one for `caller`, or the one named if it is the caller's (NOT_FOUND
+        otherwise). A keyed caller at its limit of sessions, or of KV bytes in them, is refused with
+        RESOURCE_EXHAUSTED before the call does anything (an open API, caller "", has no limits)."""
+        if not session_id:
+            session_id = self.create_session(caller, limits.sessions if caller else 0)
+        else:
+            self.session(session_id, caller)
+        if caller and limits.store_bytes:
+            held = self.owner_kv_bytes(caller)
+            if held >= limits.store_bytes:
+                raise QuotaError(f"API key {caller!r} holds {held} bytes of KV in its sessions, its limit is "
+                                 f"{limits.store_bytes}: close sessions (CloseSession) to free them")
+        return session_id
+
+    def owner_kv_bytes(self, owner: str) -> int:
+        """KV bytes registered in the owner's open sessions."""
+        total = 0
+        for sid in self.r.smembers(f"braid:owner:{owner}:sessions"):
+            total += int(self.r.hget(f"braid:session:{sid}", "kv_bytes") or 0)
+        return total
+
+    @contextmanager
+    def running(self, owner: str, limit: int) -> Iterator[None]:
+        """Count one running request of `owner` while the block runs; beyond `limit` (0: none) it is refused
+        with RESOURCE_EXHAUSTED before it starts. The count expires with the session TTL, so a replica that
+        died mid-request cannot hold it up for longer."""
+        key = f"braid:owner:{owner}:running"
+        pipe = self.r.pipeline()
+        pipe.incr(key)
+        pipe.expire(key, self.ttl)
+        now, _ = pipe.execute()
+        try:
+            if limit and now > limit:
+                raise QuotaError(f"API key {owner!r} has {limit} workflows running, its limit: wait for one to "
+                                 "finish")
+            yield
+        finally:
+            self.r.decr(key)
 
     def session(self, session_id: str, owner: str | None = None) -> SessionRecord:
         """The session; with `owner`, only if it belongs to that caller. Another caller's session is refused
@@ -161,6 +224,8 @@ class Directory:
                 records.append(self.lookup(session_id, mid))
             except UnknownMessageError:
                 pass
+        owner = self.r.hget(f"braid:session:{session_id}", "owner") or ""
         self.r.delete(f"braid:session:{session_id}", f"braid:session:{session_id}:messages",
                       *[f"braid:msg:{session_id}:{mid}" for mid in ids])
+        self.r.srem(f"braid:owner:{owner}:sessions", session_id)
         return records

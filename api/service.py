@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from braid.api import convert
+from braid.api.auth import KeyLimits
 from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
 from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
@@ -32,6 +33,7 @@ class ServiceConfig:
     replica: str = "local"
     default_max_tokens: int = 128
     kvcomm: KVCommConfig = KVCommConfig()  # RunAgents' anchor pools (one set per replica, per session)
+    limits: KeyLimits = KeyLimits()  # what each API key may hold at once
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
@@ -47,11 +49,9 @@ class AgentLogic:
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str, caller: str) -> str:
-        """The call's session: a new one for `caller`, or the one named, if it is the caller's."""
-        if not session_id:
-            return self.directory.create_session(caller)
-        self.directory.session(session_id, caller)
-        return session_id
+        """The call's session: a new one for `caller`, or the one named, if it is the caller's (within its
+        limits)."""
+        return self.directory.open_session(session_id, caller, self.config.limits)
 
     def _resolve(self, session_id: str, ids) -> None:
         for mid in ids:
@@ -134,6 +134,10 @@ class AgentLogic:
     def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
         """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
         sid = self._session(request.session_id, caller)
+        with self.directory.running(caller, self.config.limits.workflows if caller else 0):
+            yield from self._agents(sid, request)
+
+    def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:
         graph = AgentGraph([Agent(a.name, a.prefix) for a in request.agents], request.user_text,
                            request.rounds or 1, request.kvcomm,
                            request.peer_join or AgentGraph.peer_join, request.reply_header or AgentGraph.reply_header,

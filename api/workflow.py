@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from braid.api import convert
+from braid.api.auth import KeyLimits
 from braid.api.decision import choose_transport
 from braid.api.directory import Directory
 from braid.api.messages import (AnswerToken, BranchDone, BranchRequest, BranchToken, KVArrived, SynthesisDone,
@@ -44,6 +45,7 @@ class WorkflowConfig:
     default_max_tokens: int = 128
     max_branches: int = 16
     worker_header: str = WORKER_HEADER
+    limits: KeyLimits = KeyLimits()  # what each API key may hold at once
 
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
@@ -72,14 +74,19 @@ class WorkflowDriver:
         self.metrics = None  # set by a Serve ingress: braid.api.metrics
 
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
-        """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's."""
+        """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's, and
+        it counts against the caller's limit of running workflows while it runs."""
+        with self.directory.running(caller, self.config.limits.workflows if caller else 0):
+            async for event in self._run(request, caller):
+                yield event
+
+    async def _run(self, request: pb.WorkflowRequest, caller: str) -> AsyncIterator[pb.WorkflowEvent]:
         start = time.perf_counter()
         cfg = self.config
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated)
-        session = wf.session or self.directory.create_session(caller)
-        self.directory.session(session, caller)
+        session = self.directory.open_session(wf.session, caller, cfg.limits)
         n = wf.num_branches
         transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,

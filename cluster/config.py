@@ -6,6 +6,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from braid.api.auth import KeyLimits
 from braid.api.service import ServiceConfig
 from braid.engine.kvcomm import KVCommConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
@@ -84,6 +85,10 @@ class ClusterConfig:
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     synthesizer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     api_keys_file: str | None = None  # API keys the agent API accepts (braid.api.auth); None: the API is open
+    # what each API key may hold at once (0: no limit): open sessions, KV bytes in them, running workflows
+    key_max_sessions: int = 0
+    key_max_store_bytes: int = 0
+    key_max_workflows: int = 0
     # KVComm (RunAgents): the entropy threshold gamma (0: never reuse) and anchors per placeholder pool (V)
     kvcomm_gamma: float = 0.3
     kvcomm_capacity: int = 20
@@ -96,6 +101,7 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
+        self.key_limits()  # (validates)
         if self.refresh_tokens < 0:
             raise ValueError(f"refresh_tokens must be >= 0 (0: off), got {self.refresh_tokens}")
         for name in ("gpus_per_worker", "gpus_per_synthesizer"):
@@ -166,14 +172,18 @@ class ClusterConfig:
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens,
-                             kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity))
+                             kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity),
+                             limits=self.key_limits())
 
     def workflow_config(self) -> WorkflowConfig:
         # a workflow's branches are split into one call per replica that can run them (batched on each)
         replicas, scaling = ((self.synthesizer_replicas, self.synthesizer_autoscaling) if self.colocate
                              else (self.worker_replicas, self.worker_autoscaling))
         return WorkflowConfig(self.kv_transport, self.colocate, scaling.max_replicas if scaling else replicas,
-                              self.default_max_tokens, self.max_branches, self.worker_header)
+                              self.default_max_tokens, self.max_branches, self.worker_header, self.key_limits())
+
+    def key_limits(self) -> KeyLimits:
+        return KeyLimits(self.key_max_sessions, self.key_max_store_bytes, self.key_max_workflows)
 
 
 def _schema(hint) -> dict:

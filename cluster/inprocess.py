@@ -39,7 +39,7 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
     branches = BranchRunner(engine, worker or WorkerConfig(), "in-process")
     config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
-                            worker_header=branches.config.header)
+                            worker_header=branches.config.header, limits=logic.config.limits)
     workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize)
     server, bound = start_server(logic, workflows, host, port, grpc_threads, keys, tls)
     return InProcessServer(server, bound, logic, receiver)

@@ -150,3 +150,69 @@ def test_a_session_belongs_to_its_key_and_another_key_cannot_tell_it_exists(serv
     assert list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[
         pb.DecodeCallSpec(header="Answer:", parents=[mid], sampling=two)]), metadata=alice))
     assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=alice).freed_messages >= 1
+
+
+def test_per_key_limits_are_answered_with_resource_exhausted(checkpoint):
+    """Each key at its limit of open sessions, of KV bytes in them, or of running workflows is refused with
+    RESOURCE_EXHAUSTED and a message saying what to do; other keys are untouched, and it recovers as soon as
+    it is back under the limit."""
+    from braid.api.auth import KeyLimits
+    from braid.api.service import ServiceConfig
+
+    redis = EmbeddedRedis()
+    engine = Engine(EngineConfig(checkpoint("llama")))
+    keys = ApiKeys.load(None, env={"BRAID_API_KEYS": f"alice:{ALICE},bob:{BOB}"})
+    servers = []
+
+    def serve(limits: KeyLimits):
+        srv = start_in_process(engine, Directory.connect(redis.url), ServiceConfig(limits=limits), keys=keys)
+        servers.append((srv, grpc.insecure_channel(f"127.0.0.1:{srv.port}")))
+        return agent_pb2_grpc.AgentServiceStub(servers[-1][1])
+
+    alice, bob = client_metadata(ALICE), client_metadata(BOB)
+    prefill = lambda stub, md, session="": stub.Prefill(pb.PrefillRequest(  # noqa: E731
+        session_id=session, calls=[pb.PrefillCallSpec(text="User: hello there.")]), metadata=md)
+
+    def close_all(stub):  # (the counts live in the directory, which every server here shares)
+        for md in (alice, bob):
+            for s in stub.ListSessions(pb.ListSessionsRequest(), metadata=md).sessions:
+                stub.CloseSession(pb.CloseSessionRequest(session_id=s.session_id), metadata=md)
+
+    try:
+        stub = serve(KeyLimits(sessions=2))
+        first, _ = prefill(stub, alice), prefill(stub, alice)
+        code, details = status(lambda: prefill(stub, alice))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "holds 2 open sessions" in details
+        assert prefill(stub, alice, first.session_id).message_ids  # its open sessions still serve it
+        assert prefill(stub, bob).session_id  # another key has its own count
+        stub.CloseSession(pb.CloseSessionRequest(session_id=first.session_id), metadata=alice)
+        assert prefill(stub, alice).session_id  # back under the limit
+        close_all(stub)
+
+        stub = serve(KeyLimits(store_bytes=1))
+        made = prefill(stub, alice)
+        code, details = status(lambda: prefill(stub, alice, made.session_id))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes of KV" in details and "close sessions" in details
+        assert prefill(stub, bob).session_id
+        stub.CloseSession(pb.CloseSessionRequest(session_id=made.session_id), metadata=alice)
+        assert prefill(stub, alice).session_id
+        close_all(stub)
+
+        stub = serve(KeyLimits(workflows=1))
+        two = pb.Sampling(max_tokens=4, ignore_eos=True)
+        workflow = pb.WorkflowRequest(task="User: add.", branch_prompts=["Part 3."], synthesis_prompt="Synthesizer:",
+                                      worker_sampling=two, synthesis_sampling=two)
+        running = stub.RunWorkflow(workflow, metadata=alice)
+        assert next(running).HasField("decision")  # the first one is under way
+        code, details = status(lambda: stub.RunWorkflow(workflow, metadata=alice))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 workflows running" in details
+        assert list(stub.RunWorkflow(workflow, metadata=bob))[-1].HasField("done")
+        assert list(running)[-1].HasField("done")
+        assert list(stub.RunWorkflow(workflow, metadata=alice))[-1].HasField("done")  # it ended: room again
+    finally:
+        for srv, channel in servers:
+            channel.close()
+            srv.stop()
+        redis.stop()
+    with pytest.raises(ValueError, match="key limit sessions"):
+        KeyLimits(sessions=-1)
