@@ -5,11 +5,12 @@ from braid.protos import agent_pb2 as pb
 
 def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, verified_branches: int,
                      branches: int, kv_bytes: int, branch_tokens: int, link_bytes_per_s: float | None,
-                     prefill_tokens_per_s: float) -> tuple[int, str]:
+                     prefill_tokens_per_s: float, branch_limit: int = 0, verified_tokens: int = 0) -> tuple[int, str]:
     """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none);
-    `verified_branches`: up to how many branches its answers were verified to match text's (`braid eval
-    --verify`). kv_bytes and branch_tokens are the most the request's `branches` can produce (their
-    max_tokens); shipping wins when moving that KV takes less time than re-prefilling its text.
+    `verified_branches` / `verified_tokens`: up to how many branches, of up to how many tokens each (0: not
+    recorded), its answers were verified to match text's (`braid eval --verify`). kv_bytes and branch_tokens
+    are the most the request's `branches` can produce (their max_tokens), branch_limit the most one branch
+    can hold; shipping wins when moving that KV takes less time than re-prefilling its text.
 
     `auto` reads branches from KV only where that gives the answers text would: with a calibration loaded
     and verified at this many branches. Elsewhere the cache path answers tasks that read branches together
@@ -26,6 +27,10 @@ def choose_transport(requested: int, configured: str, colocated: bool, calibrati
                    else "not verified to answer as text does (`braid eval --verify`)")
         return pb.TRANSPORT_TEXT, (f"calibration {calibration} is {checked}; this request has {branches}: the "
                                    f"branches' text is re-prefilled ({override})")
+    if configured == "auto" and verified_tokens and branch_limit > verified_tokens:
+        return pb.TRANSPORT_TEXT, (f"calibration {calibration} was verified on branches of up to {verified_tokens} "
+                                   f"tokens; this request's may reach {branch_limit} (worker max_tokens): the "
+                                   f"branches' text is re-prefilled ({override}, or lower max_tokens)")
     with_calibration = f"; calibration {calibration}" if calibration else ""
     if colocated:
         return pb.TRANSPORT_LOCAL, f"colocated engines: KV is reused in place{with_calibration}"

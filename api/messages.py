@@ -102,3 +102,4 @@ class SynthesizerInfo:
     calibration: str = ""  # the calibration the cache path runs with ("": none; the KV path is then uncalibrated)
     placement: str = "branch_point"  # where branches go when a request does not say: the calibration's own
     verified_branches: int = 0  # up to how many branches the calibration's answers were verified to match text's
+    verified_tokens: int = 0  # on branches of up to how many tokens (0: not recorded)

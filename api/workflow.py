@@ -91,7 +91,8 @@ class WorkflowDriver:
         transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,
                                              n * wf.branch_limit,
-                                             info.link_bytes_per_s, info.prefill_tokens_per_s)
+                                             info.link_bytes_per_s, info.prefill_tokens_per_s, wf.branch_limit,
+                                             info.verified_tokens)
         yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
         mode = pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower()  # text, grpc, collective, local
         if self.metrics:

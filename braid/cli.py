@@ -60,8 +60,10 @@ def eval_cmd(args) -> int:
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
     if args.verify:
+        # the longest branch it was checked on: `auto` ships KV only for requests whose branches cannot be longer
         verification = {**verify(out["summary"], args.verify_mode, args.tolerance), "seed": config.seed,
-                        "length": list(config.length)}
+                        "length": list(config.length),
+                        "max_branch_tokens": max(t for r in results for t in r.branch_tokens)}
         out["verification"] = verification
         engine.calibration.calibration.record_verification(verification)
         print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "

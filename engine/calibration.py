@@ -177,6 +177,11 @@ class Calibration:
         (0: never verified, or not even at the fewest branches evaluated)."""
         return int((self.verification or {}).get("max_branches", 0))
 
+    @property
+    def verified_tokens(self) -> int:
+        """The longest branch (tokens) the recorded verification checked; 0: not recorded (no length gate)."""
+        return int((self.verification or {}).get("max_branch_tokens", 0))
+
     def verified_for(self, refresh: Refresh | None) -> int:
         """verified_branches, where the verification checked the mode served with this boundary refresh
         (mode_name(refresh)); else 0: a check of another mode says nothing about this one."""

@@ -122,6 +122,7 @@ class TaskResult:
     answers: dict[str, str] = field(default_factory=dict)
     correct: dict[str, bool] = field(default_factory=dict)
     ttft: dict[str, float] = field(default_factory=dict)  # seconds, synthesizer call to first answer token
+    branch_tokens: list[int] = field(default_factory=list)  # each branch message's length, as the synthesizer got it
 
 
 def _drain(stream) -> list[str]:
@@ -151,7 +152,8 @@ def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConf
             branches = engine.prefill([PrefillCall(b.message(), parents=prefix) for b in task.branches])
             made += branches
             outputs, workers_correct = [], True
-        result = TaskResult(task.name, task.seed, len(task.branches), task.answer, workers_correct, outputs)
+        result = TaskResult(task.name, task.seed, len(task.branches), task.answer, workers_correct, outputs,
+                            branch_tokens=[engine.message(b).num_tokens for b in branches])
         answer = SamplingParams(max_tokens=config.answer_max_tokens)
         for mode in modes:
             if mode.staircase is not None and task.has_workers:

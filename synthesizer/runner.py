@@ -54,7 +54,8 @@ class SynthesisRunner:
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
                                attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
-                               attached.calibration.verified_for(self.refresh) if attached else 0)
+                               attached.calibration.verified_for(self.refresh) if attached else 0,
+                               attached.calibration.verified_tokens if attached else 0)
 
     @property
     def refresh(self) -> Refresh | None:

@@ -284,7 +284,8 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
     path = make_calibration(ckpt, tmp_path / "cal", random=True)
     # as if `braid eval --verify` had found it matching text up to 2 branches (this one is random: it would not)
     # (of the mode the synthesizer serves: calibrated, with each branch's first and last token refreshed)
-    Calibration.load(path).record_verification({"mode": "calibrated+refresh", "max_branches": 2})
+    Calibration.load(path).record_verification({"mode": "calibrated+refresh", "max_branches": 2,
+                                                "max_branch_tokens": 40})
     engine = Engine(EngineConfig(ckpt, calibration=path))
     redis_server = EmbeddedRedis()
     server = start_in_process(engine, Directory.connect(redis_server.url))
@@ -297,12 +298,19 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
             wider = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
                 task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4.", "Part 5."],
                 synthesis_prompt="Synthesizer:", worker_sampling=greedy, synthesis_sampling=greedy)))
+            longer = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
+                task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
+                synthesis_prompt="Synthesizer:", worker_sampling=pb.Sampling(max_tokens=60, ignore_eos=True),
+                synthesis_sampling=greedy)))
         decision, = [e.decision for e in events if e.HasField("decision")]
         assert decision.transport == pb.TRANSPORT_LOCAL and f"calibration {path}" in decision.reason
         # three branches are beyond what it was verified for: `auto` re-prefills text, and says why
         decision, = [e.decision for e in wider if e.HasField("decision")]
         assert decision.transport == pb.TRANSPORT_TEXT
         assert "only up to 2 branches; this request has 3" in decision.reason
+        # branches that may grow longer than any it was verified on: text too
+        decision, = [e.decision for e in longer if e.HasField("decision")]
+        assert decision.transport == pb.TRANSPORT_TEXT and "branches of up to 40 tokens" in decision.reason
         answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         prefix = engine.prefill([PrefillCall("User: add the partial results.")])
