@@ -161,18 +161,25 @@ class Directory:
         """Count one running request of `owner` while the block runs; beyond `limit` (0: none) it is refused
         with RESOURCE_EXHAUSTED before it starts. The count expires with the session TTL, so a replica that
         died mid-request cannot hold it up for longer."""
+        if not limit:  # nothing to count: no Redis round trip, nothing to lose if Redis goes away meanwhile
+            yield
+            return
         key = f"braid:owner:{owner}:running"
         pipe = self.r.pipeline()
         pipe.incr(key)
         pipe.expire(key, self.ttl)
         now, _ = pipe.execute()
         try:
-            if limit and now > limit:
+            if now > limit:
                 raise QuotaError(f"API key {owner!r} has {limit} workflows running, its limit: wait for one to "
                                  "finish")
             yield
         finally:
-            self.r.decr(key)
+            try:
+                self.r.decr(key)
+            except redis.RedisError as e:  # losing Redis must not fail a request that ran: the count expires
+                log.warning("could not count a finished request of %r down (%s); it expires in %d s", owner, e,
+                            self.ttl)
 
     def session(self, session_id: str, owner: str | None = None) -> SessionRecord:
         """The session; with `owner`, only if it belongs to that caller. Another caller's session is refused
