@@ -113,13 +113,23 @@ class Directory:
         an owner that holds that many open sessions already is refused (RESOURCE_EXHAUSTED), atomically."""
         sid = secrets.token_urlsafe(16)
         key, owned = f"braid:session:{sid}", f"braid:owner:{owner}:sessions"
+        fields = {"created": time.time(), "messages": 0, "kv_bytes": 0, "owner": owner}
+        if not limit:  # nothing to count against: no scan of the owner's sessions
+            pipe = self.r.pipeline()
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, self.ttl)
+            if owner:  # (its KV bytes are summed over this set when a byte limit applies)
+                pipe.sadd(owned, sid)
+                pipe.expire(owned, self.ttl)
+            pipe.execute()
+            return sid
         with self.r.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(owned)
                     members = sorted(pipe.smembers(owned))
                     gone = [m for m in members if not pipe.exists(f"braid:session:{m}")]  # expired or closed
-                    if limit and len(members) - len(gone) >= limit:
+                    if len(members) - len(gone) >= limit:
                         raise QuotaError(f"API key {owner!r} holds {limit} open sessions, its limit: close one "
                                          f"(CloseSession) or let one expire ({self.ttl} s unused)")
                     pipe.multi()
@@ -127,7 +137,7 @@ class Directory:
                         pipe.srem(owned, *gone)
                     pipe.sadd(owned, sid)
                     pipe.expire(owned, self.ttl)
-                    pipe.hset(key, mapping={"created": time.time(), "messages": 0, "kv_bytes": 0, "owner": owner})
+                    pipe.hset(key, mapping=fields)
                     pipe.expire(key, self.ttl)
                     pipe.execute()
                     return sid
