@@ -148,16 +148,14 @@ class Directory:
         """A call's session: a new one for `caller`, or the one named if it is the caller's (NOT_FOUND
         otherwise). A keyed caller at its limit of sessions, or of KV bytes in them, is refused with
         RESOURCE_EXHAUSTED before the call does anything (an open API, caller "", has no limits)."""
-        if not session_id:
-            session_id = self.create_session(caller, limits.sessions if caller else 0)
-        else:
+        if session_id:
             self.session(session_id, caller)
-        if caller and limits.store_bytes:
+        if caller and limits.store_bytes:  # (checked before a new session is opened, so a refusal opens none)
             held = self.owner_kv_bytes(caller)
             if held >= limits.store_bytes:
                 raise QuotaError(f"API key {caller!r} holds {held} bytes of KV in its sessions, its limit is "
                                  f"{limits.store_bytes}: close sessions (CloseSession) to free them")
-        return session_id
+        return session_id or self.create_session(caller, limits.sessions if caller else 0)
 
     def owner_kv_bytes(self, owner: str) -> int:
         """KV bytes registered in the owner's open sessions."""
