@@ -37,10 +37,6 @@ class KeyLimits:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"key limit {name} must be an int >= 0 (0: no limit), got {value!r}")
 
-    @property
-    def any(self) -> bool:
-        return bool(self.sessions or self.store_bytes or self.workflows)
-
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()

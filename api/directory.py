@@ -159,17 +159,17 @@ class Directory:
 
     def owner_kv_bytes(self, owner: str) -> int:
         """KV bytes registered in the owner's open sessions."""
-        total = 0
+        pipe = self.r.pipeline()
         for sid in self.r.smembers(f"braid:owner:{owner}:sessions"):
-            total += int(self.r.hget(f"braid:session:{sid}", "kv_bytes") or 0)
-        return total
+            pipe.hget(f"braid:session:{sid}", "kv_bytes")
+        return sum(int(b or 0) for b in pipe.execute())  # (one round trip for all of them)
 
     @contextmanager
     def running(self, owner: str, limit: int) -> Iterator[None]:
-        """Count one running request of `owner` while the block runs; beyond `limit` (0: none) it is refused
-        with RESOURCE_EXHAUSTED before it starts. The count expires with the session TTL, so a replica that
-        died mid-request cannot hold it up for longer."""
-        if not limit:  # nothing to count: no Redis round trip, nothing to lose if Redis goes away meanwhile
+        """Count one running request of `owner` while the block runs; beyond `limit` (0, or no owner: an open
+        API, none) it is refused with RESOURCE_EXHAUSTED before it starts. The count expires with the session
+        TTL, so a replica that died mid-request cannot hold it up for longer."""
+        if not (limit and owner):  # nothing to count: no Redis round trip, nothing to lose if Redis goes away meanwhile
             yield
             return
         key = f"braid:owner:{owner}:running"
@@ -231,7 +231,7 @@ class Directory:
     def close_session(self, session_id: str, owner: str | None = None) -> list[MessageRecord]:
         """Forget the session (with `owner`: only that caller's); returns its messages so their holders can
         free them."""
-        self.session(session_id, owner)
+        owner = self.session(session_id, owner).owner
         ids = self.r.smembers(f"braid:session:{session_id}:messages")
         records = []
         for mid in ids:
@@ -239,7 +239,6 @@ class Directory:
                 records.append(self.lookup(session_id, mid))
             except UnknownMessageError:
                 pass
-        owner = self.r.hget(f"braid:session:{session_id}", "owner") or ""
         self.r.delete(f"braid:session:{session_id}", f"braid:session:{session_id}:messages",
                       *[f"braid:msg:{session_id}:{mid}" for mid in ids])
         self.r.srem(f"braid:owner:{owner}:sessions", session_id)

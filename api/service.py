@@ -134,7 +134,7 @@ class AgentLogic:
     def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
         """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
         sid = self._session(request.session_id, caller)
-        with self.directory.running(caller, self.config.limits.workflows if caller else 0):
+        with self.directory.running(caller, self.config.limits.workflows):
             yield from self._agents(sid, request)
 
     def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:

@@ -76,7 +76,7 @@ class WorkflowDriver:
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
         """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's, and
         it counts against the caller's limit of running workflows while it runs."""
-        with self.directory.running(caller, self.config.limits.workflows if caller else 0):
+        with self.directory.running(caller, self.config.limits.workflows):
             async for event in self._run(request, caller):
                 yield event
 
