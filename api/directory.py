@@ -6,7 +6,8 @@ Keys are scoped by session, so a call can only ever resolve ids of its own sessi
   braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes
   braid:owner:{key}:sessions    set   the sessions an API key opened (for its limits)
   braid:owner:{key}:running     int   its workflows running now
-Every key carries the session TTL, renewed on use.
+  braid:replica:{id}            str   where the replica serves its messages to other replicas (KVExport)
+Every session key carries the session TTL, renewed on use; a replica's address expires unless renewed.
 """
 
 import logging
@@ -209,6 +210,28 @@ class Directory:
         for key in (f"braid:msg:{rec.session_id}:{rec.message_id}", f"{skey}:messages", skey):
             pipe.expire(key, self.ttl)
         pipe.execute()
+
+    def relocate(self, session_id: str, message_id: str, replica: str) -> None:
+        """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""
+        key = f"braid:msg:{session_id}:{message_id}"
+        if self.r.exists(key):  # (a session closed meanwhile stays closed)
+            self.r.hset(key, "replica", replica)
+
+    def announce_replica(self, replica: str, address: str, ttl_s: int) -> None:
+        """Where `replica` serves its messages to others, for `ttl_s` seconds unless announced again."""
+        self.r.set(f"braid:replica:{replica}", address, ex=ttl_s)
+
+    def replica_address(self, replica: str) -> str | None:
+        """Where `replica` serves its messages; None once it has gone (its announcement expired)."""
+        return self.r.get(f"braid:replica:{replica}")
+
+    def open_sessions(self, session_ids) -> set[str]:
+        """Those of `session_ids` still open (not closed, not expired), in one round trip."""
+        ids = list(session_ids)
+        pipe = self.r.pipeline()
+        for sid in ids:
+            pipe.exists(f"braid:session:{sid}")
+        return {sid for sid, alive in zip(ids, pipe.execute()) if alive}
 
     def lookup(self, session_id: str, message_id: str) -> MessageRecord:
         h = self.r.hgetall(f"braid:msg:{session_id}:{message_id}")

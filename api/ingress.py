@@ -39,7 +39,13 @@ class ServeRoles:
         return self.workers.options(stream=True).run_branches.remote(req)
 
     def synthesis(self, req: SynthesisRequest):
-        return self.synth.options(stream=True).synthesize.remote(req)
+        return session_handle(self.synth, req.session).options(stream=True).synthesize.remote(req)
+
+
+def session_handle(handle: DeploymentHandle, session_id: str) -> DeploymentHandle:
+    """The handle a session's call goes through: routed to the replica that serves the session (Serve's
+    multiplexing, keyed by session id), any replica for a call that opens a new session."""
+    return handle.options(multiplexed_model_id=session_id) if session_id else handle
 
 
 @serve.deployment(name="AgentIngress")
@@ -62,18 +68,20 @@ class AgentIngress:
             return ""
         return self.keys.check(grpc_context.invocation_metadata() if grpc_context is not None else None)
 
-    # ---- session-level calls: answered by the synthesizer that holds the session's messages ----
+    # ---- session-level calls: routed to the synthesizer replica that serves the session ----
     async def _unary(self, name, request, grpc_context):
         try:
             caller = self._authenticate(grpc_context)
-            return await self.synth.agent_unary.remote(name, request, caller)
+            return await session_handle(self.synth, getattr(request, "session_id", "")).agent_unary.remote(
+                name, request, caller)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             _fail(grpc_context, e)
 
     async def _stream(self, name, request, grpc_context):
         try:
             caller = self._authenticate(grpc_context)
-            async for event in self.synth.options(stream=True).agent_stream.remote(name, request, caller):
+            handle = session_handle(self.synth, getattr(request, "session_id", "")).options(stream=True)
+            async for event in handle.agent_stream.remote(name, request, caller):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)

@@ -7,7 +7,8 @@ never reach another session's messages.
 """
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import redis
@@ -19,13 +20,10 @@ from braid.engine import DecodeCall, Engine
 from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
+from braid.kv.export import KVExporter, fetch
 from braid.protos import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-class SessionElsewhereError(BraidError):
-    code = "FAILED_PRECONDITION"
 
 
 @dataclass
@@ -34,10 +32,17 @@ class ServiceConfig:
     default_max_tokens: int = 128
     kvcomm: KVCommConfig = KVCommConfig()  # RunAgents' anchor pools (one set per replica, per session)
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
+    # how often a replica renews its address for other replicas and frees its copies of closed or expired
+    # sessions' messages
+    upkeep_period_s: float = 10.0
+    fetch_timeout_s: float = 60.0  # a session's message moving here from the replica that holds it
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.upkeep_period_s <= 0 or self.fetch_timeout_s <= 0:
+            raise ValueError(f"upkeep_period_s and fetch_timeout_s must be positive, got {self.upkeep_period_s} "
+                             f"and {self.fetch_timeout_s}")
 
 
 class AgentLogic:
@@ -46,6 +51,9 @@ class AgentLogic:
         self.directory = directory
         self.config = config or ServiceConfig()
         self.kvcomm = KVComm(engine, self.config.kvcomm)
+        self.exporter: KVExporter | None = None  # (start_upkeep)
+        self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
+        self._held_lock, self._moving, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str, caller: str) -> str:
@@ -53,20 +61,94 @@ class AgentLogic:
         limits)."""
         return self.directory.open_session(session_id, caller, self.config.limits)
 
-    def _resolve(self, session_id: str, ids) -> None:
+    def _resolve(self, session_id: str, ids: Iterable[str]) -> None:
+        """Every id must be a message of the session (NOT_FOUND otherwise); one held by another replica moves
+        here first, under the same id, so a session call works on whichever replica it reaches."""
         for mid in ids:
             rec = self.directory.lookup(session_id, mid)
-            if rec.replica != self.config.replica:
-                raise SessionElsewhereError(
-                    f"message {mid!r} is held by synthesizer replica {rec.replica}, but this call reached "
-                    f"{self.config.replica}; run session calls with one synthesizer replica "
-                    "(synthesizer_replicas=1) until session-affine routing lands")
-            if mid not in self.engine.store:
+            if mid in self.engine.store:
+                continue
+            if rec.replica == self.config.replica:
                 raise UnknownMessageError(f"message {mid!r} was evicted from {self.config.replica}'s store")
+            self._move_here(rec)
+
+    def _move_here(self, rec: MessageRecord) -> None:
+        with self._moving:  # (two calls of a session naming the same message fetch it once)
+            if rec.message_id in self.engine.store:
+                return
+            address = self.directory.replica_address(rec.replica)
+            if address is None:
+                raise UnknownMessageError(f"message {rec.message_id!r} was lost with replica {rec.replica}, which "
+                                          "held it and has gone: encode its text again")
+            got = fetch(address, rec.session_id, rec.message_id, rec.fingerprint, self.config.fetch_timeout_s)
+            self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint, got.parents,
+                                       got.parent_offsets, message_id=got.message_id)
+            self._hold(rec.session_id, [rec.message_id])
+        log.info("message %s of session %s moved here from replica %s (%d tokens)", rec.message_id,
+                 rec.session_id, rec.replica, rec.tokens)
+        try:
+            self.directory.relocate(rec.session_id, rec.message_id, self.config.replica)
+        except redis.RedisError as e:  # the holder still has it: later moves fetch from there
+            log.warning("could not record that %s moved here: %s", rec.message_id, e)
+
+    def _hold(self, session_id: str, ids: Iterable[str]) -> None:
+        with self._held_lock:
+            self._held.setdefault(session_id, set()).update(ids)
+
+    # ---- between replicas: serving this replica's messages, freeing those of sessions gone ---------
+    def start_upkeep(self, host: str = "127.0.0.1") -> str:
+        """Serve this replica's session messages to the other replicas (KVExport), announce where, and every
+        `upkeep_period_s` renew that and free the messages held here of sessions closed (on any replica) or
+        expired. Returns the address. Called once by the deployment that owns this replica."""
+        if self.exporter is not None:
+            return self.exporter.address
+        self.exporter = KVExporter(self.engine, self.directory.lookup, host)
+        self._upkeep_round()
+        threading.Thread(target=self._upkeep_loop, daemon=True, name="session-upkeep").start()
+        return self.exporter.address
+
+    def stop_upkeep(self) -> None:
+        self._stopping.set()
+        if self.exporter is not None:
+            self.exporter.stop()
+
+    def _upkeep_loop(self) -> None:
+        while not self._stopping.wait(self.config.upkeep_period_s):
+            self._upkeep_round()
+
+    def _upkeep_round(self) -> None:
+        try:
+            self.upkeep()
+        except redis.RedisError as e:  # the next round tries again
+            log.warning("session upkeep skipped, control plane unavailable: %s", e)
+
+    def upkeep(self) -> int:
+        """One round: renew the announcement, free what this replica holds of sessions gone. Returns the
+        number of messages freed."""
+        if self.exporter is not None:
+            self.directory.announce_replica(self.config.replica, self.exporter.address,
+                                            int(3 * self.config.upkeep_period_s) + 1)
+        with self._held_lock:
+            sessions = list(self._held)
+        gone = set(sessions) - self.directory.open_sessions(sessions)
+        freed = 0
+        for sid in gone:
+            with self._held_lock:
+                ids = self._held.pop(sid, set())
+            for mid in ids:
+                try:  # (one a running call uses goes when the call ends)
+                    self.engine.free(mid, when_unpinned=True)
+                    freed += 1
+                except UnknownMessageError:  # freed by CloseSession here, or evicted
+                    pass
+        if freed:
+            log.info("freed %d messages of %d closed or expired sessions", freed, len(gone))
+        return freed
 
     def register(self, session_id: str, ids: list[str]) -> bool:
         """Record new messages in the directory. Best effort: losing Redis must not lose a running
         request, so a failure is logged and reported (False); the messages stay in the store."""
+        self._hold(session_id, ids)
         try:
             for mid in ids:
                 m = self.engine.message(mid)

@@ -204,9 +204,11 @@ class Engine:
     def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
                        parents: Sequence[str] = (), parent_offsets: Sequence[int] = (),
                        message_id: str | None = None) -> str:
-        """Store a message encoded elsewhere (shipped KV). Checked like any parent would be."""
+        """Store a message encoded elsewhere (shipped KV, or a session's message moved from another replica).
+        Checked like any parent would be; one encoded by this model's adapted weights ("<fingerprint>+<tag>")
+        is stored as such, and no call takes it as a parent."""
         s = self.spec
-        if fingerprint != self.fingerprint:
+        if fingerprint.partition("+")[0] != self.fingerprint:
             raise FingerprintMismatchError(f"shipped message was encoded by model {fingerprint}, this engine runs "
                                            f"{self.fingerprint}")
         want = (s.num_layers, 2, s.num_kv_heads, len(token_ids), s.head_dim)

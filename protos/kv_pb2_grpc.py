@@ -186,3 +186,80 @@ class KVTransfer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVExportStub:
+    """Replica-to-replica: a session's message moves to the replica that got a call naming it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Fetch = channel.unary_stream(
+                '/braid.v1.KVExport/Fetch',
+                request_serializer=braid_dot_protos_dot_kv__pb2.FetchRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.KVChunk.FromString,
+                _registered_method=True)
+
+
+class KVExportServicer:
+    """Replica-to-replica: a session's message moves to the replica that got a call naming it.
+    """
+
+    def Fetch(self, request, context):
+        """The message's KV as chunks (total_tokens set on every chunk); NOT_FOUND if it is not in that session or
+        no longer on this replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVExportServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.FetchRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.KVChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'braid.v1.KVExport', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('braid.v1.KVExport', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVExport:
+    """Replica-to-replica: a session's message moves to the replica that got a call naming it.
+    """
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/braid.v1.KVExport/Fetch',
+            braid_dot_protos_dot_kv__pb2.FetchRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -20,6 +20,7 @@ from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
 
 log = logging.getLogger(__name__)
+SESSIONS_ROUTED_PER_REPLICA = 4096  # sessions a replica is remembered as holding (LRU); beyond, calls may move
 
 
 @serve.deployment(name="Synthesizer")
@@ -31,22 +32,38 @@ class Synthesizer:
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())
         service.replica = replica
         self.agent = AgentLogic(self.engine, Directory.connect(redis_url, session_ttl_s), service)
+        exports = self.agent.start_upkeep(host=ray.util.get_node_ip_address())  # (a session's messages, to others)
         self.runner = SynthesisRunner(self.engine, receiver, self.agent, config)
         self.branches = BranchRunner(self.engine, colocated_worker, f"colocated-{replica}") if colocated_worker else None
         self.metrics = metrics()
         report_engine(self.engine)  # (store bytes and the scheduler's gauges, every second)
-        log.info("synthesizer %s: KV at %s, prefill %.0f tok/s", replica, receiver.address,
-                 self.runner.prefill_tokens_per_s)
+        log.info("synthesizer %s: KV in at %s, session messages out at %s, prefill %.0f tok/s", replica,
+                 receiver.address, exports, self.runner.prefill_tokens_per_s)
 
     def info(self):
         return self.runner.info()
 
+    # Session affinity: the ingress routes a session's calls with the session id as Serve's multiplexed model
+    # id, and a replica that serves a session "loads" it here, so the router sends its later calls here, where
+    # its messages are. A call that lands elsewhere anyway moves the messages it names (AgentLogic._resolve).
+    @serve.multiplexed(max_num_models_per_replica=SESSIONS_ROUTED_PER_REPLICA)
+    async def _session(self, session_id: str) -> str:
+        return session_id
+
+    async def _serving(self, session_id: str) -> None:
+        if session_id:
+            await self._session(session_id)
+
     # Async methods: the replica takes many calls at once; each blocking runner call goes to its own thread,
     # and the engine's scheduler batches what they submit.
     async def agent_unary(self, name: str, request, caller: str = ""):
-        return await run_in_thread(lambda: getattr(self.agent, name)(request, caller=caller))
+        await self._serving(getattr(request, "session_id", ""))
+        response = await run_in_thread(lambda: getattr(self.agent, name)(request, caller=caller))
+        await self._serving(getattr(response, "session_id", ""))  # (a session this call opened)
+        return response
 
     async def agent_stream(self, name: str, request, caller: str = ""):
+        await self._serving(getattr(request, "session_id", ""))
         async for item in in_thread(lambda: getattr(self.agent, name)(request, caller=caller)):
             yield item
 
@@ -59,6 +76,7 @@ class Synthesizer:
 
     async def synthesize(self, req: SynthesisRequest):
         """Streams SynthesisOpened, then KVArrived per copied branch, AnswerToken per token, SynthesisDone."""
+        await self._serving(req.session)
         m, tags = self.metrics, {"transport": req.transport}
         async for item in in_thread(lambda: self.runner.run(req)):
             if isinstance(item, KVArrived):

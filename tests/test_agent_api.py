@@ -2,11 +2,15 @@
 
 import grpc
 import pytest
+import torch
 
 from braid.api.directory import Directory, EmbeddedRedis
+from braid.api.service import ServiceConfig
 from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.errors import UnknownMessageError
 from braid.engine.synthesis import synthesize
+from braid.kv.export import fetch
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.models.chat import WORKER_HEADER
@@ -136,12 +140,62 @@ def test_sessions_list_and_close(api):
         grpc.StatusCode.NOT_FOUND
 
 
-def test_a_message_held_by_another_replica_is_refused_clearly(api):
-    stub, logic = api
-    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="held elsewhere")]))
-    rec = logic.directory.lookup(r.session_id, r.message_ids[0])
-    rec.replica = "another-replica"
-    logic.directory.register(rec)  # as if another synthesizer replica had encoded it
-    got, details = code_of(lambda: stub.Decode(pb.DecodeRequest(session_id=r.session_id, calls=[
-        pb.DecodeCallSpec(header="A:", parents=r.message_ids)])))
-    assert got == grpc.StatusCode.FAILED_PRECONDITION and "another-replica" in details
+@pytest.fixture
+def two_replicas(checkpoint):
+    """Two agent API servers, each on its own engine, sharing one Redis: two synthesizer replicas."""
+    redis_server = EmbeddedRedis()
+    servers = [start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url),
+                                ServiceConfig(replica=name)) for name in ("A", "B")]
+    for s in servers:
+        s.logic.start_upkeep()
+    channels = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    yield [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.logic for s in servers]
+    for c, s in zip(channels, servers):
+        c.close()
+        s.logic.stop_upkeep()
+        s.stop()
+    redis_server.stop()
+
+
+def decode(stub, sid, parents, header="A:"):
+    return list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[
+        pb.DecodeCallSpec(header=header, parents=parents, sampling=GREEDY)])))
+
+
+def test_session_calls_work_on_any_replica_by_moving_messages(two_replicas):
+    """A session's call that reaches the other replica moves the messages it names there, bit for bit, and
+    answers as the holder would; closing the session on one replica frees the copies on the other."""
+    (a, b), (logic_a, logic_b) = two_replicas
+    r = a.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hello there"),
+                                            pb.PrefillCallSpec(text="0 1 2", new_offset=40)]))
+    sid, ids = r.session_id, list(r.message_ids)
+    on_a = decode(a, sid, ids)
+    assert all(m not in logic_b.engine.store for m in ids)
+    on_b = decode(b, sid, ids)  # reaches B: both parents move from A
+    assert [e.token_id for e in on_b] == [e.token_id for e in on_a]
+    for m in ids:
+        here, there = logic_a.engine.message(m), logic_b.engine.message(m)
+        assert here.token_ids == there.token_ids and here.offset == there.offset
+        assert torch.equal(here.kv, there.kv)
+        assert logic_b.directory.lookup(sid, m).replica == "B"  # later moves fetch from B
+    # B's answer moves to A for the next call; GetMessage on A shows it as B stored it
+    answer = on_b[-1].message_id
+    info = a.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=answer))
+    assert list(info.parents) == ids and list(info.token_ids[-6:]) == [e.token_id for e in on_b]
+    assert len(decode(a, sid, [answer], header="B:")) == 6
+    # another session cannot fetch them, and a message whose holder has gone is NOT_FOUND with the reason
+    other = b.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="other")]))
+    assert code_of(lambda: decode(b, other.session_id, [ids[0]]))[0] == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(UnknownMessageError):
+        fetch(logic_a.exporter.address, other.session_id, ids[0], logic_a.engine.fingerprint)
+    lost = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="lost")])).message_ids[0]
+    rec = logic_a.directory.lookup(sid, lost)
+    rec.replica = "gone"
+    logic_a.directory.register(rec)
+    got, details = code_of(lambda: decode(b, sid, [lost]))
+    assert got == grpc.StatusCode.NOT_FOUND and "lost with replica gone" in details
+    # closing on A frees A's messages at once and B's copies at B's next upkeep
+    assert a.CloseSession(pb.CloseSessionRequest(session_id=sid)).freed_messages >= 3
+    assert logic_b.upkeep() >= 3
+    assert all(m not in logic_b.engine.store for m in [*ids, answer])
+    assert all(m not in logic_a.engine.store for m in [*ids, answer])

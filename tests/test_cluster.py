@@ -274,3 +274,42 @@ def test_malformed_request_bytes_through_the_proxy(cluster):
             list(raw(b"\x12\x02\xff\xfe", metadata=METADATA, timeout=30))  # field 2 (task), invalid UTF-8
     assert err.value.code() == grpc.StatusCode.UNKNOWN and "bad UTF-8" in err.value.details()
     assert stub.Health(pb.HealthRequest(), metadata=METADATA).status == "SERVING"
+
+
+def test_session_calls_succeed_on_three_synthesizer_replicas(cluster):
+    """Three synthesizer replicas: a session's calls are routed to the replica serving it (Serve's
+    multiplexing), and one that lands elsewhere moves the messages it names; none fails for routing."""
+    from ray import serve
+
+    from braid.cluster.app import build_app
+
+    stub, config, _, _, local = cluster
+    three = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=3, grpc_port=config.grpc_port)
+    serve.run(build_app(three, local.redis_url), name="braid-three", route_prefix="/three")
+    app = (("application", "braid-three"),)
+    eng = Engine(EngineConfig(config.model_path))
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        for s in range(6):
+            r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text=f"User: session {s}")]), metadata=app)
+            sid, parents = r.session_id, list(r.message_ids)
+            local_parents = eng.prefill([PrefillCall(f"User: session {s}")])
+            for turn in range(3):
+                events = list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+                    header=f"A{turn}:", parents=parents, sampling=GREEDY)]), metadata=app, timeout=60))
+                mine, = eng.decode([DecodeCall(f"A{turn}:", parents=local_parents, sampling=greedy)])
+                assert [e.token_id for e in events] == list(eng.message(mine).token_ids[-6:])  # as one engine
+                parents, local_parents = [events[-1].message_id], [mine]
+                info = stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=parents[0]), metadata=app)
+                assert info.token_ids[-6:] == [e.token_id for e in events]
+            done = list(stub.RunWorkflow(pb.WorkflowRequest(
+                session_id=sid, task="User: add.", branch_prompts=["a", "b"], synthesis_prompt="S:",
+                worker_sampling=GREEDY, synthesis_sampling=GREEDY, transport=pb.TRANSPORT_TEXT), metadata=app,
+                timeout=120))[-1].done
+            assert done.session_id == sid
+            follow = list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+                header="more:", parents=[done.answer_message_id], sampling=GREEDY)]), metadata=app, timeout=60))
+            assert len(follow) == 6
+            assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=app).freed_messages >= 1
+    finally:
+        serve.delete("braid-three")

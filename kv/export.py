@@ -1,0 +1,99 @@
+"""Session messages between replicas: one replica serves a stored message's KV, another fetches it.
+
+A session's messages live in the store of the replica whose call made them. When a later call of the
+session reaches another replica (the router sent it elsewhere: a new replica, load, a lost affinity), that
+replica fetches the messages it names from their holder over `KVExport.Fetch` and stores them under the
+same ids, so the call runs as if it had reached the holder. The chunks are the KV transport's own
+(`braid.kv.chunks`): checksummed per chunk, fingerprint-checked, bit-identical on arrival.
+"""
+
+import logging
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from braid.engine import Engine
+from braid.engine.errors import BraidError, UnknownMessageError
+from braid.kv.chunks import KVAssembler, iter_chunks
+from braid.kv.connector import TransferError
+from braid.kv.grpc_transport import GRPC_LIMITS
+from braid.protos import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FetchedMessage:
+    """A message as its holder stored it: what `Engine.import_message` takes to store it again."""
+
+    message_id: str
+    token_ids: list[int]
+    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim], keys rotated to offset..offset+tokens
+    offset: int
+    fingerprint: str  # the model (and adapter tag) that encoded it
+    parents: list[str]
+    parent_offsets: list[int]
+
+
+class KVExporter(kv_pb2_grpc.KVExportServicer):
+    """The holding side, one per replica. Called by: other replicas' `fetch` (Fetch over gRPC), for a
+    message of a session that one of their calls names. `check(session_id, message_id)` raises
+    UnknownMessageError unless the message belongs to that session (the directory decides), so an id alone,
+    without its session, reads nothing."""
+
+    def __init__(self, engine: Engine, check: Callable[[str, str], None], host: str = "127.0.0.1", port: int = 0,
+                 max_chunk_bytes: int = 1 << 20):
+        self.engine, self.check, self.max_chunk_bytes = engine, check, max_chunk_bytes
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS)
+        kv_pb2_grpc.add_KVExportServicer_to_server(self, self._server)
+        self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(0)
+
+    def Fetch(self, request: kv_pb2.FetchRequest, context):
+        try:
+            self.check(request.session_id, request.message_id)
+            msg = self.engine.message(request.message_id)  # NOT_FOUND once freed or evicted here
+        except BraidError as e:
+            context.abort(grpc.StatusCode[e.code], str(e))
+        first = True
+        # (a message is immutable; holding `msg` keeps its KV alive even if it is freed meanwhile)
+        for chunk, _ in iter_chunks(msg.id, msg.fingerprint, msg.kv, self.max_chunk_bytes,
+                                    total_tokens=msg.num_tokens, token_ids=msg.token_ids, offset=msg.offset):
+            if first:
+                chunk.parents.extend(msg.parents)
+                chunk.parent_offsets.extend(msg.parent_offsets)
+                first = False
+            yield chunk
+
+
+def fetch(address: str, session_id: str, message_id: str, fingerprint: str, timeout: float = 60.0) -> FetchedMessage:
+    """The message from the replica at `address`, checked chunk by chunk. Raises UnknownMessageError
+    (NOT_FOUND) if the holder no longer has it, TransferError (UNAVAILABLE) if the holder cannot be reached,
+    a BraidError for a corrupt or foreign chunk."""
+    assembler = KVAssembler(fingerprint)
+    parents: list[str] = []
+    parent_offsets: list[int] = []
+    try:
+        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
+            stub = kv_pb2_grpc.KVExportStub(channel)
+            for chunk in stub.Fetch(kv_pb2.FetchRequest(session_id=session_id, message_id=message_id),
+                                    timeout=timeout):
+                assembler.add(chunk)
+                parents += chunk.parents
+                parent_offsets += chunk.parent_offsets
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            raise UnknownMessageError(f"message {message_id!r} is gone from the replica that held it "
+                                      f"({e.details()})") from None
+        raise TransferError(f"could not fetch message {message_id!r} from its holder at {address}: "
+                            f"{e.code().name}: {e.details()}") from None
+    if assembler.message_id != message_id:
+        raise TransferError(f"fetching {message_id!r} from {address} returned {assembler.message_id!r}")
+    return FetchedMessage(message_id, assembler.token_ids(), assembler.tensor(), assembler.offset, fingerprint,
+                          parents, parent_offsets)
