@@ -158,6 +158,22 @@ class Directory:
                                  f"{limits.store_bytes}: close sessions (CloseSession) to free them")
         return session_id or self.create_session(caller, limits.sessions if caller else 0)
 
+    @contextmanager
+    def session_for_call(self, session_id: str, caller: str, limits: KeyLimits = KeyLimits()) -> Iterator[str]:
+        """`open_session` for one call. A session the call opened (`session_id` empty) is closed again if the
+        call fails or its client leaves, so a failed call leaves no session behind to count against the
+        caller's limits (its messages, if any, are freed by their replica's upkeep)."""
+        sid = self.open_session(session_id, caller, limits)
+        try:
+            yield sid
+        except BaseException:
+            if not session_id:
+                try:
+                    self.close_session(sid)
+                except (redis.RedisError, UnknownMessageError) as e:  # it expires with the TTL
+                    log.warning("could not close session %s after its first call failed: %s", sid, e)
+            raise
+
     def owner_kv_bytes(self, owner: str) -> int:
         """KV bytes registered in the owner's open sessions."""
         pipe = self.r.pipeline()
@@ -194,22 +210,32 @@ class Directory:
         """The session; with `owner`, only if it belongs to that caller. Another caller's session is refused
         exactly as one that never existed, so nothing says that it does."""
         h = self.r.hgetall(f"braid:session:{session_id}")
-        if not h or (owner is not None and h.get("owner", "") != owner):
+        if "created" not in h or (owner is not None and h.get("owner", "") != owner):
             raise UnknownMessageError(f"unknown session {session_id!r} (never opened, closed or expired)")
         return SessionRecord(session_id, int(h["messages"]), int(h["kv_bytes"]), float(h["created"]),
                              h.get("owner", ""))
 
+    # Registering checks that the session is still open in the same step, so a message made while its
+    # session was being closed never brings the session back half-made.
+    _REGISTER = """
+    if redis.call('exists', KEYS[1]) == 0 then return 0 end
+    redis.call('hset', KEYS[2], 'replica', ARGV[1], 'fingerprint', ARGV[2], 'tokens', ARGV[3], 'kv_bytes', ARGV[4])
+    redis.call('sadd', KEYS[3], ARGV[5])
+    redis.call('hincrby', KEYS[1], 'messages', 1)
+    redis.call('hincrby', KEYS[1], 'kv_bytes', ARGV[4])
+    for i = 1, 3 do redis.call('expire', KEYS[i], ARGV[6]) end
+    return 1
+    """
+
     def register(self, rec: MessageRecord) -> None:
+        """Record a message of an open session; NOT_FOUND if the session was closed or expired meanwhile."""
         skey = f"braid:session:{rec.session_id}"
-        pipe = self.r.pipeline()
-        pipe.hset(f"braid:msg:{rec.session_id}:{rec.message_id}", mapping={
-            "replica": rec.replica, "fingerprint": rec.fingerprint, "tokens": rec.tokens, "kv_bytes": rec.kv_bytes})
-        pipe.sadd(f"{skey}:messages", rec.message_id)
-        pipe.hincrby(skey, "messages", 1)
-        pipe.hincrby(skey, "kv_bytes", rec.kv_bytes)
-        for key in (f"braid:msg:{rec.session_id}:{rec.message_id}", f"{skey}:messages", skey):
-            pipe.expire(key, self.ttl)
-        pipe.execute()
+        done = self.r.eval(self._REGISTER, 3, skey, f"braid:msg:{rec.session_id}:{rec.message_id}",
+                           f"{skey}:messages", rec.replica, rec.fingerprint, rec.tokens, rec.kv_bytes,
+                           rec.message_id, self.ttl)
+        if not done:
+            raise UnknownMessageError(f"session {rec.session_id!r} was closed or expired while the call ran; "
+                                      "its new messages were freed")
 
     def relocate(self, session_id: str, message_id: str, replica: str) -> None:
         """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""

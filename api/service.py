@@ -56,10 +56,10 @@ class AgentLogic:
         self._held_lock, self._moving, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
 
     # ---- sessions and ids -----------------------------------------------------------------------
-    def _session(self, session_id: str, caller: str) -> str:
-        """The call's session: a new one for `caller`, or the one named, if it is the caller's (within its
-        limits)."""
-        return self.directory.open_session(session_id, caller, self.config.limits)
+    def _session(self, session_id: str, caller: str):
+        """The call's session (a context manager): a new one for `caller`, or the one named, if it is the
+        caller's (within its limits). A session the call opened is closed again if the call fails."""
+        return self.directory.session_for_call(session_id, caller, self.config.limits)
 
     def _resolve(self, session_id: str, ids: Iterable[str]) -> None:
         """Every id must be a message of the session (NOT_FOUND otherwise); one held by another replica moves
@@ -147,7 +147,8 @@ class AgentLogic:
 
     def register(self, session_id: str, ids: list[str]) -> bool:
         """Record new messages in the directory. Best effort: losing Redis must not lose a running
-        request, so a failure is logged and reported (False); the messages stay in the store."""
+        request, so a failure is logged and reported (False); the messages stay in the store. A session
+        closed while the call ran gets none: they are freed, and the call fails with NOT_FOUND."""
         self._hold(session_id, ids)
         try:
             for mid in ids:
@@ -155,6 +156,13 @@ class AgentLogic:
                 self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
                                                       m.num_tokens, m.nbytes))
             return True
+        except UnknownMessageError:
+            for mid in ids:
+                try:
+                    self.engine.free(mid, when_unpinned=True)
+                except UnknownMessageError:
+                    pass
+            raise
         except redis.RedisError as e:
             log.warning("control plane unavailable, %d messages of session %s not registered: %s",
                         len(ids), session_id, e)
@@ -172,23 +180,24 @@ class AgentLogic:
         return pb.HealthResponse(status="SERVING", model_fingerprint=self.engine.fingerprint)
 
     def Prefill(self, request: pb.PrefillRequest, caller: str = "") -> pb.PrefillResponse:
-        sid = self._session(request.session_id, caller)
-        calls = [convert.prefill_call(c) for c in request.calls]
-        self._resolve(sid, {p for c in calls for p in c.parents})
-        ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
-        self.register(sid, ids)
-        return pb.PrefillResponse(session_id=sid, message_ids=ids)
+        with self._session(request.session_id, caller) as sid:
+            calls = [convert.prefill_call(c) for c in request.calls]
+            self._resolve(sid, {p for c in calls for p in c.parents})
+            ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
+            self.register(sid, ids)
+            return pb.PrefillResponse(session_id=sid, message_ids=ids)
 
     def Decode(self, request: pb.DecodeRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
-        sid = self._session(request.session_id, caller)
-        calls = [convert.decode_call(c, self.config.default_max_tokens) for c in request.calls]
-        self._resolve(sid, {p for c in calls for p in c.parents})
-        yield from self._stream(sid, self.engine.decode_stream(calls))
+        with self._session(request.session_id, caller) as sid:
+            calls = [convert.decode_call(c, self.config.default_max_tokens) for c in request.calls]
+            self._resolve(sid, {p for c in calls for p in c.parents})
+            yield from self._stream(sid, self.engine.decode_stream(calls))
 
     def Generate(self, request: pb.GenerateRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
-        sid = self._session(request.session_id, caller)
-        call = DecodeCall(request.prompt, sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
-        yield from self._stream(sid, self.engine.decode_stream([call]))
+        with self._session(request.session_id, caller) as sid:
+            call = DecodeCall(request.prompt,
+                              sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
+            yield from self._stream(sid, self.engine.decode_stream([call]))
 
     def GetMessage(self, request: pb.GetMessageRequest, caller: str = "") -> pb.MessageInfo:
         self.directory.session(request.session_id, caller)
@@ -215,8 +224,8 @@ class AgentLogic:
 
     def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
         """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
-        sid = self._session(request.session_id, caller)
-        with self.directory.running(caller, self.config.limits.workflows):
+        with self._session(request.session_id, caller) as sid, \
+                self.directory.running(caller, self.config.limits.workflows):
             yield from self._agents(sid, request)
 
     def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:

@@ -86,7 +86,13 @@ class WorkflowDriver:
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated)
-        session = self.directory.open_session(wf.session, caller, cfg.limits)
+        with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
+            async for event in self._workflow(wf, info, session, start):
+                yield event
+
+    async def _workflow(self, wf: convert.Workflow, info: SynthesizerInfo, session: str,
+                        start: float) -> AsyncIterator[pb.WorkflowEvent]:
+        cfg = self.config
         n = wf.num_branches
         transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,

@@ -45,11 +45,26 @@ async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem,
         return rec
 
 
+def check_loopback(address: str) -> None:
+    """Load and fuzz runs send traffic to this machine only: `address` must be a loopback host:port."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"address {address!r} is not on loopback: load and fuzz runs only target this machine "
+                         "(127.0.0.1, ::1 or localhost)")
+
+
 async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int = 0, timeout: float = 600, seed: int = 0,
                    application: str = "braid", progress: bool = True,
                    api_key: str | None = None, credentials=None) -> tuple[list[RequestRecord], float]:
     """Send every request; returns each one's record and the run's duration (first send to last end)."""
+    check_loopback(address)
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency or len(requests))
     metadata = (("application", application), *client_metadata(api_key))

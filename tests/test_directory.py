@@ -68,3 +68,28 @@ def test_config_validation():
         DirectoryConfig(url="localhost:6379")
     with pytest.raises(ValueError, match="session_ttl_s"):
         DirectoryConfig(session_ttl_s=0)
+
+
+def test_a_message_of_a_closed_session_is_refused_and_does_not_bring_it_back(directory):
+    """Found by the fuzz script: a call finishing after its session was closed used to re-create the session
+    hash half-made (no owner, no creation time), and every later call on it failed with INTERNAL."""
+    a = directory.create_session()
+    directory.close_session(a)
+    with pytest.raises(UnknownMessageError, match="closed or expired while the call ran"):
+        directory.register(rec(a, "late"))
+    assert not directory.r.exists(f"braid:session:{a}") and not directory.r.exists(f"braid:msg:{a}:late")
+    with pytest.raises(UnknownMessageError, match="unknown session"):
+        directory.session(a)
+
+
+def test_a_failed_first_call_closes_the_session_it_opened(directory):
+    with pytest.raises(RuntimeError):
+        with directory.session_for_call("", "key") as sid:
+            raise RuntimeError("the call failed")
+    with pytest.raises(UnknownMessageError):
+        directory.session(sid)
+    kept = directory.create_session("key")
+    with pytest.raises(RuntimeError):
+        with directory.session_for_call(kept, "key"):
+            raise RuntimeError("a later call failed")
+    assert directory.session(kept, "key").session_id == kept  # a session named by the call stays

@@ -2,16 +2,22 @@
 
 import json
 
+import grpc
 import pytest
 
 from braid.api.directory import Directory, EmbeddedRedis
+from braid.api.grpc_server import STREAMING
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
+from braid.loadtest.fuzz import fuzz
+from braid.loadtest.fuzz import main as fuzz_main
 from braid.loadtest.metrics import RequestRecord, parse_slos, summarize
 from braid.loadtest.run import main as loadtest_main
 from braid.loadtest.soak import soak, verdict
 from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
 
 
 def test_metrics_follow_vllm_definitions():
@@ -54,3 +60,31 @@ def test_short_soak_stays_within_its_memory_bounds():
     ok, line = verdict(result, max_growth_mib=128)
     assert ok, line
     assert result["evictions"] > 0 and len(result["samples"]) >= 5
+
+
+def test_fuzzed_requests_get_meant_statuses_and_lose_nothing(checkpoint, tmp_path):
+    """The fuzz script's short version: hostile values on every RPC; no UNKNOWN/INTERNAL, no hang, the server
+    keeps serving and a fixed workflow answers as before. A failed first call leaves no session behind."""
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        report = fuzz(address, 300, seed=1, deadline_s=60, progress=False)
+        assert report["unknown_or_internal"] == 0 and report["hangs"] == 0, report["failures"]
+        assert report["healthy_after"] and report["same_answer"] and report["passed"]
+        assert report["statuses"]["OK"] > 30 and report["statuses"]["INVALID_ARGUMENT"] > 30  # both paths ran
+        assert set(report["by_method"]) == set(STREAMING) | {"Prefill", "GetMessage", "ListSessions",
+                                                             "CloseSession", "Health"}
+        before = len(server.logic.directory.list_sessions())
+        stub = agent_pb2_grpc.AgentServiceStub(grpc.insecure_channel(address))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="x", parents=["nope"])]))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(server.logic.directory.list_sessions()) == before
+        assert fuzz_main(["--address", address, "--requests", "20", "--out", str(tmp_path)]) == 0
+        assert json.loads((tmp_path / "fuzz_cpu.json").read_text())["passed"]
+    finally:
+        server.stop()
+        redis.stop()
+    with pytest.raises(ValueError, match="not on loopback"):
+        fuzz("10.0.0.1:9000", 1)
