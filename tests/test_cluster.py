@@ -313,3 +313,13 @@ def test_session_calls_succeed_on_three_synthesizer_replicas(cluster):
             assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=app).freed_messages >= 1
     finally:
         serve.delete("braid-three")
+
+
+def test_fuzzed_requests_through_the_proxy(cluster):
+    """The fuzz script's short version through Serve's gRPC proxy: no UNKNOWN/INTERNAL, no hang, and the
+    cluster answers a fixed workflow as before."""
+    from braid.loadtest.fuzz import fuzz
+
+    _, _, _, _, local = cluster
+    report = fuzz(local.address, 150, seed=3, deadline_s=60, metadata=METADATA, progress=False)
+    assert report["passed"], (report["statuses"], report["failures"][:5])
