@@ -22,11 +22,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from braid.api.auth import KeyLimits, QuotaError
 from braid.engine.errors import UnknownMessageError
 
 REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
+REDIS_OUTAGE_S = 5.0  # how long a command waits, retrying, for an unreachable Redis (a restart) before it fails
+REDIS_RETRIES = 13  # backoff 0.05, 0.1, 0.2, 0.4, then 0.5 s: about REDIS_OUTAGE_S in all
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +109,11 @@ class Directory:
 
     @classmethod
     def connect(cls, url: str, session_ttl_s: int = 3600) -> "Directory":
-        """$BRAID_REDIS_PASSWORD is used when the URL carries no password (a Kubernetes Secret sets it)."""
-        return cls(redis.Redis.from_url(url, decode_responses=True, password=os.environ.get(REDIS_PASSWORD_ENV)),
+        """$BRAID_REDIS_PASSWORD is used when the URL carries no password (a Kubernetes Secret sets it). A
+        command that cannot reach Redis is retried with backoff for about REDIS_OUTAGE_S seconds, so a
+        Redis restart fails no request; after that it raises (UNAVAILABLE to the client)."""
+        return cls(redis.Redis.from_url(url, decode_responses=True, password=os.environ.get(REDIS_PASSWORD_ENV),
+                                        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), REDIS_RETRIES)),
                    session_ttl_s)
 
     def create_session(self, owner: str = "", limit: int = 0) -> str:

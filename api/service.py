@@ -148,7 +148,8 @@ class AgentLogic:
     def register(self, session_id: str, ids: list[str]) -> bool:
         """Record new messages in the directory. Best effort: losing Redis must not lose a running
         request, so a failure is logged and reported (False); the messages stay in the store. A session
-        closed while the call ran gets none: they are freed, and the call fails with NOT_FOUND."""
+        gone while the call ran (closed, or lost with a restarted Redis) gets none: they are freed, and
+        that is reported the same way; the call still returns what it made."""
         self._hold(session_id, ids)
         try:
             for mid in ids:
@@ -156,13 +157,14 @@ class AgentLogic:
                 self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
                                                       m.num_tokens, m.nbytes))
             return True
-        except UnknownMessageError:
+        except UnknownMessageError as e:
+            log.warning("%s", e)
             for mid in ids:
                 try:
                     self.engine.free(mid, when_unpinned=True)
                 except UnknownMessageError:
                     pass
-            raise
+            return False
         except redis.RedisError as e:
             log.warning("control plane unavailable, %d messages of session %s not registered: %s",
                         len(ids), session_id, e)

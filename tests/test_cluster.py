@@ -323,3 +323,17 @@ def test_fuzzed_requests_through_the_proxy(cluster):
     _, _, _, _, local = cluster
     report = fuzz(local.address, 150, seed=3, deadline_s=60, metadata=METADATA, progress=False)
     assert report["passed"], (report["statuses"], report["failures"][:5])
+
+
+def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(cluster):
+    """The chaos script's short version: the Worker replica is killed while workflows run; each completes or
+    fails with UNAVAILABLE, none hangs, and a new workflow completes without anyone restarting anything."""
+    from braid.loadtest.chaos import kill_worker_under_load
+    from braid.loadtest.workload import Workload
+
+    _, _, _, _, local = cluster
+    result = kill_worker_under_load(local.address, workflows=6, concurrency=6, after_s=1.0, timeout=120,
+                                    workload=Workload(branches=(2,), worker_max_tokens=48, answer_max_tokens=8,
+                                                      transports=("text", "grpc")))
+    assert result["passed"] and result["hung"] == 0, result
+    assert set(result["outcomes"]) <= {"OK", "UNAVAILABLE"}

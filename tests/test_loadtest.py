@@ -9,6 +9,7 @@ from braid.api.directory import Directory, EmbeddedRedis
 from braid.api.grpc_server import STREAMING
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
+from braid.loadtest.chaos import redis_restart_under_load
 from braid.loadtest.fuzz import fuzz
 from braid.loadtest.fuzz import main as fuzz_main
 from braid.loadtest.metrics import RequestRecord, parse_slos, summarize
@@ -88,3 +89,18 @@ def test_fuzzed_requests_get_meant_statuses_and_lose_nothing(checkpoint, tmp_pat
         redis.stop()
     with pytest.raises(ValueError, match="not on loopback"):
         fuzz("10.0.0.1:9000", 1)
+
+
+def test_a_redis_restart_under_load_loses_no_workflow(checkpoint):
+    """The chaos script's short version: Redis stops (losing what it held) and starts again while workflows
+    run; each completes (commands wait, retrying, for Redis to come back) and a new one works at once."""
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
+    try:
+        result = redis_restart_under_load(f"127.0.0.1:{server.port}", redis, workflows=12, concurrency=4,
+                                          after_s=0.3, down_s=1.0, timeout=120,
+                                          workload=Workload(worker_max_tokens=8, answer_max_tokens=8))
+    finally:
+        server.stop()
+        redis.stop()
+    assert result["passed"] and result["outcomes"] == {"OK": 12}, result

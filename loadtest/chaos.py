@@ -1,0 +1,163 @@
+"""Faults under load: Redis restarted, or a Worker replica killed, while workflows run; none may hang or be lost.
+
+`python -m braid.loadtest.chaos redis-restart` serves the reference model in process on an embedded Redis,
+sends workflows at a fixed concurrency and, once they are under way, stops Redis (losing everything it
+held: no persistence) and starts it again on the same port. It passes when every workflow completed.
+
+`python -m braid.loadtest.chaos kill-worker` starts a local Ray cluster (two Worker replicas), sends
+workflows and kills one Worker replica while they run. It passes when none hung, each either completed or
+failed with UNAVAILABLE (its branches were on the killed replica), and a new workflow completes afterwards
+without anyone restarting anything.
+
+Traffic goes to loopback only. Writes JSON.
+"""
+
+import argparse
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import grpc
+
+from braid.loadtest.run import run_load
+from braid.loadtest.workload import Workload
+from braid.protos import agent_pb2_grpc
+
+
+def _load_in_background(address: str, requests, concurrency: int, timeout: float):
+    """Run the load on its own thread; returns (thread, result dict filled with 'records' when done)."""
+    out: dict = {}
+
+    def go():
+        out["records"], out["seconds"] = asyncio.run(run_load(address, requests, max_concurrency=concurrency,
+                                                              timeout=timeout, progress=False))
+
+    thread = threading.Thread(target=go, daemon=True, name="chaos-load")
+    thread.start()
+    return thread, out
+
+
+def _outcomes(records) -> dict:
+    codes = Counter("OK" if r.ok else (r.error.split(":", 1)[0] or "INCOMPLETE") for r in records)
+    return {"workflows": len(records), "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"],
+            "errors": sorted({r.error for r in records if r.error})[:20]}
+
+
+def recovers(address: str, within_s: float = 90.0, metadata=(("application", "braid"),)) -> float | None:
+    """Seconds until a fresh workflow completes at `address` (None: not within `within_s`)."""
+    start = time.monotonic()
+    request = Workload(transports=("text",), worker_max_tokens=4, answer_max_tokens=4).requests(1)[0]
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        while time.monotonic() - start < within_s:
+            try:
+                events = list(stub.RunWorkflow(request, metadata=metadata, timeout=60))
+                if events and events[-1].HasField("done"):
+                    return time.monotonic() - start
+            except grpc.RpcError:
+                pass
+            time.sleep(1.0)
+    return None
+
+
+def redis_restart_under_load(address: str, redis_server, workflows: int = 40, concurrency: int = 8,
+                             after_s: float = 2.0, down_s: float = 1.0, timeout: float = 300.0,
+                             workload: Workload = Workload()) -> dict:
+    """Stop the agent API's Redis `after_s` into the load for `down_s`, then start it again (empty)."""
+    thread, out = _load_in_background(address, workload.requests(workflows), concurrency, timeout)
+    time.sleep(after_s)
+    redis_server.stop()
+    time.sleep(down_s)
+    redis_server.start()
+    thread.join(timeout + 60)
+    result = {**_outcomes(out.get("records", [])), "after_s": after_s, "down_s": down_s,
+              "recovered_s": recovers(address, metadata=())}
+    result["passed"] = (not thread.is_alive() and result["outcomes"].get("OK", 0) == workflows
+                        and result["recovered_s"] is not None)
+    return result
+
+
+def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int = 20, after_s: float = 2.0,
+                           timeout: float = 300.0, workload: Workload = Workload(), recover_within_s: float = 120.0,
+                           metadata=(("application", "braid"),)) -> dict:
+    """Kill one Worker replica of the Serve app in this process's Ray `after_s` into the load."""
+    import ray
+
+    thread, out = _load_in_background(address, workload.requests(workflows), concurrency, timeout)
+    time.sleep(after_s)
+    workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Worker" in a["name"]]
+    if not workers:
+        raise RuntimeError("no Worker replica to kill: is the cluster colocated?")
+    ray.kill(ray.get_actor(workers[0]["name"], namespace=workers[0]["namespace"]), no_restart=False)
+    killed_at, killed_clock = time.monotonic(), time.perf_counter()  # (records are timed by perf_counter)
+    thread.join(timeout + 60)
+    back = recovers(address, recover_within_s, metadata)
+    records = out.get("records", [])
+    result = {**_outcomes(records), "replicas_before": len(workers), "after_s": after_s,
+              "in_flight_at_kill": sum(r.start < killed_clock and (r.end is None or r.end > killed_clock)
+                                       for r in records),
+              "recovered_s": None if back is None else time.monotonic() - killed_at}  # (from the kill)
+    other = {k: n for k, n in result["outcomes"].items() if k not in ("OK", "UNAVAILABLE")}
+    result["passed"] = not thread.is_alive() and not other and result["recovered_s"] is not None
+    return result
+
+
+def main(argv=None) -> int:
+    from braid.models import REFERENCE_MODEL
+    from braid.results import write_json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("fault", choices=("redis-restart", "kill-worker"), help="what to break")
+    p.add_argument("--model", default=REFERENCE_MODEL, help="checkpoint to serve (default: the reference model)")
+    p.add_argument("--workflows", type=int, default=None, help="workflows to send (default: 40 for "
+                                                               "redis-restart, 20 for kill-worker)")
+    p.add_argument("--concurrency", type=int, default=None, help="workflows in flight (default: 8 for "
+                                                                 "redis-restart, all of them for kill-worker)")
+    p.add_argument("--after", type=float, default=None, help="seconds into the load to break it (default: 2 for "
+                                                             "redis-restart, 3 for kill-worker)")
+    p.add_argument("--down", type=float, default=1.0, help="redis-restart: seconds Redis stays down (default: 1)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
+    args = p.parse_args(argv)
+    workflows = args.workflows or (40 if args.fault == "redis-restart" else 20)
+    concurrency = args.concurrency or (8 if args.fault == "redis-restart" else workflows)
+    after = args.after if args.after is not None else (2.0 if args.fault == "redis-restart" else 3.0)
+    if workflows < 1 or concurrency < 1 or after < 0 or args.down < 0:
+        p.error("--workflows and --concurrency must be >= 1, --after and --down >= 0")
+    workload = (Workload(branches=(4,), length=(8, 12), transports=("text", "grpc")) if args.fault == "kill-worker"
+                else Workload())  # (kill-worker: long enough that the workers are busy at the kill)
+    if args.fault == "redis-restart":
+        from braid.api.directory import Directory, EmbeddedRedis
+        from braid.cluster.inprocess import start_in_process
+        from braid.engine import Engine, EngineConfig
+
+        redis = EmbeddedRedis()
+        server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url))
+        try:
+            result = redis_restart_under_load(f"127.0.0.1:{server.port}", redis, workflows, concurrency,
+                                              after, args.down, workload=workload)
+        finally:
+            server.stop()
+            redis.stop()
+    else:
+        from braid.cluster.config import ClusterConfig
+        from braid.cluster.local import free_port, start_local_cluster
+
+        config = ClusterConfig(args.model, worker_replicas=2, grpc_port=free_port(), kv_wait_timeout_s=30)
+        local = start_local_cluster(config)
+        try:
+            result = kill_worker_under_load(local.address, workflows, concurrency, after, workload=workload)
+        finally:
+            local.stop()
+    back = "never" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s later"
+    print(f"{args.fault}: {result['workflows']} workflows ({result.get('in_flight_at_kill', '-')} in flight at the "
+          f"kill), outcomes {result['outcomes']}, hung {result['hung']}; "
+          f"a new workflow completed: {back}")
+    print("PASS" if result["passed"] else "FAIL")
+    stem = write_json(args.out, f"chaos_{args.fault.replace('-', '_')}_cpu", {**result, "config": vars(args)})
+    print(f"wrote {stem}.json")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
