@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from braid.api.messages import SynthesizerInfo
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
+from braid.engine.dag import Edge, Graph, Node
 from braid.engine.errors import BraidError, ContextOverflowError
 from braid.engine.synthesis import Placement
 from braid.protos import agent_pb2 as pb
@@ -117,6 +118,18 @@ def decode_call(spec: pb.DecodeCallSpec, default_max_tokens: int) -> DecodeCall:
                       offsets=_offsets(spec.offsets, spec.parents),
                       new_offset=spec.new_offset if spec.HasField("new_offset") else None,
                       sampling=sampling(spec.sampling, default_max_tokens))
+
+
+def graph(request: pb.GraphRequest, default_max_tokens: int) -> Graph:
+    """A RunGraph request as a validated Graph (INVALID_ARGUMENT naming the node and field otherwise)."""
+    nodes = []
+    for i, n in enumerate(request.nodes):
+        parents = tuple(Edge(p.node, p.message_id, p.offset if p.HasField("offset") else None, p.leak)
+                        for p in n.parents)
+        nodes.append(Node(n.name, n.prompt, n.role, parents,
+                          sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
+                          n.output or "kv", n.private))
+    return Graph(nodes)
 
 
 def token_event(event) -> pb.TokenEvent:

@@ -113,6 +113,10 @@ class AgentIngress:
         async for event in self._stream("RunAgents", request, grpc_context):
             yield event
 
+    async def RunGraph(self, request, grpc_context=None):
+        async for event in self._stream("RunGraph", request, grpc_context):
+            yield event
+
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
             caller = self._authenticate(grpc_context)

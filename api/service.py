@@ -8,6 +8,7 @@ never reach another session's messages.
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from braid.api.auth import KeyLimits
 from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
 from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
+from braid.engine.dag import NodeToken, run_dag
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
 from braid.kv.export import KVExporter, fetch
@@ -229,6 +231,32 @@ class AgentLogic:
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
             yield from self._agents(sid, request)
+
+    def RunGraph(self, request: pb.GraphRequest, caller: str = "") -> Iterator[pb.GraphEvent]:
+        """Any DAG of agent calls (engine.dag), validated whole and its session messages resolved before
+        anything runs; every node's output stays in the session. A graph that fails midway keeps nothing."""
+        graph = convert.graph(request, self.config.default_max_tokens)
+        with self._session(request.session_id, caller) as sid, \
+                self.directory.running(caller, self.config.limits.workflows):
+            self._resolve(sid, graph.messages)
+            start = time.perf_counter()
+            dag = run_dag(self.engine, graph)
+            try:
+                for event in dag:
+                    if isinstance(event, NodeToken):
+                        yield pb.GraphEvent(token=pb.GraphToken(node=event.node, token_id=event.token_id,
+                                                                text=event.text,
+                                                                finish_reason=event.finish_reason or ""))
+                    else:
+                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=event.message_id,
+                                                                       text=event.text, reencoded=event.reencoded))
+            except BaseException:
+                dag.temporary += dag.outputs.values()
+                raise
+            finally:
+                dag.free()
+            self.register(sid, list(dag.outputs.values()))
+            yield pb.GraphEvent(done=pb.GraphDone(session_id=sid, seconds=time.perf_counter() - start))
 
     def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:
         graph = AgentGraph([Agent(a.name, a.prefix) for a in request.agents], request.user_text,

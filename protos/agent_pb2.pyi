@@ -373,3 +373,85 @@ class AgentsEvent(_message.Message):
     token: AgentToken
     done: AgentsDone
     def __init__(self, report: _Optional[_Union[AgentReport, _Mapping]] = ..., token: _Optional[_Union[AgentToken, _Mapping]] = ..., done: _Optional[_Union[AgentsDone, _Mapping]] = ...) -> None: ...
+
+class GraphParent(_message.Message):
+    __slots__ = ("node", "message_id", "offset", "leak")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LEAK_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    message_id: str
+    offset: int
+    leak: bool
+    def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., offset: _Optional[int] = ..., leak: _Optional[bool] = ...) -> None: ...
+
+class GraphNode(_message.Message):
+    __slots__ = ("name", "prompt", "role", "parents", "decode", "sampling", "output", "private")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    prompt: str
+    role: str
+    parents: _containers.RepeatedCompositeFieldContainer[GraphParent]
+    decode: bool
+    sampling: Sampling
+    output: str
+    private: bool
+    def __init__(self, name: _Optional[str] = ..., prompt: _Optional[str] = ..., role: _Optional[str] = ..., parents: _Optional[_Iterable[_Union[GraphParent, _Mapping]]] = ..., decode: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output: _Optional[str] = ..., private: _Optional[bool] = ...) -> None: ...
+
+class GraphRequest(_message.Message):
+    __slots__ = ("session_id", "nodes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
+    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ...) -> None: ...
+
+class GraphToken(_message.Message):
+    __slots__ = ("node", "token_id", "text", "finish_reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    token_id: int
+    text: str
+    finish_reason: str
+    def __init__(self, node: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class GraphNodeDone(_message.Message):
+    __slots__ = ("node", "message_id", "text", "reencoded")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    REENCODED_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    message_id: str
+    text: str
+    reencoded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., text: _Optional[str] = ..., reencoded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GraphDone(_message.Message):
+    __slots__ = ("session_id", "seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class GraphEvent(_message.Message):
+    __slots__ = ("token", "node_done", "done")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_DONE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    token: GraphToken
+    node_done: GraphNodeDone
+    done: GraphDone
+    def __init__(self, token: _Optional[_Union[GraphToken, _Mapping]] = ..., node_done: _Optional[_Union[GraphNodeDone, _Mapping]] = ..., done: _Optional[_Union[GraphDone, _Mapping]] = ...) -> None: ...

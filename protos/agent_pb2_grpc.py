@@ -80,6 +80,11 @@ class AgentServiceStub:
                 request_serializer=braid_dot_protos_dot_agent__pb2.AgentsRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_agent__pb2.AgentsEvent.FromString,
                 _registered_method=True)
+        self.RunGraph = channel.unary_stream(
+                '/braid.v1.AgentService/RunGraph',
+                request_serializer=braid_dot_protos_dot_agent__pb2.GraphRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_agent__pb2.GraphEvent.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -145,6 +150,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunGraph(self, request, context):
+        """Any DAG of agent calls (Prompt Choreography, seed 000): nodes run in dependency order, in parallel where
+        the graph allows, each streaming its tokens. A cycle, an unknown parent node or a private node read by
+        another role is INVALID_ARGUMENT, a message id the session does not hold NOT_FOUND, before anything runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +206,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.RunAgents,
                     request_deserializer=braid_dot_protos_dot_agent__pb2.AgentsRequest.FromString,
                     response_serializer=braid_dot_protos_dot_agent__pb2.AgentsEvent.SerializeToString,
+            ),
+            'RunGraph': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunGraph,
+                    request_deserializer=braid_dot_protos_dot_agent__pb2.GraphRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_agent__pb2.GraphEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +457,33 @@ class AgentService:
             '/braid.v1.AgentService/RunAgents',
             braid_dot_protos_dot_agent__pb2.AgentsRequest.SerializeToString,
             braid_dot_protos_dot_agent__pb2.AgentsEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunGraph(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/braid.v1.AgentService/RunGraph',
+            braid_dot_protos_dot_agent__pb2.GraphRequest.SerializeToString,
+            braid_dot_protos_dot_agent__pb2.GraphEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ from braid.api.service import ServiceConfig
 from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import UnknownMessageError
+from braid.engine.engine import CACHED_PREFIX
 from braid.engine.synthesis import synthesize
 from braid.kv.export import fetch
 from braid.protos import agent_pb2 as pb
@@ -199,3 +200,75 @@ def test_session_calls_work_on_any_replica_by_moving_messages(two_replicas):
     assert logic_b.upkeep() >= 3
     assert all(m not in logic_b.engine.store for m in [*ids, answer])
     assert all(m not in logic_a.engine.store for m in [*ids, answer])
+
+
+def graph_request(session_id="", **overrides):
+    nodes = [pb.GraphNode(name="sys", prompt="System: be brief.", role="a", private=True),
+             pb.GraphNode(name="q", prompt="User: 2 and 3?"),
+             pb.GraphNode(name="w0", prompt="A:", role="a", decode=True, sampling=GREEDY,
+                          parents=[pb.GraphParent(node="sys"), pb.GraphParent(node="q")]),
+             pb.GraphNode(name="w1", prompt="B:", role="b", decode=True, sampling=GREEDY,
+                          parents=[pb.GraphParent(node="q")]),
+             pb.GraphNode(name="judge", prompt="Judge:", role="b", decode=True, sampling=GREEDY,
+                          parents=[pb.GraphParent(node="w0"), pb.GraphParent(node="w1")])]
+    for name, changes in overrides.items():
+        node = next(n for n in nodes if n.name == name)
+        for k, v in changes.items():
+            if k == "parents":
+                del node.parents[:]
+                node.parents.extend(v)
+            elif k == "sampling":
+                node.sampling.CopyFrom(v)
+            else:
+                setattr(node, k, v)
+    return pb.GraphRequest(session_id=session_id, nodes=nodes)
+
+
+def test_run_graph_streams_every_node_and_keeps_outputs_in_the_session(api):
+    stub, logic = api
+    events = list(stub.RunGraph(graph_request()))
+    done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
+    assert list(done) == ["sys", "q", "w0", "w1", "judge"] and events[-1].HasField("done")
+    sid = events[-1].done.session_id
+    for name in ("w0", "w1", "judge"):
+        toks = [e.token.token_id for e in events if e.HasField("token") and e.token.node == name]
+        assert len(toks) == 6 and "".join(e.token.text for e in events if e.HasField("token")
+                                          and e.token.node == name) == done[name].text
+    assert list(done["judge"].reencoded) == ["w0:private"]  # w0 saw role a's private system prompt
+    # the outputs are the session's: a later call reads the judge's answer
+    info = stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=done["judge"].message_id))
+    assert list(info.token_ids[-6:]) == [e.token.token_id for e in events if e.HasField("token")
+                                         and e.token.node == "judge"]
+    again = list(stub.RunGraph(pb.GraphRequest(session_id=sid, nodes=[pb.GraphNode(
+        name="next", prompt="More:", decode=True, sampling=GREEDY,
+        parents=[pb.GraphParent(message_id=done["judge"].message_id)])])))
+    assert again[-1].done.session_id == sid
+    assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid)).freed_messages == 6
+    assert all(m not in logic.engine.store for m in [*(d.message_id for d in done.values())])
+
+
+def test_bad_graphs_are_refused_before_anything_runs_and_leave_nothing(api):
+    stub, logic = api
+    other = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="another session's")]))
+    sessions = len(logic.directory.list_sessions())
+    before = set(logic.engine.store.ids())
+    cases = [
+        (grpc.StatusCode.INVALID_ARGUMENT, "cycle", graph_request(q={"parents": [pb.GraphParent(node="judge")]})),
+        (grpc.StatusCode.INVALID_ARGUMENT, "is not a node of this graph",
+         graph_request(w1={"parents": [pb.GraphParent(node="nope")]})),
+        (grpc.StatusCode.INVALID_ARGUMENT, "private to role 'a'",
+         graph_request(w1={"parents": [pb.GraphParent(node="sys")]})),
+        (grpc.StatusCode.INVALID_ARGUMENT, "nodes[4].sampling", graph_request(judge={"sampling": pb.Sampling(
+            temperature=float("nan"))})),
+        (grpc.StatusCode.NOT_FOUND, "not in session", graph_request(w1={"parents": [
+            pb.GraphParent(message_id=other.message_ids[0])]})),
+        # fails in its last wave (a position past the context): what the earlier waves made goes too
+        (grpc.StatusCode.INVALID_ARGUMENT, "out of range", graph_request(judge={"parents": [
+            pb.GraphParent(node="w0"), pb.GraphParent(node="w1", offset=10 ** 7)]})),
+    ]
+    for code, needle, request in cases:
+        got, details = code_of(lambda: stub.RunGraph(request))
+        assert got == code and needle in details, (needle, got, details)
+    assert len(logic.directory.list_sessions()) == sessions  # (the new sessions were closed again)
+    made = set(logic.engine.store.ids()) - before
+    assert all(m.startswith(CACHED_PREFIX) for m in made), made  # only the prefix cache's hidden twins

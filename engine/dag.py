@@ -1,0 +1,264 @@
+"""Agent workflows as DAGs of calls (Prompt Choreography, seed 000), run in dependency order on one engine.
+
+A node is one call of one agent (its `role`): it reads its parents' messages, each at an offset, then
+encodes its `prompt` and, with `sampling`, decodes a reply after it. Its output message (the prompt and the
+reply) is what its children read. Nodes whose parents are done run together: their prefills in one engine
+call, their decodes in another, so parallel agents share every forward.
+
+How a node reads a parent:
+- cached (choreographed, the default): the parent's own encoding, reused as is;
+- re-encoded: the parent's tokens encoded again in the reader's context, after the reader's earlier parents
+  (what a text pipeline does). A parent with `output="text"` is read this way by every child.
+
+Leakage control (the seed's section 3.4). A `private` node is seen only by nodes of its own role. An encoding
+that attended to another role's private node, directly or through cached parents, would let the reader see
+it through the back door; by default such a parent is read through a copy re-encoded without those
+ancestors (each of its context's items kept where clean, dropped where private, re-encoded otherwise). An
+edge with `leak=True` reads the cached encoding anyway: the choice is explicit.
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from braid.engine.engine import DecodeCall, Engine, PrefillCall
+from braid.engine.errors import BraidError
+from braid.engine.sampling import SamplingParams
+
+MAX_NODES = 64
+OUTPUTS = ("kv", "text")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A parent: a node of the graph (`node`) or a message the session holds already (`message`)."""
+
+    node: str = ""
+    message: str = ""
+    offset: int | None = None  # None: directly after the previous parent
+    leak: bool = False  # read the cached encoding even where it attended to another role's private nodes
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    prompt: str  # the node's own text: the header its reply follows, or, without sampling, the message itself
+    role: str = ""  # the agent it belongs to ("": no one's; such a node cannot be private)
+    parents: tuple[Edge, ...] = ()
+    sampling: SamplingParams | None = None  # None: encode the prompt only (a shared text, a system prompt)
+    output: str = "kv"  # how children read it: its cached encoding ("kv") or re-encoded in their context ("text")
+    private: bool = False  # only its role's nodes may read it, directly or through cached encodings
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+
+    def __post_init__(self):
+        if not 1 <= len(self.nodes) <= MAX_NODES:
+            raise BraidError(f"a graph needs 1 to {MAX_NODES} nodes, got {len(self.nodes)}")
+        names = [n.name for n in self.nodes]
+        seen: set[str] = set()
+        for n in self.nodes:
+            if not n.name or n.name in seen:
+                raise BraidError(f"node names must be non-empty and distinct; {n.name!r} is "
+                                 f"{'empty' if not n.name else 'repeated'}")
+            seen.add(n.name)
+            if not n.prompt:
+                raise BraidError(f"node {n.name!r}: prompt is empty; it must hold at least one token")
+            if n.output not in OUTPUTS:
+                raise BraidError(f"node {n.name!r}: output {n.output!r} is not one of {', '.join(OUTPUTS)}")
+            if n.private and not n.role:
+                raise BraidError(f"node {n.name!r} is private but has no role to be private to")
+        by_name = dict(zip(names, self.nodes))
+        for n in self.nodes:
+            for i, e in enumerate(n.parents):
+                if bool(e.node) == bool(e.message):
+                    raise BraidError(f"node {n.name!r}, parent {i}: name exactly one of a node or a message id")
+                if e.node and e.node not in by_name:
+                    raise BraidError(f"node {n.name!r}, parent {i}: {e.node!r} is not a node of this graph")
+                if e.node == n.name:
+                    raise BraidError(f"node {n.name!r} names itself as a parent")
+                p = by_name.get(e.node)
+                if p is not None and p.private and p.role != n.role:
+                    raise BraidError(f"node {n.name!r} (role {n.role!r}) reads {p.name!r}, which is private to "
+                                     f"role {p.role!r}")
+        self.waves()  # (refuses a cycle)
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def waves(self) -> list[list[Node]]:
+        """The nodes in dependency order: each wave's parents are all in earlier waves."""
+        done: set[str] = set()
+        left, waves = list(self.nodes), []
+        while left:
+            ready = [n for n in left if all(not e.node or e.node in done for e in n.parents)]
+            if not ready:
+                raise BraidError(f"the graph has a cycle through {', '.join(sorted(n.name for n in left))}")
+            waves.append(ready)
+            done |= {n.name for n in ready}
+            left = [n for n in left if n.name not in done]
+        return waves
+
+    @property
+    def messages(self) -> list[str]:
+        """Session messages the graph names as parents (to resolve before it runs)."""
+        return [e.message for n in self.nodes for e in n.parents if e.message]
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One message in a node's context, as the node read it: its id, offset, and the private nodes its
+    encoding attended to (`taint`)."""
+
+    message: str
+    offset: int
+    taint: frozenset[str]
+    source: str = ""  # the node it is (a version of), "" for a session message or a re-encoded run
+
+
+@dataclass
+class NodeToken:
+    node: str
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class NodeDone:
+    node: str
+    message_id: str  # its output message: prompt + reply
+    text: str  # the reply ("" for a node without sampling)
+    reencoded: list[str]  # parents it read through a re-encoded copy ("name:text" or "name:private")
+
+
+@dataclass
+class DagRun:
+    """Iterate for NodeToken and NodeDone events, wave by wave. After it: `outputs` (node -> message id).
+    What it makes is kept from eviction until `free()`, which also drops the re-encoded copies it made
+    (outputs stay: they belong to the caller)."""
+
+    engine: Engine
+    graph: Graph
+    outputs: dict[str, str] = field(default_factory=dict)
+    temporary: list[str] = field(default_factory=list)
+    _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
+    _taint: dict[str, frozenset[str]] = field(default_factory=dict)  # node -> its cached encoding's taint
+    _context: dict[str, list[_Item]] = field(default_factory=dict)  # node -> what it read, in order
+    _visible: dict[tuple[str, str], str] = field(default_factory=dict)  # (node, role) -> clean copy's id
+
+    def __iter__(self) -> Iterator[NodeToken | NodeDone]:
+        for wave in self.graph.waves():
+            yield from self._run_wave(wave)
+
+    def free(self) -> None:
+        self.engine.release(self._held)
+        self._held = []
+        for mid in self.temporary:
+            if mid in self.engine.store:
+                self.engine.free(mid, when_unpinned=True)
+        self.temporary = []
+
+    # ---- one wave: each node's context, then one prefill call and one decode call for all of them ----
+    def _run_wave(self, wave: Sequence[Node]) -> Iterator[NodeToken | NodeDone]:
+        notes: dict[str, list[str]] = {}
+        for n in wave:
+            self._context[n.name], notes[n.name] = self._read_parents(n)
+        encode = [n for n in wave if n.sampling is None]
+        if encode:
+            ids = self.engine.prefill([self._call(n) for n in encode])
+            for n, mid in zip(encode, ids):
+                self._finish(n, mid)
+                yield NodeDone(n.name, mid, "", notes[n.name])
+        decode = [n for n in wave if n.sampling is not None]
+        if decode:
+            stream = self.engine.decode_stream([self._call(n) for n in decode])
+            replies: dict[int, list[str]] = {}
+            try:
+                for ev in stream:
+                    replies.setdefault(ev.call, []).append(ev.text)
+                    yield NodeToken(decode[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
+            finally:
+                stream.close()
+            for c, (n, mid) in enumerate(zip(decode, stream.ids)):
+                self._finish(n, mid)
+                yield NodeDone(n.name, mid, "".join(replies.get(c, [])), notes[n.name])
+
+    def _call(self, n: Node):
+        ctx = self._context[n.name]
+        parents, offsets = [i.message for i in ctx], [i.offset for i in ctx]
+        if n.sampling is None:
+            return PrefillCall(n.prompt, parents=parents, offsets=offsets)
+        return DecodeCall(n.prompt, parents=parents, offsets=offsets, sampling=n.sampling)
+
+    def _finish(self, n: Node, mid: str) -> None:
+        self.outputs[n.name] = mid
+        self._held += self.engine.hold([mid])
+        taint = frozenset().union(*(i.taint for i in self._context[n.name]))
+        self._taint[n.name] = taint | ({n.name} if n.private else set())
+
+    # ---- reading parents ---------------------------------------------------------------------------
+    def _clean(self, taint: frozenset[str], role: str) -> bool:
+        return all(self.graph.node(t).role == role for t in taint)
+
+    def _read_parents(self, n: Node) -> tuple[list[_Item], list[str]]:
+        """The node's context, in order, and a note per parent read through a re-encoded copy."""
+        ctx: list[_Item] = []
+        notes: list[str] = []
+        for e in n.parents:
+            at = self._offset(e.offset, ctx)
+            if e.message:  # (the session's own: nothing private in it)
+                ctx.append(_Item(e.message, at, frozenset()))
+                continue
+            p = self.graph.node(e.node)
+            mid, taint = self.outputs[p.name], self._taint[p.name]
+            if p.output == "text":
+                ctx.append(self._reencode(mid, at, ctx))
+                notes.append(f"{p.name}:text")
+            elif e.leak or self._clean(taint, n.role):
+                ctx.append(_Item(mid, at, taint, p.name))
+            else:
+                ctx.append(_Item(self._without_private(p.name, n.role), at, frozenset(), p.name))
+                notes.append(f"{p.name}:private")
+        return ctx, notes
+
+    def _offset(self, offset: int | None, ctx: list[_Item]) -> int:
+        if offset is not None:
+            return offset
+        if not ctx:
+            return 0
+        last = self.engine.message(ctx[-1].message)
+        return ctx[-1].offset + last.num_tokens
+
+    def _reencode(self, mid: str, at: int, ctx: list[_Item]) -> _Item:
+        """Message `mid`'s tokens encoded again at `at`, after the context `ctx` (its taint: the context's)."""
+        tokens = list(self.engine.message(mid).token_ids)
+        new, = self.engine.prefill([PrefillCall(tokens, parents=[i.message for i in ctx],
+                                                offsets=[i.offset for i in ctx], new_offset=at)])
+        self.temporary.append(new)
+        self._held += self.engine.hold([new])
+        return _Item(new, at, frozenset().union(*(i.taint for i in ctx)) if ctx else frozenset())
+
+    def _without_private(self, name: str, role: str) -> str:
+        """A copy of node `name`'s output encoded without what `role` may not see: its context rebuilt (clean
+        items kept, other roles' private nodes dropped, the rest re-encoded after what is kept), then its
+        own tokens re-encoded after that, where they were."""
+        key = (name, role)
+        if key not in self._visible:
+            rebuilt: list[_Item] = []
+            for item in self._context[name]:
+                if self._clean(item.taint, role):
+                    rebuilt.append(item)
+                elif item.source and self.graph.node(item.source).private:
+                    continue  # another role's private node: not seen at all
+                else:
+                    rebuilt.append(self._reencode(item.message, item.offset, rebuilt))
+            own = self.engine.message(self.outputs[name])
+            self._visible[key] = self._reencode(own.id, own.offset, rebuilt).message
+        return self._visible[key]
+
+
+def run_dag(engine: Engine, graph: Graph) -> DagRun:
+    """The graph's run; iterate it for events (see DagRun)."""
+    return DagRun(engine, graph)
