@@ -132,6 +132,23 @@ def graph(request: pb.GraphRequest, default_max_tokens: int) -> Graph:
     return Graph(nodes)
 
 
+def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
+    """A Graph as the RunGraph request that gives it back (the client side of `graph`)."""
+    nodes = []
+    for n in graph.nodes:
+        parents = [pb.GraphParent(node=e.node, message_id=e.message, leak=e.leak,
+                                  **({} if e.offset is None else {"offset": e.offset})) for e in n.parents]
+        node = pb.GraphNode(name=n.name, prompt=n.prompt, role=n.role, parents=parents, output=n.output,
+                            private=n.private, decode=n.sampling is not None)
+        if n.sampling is not None:
+            s = n.sampling
+            node.sampling.CopyFrom(pb.Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                               stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+                                               ignore_eos=s.ignore_eos, **({} if s.seed is None else {"seed": s.seed})))
+        nodes.append(node)
+    return pb.GraphRequest(session_id=session_id, nodes=nodes)
+
+
 def token_event(event) -> pb.TokenEvent:
     return pb.TokenEvent(call=event.call, token_id=event.token_id, text=event.text,
                          finish_reason=event.finish_reason or "", message_id=event.message_id or "")

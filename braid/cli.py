@@ -162,14 +162,69 @@ def serve_config_cmd(args) -> int:
     return 0
 
 
+def run_preset(stub, args, metadata) -> None:
+    """A preset agent workflow (engine.presets) as RunGraph DAGs; each node's reply printed as it ends."""
+    from braid.api.convert import graph_request
+    from braid.engine import SamplingParams
+    from braid.engine.presets import count_votes, mad_iter, mad_par, tot, tot_final
+
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    output = "text" if args.transport == "text" else "kv"
+    graph = {"mad-iter": lambda: mad_iter(args.question, args.rounds, sampling, output),
+             "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output),
+             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output)}[args.preset]()
+
+    def run(request) -> tuple[str, dict]:
+        outputs, session = {}, ""
+        for event in stub.RunGraph(request, metadata=metadata, timeout=args.timeout):
+            kind = event.WhichOneof("event")
+            if kind == "token" and args.show_branches:
+                print(f"[{event.token.node}] {event.token.text!r}")
+            elif kind == "node_done":
+                d = event.node_done
+                outputs[d.node] = d
+                if d.text:
+                    note = f" (read re-encoded: {', '.join(d.reencoded)})" if d.reencoded else ""
+                    print(f"[{d.node}]{note} {d.text.strip()}")
+            elif kind == "done":
+                session = event.done.session_id
+                print(f"[done] session {session} in {event.done.seconds:.2f} s")
+        return session, outputs
+
+    session, outputs = run(graph_request(graph))
+    if args.preset == "tot":
+        votes = [outputs[f"voter{j}"].text for j in range(args.voters)]
+        winner = count_votes(votes, args.agents)
+        print(f"[votes] solution {winner} wins")
+        run(graph_request(tot_final(outputs["solve"].message_id, outputs["problem"].message_id,
+                                    outputs[f"solution{winner}"].message_id, sampling), session))
+
+
 def run_cmd(args) -> int:
-    """Run a parallel-synthesis workflow on a running cluster and stream its events."""
+    """Run a workflow on a running cluster and stream its events: a parallel-synthesis workflow (workers, then
+    a synthesizer), or with --preset one of the seed's agent workflows as RunGraph DAGs."""
     import grpc
 
     from braid.api.auth import client_credentials, client_metadata
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
 
+    if args.preset and not args.question:
+        raise ValueError("--preset needs --question")
+    if not args.preset and not (args.task and args.branch):
+        raise ValueError("a workflow needs --task and at least one --branch (or use --preset)")
+    if args.preset:
+        credentials = client_credentials(args.tls, args.ca_cert)
+        channel = grpc.secure_channel(args.address, credentials) if credentials else \
+            grpc.insecure_channel(args.address)
+        with channel:
+            try:
+                run_preset(agent_pb2_grpc.AgentServiceStub(channel), args,
+                           (("application", "braid"), *client_metadata(args.api_key)))
+            except grpc.RpcError as e:
+                print(f"braid: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+        return 0
     sampling = pb.Sampling(max_tokens=args.max_tokens, temperature=args.temperature)
     request = pb.WorkflowRequest(task=args.task, branch_prompts=args.branch, synthesis_prompt=args.prompt,
                                  worker_sampling=sampling, synthesis_sampling=sampling,
@@ -244,8 +299,16 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
                        description=run_cmd.__doc__)
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
-    p.add_argument("--task", required=True, help="the shared task every worker sees")
-    p.add_argument("--branch", action="append", required=True, help="one worker's instruction (repeat per worker)")
+    p.add_argument("--task", help="the shared task every worker sees")
+    p.add_argument("--branch", action="append", help="one worker's instruction (repeat per worker)")
+    p.add_argument("--preset", choices=["mad-iter", "mad-par", "tot"],
+                   help="instead, one of the seed's agent workflows as a RunGraph DAG: iterative debate, parallel "
+                        "debate, or tree of thoughts (--transport text: its text re-prefill baseline)")
+    p.add_argument("--question", help="the question a --preset workflow works on")
+    p.add_argument("--rounds", type=int, default=3, help="--preset mad-iter/mad-par: debate rounds (default: 3)")
+    p.add_argument("--agents", type=int, default=3,
+                   help="--preset mad-par: agents; tot: solutions (default: 3)")
+    p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
     p.add_argument("--prompt", default="<|synthesizer|>",
                    help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")

@@ -17,6 +17,7 @@ ancestors (each of its context's items kept where clean, dropped where private, 
 edge with `leak=True` reads the cached encoding anyway: the choice is explicit.
 """
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -144,6 +145,8 @@ class DagRun:
     outputs: dict[str, str] = field(default_factory=dict)
     temporary: list[str] = field(default_factory=list)
     _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
+    # decoding node -> seconds from its wave's start (its parents read, its prompt encoded) to its first token
+    ttft: dict[str, float] = field(default_factory=dict)
     _taint: dict[str, frozenset[str]] = field(default_factory=dict)  # node -> its cached encoding's taint
     _context: dict[str, list[_Item]] = field(default_factory=dict)  # node -> what it read, in order
     _visible: dict[tuple[str, str], str] = field(default_factory=dict)  # (node, role) -> clean copy's id
@@ -162,6 +165,7 @@ class DagRun:
 
     # ---- one wave: each node's context, then one prefill call and one decode call for all of them ----
     def _run_wave(self, wave: Sequence[Node]) -> Iterator[NodeToken | NodeDone]:
+        start = time.perf_counter()
         notes: dict[str, list[str]] = {}
         for n in wave:
             self._context[n.name], notes[n.name] = self._read_parents(n)
@@ -177,6 +181,8 @@ class DagRun:
             replies: dict[int, list[str]] = {}
             try:
                 for ev in stream:
+                    if ev.call not in replies:
+                        self.ttft[decode[ev.call].name] = time.perf_counter() - start
                     replies.setdefault(ev.call, []).append(ev.text)
                     yield NodeToken(decode[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
             finally:
@@ -203,24 +209,36 @@ class DagRun:
         return all(self.graph.node(t).role == role for t in taint)
 
     def _read_parents(self, n: Node) -> tuple[list[_Item], list[str]]:
-        """The node's context, in order, and a note per parent read through a re-encoded copy."""
+        """The node's context, in order, and a note per parent read through a re-encoded copy. Consecutive
+        parents read as text are re-encoded together, in one prefill, as a text prompt would hold them."""
         ctx: list[_Item] = []
         notes: list[str] = []
+        run: list[int] = []  # tokens of text parents waiting to be re-encoded together
+        run_at = 0
         for e in n.parents:
-            at = self._offset(e.offset, ctx)
-            if e.message:  # (the session's own: nothing private in it)
-                ctx.append(_Item(e.message, at, frozenset()))
-                continue
-            p = self.graph.node(e.node)
-            mid, taint = self.outputs[p.name], self._taint[p.name]
-            if p.output == "text":
-                ctx.append(self._reencode(mid, at, ctx))
+            p = self.graph.node(e.node) if e.node else None
+            if p is not None and p.output == "text" and (not run or e.offset is None):
+                if not run:
+                    run_at = self._offset(e.offset, ctx)
+                run += self.engine.message(self.outputs[p.name]).token_ids
                 notes.append(f"{p.name}:text")
-            elif e.leak or self._clean(taint, n.role):
-                ctx.append(_Item(mid, at, taint, p.name))
+                continue
+            if run:
+                ctx.append(self._reencode(run, run_at, ctx))
+                run = []
+            at = self._offset(e.offset, ctx)
+            if p is None:  # a session message: nothing private in it
+                ctx.append(_Item(e.message, at, frozenset()))
+            elif p.output == "text":  # (a text parent at its own offset: a run of its own)
+                run, run_at = list(self.engine.message(self.outputs[p.name]).token_ids), at
+                notes.append(f"{p.name}:text")
+            elif e.leak or self._clean(self._taint[p.name], n.role):
+                ctx.append(_Item(self.outputs[p.name], at, self._taint[p.name], p.name))
             else:
                 ctx.append(_Item(self._without_private(p.name, n.role), at, frozenset(), p.name))
                 notes.append(f"{p.name}:private")
+        if run:
+            ctx.append(self._reencode(run, run_at, ctx))
         return ctx, notes
 
     def _offset(self, offset: int | None, ctx: list[_Item]) -> int:
@@ -231,10 +249,9 @@ class DagRun:
         last = self.engine.message(ctx[-1].message)
         return ctx[-1].offset + last.num_tokens
 
-    def _reencode(self, mid: str, at: int, ctx: list[_Item]) -> _Item:
-        """Message `mid`'s tokens encoded again at `at`, after the context `ctx` (its taint: the context's)."""
-        tokens = list(self.engine.message(mid).token_ids)
-        new, = self.engine.prefill([PrefillCall(tokens, parents=[i.message for i in ctx],
+    def _reencode(self, tokens: Sequence[int], at: int, ctx: list[_Item]) -> _Item:
+        """`tokens` encoded at `at`, after the context `ctx` (its taint: the context's)."""
+        new, = self.engine.prefill([PrefillCall(list(tokens), parents=[i.message for i in ctx],
                                                 offsets=[i.offset for i in ctx], new_offset=at)])
         self.temporary.append(new)
         self._held += self.engine.hold([new])
@@ -253,9 +270,9 @@ class DagRun:
                 elif item.source and self.graph.node(item.source).private:
                     continue  # another role's private node: not seen at all
                 else:
-                    rebuilt.append(self._reencode(item.message, item.offset, rebuilt))
+                    rebuilt.append(self._reencode(self.engine.message(item.message).token_ids, item.offset, rebuilt))
             own = self.engine.message(self.outputs[name])
-            self._visible[key] = self._reencode(own.id, own.offset, rebuilt).message
+            self._visible[key] = self._reencode(own.token_ids, own.offset, rebuilt).message
         return self._visible[key]
 
 

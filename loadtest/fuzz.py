@@ -5,7 +5,8 @@ huge, negative, NaN, non-ASCII, control characters, ids that do not exist or bel
 offsets past the context, thousands of words) to every RPC of the agent API, a few at a time. Each request
 has a deadline; a request still running at its deadline is a hang. Before and after, it runs one fixed
 greedy workflow. It passes when no request got UNKNOWN or INTERNAL (an error the server did not mean),
-none hung, the server still answers Health, and the workflow afterwards gives the same answer as before.
+none hung, no request naming another session's message was accepted, the server still answers Health, and
+the workflow afterwards gives the same answer as before.
 
 Without --address it serves the reference model in process, on an embedded Redis (loopback only), and
 fuzzes that; with --address it fuzzes a running server (only loopback addresses are accepted).
@@ -40,6 +41,7 @@ class Pool:
 
     sessions: list[str] = field(default_factory=list)
     messages: dict[str, list[str]] = field(default_factory=dict)  # session -> its message ids
+    owner: dict[str, str] = field(default_factory=dict)  # message id -> its session
 
 
 class Fuzzer:
@@ -110,7 +112,7 @@ class Fuzzer:
     # ---- requests ----------------------------------------------------------------------------------
     def request(self) -> tuple[str, object]:
         method = self.rng.choice(("RunWorkflow", "Generate", "Prefill", "Prefill", "Decode", "Decode",
-                                  "GetMessage", "ListSessions", "CloseSession", "RunAgents", "Health")
+                                  "GetMessage", "ListSessions", "CloseSession", "RunAgents", "Health", "RunGraph")
                             + ("Decode",) * 2)
         rng = self.rng
         self.hostility = rng.choice((0.05, 0.3, 0.9))
@@ -150,6 +152,26 @@ class Fuzzer:
             return method, pb.AgentsRequest(session_id=sid, agents=agents, user_text=self.text(),
                                             rounds=rng.choice(UINTS[:3]), kvcomm=rng.random() < 0.5,
                                             sampling=self.sampling())
+        if method == "RunGraph":
+            names = [self.rng.choice(("a", "b", "c", "")) if self.hostile() else f"n{i}"
+                     for i in range(rng.choice((0, 1, 2, 3, 5)))]
+            nodes = []
+            for i, name in enumerate(names):
+                parents = []
+                for _ in range(rng.randint(0, 3)):
+                    if rng.random() < 0.3:
+                        parents.append(pb.GraphParent(message_id=self.message_id(sid)))
+                    elif names:  # an earlier node, or (hostile) any node: cycles, itself
+                        pick = rng.choice(names if self.hostile() else names[:i] or [""])
+                        parents.append(pb.GraphParent(node=pick, leak=rng.random() < 0.2))
+                    if parents and self.hostile() and rng.random() < 0.3:
+                        parents[-1].offset = rng.choice(INTS)
+                nodes.append(pb.GraphNode(name=name, prompt=self.text(), role=rng.choice(("", "x", "y")),
+                                          parents=parents, decode=rng.random() < 0.6, sampling=self.sampling(),
+                                          output=rng.choice(("", "kv", "text", "json") if self.hostile() else
+                                                            ("", "kv", "text")),
+                                          private=rng.random() < 0.2))
+            return method, pb.GraphRequest(session_id=sid, nodes=nodes)
         if method == "ListSessions":
             return method, pb.ListSessionsRequest()
         return method, pb.HealthRequest()
@@ -166,10 +188,25 @@ def _learn(pool: Pool, method: str, request, response) -> None:
     if method == "Decode":
         ids = [e.message_id for e in response if e.message_id]
         sid = request.session_id
+    if method == "RunGraph":
+        ids = [e.node_done.message_id for e in response if e.HasField("node_done")]
+        sid = next((e.done.session_id for e in response if e.HasField("done")), "")
     if sid and ids:
         if sid not in pool.sessions:
             pool.sessions.append(sid)
         pool.messages.setdefault(sid, []).extend(ids)
+        pool.owner.update((m, sid) for m in ids)
+
+
+def named_ids(request) -> list[str]:
+    """Every message id a request names."""
+    if isinstance(request, (pb.PrefillRequest, pb.DecodeRequest)):
+        return [p for c in request.calls for p in c.parents]
+    if isinstance(request, pb.GetMessageRequest):
+        return [request.message_id]
+    if isinstance(request, pb.GraphRequest):
+        return [p.message_id for n in request.nodes for p in n.parents if p.message_id]
+    return []
 
 
 def call(stub, method: str, request, deadline_s: float, metadata=()) -> tuple[str, object]:
@@ -204,14 +241,20 @@ def fuzz(address: str, requests: int, seed: int = 0, concurrency: int = 4, deadl
     stub = agent_pb2_grpc.AgentServiceStub(channel)
     before = reference_answer(stub, metadata)
     pool, statuses, by_method, unmeant = Pool(), Counter(), {}, []
+    foreign = Counter()  # requests naming another session's message: sent, accepted
     fuzzer = Fuzzer(seed, pool)
     start = time.perf_counter()
 
     def one(item):
         method, request = item
+        sid = getattr(request, "session_id", "")
+        crossing = any(pool.owner.get(m, sid) != sid for m in named_ids(request))
         status, got = call(stub, method, request, deadline_s, metadata)
         if status == "OK":
             _learn(pool, method, request, got)
+        if crossing:
+            foreign["sent"] += 1
+            foreign["accepted"] += status == "OK"
         return method, request, status, got
 
     with ThreadPoolExecutor(concurrency) as ex, tqdm(total=requests, desc="fuzzing", unit="req",
@@ -239,7 +282,9 @@ def fuzz(address: str, requests: int, seed: int = 0, concurrency: int = 4, deadl
     return {"requests": requests, "seconds": seconds, "statuses": dict(statuses),
             "by_method": {m: dict(c) for m, c in by_method.items()}, "unknown_or_internal": bad, "hangs": hangs,
             "healthy_after": healthy, "answer_before": before, "answer_after": after,
-            "same_answer": before == after, "passed": bad == 0 and hangs == 0 and healthy and before == after,
+            "cross_session_references": foreign["sent"], "cross_session_accepted": foreign["accepted"],
+            "same_answer": before == after,
+            "passed": bad == 0 and hangs == 0 and healthy and before == after and not foreign["accepted"],
             "failures": unmeant[:50]}
 
 
@@ -247,7 +292,8 @@ def format_report(r: dict) -> str:
     lines = [f"{r['requests']} fuzzed requests in {r['seconds']:.1f} s"]
     lines += [f"  {status:<20} {n}" for status, n in sorted(r["statuses"].items(), key=lambda x: -x[1])]
     lines.append(f"UNKNOWN/INTERNAL: {r['unknown_or_internal']}, hangs: {r['hangs']}, serving afterwards: "
-                 f"{r['healthy_after']}, same workflow answer as before: {r['same_answer']}")
+                 f"{r['healthy_after']}, same workflow answer as before: {r['same_answer']}, requests naming another "
+                 f"session's message: {r['cross_session_references']} ({r['cross_session_accepted']} accepted)")
     lines += [f"  {f['method']} -> {f['status']}: {f['details']}" for f in r["failures"][:10]]
     return "\n".join(lines)
 

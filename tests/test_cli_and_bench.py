@@ -65,3 +65,41 @@ def test_prompt_tree_benchmark_writes_json_and_plot(tmp_path):
         assert row["loss_gap"] < 1e-5  # both sides train the same objective
         assert row["speedup"] == pytest.approx(row["flat_step_s"] / row["packed_step_s"], rel=0.01)
     assert (tmp_path / "prompt_trees_cpu.png").stat().st_size > 0
+
+
+def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("workflows", os.path.join(ROOT, "benchmarks", "workflows.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--max-tokens", "3", "--repeats", "1",
+                "--question-words", "6", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "workflows_cpu.json").read_text())
+    assert [r["workflow"] for r in result["rows"]] == ["mad-iter", "tot", "mad-par"]
+    for r in result["rows"]:
+        assert r["ttft_ratio"] == pytest.approx(r["baseline"]["ttft_mean_ms"] / r["choreographed"]["ttft_mean_ms"])
+        assert r["choreographed"]["decoding_nodes"] == {"mad-iter": 7, "tot": 12, "mad-par": 9}[r["workflow"]]
+    assert (tmp_path / "workflows_cpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("preset, transport", [("tot", "grpc"), ("mad-iter", "text"), ("mad-par", "grpc")])
+def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.cluster.inprocess import start_in_process
+    from braid.engine import Engine, EngineConfig
+
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
+    try:
+        assert main(["run", "--address", f"127.0.0.1:{server.port}", "--preset", preset, "--question", "2 or 3?",
+                     "--max-tokens", "3", "--rounds", "2", "--agents", "3", "--voters", "2",
+                     "--transport", transport]) == 0
+    finally:
+        server.stop()
+        redis.stop()
+    out = capsys.readouterr().out
+    assert out.count("[done] session") == (2 if preset == "tot" else 1)
+    if preset == "tot":
+        assert "[votes] solution" in out and "[final]" in out
+    if preset == "mad-iter":
+        assert "[round2:negative]" in out and "[moderator]" in out
+    assert main(["run", "--preset", "tot"]) == 2 and "--preset needs --question" in capsys.readouterr().err

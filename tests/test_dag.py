@@ -126,3 +126,15 @@ def test_leakage_control_reencodes_without_another_roles_private_nodes(llama_eng
     assert [e.reencoded for e in events if isinstance(e, NodeDone) and e.node == "bob_says"] == [[]]
     dag.free()
     leaky.free()
+
+
+def test_consecutive_text_parents_are_re_encoded_together_as_a_text_prompt(llama_engine):
+    eng = llama_engine
+    graph = Graph([Node("a", "User: red green", output="text"), Node("b", "User: blue", output="text"),
+                   Node("c", "Assistant:", parents=(Edge("b"), Edge("a")), sampling=GREEDY)])
+    dag, events = run(eng, graph)
+    assert len(dag.temporary) == 1  # one prefill for both
+    text = list(eng.message(dag.outputs["b"]).token_ids) + list(eng.message(dag.outputs["a"]).token_ids)
+    c, = eng.decode([DecodeCall(text + eng.tokenize("Assistant:"), sampling=GREEDY)])  # the plain text pipeline
+    assert tokens_of(events, "c") == list(eng.message(c).token_ids[-5:])
+    dag.free()

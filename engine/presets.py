@@ -1,0 +1,83 @@
+"""The seed's three agent workflows (Prompt Choreography, seed 000, section 4) as DAGs for engine.dag.
+
+- MADiter: two debaters speak in turn over a shared history, for some rounds; a moderator then answers.
+- MADpar: n identical agents answer in parallel, each round reading every agent's previous answer.
+- ToT (depth 1): b solutions in parallel, v voters each reading all of them, then a final answer from the
+  winning solution (a second graph, `tot_final`, once the votes are counted).
+
+`output="kv"` is the choreographed workflow (every message read through its cached encoding); `"text"` is
+the baseline: every message re-encoded in each reader's context (prefix caching still reuses identical
+prompt starts). The presets mark nothing private (debate roles are public, as in the seed's timings); add
+private nodes for the leakage experiments.
+"""
+
+from braid.engine.dag import Edge, Graph, Node
+from braid.engine.sampling import SamplingParams
+
+PRESETS = ("mad-iter", "mad-par", "tot")
+
+
+def mad_iter(question: str, rounds: int = 3, sampling: SamplingParams = SamplingParams(), output: str = "kv",
+             roles: tuple[str, str] = ("affirmative", "negative")) -> Graph:
+    nodes = [Node("question", f"Debate topic: {question}\n", output=output)]
+    nodes += [Node(f"system:{r}", f"You are the {r} side of a debate. Argue your side.\n", role=r, output=output)
+              for r in roles]
+    turns: list[str] = []
+    for k in range(rounds):
+        for r in roles:
+            name = f"round{k + 1}:{r}"
+            nodes.append(Node(name, f"\n{r}:", role=r, sampling=sampling, output=output,
+                              parents=(Edge(f"system:{r}"), Edge("question"), *(Edge(t) for t in turns))))
+            turns.append(name)
+    nodes.append(Node("moderator", "\nModerator: the better answer is", role="moderator", sampling=sampling,
+                      output=output, parents=(Edge("question"), *(Edge(t) for t in turns))))
+    return Graph(nodes)
+
+
+def mad_par(question: str, agents: int = 3, rounds: int = 3, sampling: SamplingParams = SamplingParams(),
+            output: str = "kv") -> Graph:
+    nodes = [Node("system", "Answer the question. Read the other agents' answers and improve yours.\n",
+                  output=output),
+             Node("question", f"Question: {question}\n", output=output)]
+    previous: list[str] = []
+    for k in range(rounds):
+        current = []
+        for i in range(agents):
+            name = f"round{k + 1}:agent{i}"
+            nodes.append(Node(name, f"\nAgent {i}:", role=f"agent{i}", sampling=sampling, output=output,
+                              parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous))))
+            current.append(name)
+        previous = current
+    return Graph(nodes)
+
+
+def tot(problem: str, solutions: int = 8, voters: int = 4, sampling: SamplingParams = SamplingParams(),
+        output: str = "kv") -> Graph:
+    nodes = [Node("solve", "Think step by step and propose a solution.\n", output=output),
+             Node("vote", "Read the candidate solutions and name the best one.\n", output=output),
+             Node("problem", f"Problem: {problem}\n", output=output)]
+    names = [f"solution{i}" for i in range(solutions)]
+    nodes += [Node(s, f"\nSolution {i}:", role=s, sampling=sampling, output=output,
+                   parents=(Edge("solve"), Edge("problem"))) for i, s in enumerate(names)]
+    nodes += [Node(f"voter{j}", "\nThe best solution is", role=f"voter{j}", sampling=sampling, output=output,
+                   parents=(Edge("vote"), Edge("problem"), *(Edge(s) for s in names))) for j in range(voters)]
+    return Graph(nodes)
+
+
+def tot_final(solve: str, problem: str, winner: str, sampling: SamplingParams = SamplingParams(),
+              output: str = "kv") -> Graph:
+    """The final answer from the winning solution: `solve`, `problem` and `winner` are the first graph's
+    output message ids (session messages now)."""
+    return Graph([Node("final", "\nFinal answer:", sampling=sampling, output=output,
+                       parents=(Edge(message=solve), Edge(message=problem), Edge(message=winner)))])
+
+
+def count_votes(votes: list[str], solutions: int) -> int:
+    """The solution most voters named ("... solution 3 ..." or a bare number); ties and no votes: the lowest."""
+    tally = [0] * solutions
+    for text in votes:
+        for word in text.replace(".", " ").replace(",", " ").split():
+            if word.isdigit() and int(word) < solutions:
+                tally[int(word)] += 1
+                break
+    return max(range(solutions), key=lambda i: (tally[i], -i))
