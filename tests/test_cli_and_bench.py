@@ -103,3 +103,14 @@ def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
     if preset == "mad-iter":
         assert "[round2:negative]" in out and "[moderator]" in out
     assert main(["run", "--preset", "tot"]) == 2 and "--preset needs --question" in capsys.readouterr().err
+
+
+def test_leakage_benchmark_control_never_lets_the_secret_through(tmp_path):
+    spec = importlib.util.spec_from_file_location("leakage", os.path.join(ROOT, "benchmarks", "leakage.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--games", "3", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "leakage_cpu.json").read_text())["rows"]}
+    # nothing Bob reads depends on Alice's secret under the control or the text baseline: his answer cannot move
+    assert rows["control"]["answer_changes"]["rate"] == 0 and rows["text"]["answer_changes"]["rate"] == 0
+    assert set(rows) == {"leak", "control", "text"} and (tmp_path / "leakage_cpu.png").stat().st_size > 0
