@@ -11,6 +11,9 @@ from braid.engine.errors import BraidError
 ENV_KEYS = "BRAID_API_KEYS"  # comma-separated [name:]key entries, added to the file's
 ENV_CLIENT_KEY = "BRAID_API_KEY"  # the key `braid run` and `braid loadtest` send when --api-key is not given
 HEADER = "authorization"  # gRPC metadata: "Bearer <key>"
+# gRPC metadata: the client's deadline in milliseconds. Serve's gRPC proxy does not pass the call's own deadline
+# on to the application, so Braid's clients send it here too and the ingress enforces it (braid.api.ingress).
+TIMEOUT_HEADER = "braid-timeout-ms"
 
 
 class UnauthenticatedError(BraidError):
@@ -42,10 +45,30 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def client_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata a client adds to each call (none without a key)."""
+def client_metadata(key: str | None, timeout_s: float | None = None) -> tuple[tuple[str, str], ...]:
+    """The metadata a client adds to each call: its key (if any) and, with `timeout_s`, its deadline."""
     key = key or os.environ.get(ENV_CLIENT_KEY)
-    return ((HEADER, f"Bearer {key}"),) if key else ()
+    out = ((HEADER, f"Bearer {key}"),) if key else ()
+    return out + (((TIMEOUT_HEADER, str(max(1, round(1e3 * timeout_s)))),) if timeout_s else ())
+
+
+class DeadlineError(BraidError):
+    code = "DEADLINE_EXCEEDED"
+
+
+def request_timeout(metadata) -> float | None:
+    """The deadline a client sent (seconds), or None; a malformed one is INVALID_ARGUMENT."""
+    value = dict(metadata or ()).get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = int(value)
+        if ms < 1:
+            raise ValueError
+    except ValueError:
+        raise BraidError(f"metadata {TIMEOUT_HEADER} must be a positive number of milliseconds, got {value!r}") \
+            from None
+    return ms / 1e3
 
 
 def client_credentials(tls: bool, ca_cert: str | None = None):

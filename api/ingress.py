@@ -1,11 +1,12 @@
 """The AgentIngress deployment: the agent API behind Serve's gRPC proxy (methods named as the RPCs)."""
 
+import asyncio
 import logging
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from braid.api.auth import ApiKeys
+from braid.api.auth import ApiKeys, DeadlineError, request_timeout
 from braid.api.directory import Directory
 from braid.api.grpc_server import grpc_status
 from braid.api.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
@@ -61,6 +62,29 @@ class AgentIngress:
                                         config, lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.workflows.metrics = metrics()
 
+    @staticmethod
+    async def _bounded(stream, grpc_context):
+        """The stream, ended at the client's deadline (metadata braid-timeout-ms) with DEADLINE_EXCEEDED; ending
+        it, for any reason, cancels the request's work on every replica."""
+        timeout = request_timeout(grpc_context.invocation_metadata() if grpc_context is not None else None)
+        end = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            while True:
+                left = None if end is None else end - asyncio.get_running_loop().time()
+                try:
+                    item = await asyncio.wait_for(anext(stream), left)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise DeadlineError(f"the request's deadline ({1e3 * timeout:.0f} ms) passed; its work was "
+                                        "stopped on every replica") from None
+                yield item
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+            elif hasattr(stream, "cancel"):  # a Serve response stream
+                stream.cancel()
+
     def _authenticate(self, grpc_context) -> str:
         """Every RPC, before any work: a missing or wrong key is UNAUTHENTICATED. Returns the key's name (the
         caller, whose sessions are its own; "" on an open API)."""
@@ -72,8 +96,15 @@ class AgentIngress:
     async def _unary(self, name, request, grpc_context):
         try:
             caller = self._authenticate(grpc_context)
-            return await session_handle(self.synth, getattr(request, "session_id", "")).agent_unary.remote(
+            response = session_handle(self.synth, getattr(request, "session_id", "")).agent_unary.remote(
                 name, request, caller)
+            timeout = request_timeout(grpc_context.invocation_metadata() if grpc_context is not None else None)
+            try:
+                return await asyncio.wait_for(response, timeout)
+            except TimeoutError:
+                response.cancel()
+                raise DeadlineError(f"the request's deadline ({1e3 * timeout:.0f} ms) passed; its work was "
+                                    "stopped") from None
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             _fail(grpc_context, e)
 
@@ -81,7 +112,7 @@ class AgentIngress:
         try:
             caller = self._authenticate(grpc_context)
             handle = session_handle(self.synth, getattr(request, "session_id", "")).options(stream=True)
-            async for event in handle.agent_stream.remote(name, request, caller):
+            async for event in self._bounded(handle.agent_stream.remote(name, request, caller), grpc_context):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)
@@ -120,7 +151,7 @@ class AgentIngress:
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
             caller = self._authenticate(grpc_context)
-            async for event in self.workflows.run(request, caller):
+            async for event in self._bounded(self.workflows.run(request, caller), grpc_context):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,9 +77,11 @@ class WorkflowDriver:
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
         """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's, and
         it counts against the caller's limit of running workflows while it runs."""
+        # (aclosing: a client that leaves closes every inner stage now, not when the garbage collector runs)
         with self.directory.running(caller, self.config.limits.workflows):
-            async for event in self._run(request, caller):
-                yield event
+            async with aclosing(self._run(request, caller)) as events:
+                async for event in events:
+                    yield event
 
     async def _run(self, request: pb.WorkflowRequest, caller: str) -> AsyncIterator[pb.WorkflowEvent]:
         start = time.perf_counter()
@@ -87,8 +90,9 @@ class WorkflowDriver:
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated)
         with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
-            async for event in self._workflow(wf, info, session, start):
-                yield event
+            async with aclosing(self._workflow(wf, info, session, start)) as events:
+                async for event in events:
+                    yield event
 
     async def _workflow(self, wf: convert.Workflow, info: SynthesizerInfo, session: str,
                         start: float) -> AsyncIterator[pb.WorkflowEvent]:
@@ -116,13 +120,14 @@ class WorkflowDriver:
                                                        wf.worker_sampling, mode, kv_address)) for group in groups]
             done: dict[int, BranchDone] = {}
             try:
-                async for item in merge(calls):
-                    if isinstance(item, BranchToken):
-                        yield pb.WorkflowEvent(branch_token=pb.BranchToken(
-                            branch=item.branch, token_id=item.token_id, text=item.text,
-                            finish_reason=item.finish_reason))
-                    else:
-                        done[item.branch] = item
+                async with aclosing(merge(calls)) as merged:
+                    async for item in merged:
+                        if isinstance(item, BranchToken):
+                            yield pb.WorkflowEvent(branch_token=pb.BranchToken(
+                                branch=item.branch, token_id=item.token_id, text=item.text,
+                                finish_reason=item.finish_reason))
+                        else:
+                            done[item.branch] = item
             except Exception as e:  # noqa: BLE001
                 raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: "
                                     f"{type(cause(e)).__name__}: {cause(e)}") from None
@@ -184,6 +189,9 @@ async def merge(streams) -> AsyncIterator:
             await queue.put(None)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             await queue.put(e)
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     remaining = len(tasks)
@@ -202,6 +210,7 @@ async def merge(streams) -> AsyncIterator:
         for s in streams:
             if hasattr(s, "cancel"):
                 s.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # (each pump closes its stream as it ends)
 
 
 async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
@@ -211,15 +220,27 @@ async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
     stop = threading.Event()
     end = object()
 
-    def run():
+    def put(item) -> bool:
+        """Hand an item to the consumer; False once it has gone (its loop closed)."""
         try:
-            for item in make():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-                if stop.is_set():
-                    break
-            loop.call_soon_threadsafe(queue.put_nowait, end)
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False
+
+    def run():
+        items = None
+        try:
+            items = make()
+            for item in items:
+                if stop.is_set() or not put(item):
+                    return  # the consumer left: `finally` closes the generator, which ends its engine calls
+            put(end)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            loop.call_soon_threadsafe(queue.put_nowait, e)
+            put(e)
+        finally:
+            if hasattr(items, "close"):
+                items.close()
 
     thread = threading.Thread(target=run, daemon=True, name="role")
     thread.start()
@@ -265,6 +286,12 @@ def iterate_blocking(agen: AsyncIterator) -> Iterator:
                 yield loop.run_until_complete(anext(agen))
             except StopAsyncIteration:
                 return
-    finally:
+    finally:  # (the client left, or it ended): close it, then whatever it left running, then the loop
         loop.run_until_complete(agen.aclose())
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending))
+        loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

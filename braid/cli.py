@@ -220,7 +220,7 @@ def run_cmd(args) -> int:
         with channel:
             try:
                 run_preset(agent_pb2_grpc.AgentServiceStub(channel), args,
-                           (("application", "braid"), *client_metadata(args.api_key)))
+                           (("application", "braid"), *client_metadata(args.api_key, args.timeout)))
             except grpc.RpcError as e:
                 print(f"braid: {e.code().name}: {e.details()}", file=sys.stderr)
                 return 1
@@ -235,7 +235,7 @@ def run_cmd(args) -> int:
     with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         try:
-            metadata = (("application", "braid"), *client_metadata(args.api_key))
+            metadata = (("application", "braid"), *client_metadata(args.api_key, args.timeout))
             for event in stub.RunWorkflow(request, metadata=metadata, timeout=args.timeout):
                 kind = event.WhichOneof("event")
                 if kind == "decision":

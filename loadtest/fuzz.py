@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from tqdm import tqdm
 
+from braid.api.auth import TIMEOUT_HEADER
 from braid.loadtest.run import check_loopback
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
@@ -213,7 +214,7 @@ def call(stub, method: str, request, deadline_s: float, metadata=()) -> tuple[st
     """(status name, response: the message, or the list of streamed events)."""
     try:
         fn = getattr(stub, method)
-        got = fn(request, timeout=deadline_s, metadata=metadata)
+        got = fn(request, timeout=deadline_s, metadata=(*metadata, (TIMEOUT_HEADER, str(round(1e3 * deadline_s)))))
         if not hasattr(got, "ListFields"):  # a stream
             got = list(got)
         return "OK", got

@@ -67,7 +67,7 @@ async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rat
     check_loopback(address)
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency or len(requests))
-    metadata = (("application", application), *client_metadata(api_key))
+    metadata = (("application", application), *client_metadata(api_key, timeout))
     channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
     async with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)

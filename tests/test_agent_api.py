@@ -1,5 +1,7 @@
 """The agent API over a real gRPC server and a real Redis, on one local engine."""
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -272,3 +274,37 @@ def test_bad_graphs_are_refused_before_anything_runs_and_leave_nothing(api):
     assert len(logic.directory.list_sessions()) == sessions  # (the new sessions were closed again)
     made = set(logic.engine.store.ids()) - before
     assert all(m.startswith(CACHED_PREFIX) for m in made), made  # only the prefix cache's hidden twins
+
+
+@pytest.mark.parametrize("rpc", ["Decode", "RunWorkflow", "RunGraph", "deadline"])
+def test_a_client_that_leaves_stops_its_work_and_leaves_no_session(api, rpc):
+    stub, logic = api
+    long = pb.Sampling(max_tokens=3000, ignore_eos=True)
+    sessions = len(logic.directory.list_sessions())
+    calls = {
+        "Decode": lambda **kw: stub.Decode(pb.DecodeRequest(calls=[pb.DecodeCallSpec(header="A:", sampling=long)]),
+                                           **kw),
+        "RunWorkflow": lambda **kw: stub.RunWorkflow(pb.WorkflowRequest(
+            task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=long,
+            transport=pb.TRANSPORT_LOCAL), **kw),
+        "RunGraph": lambda **kw: stub.RunGraph(pb.GraphRequest(nodes=[
+            pb.GraphNode(name="q", prompt="User: go"),
+            *[pb.GraphNode(name=f"w{i}", prompt="A:", decode=True, sampling=long, parents=[pb.GraphParent(node="q")])
+              for i in range(2)]]), **kw),
+    }
+    call = calls["Decode" if rpc == "deadline" else rpc](timeout=1.5 if rpc == "deadline" else 60)
+    with pytest.raises(grpc.RpcError) as err:
+        for i, _ in enumerate(call):
+            if i == 5:
+                assert logic.engine.scheduler.load["running"] >= 1
+                if rpc != "deadline":
+                    call.cancel()
+    assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    deadline = time.monotonic() + 5  # (3000 tokens would take far longer)
+    while logic.engine.scheduler.load["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert logic.engine.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    deadline = time.monotonic() + 5  # (the handler thread closes the session it opened as it unwinds)
+    while len(logic.directory.list_sessions()) > sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(logic.directory.list_sessions()) == sessions

@@ -337,3 +337,32 @@ def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(clust
                                                       transports=("text", "grpc")))
     assert result["passed"] and result["hung"] == 0, result
     assert set(result["outcomes"]) <= {"OK", "UNAVAILABLE"}
+
+
+def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
+    """A cancelled RunWorkflow (the client went away, or its deadline passed) ends the workers' decoding on
+    their replica within seconds, instead of running to max_tokens. Serve's proxy does not pass a call's gRPC
+    deadline on, so the client also sends it as metadata (client_metadata), which the ingress enforces."""
+    from ray import serve
+
+    from braid.api.auth import client_metadata
+
+    stub, *_ = cluster
+    worker = serve.get_deployment_handle("Worker", app_name="braid")
+    for stop in ("cancel", "deadline"):
+        call = stub.RunWorkflow(pb.WorkflowRequest(
+            task="t", branch_prompts=["a", "b"], synthesis_prompt="s", transport=pb.TRANSPORT_GRPC,
+            worker_sampling=pb.Sampling(max_tokens=3000, ignore_eos=True), synthesis_sampling=GREEDY),
+            metadata=METADATA + client_metadata(None, 3.0), timeout=3 if stop == "deadline" else 120)
+        with pytest.raises(grpc.RpcError) as err:
+            for i, event in enumerate(call):
+                if event.HasField("branch_token") and i == 5:
+                    assert worker.load.remote().result()["running"] >= 1
+                    if stop == "cancel":
+                        call.cancel()
+        assert err.value.code() == (grpc.StatusCode.CANCELLED if stop == "cancel" else
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+        deadline = time.monotonic() + 5  # (running to max_tokens would take far longer)
+        while worker.load.remote().result()["running"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert worker.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, stop

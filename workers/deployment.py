@@ -21,3 +21,7 @@ class Worker:
         replica takes many calls at once; each runs on its own thread into the engine's scheduler."""
         async for item in in_thread(lambda: self.runner.run(req)):
             yield item
+
+    def load(self) -> dict[str, int]:
+        """The engine scheduler's calls waiting and running, and its work KV bytes (an operator's probe)."""
+        return self.runner.engine.scheduler.load
