@@ -207,8 +207,8 @@ class Directory:
                                  "finish")
             yield
         finally:
-            try:
-                self.r.decr(key)
+            try:  # (a count lost with Redis's data is not driven below zero)
+                self.r.eval(self._COUNT_DOWN, 1, key)
             except redis.RedisError as e:  # losing Redis must not fail a request that ran: the count expires
                 log.warning("could not count a finished request of %r down (%s); it expires in %d s", owner, e,
                             self.ttl)
@@ -227,11 +227,19 @@ class Directory:
     _REGISTER = """
     if redis.call('exists', KEYS[1]) == 0 then return 0 end
     redis.call('hset', KEYS[2], 'replica', ARGV[1], 'fingerprint', ARGV[2], 'tokens', ARGV[3], 'kv_bytes', ARGV[4])
-    redis.call('sadd', KEYS[3], ARGV[5])
-    redis.call('hincrby', KEYS[1], 'messages', 1)
-    redis.call('hincrby', KEYS[1], 'kv_bytes', ARGV[4])
+    if redis.call('sadd', KEYS[3], ARGV[5]) == 1 then  -- (a retried registration counts once)
+        redis.call('hincrby', KEYS[1], 'messages', 1)
+        redis.call('hincrby', KEYS[1], 'kv_bytes', ARGV[4])
+    end
     for i = 1, 3 do redis.call('expire', KEYS[i], ARGV[6]) end
     return 1
+    """
+    _RELOCATE = """
+    if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], 'replica', ARGV[1]) end
+    """
+    _COUNT_DOWN = """
+    if redis.call('exists', KEYS[1]) == 1 then return redis.call('decr', KEYS[1]) end
+    return 0
     """
 
     def register(self, rec: MessageRecord) -> None:
@@ -246,9 +254,8 @@ class Directory:
 
     def relocate(self, session_id: str, message_id: str, replica: str) -> None:
         """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""
-        key = f"braid:msg:{session_id}:{message_id}"
-        if self.r.exists(key):  # (a session closed meanwhile stays closed)
-            self.r.hset(key, "replica", replica)
+        # (one step: a session closed meanwhile stays closed, no record outlives it)
+        self.r.eval(self._RELOCATE, 1, f"braid:msg:{session_id}:{message_id}", replica)
 
     def announce_replica(self, replica: str, address: str, ttl_s: int) -> None:
         """Where `replica` serves its messages to others, for `ttl_s` seconds unless announced again."""

@@ -63,10 +63,14 @@ class AgentIngress:
         self.workflows.metrics = metrics()
 
     @staticmethod
-    async def _bounded(stream, grpc_context):
-        """The stream, ended at the client's deadline (metadata braid-timeout-ms) with DEADLINE_EXCEEDED; ending
-        it, for any reason, cancels the request's work on every replica."""
-        timeout = request_timeout(grpc_context.invocation_metadata() if grpc_context is not None else None)
+    def _timeout(grpc_context) -> float | None:
+        """The client's deadline (metadata braid-timeout-ms), read before any work is dispatched."""
+        return request_timeout(grpc_context.invocation_metadata() if grpc_context is not None else None)
+
+    @staticmethod
+    async def _bounded(stream, timeout: float | None):
+        """The stream, ended at the client's deadline with DEADLINE_EXCEEDED; ending it, for any reason, cancels
+        the request's work on every replica."""
         end = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             while True:
@@ -76,6 +80,8 @@ class AgentIngress:
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
+                    if end is None or asyncio.get_running_loop().time() < end:
+                        raise  # (the work's own timeout, not the client's deadline)
                     raise DeadlineError(f"the request's deadline ({1e3 * timeout:.0f} ms) passed; its work was "
                                         "stopped on every replica") from None
                 yield item
@@ -95,24 +101,24 @@ class AgentIngress:
     # ---- session-level calls: routed to the synthesizer replica that serves the session ----
     async def _unary(self, name, request, grpc_context):
         try:
-            caller = self._authenticate(grpc_context)
+            caller, timeout = self._authenticate(grpc_context), self._timeout(grpc_context)
             response = session_handle(self.synth, getattr(request, "session_id", "")).agent_unary.remote(
                 name, request, caller)
-            timeout = request_timeout(grpc_context.invocation_metadata() if grpc_context is not None else None)
             try:
                 return await asyncio.wait_for(response, timeout)
             except TimeoutError:
-                response.cancel()
-                raise DeadlineError(f"the request's deadline ({1e3 * timeout:.0f} ms) passed; its work was "
-                                    "stopped") from None
+                if timeout is None:
+                    raise
+                response.cancel()  # (a unary call already running on its replica finishes there)
+                raise DeadlineError(f"the request's deadline ({1e3 * timeout:.0f} ms) passed") from None
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             _fail(grpc_context, e)
 
     async def _stream(self, name, request, grpc_context):
         try:
-            caller = self._authenticate(grpc_context)
+            caller, timeout = self._authenticate(grpc_context), self._timeout(grpc_context)
             handle = session_handle(self.synth, getattr(request, "session_id", "")).options(stream=True)
-            async for event in self._bounded(handle.agent_stream.remote(name, request, caller), grpc_context):
+            async for event in self._bounded(handle.agent_stream.remote(name, request, caller), timeout):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)
@@ -150,8 +156,8 @@ class AgentIngress:
 
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):
         try:
-            caller = self._authenticate(grpc_context)
-            async for event in self._bounded(self.workflows.run(request, caller), grpc_context):
+            caller, timeout = self._authenticate(grpc_context), self._timeout(grpc_context)
+            async for event in self._bounded(self.workflows.run(request, caller), timeout):
                 yield event
         except Exception as e:  # noqa: BLE001
             _fail(grpc_context, e)

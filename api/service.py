@@ -55,7 +55,8 @@ class AgentLogic:
         self.kvcomm = KVComm(engine, self.config.kvcomm)
         self.exporter: KVExporter | None = None  # (start_upkeep)
         self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
-        self._held_lock, self._moving, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
+        self._held_lock, self._moving_lock, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
+        self._moving: dict[str, threading.Lock] = {}  # message id -> the lock of its move here, while it moves
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str, caller: str):
@@ -75,7 +76,9 @@ class AgentLogic:
             self._move_here(rec)
 
     def _move_here(self, rec: MessageRecord) -> None:
-        with self._moving:  # (two calls of a session naming the same message fetch it once)
+        with self._moving_lock:  # (two calls naming the same message fetch it once; other messages in parallel)
+            lock = self._moving.setdefault(rec.message_id, threading.Lock())
+        with lock:
             if rec.message_id in self.engine.store:
                 return
             address = self.directory.replica_address(rec.replica)
@@ -86,6 +89,8 @@ class AgentLogic:
             self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint, got.parents,
                                        got.parent_offsets, message_id=got.message_id)
             self._hold(rec.session_id, [rec.message_id])
+        with self._moving_lock:
+            self._moving.pop(rec.message_id, None)
         log.info("message %s of session %s moved here from replica %s (%d tokens)", rec.message_id,
                  rec.session_id, rec.replica, rec.tokens)
         try:
@@ -155,7 +160,11 @@ class AgentLogic:
         self._hold(session_id, ids)
         try:
             for mid in ids:
-                m = self.engine.message(mid)
+                try:
+                    m = self.engine.message(mid)
+                except UnknownMessageError:  # evicted already (store pressure): nothing to record
+                    log.warning("message %s of session %s was evicted before it was registered", mid, session_id)
+                    continue
                 self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
                                                       m.num_tokens, m.nbytes))
             return True
@@ -234,7 +243,9 @@ class AgentLogic:
 
     def RunGraph(self, request: pb.GraphRequest, caller: str = "") -> Iterator[pb.GraphEvent]:
         """Any DAG of agent calls (engine.dag), validated whole and its session messages resolved before
-        anything runs; every node's output stays in the session. A graph that fails midway keeps nothing."""
+        anything runs. Node outputs stay in the session, except those that are private or were encoded with a
+        private node in view: a later call could read them from any role, so they go when the graph ends (their
+        node-done event names no message). A graph that fails or is left midway keeps nothing."""
         graph = convert.graph(request, self.config.default_max_tokens)
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
@@ -248,14 +259,17 @@ class AgentLogic:
                                                                 text=event.text,
                                                                 finish_reason=event.finish_reason or ""))
                     else:
-                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=event.message_id,
+                        kept = event.message_id if dag.shareable(event.node) else ""
+                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=kept,
                                                                        text=event.text, reencoded=event.reencoded))
+                kept = [mid for name, mid in dag.outputs.items() if dag.shareable(name)]
+                dag.temporary += [mid for mid in dag.outputs.values() if mid not in kept]
+                self.register(sid, kept)  # (while the run still holds them against eviction)
             except BaseException:
                 dag.temporary += dag.outputs.values()
                 raise
             finally:
                 dag.free()
-            self.register(sid, list(dag.outputs.values()))
             yield pb.GraphEvent(done=pb.GraphDone(session_id=sid, seconds=time.perf_counter() - start))
 
     def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:

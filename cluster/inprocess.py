@@ -26,6 +26,7 @@ class InProcessServer:
     def stop(self) -> None:
         self.server.stop(0)
         self.receiver.stop()
+        self.logic.stop_upkeep()
 
 
 def start_in_process(engine: Engine, directory: Directory, service: ServiceConfig | None = None,
@@ -35,6 +36,7 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs); `keys`: the API keys
     every RPC must carry (None: open); `tls`: (certificate chain, private key) PEM files."""
     logic = AgentLogic(engine, directory, service)
+    logic.start_upkeep(host)  # (frees the KV of sessions closed or expired)
     receiver = KVReceiver(engine.fingerprint, host=host)
     synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
     branches = BranchRunner(engine, worker or WorkerConfig(), "in-process")

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, Engine, PrefillCall
-from braid.engine.errors import BraidError
+from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
 
 MAX_NODES = 64
@@ -149,19 +149,27 @@ class DagRun:
     ttft: dict[str, float] = field(default_factory=dict)
     _taint: dict[str, frozenset[str]] = field(default_factory=dict)  # node -> its cached encoding's taint
     _context: dict[str, list[_Item]] = field(default_factory=dict)  # node -> what it read, in order
-    _visible: dict[tuple[str, str], str] = field(default_factory=dict)  # (node, role) -> clean copy's id
+    _visible: dict[tuple[str, str], _Item] = field(default_factory=dict)  # (node, role) -> its clean copy
 
     def __iter__(self) -> Iterator[NodeToken | NodeDone]:
         for wave in self.graph.waves():
             yield from self._run_wave(wave)
 
+    def shareable(self, name: str) -> bool:
+        """Whether node `name`'s output may outlive the graph: neither private nor encoded with a private node
+        in view (a later call could read it from any role)."""
+        return not self._taint[name]
+
     def free(self) -> None:
+        """Release what it held and free its re-encoded copies (those evicted meanwhile are gone already)."""
+        for mid in self.temporary:
+            try:
+                self.engine.free(mid, when_unpinned=True)
+            except UnknownMessageError:
+                pass
+        self.temporary = []
         self.engine.release(self._held)
         self._held = []
-        for mid in self.temporary:
-            if mid in self.engine.store:
-                self.engine.free(mid, when_unpinned=True)
-        self.temporary = []
 
     # ---- one wave: each node's context, then one prefill call and one decode call for all of them ----
     def _run_wave(self, wave: Sequence[Node]) -> Iterator[NodeToken | NodeDone]:
@@ -171,10 +179,10 @@ class DagRun:
             self._context[n.name], notes[n.name] = self._read_parents(n)
         encode = [n for n in wave if n.sampling is None]
         if encode:
-            ids = self.engine.prefill([self._call(n) for n in encode])
-            for n, mid in zip(encode, ids):
-                self._finish(n, mid)
-                yield NodeDone(n.name, mid, "", notes[n.name])
+            for n, mid in zip(encode, self.engine.prefill([self._call(n) for n in encode])):
+                self._finish(n, mid)  # (all of them before any event: a consumer leaving loses nothing)
+            for n in encode:
+                yield NodeDone(n.name, self.outputs[n.name], "", notes[n.name])
         decode = [n for n in wave if n.sampling is not None]
         if decode:
             stream = self.engine.decode_stream([self._call(n) for n in decode])
@@ -186,10 +194,12 @@ class DagRun:
                     replies.setdefault(ev.call, []).append(ev.text)
                     yield NodeToken(decode[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
             finally:
-                stream.close()
-            for c, (n, mid) in enumerate(zip(decode, stream.ids)):
-                self._finish(n, mid)
-                yield NodeDone(n.name, mid, "".join(replies.get(c, [])), notes[n.name])
+                stream.close()  # (stores nothing unless the calls had ended; what it stored is recorded here)
+                for n, mid in zip(decode, stream.ids or ()):
+                    if mid in self.engine.store:
+                        self._finish(n, mid)
+            for c, n in enumerate(decode):
+                yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(c, [])), notes[n.name])
 
     def _call(self, n: Node):
         ctx = self._context[n.name]
@@ -217,7 +227,7 @@ class DagRun:
         run_at = 0
         for e in n.parents:
             p = self.graph.node(e.node) if e.node else None
-            if p is not None and p.output == "text" and (not run or e.offset is None):
+            if p is not None and p.output == "text" and not p.private and (not run or e.offset is None):
                 if not run:
                     run_at = self._offset(e.offset, ctx)
                 run += self.engine.message(self.outputs[p.name]).token_ids
@@ -229,13 +239,18 @@ class DagRun:
             at = self._offset(e.offset, ctx)
             if p is None:  # a session message: nothing private in it
                 ctx.append(_Item(e.message, at, frozenset()))
+            elif p.output == "text" and p.private:  # its own item: its tokens are the private text itself
+                item = self._reencode(self.engine.message(self.outputs[p.name]).token_ids, at, ctx)
+                ctx.append(_Item(item.message, at, item.taint | {p.name}, p.name))
+                notes.append(f"{p.name}:text")
             elif p.output == "text":  # (a text parent at its own offset: a run of its own)
                 run, run_at = list(self.engine.message(self.outputs[p.name]).token_ids), at
                 notes.append(f"{p.name}:text")
             elif e.leak or self._clean(self._taint[p.name], n.role):
                 ctx.append(_Item(self.outputs[p.name], at, self._taint[p.name], p.name))
             else:
-                ctx.append(_Item(self._without_private(p.name, n.role), at, frozenset(), p.name))
+                copy = self._without_private(p.name, n.role)
+                ctx.append(_Item(copy.message, at, copy.taint, p.name))
                 notes.append(f"{p.name}:private")
         if run:
             ctx.append(self._reencode(run, run_at, ctx))
@@ -257,7 +272,7 @@ class DagRun:
         self._held += self.engine.hold([new])
         return _Item(new, at, frozenset().union(*(i.taint for i in ctx)) if ctx else frozenset())
 
-    def _without_private(self, name: str, role: str) -> str:
+    def _without_private(self, name: str, role: str) -> _Item:
         """A copy of node `name`'s output encoded without what `role` may not see: its context rebuilt (clean
         items kept, other roles' private nodes dropped, the rest re-encoded after what is kept), then its
         own tokens re-encoded after that, where they were."""
@@ -272,7 +287,7 @@ class DagRun:
                 else:
                     rebuilt.append(self._reencode(self.engine.message(item.message).token_ids, item.offset, rebuilt))
             own = self.engine.message(self.outputs[name])
-            self._visible[key] = self._reencode(own.token_ids, own.offset, rebuilt).message
+            self._visible[key] = self._reencode(own.token_ids, own.offset, rebuilt)  # (taint: what was kept)
         return self._visible[key]
 
 

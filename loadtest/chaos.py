@@ -44,6 +44,10 @@ def _outcomes(records) -> dict:
             "errors": sorted({r.error for r in records if r.error})[:20]}
 
 
+def _in_flight(records, at: float) -> int:
+    return sum(r.start < at and (r.end is None or r.end > at) for r in records)
+
+
 def recovers(address: str, within_s: float = 90.0, metadata=(("application", "braid"),)) -> float | None:
     """Seconds until a fresh workflow completes at `address` (None: not within `within_s`)."""
     start = time.monotonic()
@@ -68,11 +72,13 @@ def redis_restart_under_load(address: str, redis_server, workflows: int = 40, co
     thread, out = _load_in_background(address, workload.requests(workflows), concurrency, timeout)
     time.sleep(after_s)
     redis_server.stop()
+    stopped = time.perf_counter()  # (records are timed by perf_counter)
     time.sleep(down_s)
     redis_server.start()
     thread.join(timeout + 60)
-    result = {**_outcomes(out.get("records", [])), "after_s": after_s, "down_s": down_s,
-              "recovered_s": recovers(address, metadata=())}
+    records = out.get("records", [])
+    result = {**_outcomes(records), "after_s": after_s, "down_s": down_s,
+              "in_flight_at_fault": _in_flight(records, stopped), "recovered_s": recovers(address, metadata=())}
     result["passed"] = (not thread.is_alive() and result["outcomes"].get("OK", 0) == workflows
                         and result["recovered_s"] is not None)
     return result
@@ -95,8 +101,7 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
     back = recovers(address, recover_within_s, metadata)
     records = out.get("records", [])
     result = {**_outcomes(records), "replicas_before": len(workers), "after_s": after_s,
-              "in_flight_at_kill": sum(r.start < killed_clock and (r.end is None or r.end > killed_clock)
-                                       for r in records),
+              "in_flight_at_fault": _in_flight(records, killed_clock),
               "recovered_s": None if back is None else time.monotonic() - killed_at}  # (from the kill)
     other = {k: n for k, n in result["outcomes"].items() if k not in ("OK", "UNAVAILABLE")}
     result["passed"] = not thread.is_alive() and not other and result["recovered_s"] is not None
@@ -150,8 +155,8 @@ def main(argv=None) -> int:
         finally:
             local.stop()
     back = "never" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s later"
-    print(f"{args.fault}: {result['workflows']} workflows ({result.get('in_flight_at_kill', '-')} in flight at the "
-          f"kill), outcomes {result['outcomes']}, hung {result['hung']}; "
+    print(f"{args.fault}: {result['workflows']} workflows ({result['in_flight_at_fault']} in flight at the "
+          f"fault), outcomes {result['outcomes']}, hung {result['hung']}; "
           f"a new workflow completed: {back}")
     print("PASS" if result["passed"] else "FAIL")
     stem = write_json(args.out, f"chaos_{args.fault.replace('-', '_')}_cpu", {**result, "config": vars(args)})

@@ -65,6 +65,8 @@ class Synthesizer:
     async def agent_stream(self, name: str, request, caller: str = ""):
         await self._serving(getattr(request, "session_id", ""))
         async for item in in_thread(lambda: getattr(self.agent, name)(request, caller=caller)):
+            if not request.session_id and hasattr(item, "done") and item.HasField("done"):
+                await self._serving(item.done.session_id)  # (a session this call opened)
             yield item
 
     async def run_branches(self, req: BranchRequest):

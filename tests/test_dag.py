@@ -138,3 +138,26 @@ def test_consecutive_text_parents_are_re_encoded_together_as_a_text_prompt(llama
     c, = eng.decode([DecodeCall(text + eng.tokenize("Assistant:"), sampling=GREEDY)])  # the plain text pipeline
     assert tokens_of(events, "c") == list(eng.message(c).token_ids[-5:])
     dag.free()
+
+
+def test_private_text_and_kept_taint_still_stop_leaks(llama_engine):
+    """Two ways round the control found in review: a private node read as text (its tokens are the secret),
+    and a copy that keeps the reader's own role's private ancestors (their taint must stay with it)."""
+    eng = llama_engine
+    g = Graph([
+        Node("alice_secret", "System: the code is 7.", role="alice", private=True, output="text"),
+        Node("alice_says", "Alice: hello.", role="alice", parents=(Edge("alice_secret"),)),
+        Node("bob_secret", "System: bob's plan.", role="bob", private=True),
+        Node("bob_note", "Bob: noted.", role="bob", parents=(Edge("bob_secret"),)),
+        Node("alice_reply", "Alice: ok.", role="alice", parents=(Edge("bob_note", leak=True), Edge("alice_says"))),
+        Node("bob_reads", "Bob:", role="bob", parents=(Edge("alice_reply"),), sampling=GREEDY),
+        Node("dave_reads", "Dave:", role="dave", parents=(Edge("bob_reads"),), sampling=GREEDY)])
+    dag, events = run(eng, g)
+    done = {e.node: e for e in events if isinstance(e, NodeDone)}
+    assert dag._taint["alice_says"] == {"alice_secret"}  # (read as text, the secret is still in view)
+    assert done["bob_reads"].reencoded == ["alice_reply:private"]
+    # Bob's copy kept bob_note (bob's own), so bob_secret stays in its taint, and Dave is kept from it too
+    assert dag._taint["bob_reads"] == {"bob_secret"} and done["dave_reads"].reencoded == ["bob_reads:private"]
+    assert not dag.shareable("bob_reads") and not dag.shareable("alice_says") and dag.shareable("dave_reads")
+    dag.temporary += dag.outputs.values()
+    dag.free()

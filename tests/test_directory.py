@@ -93,3 +93,16 @@ def test_a_failed_first_call_closes_the_session_it_opened(directory):
         with directory.session_for_call(kept, "key"):
             raise RuntimeError("a later call failed")
     assert directory.session(kept, "key").session_id == kept  # a session named by the call stays
+
+
+def test_a_running_count_lost_with_redis_is_not_driven_below_zero(directory):
+    with directory.running("key", limit=2):
+        directory.r.delete("braid:owner:key:running")  # (as a Redis restart without persistence would)
+    assert directory.r.get("braid:owner:key:running") is None  # not -1: the limit still holds
+
+
+def test_a_retried_registration_counts_once(directory):
+    a = directory.create_session()
+    directory.register(rec(a, "m", 100))
+    directory.register(rec(a, "m", 100))  # (a retry after a lost reply)
+    assert (directory.session(a).messages, directory.session(a).kv_bytes) == (1, 100)
