@@ -166,13 +166,14 @@ def run_preset(stub, args, metadata) -> None:
     """A preset agent workflow (engine.presets) as RunGraph DAGs; each node's reply printed as it ends."""
     from braid.api.convert import graph_request
     from braid.engine import SamplingParams
-    from braid.engine.presets import count_votes, mad_iter, mad_par, tot, tot_final
+    from braid.engine.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     output = "text" if args.transport == "text" else "kv"
     graph = {"mad-iter": lambda: mad_iter(args.question, args.rounds, sampling, output),
              "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output),
-             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output)}[args.preset]()
+             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output),
+             "moa": lambda: moa(args.question, args.agents, args.rounds, sampling, output)}[args.preset]()
 
     def run(request) -> tuple[str, dict]:
         outputs, session = {}, ""
@@ -301,13 +302,14 @@ def main(argv=None) -> int:
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
     p.add_argument("--task", help="the shared task every worker sees")
     p.add_argument("--branch", action="append", help="one worker's instruction (repeat per worker)")
-    p.add_argument("--preset", choices=["mad-iter", "mad-par", "tot"],
-                   help="instead, one of the seed's agent workflows as a RunGraph DAG: iterative debate, parallel "
-                        "debate, or tree of thoughts (--transport text: its text re-prefill baseline)")
+    p.add_argument("--preset", choices=["mad-iter", "mad-par", "tot", "moa"],
+                   help="instead, an agent workflow as a RunGraph DAG: iterative debate, parallel debate, tree of "
+                        "thoughts, or mixture-of-agents (--transport text: its text re-prefill baseline)")
     p.add_argument("--question", help="the question a --preset workflow works on")
-    p.add_argument("--rounds", type=int, default=3, help="--preset mad-iter/mad-par: debate rounds (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--preset mad-iter/mad-par: debate rounds; moa: proposer layers (default: 3)")
     p.add_argument("--agents", type=int, default=3,
-                   help="--preset mad-par: agents; tot: solutions (default: 3)")
+                   help="--preset mad-par: agents; tot: solutions; moa: proposers per layer (default: 3)")
     p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
     p.add_argument("--prompt", default="<|synthesizer|>",
                    help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")

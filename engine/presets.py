@@ -4,6 +4,9 @@
 - MADpar: n identical agents answer in parallel, each round reading every agent's previous answer.
 - ToT (depth 1): b solutions in parallel, v voters each reading all of them, then a final answer from the
   winning solution (a second graph, `tot_final`, once the votes are counted).
+- MoA (Mixture-of-Agents, the staircase seed's workflow): layers of n proposers, each layer reading every
+  answer of the layer before, then one aggregator (here each stage waits for the whole layer before; the
+  staircase, which starts from the first chunks, is `engine.staircase`).
 
 `output="kv"` is the choreographed workflow (every message read through its cached encoding); `"text"` is
 the baseline: every message re-encoded in each reader's context (prefix caching still reuses identical
@@ -14,7 +17,7 @@ private nodes for the leakage experiments.
 from braid.engine.dag import Edge, Graph, Node
 from braid.engine.sampling import SamplingParams
 
-PRESETS = ("mad-iter", "mad-par", "tot")
+PRESETS = ("mad-iter", "mad-par", "tot", "moa")
 
 
 def mad_iter(question: str, rounds: int = 3, sampling: SamplingParams = SamplingParams(), output: str = "kv",
@@ -70,6 +73,22 @@ def tot_final(solve: str, problem: str, winner: str, sampling: SamplingParams = 
     output message ids (session messages now)."""
     return Graph([Node("final", "\nFinal answer:", sampling=sampling, output=output,
                        parents=(Edge(message=solve), Edge(message=problem), Edge(message=winner)))])
+
+
+def moa(question: str, proposers: int = 3, layers: int = 2, sampling: SamplingParams = SamplingParams(),
+        output: str = "kv") -> Graph:
+    nodes = [Node("system", "Answer the question. Use the earlier answers where they help.\n", output=output),
+             Node("question", f"Question: {question}\n", output=output)]
+    previous: list[str] = []
+    for k in range(layers):
+        current = [f"layer{k + 1}:proposer{i}" for i in range(proposers)]
+        nodes += [Node(name, f"\nProposer {i}:", role=f"proposer{i}", sampling=sampling, output=output,
+                       parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)))
+                  for i, name in enumerate(current)]
+        previous = current
+    nodes.append(Node("aggregator", "\nAggregated answer:", role="aggregator", sampling=sampling, output=output,
+                      parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous))))
+    return Graph(nodes)
 
 
 def count_votes(votes: list[str], solutions: int) -> int:

@@ -81,7 +81,8 @@ def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     assert (tmp_path / "workflows_cpu.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("preset, transport", [("tot", "grpc"), ("mad-iter", "text"), ("mad-par", "grpc")])
+@pytest.mark.parametrize("preset, transport", [("tot", "grpc"), ("mad-iter", "text"), ("mad-par", "grpc"),
+                                               ("moa", "grpc")])
 def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
     from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
@@ -102,6 +103,8 @@ def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
         assert "[votes] solution" in out and "[final]" in out
     if preset == "mad-iter":
         assert "[round2:negative]" in out and "[moderator]" in out
+    if preset == "moa":
+        assert "[layer2:proposer2]" in out and "[aggregator]" in out
     assert main(["run", "--preset", "tot"]) == 2 and "--preset needs --question" in capsys.readouterr().err
 
 
