@@ -235,7 +235,7 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                                           held)
             else:
                 stream, end = _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end,
-                                            chunk_branch, m, mode, params, held)
+                                            chunk_branch, taken, m, mode, params, held)
             finished = False
             for event in stream:
                 result.answer.append(event.token_id)
@@ -284,10 +284,11 @@ def _reprefill_round(engine, feed, new, slots, header, prefix, mode: SynthesisMo
     return synthesis_stream(engine, [slots[j] for j in sorted(slots)], header, prefix, mode, params)
 
 
-def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end, chunk_branch, m,
+def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end, chunk_branch, taken, m,
                   mode: SynthesisMode, params, held):
     """The new chunks one after another after the context so far, then the prompt (round 0) or the resume
-    tokens; the context before is reused as it is."""
+    tokens; the context before is reused as it is. The mapper sees each chunk with its branch's length so far
+    (`taken`), the nearest this round knows of the whole branch's length it was trained with."""
     header = prompt_ids if round_ == 0 else resume
     if mode.text:
         tokens = [t for j, (a, b) in sorted(new.items()) for t in feed.chunk(j, a, b)[0]]
@@ -303,5 +304,6 @@ def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offset
         offsets.append(at)
         at += b - a
     call = DecodeCall(header, parents=list(parents), offsets=list(offsets), new_offset=at, sampling=params)
-    stream = decode_with_hooks(engine, call, mode.hooks, chunk_branch, m)
+    stream = decode_with_hooks(engine, call, mode.hooks, chunk_branch, m,
+                               {mid: taken[j] for mid, j in chunk_branch.items()})
     return stream, at

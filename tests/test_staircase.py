@@ -124,3 +124,22 @@ def test_a_consumer_that_leaves_mid_answer_leaves_nothing_behind(fresh_engine):
     fresh_engine.free(prefix[0])
     left = {m for m in set(fresh_engine.store.ids()) - before if not m.startswith("~")}
     assert not left, left
+
+
+def test_append_maps_each_chunk_with_its_branch_length_so_far(fresh_engine):
+    """The mapper was trained with whole-branch lengths: each round it sees every chunk with its branch's
+    length so far, never the chunk's own length."""
+    from braid.engine.synthesis import SynthesisHooks
+
+    seen = []
+
+    def mapper(kv, *, branch, num_branches, length=None):
+        seen.append((branch, kv.shape[3], length))
+        return kv
+
+    mode = SynthesisMode(Placement.SEQUENTIAL, SynthesisHooks(mapper=mapper))
+    result, _, (branches,), _ = run(fresh_engine, StaircaseSchedule((4, 4), (3,)), Variant.APPEND, mode)
+    lengths = [fresh_engine.message(b).num_tokens for b in branches.ids]
+    assert seen and all(length is not None and length >= chunk for _, chunk, length in seen)
+    assert any(length > chunk for _, chunk, length in seen)  # later rounds: earlier chunks, longer branches
+    assert max(length for _, _, length in seen) == max(lengths)
