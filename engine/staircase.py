@@ -240,6 +240,8 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
             for event in stream:
                 result.answer.append(event.token_id)
                 finished = event.finish_reason == "stop"
+                if event.finish_reason == "length" and len(result.answer) < sampling.max_tokens:
+                    event = dataclasses.replace(event, finish_reason=None, message_id=None)  # (a round ends)
                 yield event
             answer_id, stream = stream.ids[0], None
             result.message_ids.append(answer_id)
@@ -260,11 +262,14 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
         for mid in held:
             if mid not in keep and mid in engine.store:
                 engine.free(mid, when_unpinned=True)
+        engine.release(held)  # (the imported chunks' holds; releasing what was never held is a no-op)
 
 
 def _import(engine: Engine, feed: BranchFeed, j: int, start: int, end: int, held: list[str]) -> str:
+    """A chunk of branch j as a message, kept from eviction between rounds (freed, and released, at the end)."""
     tokens, kv, at = feed.chunk(j, start, end)
     mid = engine.import_message(tokens, kv.to(engine.lm.dtype), at, engine.fingerprint)
+    engine.hold([mid])
     held.append(mid)
     return mid
 
@@ -279,6 +284,7 @@ def _reprefill_round(engine, feed, new, slots, header, prefix, mode: SynthesisMo
         else:
             if j in slots:
                 held.remove(slots[j])
+                engine.release([slots[j]])
                 engine.free(slots[j])
             slots[j] = _import(engine, feed, j, 0, b, held)
     return synthesis_stream(engine, [slots[j] for j in sorted(slots)], header, prefix, mode, params)

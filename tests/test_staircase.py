@@ -8,7 +8,7 @@ import pytest
 
 from braid.engine import PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
-from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
 from braid.engine.workflow import fan_out
 
@@ -143,3 +143,14 @@ def test_append_maps_each_chunk_with_its_branch_length_so_far(fresh_engine):
     assert seen and all(length is not None and length >= chunk for _, chunk, length in seen)
     assert any(length > chunk for _, chunk, length in seen)  # later rounds: earlier chunks, longer branches
     assert max(length for _, _, length in seen) == max(lengths)
+
+
+def test_only_the_answers_last_token_says_it_finished(fresh_engine):
+    """Rounds end on their token budget, but only the answer's last event carries a finish reason and its
+    message id; imported chunks are held from eviction while the run goes, and released after it."""
+    result, events, (branches,), _ = run(fresh_engine, StaircaseSchedule((4, 4), (3,)), Variant.APPEND, KV)
+    tokens = [e for e in events if not isinstance(e, RoundTaken)]
+    assert len(result.rounds) > 1 and len(tokens) == 10
+    assert [e.finish_reason for e in tokens] == [None] * 9 + ["length"]
+    assert [e.message_id for e in tokens[:-1]] == [None] * 9 and tokens[-1].message_id == result.message_ids[-1]
+    assert set(+fresh_engine.store._held) <= set(branches._held)  # (what is still held is the fan-out's own)
