@@ -8,23 +8,26 @@ greedy workflow. It passes when no request got UNKNOWN or INTERNAL (an error the
 none hung, no request naming another session's message was accepted, the server still answers Health, and
 the workflow afterwards gives the same answer as before.
 
-Without --address it serves the reference model in process, on an embedded Redis (loopback only), and
-fuzzes that; with --address it fuzzes a running server (only loopback addresses are accepted).
+Without --address it serves the reference model in process, on an embedded Redis (loopback only), with two
+API keys, and fuzzes that: each request goes with one of the keys, so requests also name the other key's
+sessions and messages; with --address it fuzzes a running server (only loopback addresses are accepted).
 Writes JSON.
 """
 
 import argparse
 import math
 import random
+import secrets
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 from tqdm import tqdm
 
-from braid.api.auth import TIMEOUT_HEADER
+from braid.api.auth import TIMEOUT_HEADER, client_metadata
 from braid.loadtest.run import check_loopback
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
@@ -43,6 +46,7 @@ class Pool:
     sessions: list[str] = field(default_factory=list)
     messages: dict[str, list[str]] = field(default_factory=dict)  # session -> its message ids
     owner: dict[str, str] = field(default_factory=dict)  # message id -> its session
+    key: dict[str, int] = field(default_factory=dict)  # session -> the API key (index) that opened it
 
 
 class Fuzzer:
@@ -178,7 +182,7 @@ class Fuzzer:
         return method, pb.HealthRequest()
 
 
-def _learn(pool: Pool, method: str, request, response) -> None:
+def _learn(pool: Pool, method: str, request, response, key: int = 0) -> None:
     """Remember the ids a successful call returned, for later requests to name; forget a closed session."""
     if method == "CloseSession":
         if request.session_id in pool.sessions:
@@ -197,6 +201,7 @@ def _learn(pool: Pool, method: str, request, response) -> None:
             pool.sessions.append(sid)
         pool.messages.setdefault(sid, []).extend(ids)
         pool.owner.update((m, sid) for m in ids)
+        pool.key.setdefault(sid, key)
 
 
 def named_ids(request) -> list[str]:
@@ -235,34 +240,40 @@ def reference_answer(stub, metadata=()) -> list[int]:
 
 
 def fuzz(address: str, requests: int, seed: int = 0, concurrency: int = 4, deadline_s: float = 60.0,
-         metadata=(), progress: bool = True) -> dict:
-    """Send `requests` fuzzed requests to the agent API at `address`; returns the report (see `passed`)."""
+         metadata=(), progress: bool = True, keys: Sequence[str] = ()) -> dict:
+    """Send `requests` fuzzed requests to the agent API at `address`; returns the report (see `passed`). With
+    `keys` (API keys the server accepts), each request goes with one of them, drawn at random, so requests also
+    name sessions and messages of another key's."""
     check_loopback(address)
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
     stub = agent_pb2_grpc.AgentServiceStub(channel)
-    before = reference_answer(stub, metadata)
+    as_key = [(*metadata, *client_metadata(k)) for k in keys] or [tuple(metadata)]
+    before = reference_answer(stub, as_key[0])
     pool, statuses, by_method, unmeant = Pool(), Counter(), {}, []
-    foreign = Counter()  # requests naming another session's message: sent, accepted
-    fuzzer = Fuzzer(seed, pool)
+    foreign = Counter()  # requests naming another session's (or key's) session or message: sent, accepted
+    fuzzer, draw = Fuzzer(seed, pool), random.Random(seed + 1)
     start = time.perf_counter()
 
     def one(item):
-        method, request = item
+        method, request, key = item
         sid = getattr(request, "session_id", "")
-        crossing = any(pool.owner.get(m, sid) != sid for m in named_ids(request))
-        status, got = call(stub, method, request, deadline_s, metadata)
+        other_session = any(pool.owner.get(m, sid) != sid for m in named_ids(request))
+        other_key = bool(sid) and pool.key.get(sid, key) != key
+        status, got = call(stub, method, request, deadline_s, as_key[key])
         if status == "OK":
-            _learn(pool, method, request, got)
-        if crossing:
+            _learn(pool, method, request, got, key)
+        if other_session or other_key:
             foreign["sent"] += 1
             foreign["accepted"] += status == "OK"
+            foreign["other_key"] += other_key
         return method, request, status, got
 
     with ThreadPoolExecutor(concurrency) as ex, tqdm(total=requests, desc="fuzzing", unit="req",
                                                      disable=not progress) as bar:
         sent = 0
         while sent < requests:  # in waves, so later requests can name ids earlier ones made
-            wave = [fuzzer.request() for _ in range(min(4 * concurrency, requests - sent))]
+            wave = [(*fuzzer.request(), draw.randrange(len(as_key)))
+                    for _ in range(min(4 * concurrency, requests - sent))]
             for method, request, status, got in ex.map(one, wave):
                 statuses[status] += 1
                 by_method.setdefault(method, Counter())[status] += 1
@@ -273,8 +284,8 @@ def fuzz(address: str, requests: int, seed: int = 0, concurrency: int = 4, deadl
             sent += len(wave)
     seconds = time.perf_counter() - start
     try:
-        healthy = stub.Health(pb.HealthRequest(), timeout=30, metadata=metadata).status == "SERVING"
-        after = reference_answer(stub, metadata)
+        healthy = stub.Health(pb.HealthRequest(), timeout=30, metadata=as_key[0]).status == "SERVING"
+        after = reference_answer(stub, as_key[0])
     except grpc.RpcError as e:
         healthy, after = False, [f"{e.code().name}: {e.details()}"]
     channel.close()
@@ -284,6 +295,7 @@ def fuzz(address: str, requests: int, seed: int = 0, concurrency: int = 4, deadl
             "by_method": {m: dict(c) for m, c in by_method.items()}, "unknown_or_internal": bad, "hangs": hangs,
             "healthy_after": healthy, "answer_before": before, "answer_after": after,
             "cross_session_references": foreign["sent"], "cross_session_accepted": foreign["accepted"],
+            "cross_key_references": foreign["other_key"], "keys": len(keys),
             "same_answer": before == after,
             "passed": bad == 0 and hangs == 0 and healthy and before == after and not foreign["accepted"],
             "failures": unmeant[:50]}
@@ -294,7 +306,8 @@ def format_report(r: dict) -> str:
     lines += [f"  {status:<20} {n}" for status, n in sorted(r["statuses"].items(), key=lambda x: -x[1])]
     lines.append(f"UNKNOWN/INTERNAL: {r['unknown_or_internal']}, hangs: {r['hangs']}, serving afterwards: "
                  f"{r['healthy_after']}, same workflow answer as before: {r['same_answer']}, requests naming another "
-                 f"session's message: {r['cross_session_references']} ({r['cross_session_accepted']} accepted)")
+                 f"session's message or another key's session: {r['cross_session_references']} "
+                 f"({r['cross_key_references']} across keys; {r['cross_session_accepted']} accepted)")
     lines += [f"  {f['method']} -> {f['status']}: {f['details']}" for f in r["failures"][:10]]
     return "\n".join(lines)
 
@@ -320,15 +333,19 @@ def main(argv=None) -> int:
     server = redis = None
     address = args.address
     if address is None:
+        from braid.api.auth import ApiKeys
         from braid.api.directory import Directory, EmbeddedRedis
         from braid.cluster.inprocess import start_in_process
         from braid.engine import Engine, EngineConfig
 
         redis = EmbeddedRedis()
-        server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url))
+        keys = [secrets.token_urlsafe(24) for _ in range(2)]  # two tenants: requests also cross between them
+        server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url),
+                                  keys=ApiKeys.parse([f"tenant{i}:{k}" for i, k in enumerate(keys)], "fuzz"))
         address = f"127.0.0.1:{server.port}"
     try:
-        report = fuzz(address, args.requests, args.seed, args.concurrency, args.deadline)
+        report = fuzz(address, args.requests, args.seed, args.concurrency, args.deadline,
+                      keys=keys if server is not None else ())
     finally:
         if server is not None:
             server.stop()

@@ -104,3 +104,19 @@ def test_a_redis_restart_under_load_loses_no_workflow(checkpoint):
         server.stop()
         redis.stop()
     assert result["passed"] and result["outcomes"] == {"OK": 12}, result
+
+
+def test_fuzzed_requests_across_two_api_keys_reach_nothing_of_the_other(checkpoint):
+    from braid.api.auth import ApiKeys
+
+    keys = ["tenant-a-key-0123456789", "tenant-b-key-0123456789"]
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url),
+                              keys=ApiKeys.parse([f"a:{keys[0]}", f"b:{keys[1]}"], "test"))
+    try:
+        report = fuzz(f"127.0.0.1:{server.port}", 200, seed=2, deadline_s=60, progress=False, keys=keys)
+    finally:
+        server.stop()
+        redis.stop()
+    assert report["cross_key_references"] > 0 and report["cross_session_accepted"] == 0, report["statuses"]
+    assert report["passed"] and "UNAUTHENTICATED" not in report["statuses"]
