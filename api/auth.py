@@ -48,8 +48,12 @@ def _digest(key: str) -> bytes:
 def client_metadata(key: str | None, timeout_s: float | None = None) -> tuple[tuple[str, str], ...]:
     """The metadata a client adds to each call: its key (if any) and, with `timeout_s`, its deadline."""
     key = key or os.environ.get(ENV_CLIENT_KEY)
-    out = ((HEADER, f"Bearer {key}"),) if key else ()
-    return out + (((TIMEOUT_HEADER, str(max(1, round(1e3 * timeout_s)))),) if timeout_s else ())
+    return (((HEADER, f"Bearer {key}"),) if key else ()) + timeout_metadata(timeout_s)
+
+
+def timeout_metadata(timeout_s: float | None) -> tuple[tuple[str, str], ...]:
+    """The deadline a client sends (none without `timeout_s`)."""
+    return ((TIMEOUT_HEADER, str(max(1, round(1e3 * timeout_s)))),) if timeout_s else ()
 
 
 class DeadlineError(BraidError):

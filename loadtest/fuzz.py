@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 from tqdm import tqdm
 
-from braid.api.auth import TIMEOUT_HEADER, client_metadata
+from braid.api.auth import client_metadata, timeout_metadata
 from braid.loadtest.run import check_loopback
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
@@ -219,7 +219,7 @@ def call(stub, method: str, request, deadline_s: float, metadata=()) -> tuple[st
     """(status name, response: the message, or the list of streamed events)."""
     try:
         fn = getattr(stub, method)
-        got = fn(request, timeout=deadline_s, metadata=(*metadata, (TIMEOUT_HEADER, str(round(1e3 * deadline_s)))))
+        got = fn(request, timeout=deadline_s, metadata=(*metadata, *timeout_metadata(deadline_s)))
         if not hasattr(got, "ListFields"):  # a stream
             got = list(got)
         return "OK", got
