@@ -7,6 +7,7 @@ from braid.api.messages import SynthesizerInfo
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.dag import Edge, Graph, Node
 from braid.engine.errors import BraidError, ContextOverflowError
+from braid.engine.staircase import StaircaseSchedule, Variant
 from braid.engine.synthesis import Placement
 from braid.protos import agent_pb2 as pb
 
@@ -128,8 +129,28 @@ def graph(request: pb.GraphRequest, default_max_tokens: int) -> Graph:
                         for p in n.parents)
         nodes.append(Node(n.name, n.prompt, n.role, parents,
                           sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
-                          n.output or "kv", n.private))
-    return Graph(nodes)
+                          n.output or "kv", n.private, n.staircase))
+    schedule, variant = staircase_options(request.staircase)
+    return Graph(nodes, schedule, variant)
+
+
+MAX_CHUNK_SIZES = 8
+
+
+def staircase_options(msg: pb.StaircaseOptions) -> tuple[StaircaseSchedule, Variant]:
+    """The schedule and variant a request's StaircaseOptions ask for (the defaults where unset)."""
+    default = StaircaseSchedule()
+    for name in ("proposer_chunks", "aggregator_chunks"):
+        if len(getattr(msg, name)) > MAX_CHUNK_SIZES:
+            raise BraidError(f"staircase.{name}: at most {MAX_CHUNK_SIZES} sizes (the last repeats), got "
+                             f"{len(getattr(msg, name))}")
+    schedule = StaircaseSchedule(tuple(msg.proposer_chunks) or default.proposer,
+                                 tuple(msg.aggregator_chunks) or default.aggregator, msg.redundancy)
+    try:
+        return schedule, Variant(msg.variant or Variant.REPREFILL.value)
+    except ValueError:
+        raise BraidError(f"staircase.variant {msg.variant!r} is not one of "
+                         f"{', '.join(v.value for v in Variant)}") from None
 
 
 def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
@@ -139,14 +160,16 @@ def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
         parents = [pb.GraphParent(node=e.node, message_id=e.message, leak=e.leak,
                                   **({} if e.offset is None else {"offset": e.offset})) for e in n.parents]
         node = pb.GraphNode(name=n.name, prompt=n.prompt, role=n.role, parents=parents, output=n.output,
-                            private=n.private, decode=n.sampling is not None)
+                            private=n.private, decode=n.sampling is not None, staircase=n.staircase)
         if n.sampling is not None:
             s = n.sampling
             node.sampling.CopyFrom(pb.Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                                stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                                                ignore_eos=s.ignore_eos, **({} if s.seed is None else {"seed": s.seed})))
         nodes.append(node)
-    return pb.GraphRequest(session_id=session_id, nodes=nodes)
+    options = pb.StaircaseOptions(proposer_chunks=graph.schedule.proposer, aggregator_chunks=graph.schedule.aggregator,
+                                  redundancy=graph.schedule.redundancy, variant=graph.variant.value)
+    return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options)
 
 
 def token_event(event) -> pb.TokenEvent:

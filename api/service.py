@@ -19,7 +19,7 @@ from braid.api.auth import KeyLimits
 from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
 from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
-from braid.engine.dag import NodeToken, run_dag
+from braid.engine.dag import NodeRound, NodeToken, run_dag
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
 from braid.kv.export import KVExporter, fetch
@@ -258,6 +258,9 @@ class AgentLogic:
                         yield pb.GraphEvent(token=pb.GraphToken(node=event.node, token_id=event.token_id,
                                                                 text=event.text,
                                                                 finish_reason=event.finish_reason or ""))
+                    elif isinstance(event, NodeRound):
+                        chunks = [pb.GraphChunk(parent=p, start=a, end=b) for p, (a, b) in event.chunks.items()]
+                        yield pb.GraphEvent(round=pb.GraphRound(node=event.node, round=event.round, chunks=chunks))
                     else:
                         kept = event.message_id if dag.shareable(event.node) else ""
                         yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=kept,

@@ -15,15 +15,27 @@ that attended to another role's private node, directly or through cached parents
 it through the back door; by default such a parent is read through a copy re-encoded without those
 ancestors (each of its context's items kept where clean, dropped where private, re-encoded otherwise). An
 edge with `leak=True` reads the cached encoding anyway: the choice is explicit.
+
+Staircase nodes (seed 003). A node with `staircase=True` reads its decoding parents chunk by chunk while they
+decode, as an aggregator of Staircase Streaming does (engine.staircase, with the graph's schedule and
+variant): it runs alongside its parents' wave and answers from their first chunks. Its other parents are
+read whole first. Cached (kv) parents are read from their KV chunks, text parents from their tokens; a kv
+parent whose encoding saw another role's private node turns the node to text chunks, so the control above
+holds. When it ends, its prompt and reply are encoded once after its parents' whole messages (as a node that
+waited would read them): that is the output its children read.
 """
 
+import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from braid.engine.engine import DecodeCall, Engine, PrefillCall
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
+from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.engine.synthesis import TEXT, Placement, SynthesisMode
 
 MAX_NODES = 64
 OUTPUTS = ("kv", "text")
@@ -48,11 +60,14 @@ class Node:
     sampling: SamplingParams | None = None  # None: encode the prompt only (a shared text, a system prompt)
     output: str = "kv"  # how children read it: its cached encoding ("kv") or re-encoded in their context ("text")
     private: bool = False  # only its role's nodes may read it, directly or through cached encodings
+    staircase: bool = False  # read the decoding parents chunk by chunk as they decode (they must come last)
 
 
 @dataclass
 class Graph:
     nodes: list[Node]
+    schedule: StaircaseSchedule = field(default_factory=StaircaseSchedule)  # for staircase nodes
+    variant: Variant = Variant.REPREFILL
 
     def __post_init__(self):
         if not 1 <= len(self.nodes) <= MAX_NODES:
@@ -83,10 +98,63 @@ class Graph:
                 if p is not None and p.private and p.role != n.role:
                     raise BraidError(f"node {n.name!r} (role {n.role!r}) reads {p.name!r}, which is private to "
                                      f"role {p.role!r}")
-        self.waves()  # (refuses a cycle)
+        at = {n.name: i for i, w in enumerate(self.waves()) for n in w}  # (refuses a cycle)
+        for n in self.nodes:
+            if n.staircase:
+                self._check_staircase(n, at)
+
+    def _check_staircase(self, n: Node, at: dict[str, int]) -> None:
+        where = f"node {n.name!r} (staircase)"
+        if n.sampling is None:
+            raise BraidError(f"{where} streams a reply from its parents' chunks: set decode")
+        streamed = self.streamed(n)
+        if not streamed:
+            raise BraidError(f"{where} has no decoding node of this graph as a parent: nothing to stream")
+        if len(set(streamed)) < len(streamed):
+            raise BraidError(f"{where} names a parent it streams twice")
+        if any(e.offset is not None for e in n.parents):
+            raise BraidError(f"{where}: its parents are read one after another; leave their offsets unset")
+        first = next(i for i, e in enumerate(n.parents) if e.node in streamed)
+        if any(e.node not in streamed for e in n.parents[first:]):
+            raise BraidError(f"{where}: the parents it streams must come last, after those it reads whole")
+        nested = [p for p in streamed if self.node(p).staircase]
+        if nested:
+            raise BraidError(f"{where} streams {nested[0]!r}, itself a staircase node; nested staircases are not "
+                             f"supported yet: let one of the two wait for its parents")
+        if len({self.node(p).output for p in streamed}) > 1:
+            raise BraidError(f"{where}: the parents it streams must have one output kind (all kv or all text)")
+        waves = sorted({at[p] for p in streamed})
+        if len(waves) > 1:
+            a, b = (next(p for p in streamed if at[p] == w) for w in waves[:2])
+            raise BraidError(f"{where}: the parents it streams must decode together, but {b!r} waits for nodes "
+                             f"{a!r} does not")
+        late = [e.node for e in n.parents[:first] if e.node and at[e.node] > waves[0]]
+        if late:
+            raise BraidError(f"{where}: {late[0]!r} is read whole, so it must be done before the parents it "
+                             f"streams start decoding")
+        self.schedule.quorum(len(streamed))  # (refuses a redundancy that leaves nothing to wait for)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
+
+    def streamed(self, n: Node) -> list[str]:
+        """The parents a staircase node reads as they decode: its parents that are decoding nodes."""
+        if not n.staircase:
+            return []
+        return [e.node for e in n.parents if e.node and self.node(e.node).sampling is not None]
+
+    def plan(self) -> list[tuple[list[Node], list[Node]]]:
+        """The waves in order, each with the staircase nodes that run alongside it (streaming its decodes)."""
+        waves = self.waves()
+        at = {n.name: i for i, w in enumerate(waves) for n in w}
+        plan: list[tuple[list[Node], list[Node]]] = [([], []) for _ in waves]
+        for i, wave in enumerate(waves):
+            for n in wave:
+                if n.staircase:
+                    plan[at[self.streamed(n)[0]]][1].append(n)
+                else:
+                    plan[i][0].append(n)
+        return [p for p in plan if p[0]]
 
     def waves(self) -> list[list[Node]]:
         """The nodes in dependency order: each wave's parents are all in earlier waves."""
@@ -127,6 +195,15 @@ class NodeToken:
 
 
 @dataclass
+class NodeRound:
+    """A staircase node's round: the token range [start, end) of each parent's message it took in before its
+    next answer chunk."""
+    node: str
+    round: int
+    chunks: dict[str, tuple[int, int]]
+
+
+@dataclass
 class NodeDone:
     node: str
     message_id: str  # its output message: prompt + reply
@@ -150,10 +227,11 @@ class DagRun:
     _taint: dict[str, frozenset[str]] = field(default_factory=dict)  # node -> its cached encoding's taint
     _context: dict[str, list[_Item]] = field(default_factory=dict)  # node -> what it read, in order
     _visible: dict[tuple[str, str], _Item] = field(default_factory=dict)  # (node, role) -> its clean copy
+    _staircase_results: dict[str, StaircaseResult] = field(default_factory=dict)  # staircase node -> its run
 
-    def __iter__(self) -> Iterator[NodeToken | NodeDone]:
-        for wave in self.graph.waves():
-            yield from self._run_wave(wave)
+    def __iter__(self) -> Iterator[NodeToken | NodeRound | NodeDone]:
+        for wave, attached in self.graph.plan():
+            yield from self._run_wave(wave, attached)
 
     def shareable(self, name: str) -> bool:
         """Whether node `name`'s output may outlive the graph: neither private nor encoded with a private node
@@ -172,7 +250,7 @@ class DagRun:
         self._held = []
 
     # ---- one wave: each node's context, then one prefill call and one decode call for all of them ----
-    def _run_wave(self, wave: Sequence[Node]) -> Iterator[NodeToken | NodeDone]:
+    def _run_wave(self, wave: Sequence[Node], attached: Sequence[Node] = ()) -> Iterator[NodeToken | NodeDone]:
         start = time.perf_counter()
         notes: dict[str, list[str]] = {}
         for n in wave:
@@ -184,7 +262,9 @@ class DagRun:
             for n in encode:
                 yield NodeDone(n.name, self.outputs[n.name], "", notes[n.name])
         decode = [n for n in wave if n.sampling is not None]
-        if decode:
+        if attached:
+            yield from self._stream_wave(decode, attached, notes, start)
+        elif decode:
             stream = self.engine.decode_stream([self._call(n) for n in decode])
             replies: dict[int, list[str]] = {}
             try:
@@ -211,21 +291,167 @@ class DagRun:
     def _finish(self, n: Node, mid: str) -> None:
         self.outputs[n.name] = mid
         self._held += self.engine.hold([mid])
+        self._taint[n.name] = self._taint_of(n)
+
+    def _taint_of(self, n: Node) -> frozenset[str]:
+        """The private nodes node n's encoding attends to: its context's, and itself if it is private."""
         taint = frozenset().union(*(i.taint for i in self._context[n.name]))
-        self._taint[n.name] = taint | ({n.name} if n.private else set())
+        return taint | ({n.name} if n.private else set())
+
+    # ---- staircase nodes: a wave's decodes and the nodes streaming them, run together -------------------
+    def _stream_wave(self, decode: Sequence[Node], attached: Sequence[Node], notes: dict[str, list[str]],
+                     start: float) -> Iterator[NodeToken | NodeRound | NodeDone]:
+        """The wave's decode call in one thread and each staircase node in its own, their events merged as
+        they come. A staircase node reads the decode's chunks through its own BranchFeed, which the decode's
+        thread feeds token by token. Any failure (or the consumer leaving) stops them all within a step."""
+        eng, calls = self.engine, {n.name: c for c, n in enumerate(decode)}
+        # the staircases' setup first (it may fail): from the decode call on, nothing fails before the threads
+        runs = {s.name: self._staircase_run(s, self.graph.streamed(s), notes) for s in attached}
+        stream = eng.decode_stream([self._call(n) for n in decode])
+        source = _WaveSource(stream, [self._offset(None, self._context[n.name]) for n in decode],
+                             [len(eng.tokenize(n.prompt)) for n in decode])
+        feeds = {s.name: BranchFeed([], pump=False, branches=[(source, calls[p]) for p in self.graph.streamed(s)])
+                 for s in attached}
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        wave_held: list[str] = []
+
+        def pump() -> None:
+            why, error = "its call stopped before the reply finished", None
+            try:
+                for ev in stream:
+                    for feed in feeds.values():
+                        feed.record(source, ev.call, ev.finish_reason is not None)
+                    events.put((decode[ev.call].name, NodeToken(decode[ev.call].name, ev.token_id, ev.text,
+                                                                ev.finish_reason)))
+                    if stop.is_set():
+                        break
+                else:
+                    wave_held.extend(eng.hold(stream.ids))  # (before the feeds learn it ended: they read it)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+                why, error = f"{type(e).__name__}: {e}", e
+            finally:
+                stream.close()
+                for feed in feeds.values():
+                    feed.end(source, why)
+                events.put((None, error))
+
+        def aggregate(node: Node) -> None:
+            error = None
+            try:
+                gen = runs[node.name](feeds[node.name])
+                try:
+                    for ev in gen:
+                        events.put((node.name, ev))
+                        if stop.is_set():
+                            break
+                finally:
+                    gen.close()
+            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+                error = e
+            events.put((None, error))
+
+        threads = [threading.Thread(target=pump, daemon=True, name="dag-wave")]
+        threads += [threading.Thread(target=aggregate, args=(s,), daemon=True, name="dag-staircase")
+                    for s in attached]
+        replies: dict[str, list[str]] = {}
+        error: BaseException | None = None
+        try:
+            for t in threads:
+                t.start()
+            pending = len(threads)
+            while pending:
+                name, ev = events.get()
+                if name is None:  # a thread ended (with its error, or None)
+                    pending -= 1
+                    if ev is not None and error is None:
+                        error = ev
+                        stop.set()
+                        for feed in feeds.values():
+                            feed.cancel()
+                    continue
+                if error is not None:
+                    continue
+                if isinstance(ev, NodeToken):
+                    if name not in replies:
+                        self.ttft[name] = time.perf_counter() - start
+                    replies.setdefault(name, []).append(ev.text)
+                yield ev
+            if error is not None:
+                raise error
+        finally:
+            stop.set()
+            for feed in feeds.values():
+                feed.cancel()
+            if threads[0].is_alive():
+                stream.interrupt()  # (a pump waiting for its next token sees the call end at the next step)
+            for t in threads:
+                if t.is_alive():
+                    t.join()
+            for name in feeds:  # the staircases' answer messages: only their tokens are kept (see _encode_outputs)
+                for mid in self._staircase_results[name].message_ids[-1:]:
+                    if mid in eng.store:
+                        eng.free(mid, when_unpinned=True)
+            for n, mid in zip(decode, stream.ids or ()):
+                if mid in eng.store:
+                    self._finish(n, mid)
+            eng.release(wave_held)
+        outputs = self._encode_outputs(attached, notes)
+        for n in decode:
+            yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
+        for n in attached:
+            yield NodeDone(n.name, outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
+
+    def _staircase_run(self, n: Node, streamed: list[str], notes: dict[str, list[str]]):
+        """Staircase node n's run over a feed: its whole parents read, its mode chosen (KV chunks, or text
+        chunks where the parents are text or a cached encoding would leak), its events named by parent."""
+        whole = [e for e in n.parents if e.node not in streamed]
+        self._context[n.name], notes[n.name] = self._read_parents(n, whole)
+        kv = self.graph.node(streamed[0]).output == "kv"
+        leaky = [e.node for e in n.parents if kv and e.node in streamed and not e.leak
+                 and not self._clean(self._taint_of(self.graph.node(e.node)), n.role)]
+        text = not kv or bool(leaky)
+        notes[n.name] += [f"{p}:private" if p in leaky else f"{p}:text" for p in streamed if text]
+        prefix = [i.message for i in self._context[n.name]]
+        mode = TEXT if text else SynthesisMode(Placement.SEQUENTIAL)
+        self._staircase_results[n.name] = result = StaircaseResult()
+
+        def run(feed: BranchFeed) -> Iterator[NodeToken | NodeRound]:
+            for ev in staircase(self.engine, feed, n.prompt, prefix, self.graph.schedule, self.graph.variant, mode,
+                                n.sampling, result=result):
+                if isinstance(ev, RoundTaken):
+                    yield NodeRound(n.name, ev.round, {streamed[b]: r for b, r in ev.chunks.items()})
+                else:
+                    yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
+        return run
+
+    def _encode_outputs(self, nodes: Sequence[Node], notes: dict[str, list[str]]) -> dict[str, str]:
+        """Each staircase node's prompt and reply encoded after its parents' whole messages, read as a node that
+        waited for them reads them (its output); the staircase's own answer message is freed."""
+        calls = []
+        for n in nodes:
+            result = self._staircase_results.pop(n.name)
+            self._context[n.name], _ = self._read_parents(n)
+            ctx = self._context[n.name]
+            calls.append(PrefillCall(self.engine.tokenize(n.prompt) + result.answer,
+                                     parents=[i.message for i in ctx], offsets=[i.offset for i in ctx]))
+        for n, mid in zip(nodes, self.engine.prefill(calls)):
+            self._finish(n, mid)
+        return {n.name: self.outputs[n.name] for n in nodes}
 
     # ---- reading parents ---------------------------------------------------------------------------
     def _clean(self, taint: frozenset[str], role: str) -> bool:
         return all(self.graph.node(t).role == role for t in taint)
 
-    def _read_parents(self, n: Node) -> tuple[list[_Item], list[str]]:
-        """The node's context, in order, and a note per parent read through a re-encoded copy. Consecutive
-        parents read as text are re-encoded together, in one prefill, as a text prompt would hold them."""
+    def _read_parents(self, n: Node, parents: Sequence[Edge] | None = None) -> tuple[list[_Item], list[str]]:
+        """The node's context (from `parents`, default all of its parents), in order, and a note per parent
+        read through a re-encoded copy. Consecutive parents read as text are re-encoded together, in one
+        prefill, as a text prompt would hold them."""
         ctx: list[_Item] = []
         notes: list[str] = []
         run: list[int] = []  # tokens of text parents waiting to be re-encoded together
         run_at = 0
-        for e in n.parents:
+        for e in n.parents if parents is None else parents:
             p = self.graph.node(e.node) if e.node else None
             if p is not None and p.output == "text" and not p.private and (not run or e.offset is None):
                 if not run:
@@ -289,6 +515,27 @@ class DagRun:
             own = self.engine.message(self.outputs[name])
             self._visible[key] = self._reencode(own.token_ids, own.offset, rebuilt)  # (taint: what was kept)
         return self._visible[key]
+
+
+class _WaveSource:
+    """A wave's decode call as the source of staircase branches (BranchFeed's reading side): call j's message
+    starts at `offsets[j]` with a header of `headers[j]` tokens."""
+
+    def __init__(self, stream: DecodeStream, offsets: list[int], headers: list[int]):
+        self.decode, self.offsets, self._headers = stream, offsets, headers
+
+    @property
+    def ids(self) -> list[str] | None:
+        return self.decode.ids
+
+    def header_length(self, call: int) -> int:
+        return self._headers[call]
+
+    def encoded(self, call: int) -> int:
+        return self.decode.encoded(call)
+
+    def partial_kv(self, call: int, start: int, end: int):
+        return self.decode.partial_kv(call, start, end)
 
 
 def run_dag(engine: Engine, graph: Graph) -> DagRun:

@@ -97,6 +97,12 @@ class DecodeStream:
         if self.ids is None and self._group.stored_ids is not None:  # it had ended, stored, before the close
             self.ids = self._group.stored_ids
 
+    def interrupt(self) -> None:
+        """From any thread: the call leaves the batch at the next step, and whoever iterates it sees it end
+        with an error (`close` is for the thread that iterates it)."""
+        self._group.cancelled = True
+        self._group.wake()
+
     def _reused(self, call: int) -> int:
         prefix = self._group.prefix[call]
         return prefix.num_tokens if prefix is not None else 0

@@ -88,49 +88,74 @@ class StaircaseResult:
 
 
 class BranchFeed:
-    """The branches of one or more fan-outs (a fan-out per worker call), numbered in order, as the aggregator
-    sees them while they decode: how many of each branch message's tokens have KV, which have ended, which
-    failed. Each fan-out runs in its own thread; one that fails, or stops without finishing its branches,
-    fails only its own branches."""
+    """The branches the aggregator reads while they decode, numbered in order: how many of each branch message's
+    tokens have KV, which have ended, which failed.
 
-    def __init__(self, fan_outs: Sequence[BranchStream]):
-        self.where = [(s, j) for s in fan_outs for j in range(len(s))]  # branch -> (fan-out, its index there)
+    A branch is call j of a source: a `BranchStream` (a worker fan-out), or any object with the same reading
+    side (`decode`, `encoded(j)`, `partial_kv(j, start, end)`, `offsets`, `ids`, `header_length(j)`). Given
+    fan-outs, the feed pumps each in its own thread; one that fails, or stops without finishing its branches,
+    fails only its own branches. With `pump=False` the caller iterates the sources itself and reports to the
+    feed (`record` per token, `end` when a source stops), as engine.dag does for a wave several nodes stream.
+    """
+
+    def __init__(self, fan_outs: Sequence, pump: bool = True, branches: Sequence[tuple[object, int]] | None = None):
+        # branch -> (source, its call index there): every call of each source, or the `branches` given
+        self.where = list(branches) if branches is not None else [(s, j) for s in fan_outs for j in range(len(s))]
         self.ended = [False] * len(self.where)
         self.length = [None] * len(self.where)  # an ended branch's message length (its last token's KV comes a
         # step after its last event)
+        self.counts = [0] * len(self.where)
         self.failed: dict[int, str] = {}
+        self.cancelled = False
         self.cv = threading.Condition()
         self.threads = []
-        first = 0
-        for stream in fan_outs:
-            thread = threading.Thread(target=self._pump, args=(stream, first), daemon=True, name="staircase-feed")
+        for stream in fan_outs if pump else ():
+            thread = threading.Thread(target=self._pump, args=(stream,), daemon=True, name="staircase-feed")
             thread.start()
             self.threads.append(thread)
-            first += len(stream)
 
     def __len__(self) -> int:
         return len(self.where)
 
-    def _pump(self, stream: BranchStream, first: int) -> None:
+    def branch(self, source, call: int) -> int | None:
+        """The feed's number for call `call` of `source` (None: the feed does not read it)."""
+        return next((b for b, (s, j) in enumerate(self.where) if s is source and j == call), None)
+
+    def record(self, source, call: int, finished: bool) -> None:
+        """One more token of call `call` of `source` (the pump's side: called as each token event arrives)."""
+        b = self.branch(source, call)
+        if b is None:
+            return
+        with self.cv:
+            self.counts[b] += 1
+            if finished:
+                self.ended[b] = True
+                self.length[b] = source.header_length(call) + self.counts[b]
+            self.cv.notify_all()
+
+    def end(self, source, why: str) -> None:
+        """`source` stopped (the pump's side): its branches that had not ended with their KV stored fail, `why`."""
+        with self.cv:
+            for b, (s, _) in enumerate(self.where):
+                # not ended, or ended without its last token's KV (a call that failed stored nothing)
+                if s is source and (not self.ended[b] or s.ids is None):
+                    self.failed[b] = why
+            self.cv.notify_all()
+
+    def cancel(self) -> None:
+        """Stop waiting: a staircase waiting on this feed raises at once (its consumer has gone)."""
+        with self.cv:
+            self.cancelled = True
+            self.cv.notify_all()
+
+    def _pump(self, stream: BranchStream) -> None:
         why = "its worker call stopped before the branch finished"
-        header = len(stream.engine.tokenize(stream.header) if isinstance(stream.header, str) else stream.header)
-        counts = [0] * len(stream)
         try:
             for event in stream:
-                with self.cv:
-                    counts[event.call] += 1
-                    if event.finish_reason is not None:
-                        self.ended[first + event.call] = True
-                        self.length[first + event.call] = header + counts[event.call]
-                    self.cv.notify_all()
+                self.record(stream, event.call, event.finish_reason is not None)
         except BaseException as e:  # noqa: BLE001 - reported as the branches' failure
             why = f"{type(e).__name__}: {e}"
-        with self.cv:
-            for j in range(first, first + len(stream)):
-                # not ended, or ended without its last token's KV (a call that failed stored nothing)
-                if not self.ended[j] or stream.ids is None:
-                    self.failed[j] = why
-            self.cv.notify_all()
+        self.end(stream, why)
 
     def join(self) -> None:
         for thread in self.threads:
@@ -148,10 +173,13 @@ class BranchFeed:
         return branch in self.failed or (self.ended[branch] and self.available(branch) >= self.length[branch])
 
     def wait(self, ready, timeout_s: float) -> None:
-        """Until ready() (called under the lock, re-checked on each token), or BraidError at the timeout."""
+        """Until ready() (called under the lock, re-checked on each token), or BraidError at the timeout or on
+        `cancel`."""
         with self.cv:
-            if not self.cv.wait_for(ready, timeout=timeout_s):
+            if not self.cv.wait_for(lambda: self.cancelled or ready(), timeout=timeout_s):
                 raise BraidError(f"staircase: branches gave no chunk within {timeout_s:.0f}s")
+            if self.cancelled:
+                raise BraidError("staircase: cancelled")
 
     def readable(self, branch: int, end: int) -> bool:
         """Whether tokens up to `end` can still be read (a call failing just now stored nothing): if not, the

@@ -58,6 +58,10 @@ class BranchStream:
     def ids(self) -> list[str] | None:
         return self.decode.ids if self.decode is not None else None
 
+    def header_length(self, branch: int) -> int:
+        """Tokens of the header the branch's message starts with (the same for every branch here)."""
+        return len(self.engine.tokenize(self.header) if isinstance(self.header, str) else self.header)
+
     def encoded(self, branch: int) -> int:
         """Tokens of the branch's message (header + reply so far) that already have KV."""
         return self.decode.encoded(branch) if self.decode is not None else 0

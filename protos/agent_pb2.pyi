@@ -387,7 +387,7 @@ class GraphParent(_message.Message):
     def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., offset: _Optional[int] = ..., leak: _Optional[bool] = ...) -> None: ...
 
 class GraphNode(_message.Message):
-    __slots__ = ("name", "prompt", "role", "parents", "decode", "sampling", "output", "private")
+    __slots__ = ("name", "prompt", "role", "parents", "decode", "sampling", "output", "private", "staircase")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class GraphNode(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PRIVATE_FIELD_NUMBER: _ClassVar[int]
+    STAIRCASE_FIELD_NUMBER: _ClassVar[int]
     name: str
     prompt: str
     role: str
@@ -404,15 +405,30 @@ class GraphNode(_message.Message):
     sampling: Sampling
     output: str
     private: bool
-    def __init__(self, name: _Optional[str] = ..., prompt: _Optional[str] = ..., role: _Optional[str] = ..., parents: _Optional[_Iterable[_Union[GraphParent, _Mapping]]] = ..., decode: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output: _Optional[str] = ..., private: _Optional[bool] = ...) -> None: ...
+    staircase: bool
+    def __init__(self, name: _Optional[str] = ..., prompt: _Optional[str] = ..., role: _Optional[str] = ..., parents: _Optional[_Iterable[_Union[GraphParent, _Mapping]]] = ..., decode: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output: _Optional[str] = ..., private: _Optional[bool] = ..., staircase: _Optional[bool] = ...) -> None: ...
+
+class StaircaseOptions(_message.Message):
+    __slots__ = ("proposer_chunks", "aggregator_chunks", "redundancy", "variant")
+    PROPOSER_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    proposer_chunks: _containers.RepeatedScalarFieldContainer[int]
+    aggregator_chunks: _containers.RepeatedScalarFieldContainer[int]
+    redundancy: int
+    variant: str
+    def __init__(self, proposer_chunks: _Optional[_Iterable[int]] = ..., aggregator_chunks: _Optional[_Iterable[int]] = ..., redundancy: _Optional[int] = ..., variant: _Optional[str] = ...) -> None: ...
 
 class GraphRequest(_message.Message):
-    __slots__ = ("session_id", "nodes")
+    __slots__ = ("session_id", "nodes", "staircase")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    STAIRCASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
-    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ...) -> None: ...
+    staircase: StaircaseOptions
+    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ...) -> None: ...
 
 class GraphToken(_message.Message):
     __slots__ = ("node", "token_id", "text", "finish_reason")
@@ -446,12 +462,34 @@ class GraphDone(_message.Message):
     seconds: float
     def __init__(self, session_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class GraphChunk(_message.Message):
+    __slots__ = ("parent", "start", "end")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    start: int
+    end: int
+    def __init__(self, parent: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class GraphRound(_message.Message):
+    __slots__ = ("node", "round", "chunks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    round: int
+    chunks: _containers.RepeatedCompositeFieldContainer[GraphChunk]
+    def __init__(self, node: _Optional[str] = ..., round: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[GraphChunk, _Mapping]]] = ...) -> None: ...
+
 class GraphEvent(_message.Message):
-    __slots__ = ("token", "node_done", "done")
+    __slots__ = ("token", "node_done", "done", "round")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     token: GraphToken
     node_done: GraphNodeDone
     done: GraphDone
-    def __init__(self, token: _Optional[_Union[GraphToken, _Mapping]] = ..., node_done: _Optional[_Union[GraphNodeDone, _Mapping]] = ..., done: _Optional[_Union[GraphDone, _Mapping]] = ...) -> None: ...
+    round: GraphRound
+    def __init__(self, token: _Optional[_Union[GraphToken, _Mapping]] = ..., node_done: _Optional[_Union[GraphNodeDone, _Mapping]] = ..., done: _Optional[_Union[GraphDone, _Mapping]] = ..., round: _Optional[_Union[GraphRound, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,172 @@
+"""Staircase nodes in DAG workflows: validation, exactness against a node that waits (chunks large enough to
+take whole branches), early answers from first chunks, leakage control, and a run left midway."""
+
+import time
+
+import pytest
+import torch
+
+from braid.engine import SamplingParams
+from braid.engine.dag import DagRun, Edge, Graph, Node, NodeDone, NodeRound, NodeToken
+from braid.engine.errors import BraidError
+from braid.engine.engine import CACHED_PREFIX
+from braid.engine.staircase import StaircaseSchedule, Variant
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(max_tokens=40, ignore_eos=True)
+WHOLE = StaircaseSchedule(proposer=(10_000,), aggregator=(10_000,))  # round 0 waits for whole branches
+
+
+def moa(staircase: bool, output: str = "kv", sampling=GREEDY, proposers: int = 3, **graph) -> Graph:
+    nodes = [Node("sys", "System: answer well."), Node("q", "User: what is 2 and 3?", parents=(Edge("sys"),))]
+    nodes += [Node(f"p{i}", f"Proposer {i}:", role=f"p{i}", parents=(Edge("sys"), Edge("q")), sampling=sampling,
+                   output=output) for i in range(proposers)]
+    nodes.append(Node("agg", "Aggregated:", role="agg", sampling=GREEDY, staircase=staircase,
+                      parents=(Edge("sys"), Edge("q"), *(Edge(f"p{i}") for i in range(proposers)))))
+    return Graph(nodes, **graph)
+
+
+def tokens_of(events, node):
+    return [e.token_id for e in events if isinstance(e, NodeToken) and e.node == node]
+
+
+def stream_nodes(*extra, **node):
+    base = [Node("q", "Q"), Node("a", "A", sampling=GREEDY, parents=(Edge("q"),)),
+            Node("b", "B", sampling=GREEDY, parents=(Edge("q"),))]
+    return base + list(extra)
+
+
+@pytest.mark.parametrize("nodes, needle, graph", [
+    (stream_nodes(Node("s", "S", staircase=True, parents=(Edge("a"),))), "set decode", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("q"),))),
+     "no decoding node of this graph", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("q")))),
+     "must come last", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a", offset=3),))),
+     "leave their offsets unset", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("a")))),
+     "twice", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"),)),
+                  Node("t", "T", staircase=True, sampling=GREEDY, parents=(Edge("s"),))),
+     "nested staircases are not supported", {}),
+    (stream_nodes(Node("c", "C", sampling=GREEDY, parents=(Edge("a"),)),
+                  Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("c")))),
+     "must decode together", {}),
+    (stream_nodes(Node("c", "C", sampling=GREEDY, output="text", parents=(Edge("q"),)),
+                  Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("c")))),
+     "one output kind", {}),
+    (stream_nodes(Node("late", "L", parents=(Edge("a"),)),
+                  Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("late"), Edge("b")))),
+     "'late' is read whole", {}),
+    (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("b")))),
+     "redundancy 2 leaves no branch", {"schedule": StaircaseSchedule(redundancy=2)}),
+])
+def test_bad_staircase_nodes_are_refused_before_anything_runs(nodes, needle, graph):
+    with pytest.raises(BraidError, match=needle) as err:
+        Graph(nodes, **graph)
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_staircase_node_runs_alongside_the_wave_it_streams():
+    graph = moa(True)
+    assert [([n.name for n in w], [n.name for n in a]) for w, a in graph.plan()] == [
+        (["sys"], []), (["q"], []), (["p0", "p1", "p2"], ["agg"])]
+
+
+@pytest.mark.parametrize("output", ["kv", "text"])
+def test_taking_whole_branches_answers_as_the_node_that_waits(llama_engine, output):
+    """Chunks larger than any reply: round 0 waits for the whole branches, so the staircase node reads what the
+    waiting node reads, laid out the same way, and must give the same greedy tokens; its output message is
+    the waiting node's, re-encoded after the same context."""
+    eng = llama_engine
+    waited = DagRun(eng, moa(False, output))
+    w_events = list(waited)
+    streamed = DagRun(eng, moa(True, output, schedule=WHOLE))
+    s_events = list(streamed)
+    for name in ("p0", "p1", "p2", "agg"):
+        assert tokens_of(s_events, name) == tokens_of(w_events, name), name
+    rounds = [e for e in s_events if isinstance(e, NodeRound)]
+    assert len(rounds) == 1 and set(rounds[0].chunks) == {"p0", "p1", "p2"}
+    for p in ("p0", "p1", "p2"):
+        assert rounds[0].chunks[p] == (0, eng.message(streamed.outputs[p]).num_tokens)
+    mine, theirs = eng.message(streamed.outputs["agg"]), eng.message(waited.outputs["agg"])
+    assert mine.token_ids == theirs.token_ids and mine.offset == theirs.offset
+    torch.testing.assert_close(mine.kv, theirs.kv, rtol=1e-4, atol=1e-4)
+    assert [e.node for e in s_events if isinstance(e, NodeDone)][-1] == "agg"
+    waited.free()
+    streamed.free()
+
+
+@pytest.mark.parametrize("variant", list(Variant))
+@pytest.mark.parametrize("output", ["kv", "text"])
+def test_small_chunks_answer_before_the_branches_end(llama_engine, variant, output):
+    eng = llama_engine
+    graph = moa(True, output, sampling=LONG, schedule=StaircaseSchedule(proposer=(4, 8), aggregator=(2, 4)),
+                variant=variant)
+    dag = DagRun(eng, graph)
+    events = list(dag)
+    first = next(i for i, e in enumerate(events) if isinstance(e, NodeToken) and e.node == "agg")
+    last_branch = max(i for i, e in enumerate(events) if isinstance(e, NodeToken) and e.node.startswith("p"))
+    assert first < last_branch  # the answer starts before the branches have finished
+    rounds = [e for e in events if isinstance(e, NodeRound)]
+    assert len(rounds) >= 2
+    for r in rounds:  # each takes a branch up to a chunk boundary, or whole once it has ended
+        for p, (start, end) in r.chunks.items():
+            assert graph.schedule.boundary(end) == end or end == eng.message(dag.outputs[p]).num_tokens
+    done = {e.node: e for e in events if isinstance(e, NodeDone)}
+    assert len(tokens_of(events, "agg")) == GREEDY.max_tokens
+    assert done["agg"].reencoded == ([f"p{i}:text" for i in range(3)] if output == "text" else [])
+    assert eng.message(dag.outputs["agg"]).token_ids[-GREEDY.max_tokens:] == tuple(tokens_of(events, "agg"))
+    assert dag.ttft["agg"] < dag.ttft["p0"] + 10  # (recorded for both)
+    dag.free()
+
+
+def test_a_kv_branch_tainted_by_another_roles_secret_is_streamed_as_text(llama_engine):
+    """Alice's proposer read her private secret through its cached context; the aggregator (role agg) must not
+    see it through that encoding, so it streams the branches as text: the same tokens as a graph whose
+    proposers are text outputs. With `leak` on the edge it reads the KV chunks."""
+    eng = llama_engine
+
+    def graph(output="kv", leak=False):
+        return Graph([Node("topic", "Topic: plans."),
+                      Node("secret", "Alice's secret: the vault code is 1234", role="alice", private=True),
+                      Node("pa", "Alice:", role="alice", parents=(Edge("topic"), Edge("secret")), sampling=GREEDY,
+                           output=output),
+                      Node("pb", "Bob:", role="bob", parents=(Edge("topic"),), sampling=GREEDY, output=output),
+                      Node("agg", "Aggregated:", role="agg", sampling=GREEDY, staircase=True,
+                           parents=(Edge("pa", leak=leak), Edge("pb")))], schedule=WHOLE)
+
+    got = {}
+    for key, g in (("tainted", graph()), ("text", graph("text")), ("leak", graph(leak=True))):
+        dag = DagRun(eng, g)
+        events = list(dag)
+        got[key] = ({e.node: e.reencoded for e in events if isinstance(e, NodeDone)}["agg"], tokens_of(events, "agg"),
+                    dag.shareable("agg"))
+        dag.free()
+    assert got["tainted"][0] == ["pa:private", "pb:text"] and got["text"][0] == ["pa:text", "pb:text"]
+    assert got["tainted"][1] == got["text"][1]
+    assert got["leak"][0] == [] and not got["leak"][2]  # it read the encoding that saw the secret: not shareable
+    assert got["tainted"][2] and got["text"][2]
+
+
+def test_a_run_left_midway_stops_every_stage_and_keeps_nothing(fresh_engine):
+    eng = fresh_engine
+    before = set(eng.store.ids())
+    dag = DagRun(eng, moa(True, sampling=SamplingParams(max_tokens=3000, ignore_eos=True),
+                          schedule=StaircaseSchedule(proposer=(4,), aggregator=(4,))))
+    events = iter(dag)
+    for e in events:
+        if isinstance(e, NodeToken) and e.node == "agg":
+            break
+    events.close()
+    # every stage left the batch (left running, the proposers would decode 3000 tokens: far longer)
+    deadline = time.monotonic() + 1.0
+    while eng.scheduler.load["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    assert set(dag.outputs) == {"sys", "q"}  # the decodes stored nothing
+    for mid in dag.outputs.values():
+        eng.free(mid)
+    dag.free()
+    made = set(eng.store.ids()) - before
+    assert all(m.startswith(CACHED_PREFIX) for m in made), made  # only the prefix cache's hidden twins
