@@ -21,7 +21,8 @@ decode, as an aggregator of Staircase Streaming does (engine.staircase, with the
 variant): it runs alongside its parents' wave and answers from their first chunks. Its other parents are
 read whole first. Cached (kv) parents are read from their KV chunks, text parents from their tokens; a kv
 parent whose encoding saw another role's private node turns the node to text chunks, so the control above
-holds. When it ends, its prompt and reply are encoded once after its parents' whole messages (as a node that
+holds. Staircases nest: a staircase node may stream other staircase nodes' answers as they are decoded (as
+text chunks: an answer has no single encoding until it ends), as debate rounds do. When it ends, its prompt and reply are encoded once after its parents' whole messages (as a node that
 waited would read them): that is the output its children read.
 """
 
@@ -117,22 +118,25 @@ class Graph:
         first = next(i for i, e in enumerate(n.parents) if e.node in streamed)
         if any(e.node not in streamed for e in n.parents[first:]):
             raise BraidError(f"{where}: the parents it streams must come last, after those it reads whole")
-        nested = [p for p in streamed if self.node(p).staircase]
-        if nested:
-            raise BraidError(f"{where} streams {nested[0]!r}, itself a staircase node; nested staircases are not "
-                             f"supported yet: let one of the two wait for its parents")
+        if len({self.node(p).staircase for p in streamed}) > 1:
+            raise BraidError(f"{where}: the parents it streams must be all staircase nodes or none")
         if len({self.node(p).output for p in streamed}) > 1:
             raise BraidError(f"{where}: the parents it streams must have one output kind (all kv or all text)")
-        waves = sorted({at[p] for p in streamed})
-        if len(waves) > 1:
-            a, b = (next(p for p in streamed if at[p] == w) for w in waves[:2])
+        homes = sorted({self._home(p, at) for p in streamed})
+        if len(homes) > 1:
+            a, b = (next(p for p in streamed if self._home(p, at) == w) for w in homes[:2])
             raise BraidError(f"{where}: the parents it streams must decode together, but {b!r} waits for nodes "
                              f"{a!r} does not")
-        late = [e.node for e in n.parents[:first] if e.node and at[e.node] > waves[0]]
+        late = [e.node for e in n.parents[:first] if e.node and at[e.node] > homes[0]]
         if late:
             raise BraidError(f"{where}: {late[0]!r} is read whole, so it must be done before the parents it "
                              f"streams start decoding")
         self.schedule.quorum(len(streamed))  # (refuses a redundancy that leaves nothing to wait for)
+
+    def _home(self, name: str, at: dict[str, int]) -> int:
+        """The wave a node decodes alongside: its own, or for a staircase node its streamed parents' home."""
+        n = self.node(name)
+        return self._home(self.streamed(n)[0], at) if n.staircase else at[name]
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -144,16 +148,14 @@ class Graph:
         return [e.node for e in n.parents if e.node and self.node(e.node).sampling is not None]
 
     def plan(self) -> list[tuple[list[Node], list[Node]]]:
-        """The waves in order, each with the staircase nodes that run alongside it (streaming its decodes)."""
+        """The waves in order, each with the staircase nodes that run alongside it (streaming its decodes, or
+        the answers of staircase nodes that do), in dependency order."""
         waves = self.waves()
         at = {n.name: i for i, w in enumerate(waves) for n in w}
         plan: list[tuple[list[Node], list[Node]]] = [([], []) for _ in waves]
         for i, wave in enumerate(waves):
             for n in wave:
-                if n.staircase:
-                    plan[at[self.streamed(n)[0]]][1].append(n)
-                else:
-                    plan[i][0].append(n)
+                plan[self._home(n.name, at)][1 if n.staircase else 0].append(n)
         return [p for p in plan if p[0]]
 
     def waves(self) -> list[list[Node]]:
@@ -302,16 +304,22 @@ class DagRun:
     def _stream_wave(self, decode: Sequence[Node], attached: Sequence[Node], notes: dict[str, list[str]],
                      start: float) -> Iterator[NodeToken | NodeRound | NodeDone]:
         """The wave's decode call in one thread and each staircase node in its own, their events merged as
-        they come. A staircase node reads the decode's chunks through its own BranchFeed, which the decode's
-        thread feeds token by token. Any failure (or the consumer leaving) stops them all within a step."""
+        they come. A staircase node reads its branches through its own BranchFeed: the wave's decode thread
+        feeds it token by token, or, for a nested staircase, the threads of the staircase nodes it streams.
+        Any failure (or the consumer leaving) stops them all within a step."""
         eng, calls = self.engine, {n.name: c for c, n in enumerate(decode)}
         # the staircases' setup first (it may fail): from the decode call on, nothing fails before the threads
         runs = {s.name: self._staircase_run(s, self.graph.streamed(s), notes) for s in attached}
         stream = eng.decode_stream([self._call(n) for n in decode])
-        source = _WaveSource(stream, [self._offset(None, self._context[n.name]) for n in decode],
-                             [len(eng.tokenize(n.prompt)) for n in decode])
-        feeds = {s.name: BranchFeed([], pump=False, branches=[(source, calls[p]) for p in self.graph.streamed(s)])
-                 for s in attached}
+        wave = _WaveSource(stream, [self._offset(None, self._context[n.name]) for n in decode],
+                           [len(eng.tokenize(n.prompt)) for n in decode])
+        answers = {s.name: _AnswerSource(eng.tokenize(s.prompt)) for s in attached}
+        feeds = {}
+        for s in attached:
+            streamed = self.graph.streamed(s)
+            branches = [(answers[p], 0) if p in answers else (wave, calls[p]) for p in streamed]
+            feeds[s.name] = BranchFeed([], pump=False, branches=branches)
+        readers = {n: [feeds[s.name] for s in attached if n in self.graph.streamed(s)] for n in [*calls, *answers]}
         events: queue.Queue = queue.Queue()
         stop = threading.Event()
         wave_held: list[str] = []
@@ -320,10 +328,10 @@ class DagRun:
             why, error = "its call stopped before the reply finished", None
             try:
                 for ev in stream:
-                    for feed in feeds.values():
-                        feed.record(source, ev.call, ev.finish_reason is not None)
-                    events.put((decode[ev.call].name, NodeToken(decode[ev.call].name, ev.token_id, ev.text,
-                                                                ev.finish_reason)))
+                    name = decode[ev.call].name
+                    for feed in readers[name]:
+                        feed.record(wave, ev.call, ev.finish_reason is not None)
+                    events.put((name, NodeToken(name, ev.token_id, ev.text, ev.finish_reason)))
                     if stop.is_set():
                         break
                 else:
@@ -332,23 +340,31 @@ class DagRun:
                 why, error = f"{type(e).__name__}: {e}", e
             finally:
                 stream.close()
-                for feed in feeds.values():
-                    feed.end(source, why)
+                for feed in {id(f): f for fs in readers.values() for f in fs}.values():
+                    feed.end(wave, why)
                 events.put((None, error))
 
         def aggregate(node: Node) -> None:
-            error = None
+            why, error, answer = "its staircase stopped before the answer finished", None, answers[node.name]
             try:
                 gen = runs[node.name](feeds[node.name])
                 try:
                     for ev in gen:
+                        if isinstance(ev, NodeToken):
+                            answer.tokens.append(ev.token_id)
+                            for feed in readers[node.name]:
+                                feed.record(answer, 0, ev.finish_reason is not None)
                         events.put((node.name, ev))
                         if stop.is_set():
                             break
+                    else:
+                        answer.ids = [node.name]  # (it ended)
                 finally:
                     gen.close()
             except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
-                error = e
+                why, error = f"{type(e).__name__}: {e}", e
+            for feed in readers[node.name]:
+                feed.end(answer, why)
             events.put((None, error))
 
         threads = [threading.Thread(target=pump, daemon=True, name="dag-wave")]
@@ -396,18 +412,20 @@ class DagRun:
                 if mid in eng.store:
                     self._finish(n, mid)
             eng.release(wave_held)
-        outputs = self._encode_outputs(attached, notes)
+        for n in attached:  # (in dependency order: a nested staircase node reads the outputs before it)
+            self._encode_output(n)
         for n in decode:
             yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
         for n in attached:
-            yield NodeDone(n.name, outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
+            yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
 
     def _staircase_run(self, n: Node, streamed: list[str], notes: dict[str, list[str]]):
-        """Staircase node n's run over a feed: its whole parents read, its mode chosen (KV chunks, or text
-        chunks where the parents are text or a cached encoding would leak), its events named by parent."""
+        """Staircase node n's run over a feed: its whole parents read, its mode chosen (KV chunks; text chunks
+        where the parents are text or staircase answers, or where a cached encoding would leak), its events
+        named by parent."""
         whole = [e for e in n.parents if e.node not in streamed]
         self._context[n.name], notes[n.name] = self._read_parents(n, whole)
-        kv = self.graph.node(streamed[0]).output == "kv"
+        kv = all(self.graph.node(p).output == "kv" and not self.graph.node(p).staircase for p in streamed)
         leaky = [e.node for e in n.parents if kv and e.node in streamed and not e.leak
                  and not self._clean(self._taint_of(self.graph.node(e.node)), n.role)]
         text = not kv or bool(leaky)
@@ -425,19 +443,15 @@ class DagRun:
                     yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
         return run
 
-    def _encode_outputs(self, nodes: Sequence[Node], notes: dict[str, list[str]]) -> dict[str, str]:
-        """Each staircase node's prompt and reply encoded after its parents' whole messages, read as a node that
-        waited for them reads them (its output); the staircase's own answer message is freed."""
-        calls = []
-        for n in nodes:
-            result = self._staircase_results.pop(n.name)
-            self._context[n.name], _ = self._read_parents(n)
-            ctx = self._context[n.name]
-            calls.append(PrefillCall(self.engine.tokenize(n.prompt) + result.answer,
-                                     parents=[i.message for i in ctx], offsets=[i.offset for i in ctx]))
-        for n, mid in zip(nodes, self.engine.prefill(calls)):
-            self._finish(n, mid)
-        return {n.name: self.outputs[n.name] for n in nodes}
+    def _encode_output(self, n: Node) -> None:
+        """Staircase node n's prompt and reply encoded after its parents' whole messages, read as a node that
+        waited for them reads them: its output."""
+        result = self._staircase_results.pop(n.name)
+        self._context[n.name], _ = self._read_parents(n)
+        ctx = self._context[n.name]
+        mid, = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + result.answer,
+                                                parents=[i.message for i in ctx], offsets=[i.offset for i in ctx])])
+        self._finish(n, mid)
 
     # ---- reading parents ---------------------------------------------------------------------------
     def _clean(self, taint: frozenset[str], role: str) -> bool:
@@ -536,6 +550,25 @@ class _WaveSource:
 
     def partial_kv(self, call: int, start: int, end: int):
         return self.decode.partial_kv(call, start, end)
+
+
+class _AnswerSource:
+    """A staircase node's message (prompt + answer so far) as the source of a nested staircase's branch: its
+    tokens only (text chunks), since the answer has no single encoding until it ends."""
+
+    def __init__(self, prompt: list[int]):
+        self.decode, self.offsets, self._header = self, [0], len(prompt)
+        self.tokens = list(prompt)  # the message so far: its prompt, then the answer as it is decoded
+        self.ids: list[str] | None = None  # set once the answer has ended
+
+    def header_length(self, call: int) -> int:
+        return self._header
+
+    def encoded(self, call: int) -> int:
+        return len(self.tokens)
+
+    def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], None]:
+        return self.tokens[start:end], None  # (read as text: there is no KV to give)
 
 
 def run_dag(engine: Engine, graph: Graph) -> DagRun:

@@ -47,8 +47,8 @@ def stream_nodes(*extra, **node):
     (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("a")))),
      "twice", {}),
     (stream_nodes(Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"),)),
-                  Node("t", "T", staircase=True, sampling=GREEDY, parents=(Edge("s"),))),
-     "nested staircases are not supported", {}),
+                  Node("t", "T", staircase=True, sampling=GREEDY, parents=(Edge("s"), Edge("b")))),
+     "all staircase nodes or none", {}),
     (stream_nodes(Node("c", "C", sampling=GREEDY, parents=(Edge("a"),)),
                   Node("s", "S", staircase=True, sampling=GREEDY, parents=(Edge("a"), Edge("c")))),
      "must decode together", {}),
@@ -170,3 +170,47 @@ def test_a_run_left_midway_stops_every_stage_and_keeps_nothing(fresh_engine):
     dag.free()
     made = set(eng.store.ids()) - before
     assert all(m.startswith(CACHED_PREFIX) for m in made), made  # only the prefix cache's hidden twins
+
+
+def debate(staircase: bool, rounds: int = 3, agents: int = 2, sampling=GREEDY, **graph) -> Graph:
+    """Each round's agents read the previous round's; with staircase, every round after the first streams it."""
+    nodes, previous = [Node("q", "Debate: is 7 prime?")], []
+    for k in range(rounds):
+        current = [f"r{k}a{i}" for i in range(agents)]
+        nodes += [Node(name, f"Agent {i}:", role=f"a{i}", sampling=sampling, staircase=staircase and k > 0,
+                       output="text" if previous and not staircase else "kv",
+                       parents=(Edge("q"), *(Edge(p) for p in previous))) for i, name in enumerate(current)]
+        previous = current
+    return Graph(nodes, **graph)
+
+
+def test_nested_staircases_answer_as_text_readers_that_wait(llama_engine):
+    """Round 3 streams round 2's answers while round 2 streams round 1: all run alongside round 1. Taking whole
+    branches, each round reads what a waiting round reads (round 2 the KV of round 1, round 3 round 2's tokens
+    as text), so the greedy tokens are the same."""
+    eng = llama_engine
+    graph = debate(True, schedule=WHOLE)
+    assert [([n.name for n in w], [n.name for n in a]) for w, a in graph.plan()] == [
+        (["q"], []), (["r0a0", "r0a1"], ["r1a0", "r1a1", "r2a0", "r2a1"])]
+    streamed = DagRun(eng, graph)
+    s_events = list(streamed)
+    waited = DagRun(eng, debate(False))
+    w_events = list(waited)
+    for k in range(3):
+        for i in range(2):
+            assert tokens_of(s_events, f"r{k}a{i}") == tokens_of(w_events, f"r{k}a{i}"), (k, i)
+    done = {e.node: e for e in s_events if isinstance(e, NodeDone)}
+    assert done["r2a0"].reencoded == ["r1a0:text", "r1a1:text"] and done["r1a0"].reencoded == []
+    streamed.free()
+    waited.free()
+
+
+def test_nested_staircases_start_before_the_first_round_ends(llama_engine):
+    eng = llama_engine
+    dag = DagRun(eng, debate(True, sampling=LONG, schedule=StaircaseSchedule(proposer=(4, 8), aggregator=(4, 8))))
+    events = list(dag)
+    index = {e.node: i for i, e in reversed(list(enumerate(events))) if isinstance(e, NodeToken)}  # first tokens
+    last_r0 = max(i for i, e in enumerate(events) if isinstance(e, NodeToken) and e.node.startswith("r0"))
+    assert index["r2a0"] < last_r0 and index["r2a1"] < last_r0  # the third round answers during the first
+    assert all(len(tokens_of(events, f"r{k}a{i}")) == LONG.max_tokens for k in range(3) for i in range(2))
+    dag.free()
