@@ -251,6 +251,35 @@ def test_run_graph_streams_every_node_and_keeps_outputs_in_the_session(api):
     assert all(m not in logic.engine.store for m in [*(d.message_id for d in done.values())])
 
 
+def test_run_graph_staircase_streams_rounds_and_refuses_bad_options(api):
+    """A staircase judge answers from w0 and w1 as they decode: round events name the chunks it took in, and its
+    answer is a session message like any other node's output."""
+    stub, logic = api
+    long = pb.Sampling(max_tokens=24, ignore_eos=True)
+    request = graph_request(judge={"staircase": True}, w0={"sampling": long}, w1={"sampling": long})
+    request.staircase.CopyFrom(pb.StaircaseOptions(proposer_chunks=[4, 8], aggregator_chunks=[2, 4]))
+    events = list(stub.RunGraph(request))
+    kinds = [e.WhichOneof("event") for e in events]
+    rounds = [e.round for e in events if e.HasField("round")]
+    assert rounds and all(r.node == "judge" for r in rounds) and rounds[0].round == 0
+    assert {c.parent for r in rounds for c in r.chunks} <= {"w0", "w1"}
+    first_judge = next(i for i, e in enumerate(events) if e.HasField("token") and e.token.node == "judge")
+    last_worker = max(i for i, e in enumerate(events) if e.HasField("token") and e.token.node != "judge")
+    assert first_judge < last_worker and kinds[-1] == "done"
+    done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
+    assert list(done["judge"].reencoded) == ["w0:private", "w1:text"]  # w0 saw role a's private system prompt
+    assert done["judge"].message_id and done["judge"].text
+    sid = events[-1].done.session_id
+    for options, needle in ((pb.StaircaseOptions(variant="sideways"), "'sideways' is not one of reprefill, append"),
+                            (pb.StaircaseOptions(proposer_chunks=[1] * 9), "at most 8 sizes"),
+                            (pb.StaircaseOptions(redundancy=2), "redundancy 2 leaves no branch")):
+        bad = graph_request(sid, judge={"staircase": True})
+        bad.staircase.CopyFrom(options)
+        got, details = code_of(lambda: list(stub.RunGraph(bad)))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT and needle in details, (needle, details)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
 def test_bad_graphs_are_refused_before_anything_runs_and_leave_nothing(api):
     stub, logic = api
     other = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="another session's")]))
@@ -278,7 +307,7 @@ def test_bad_graphs_are_refused_before_anything_runs_and_leave_nothing(api):
     assert all(m.startswith(CACHED_PREFIX) for m in made), made  # only the prefix cache's hidden twins
 
 
-@pytest.mark.parametrize("rpc", ["Decode", "RunWorkflow", "RunGraph", "deadline"])
+@pytest.mark.parametrize("rpc", ["Decode", "RunWorkflow", "RunGraph", "RunGraph-staircase", "deadline"])
 def test_a_client_that_leaves_stops_its_work_and_leaves_no_session(api, rpc):
     stub, logic = api
     long = pb.Sampling(max_tokens=3000, ignore_eos=True)
@@ -293,11 +322,19 @@ def test_a_client_that_leaves_stops_its_work_and_leaves_no_session(api, rpc):
             pb.GraphNode(name="q", prompt="User: go"),
             *[pb.GraphNode(name=f"w{i}", prompt="A:", decode=True, sampling=long, parents=[pb.GraphParent(node="q")])
               for i in range(2)]]), **kw),
+        "RunGraph-staircase": lambda **kw: stub.RunGraph(pb.GraphRequest(nodes=[
+            pb.GraphNode(name="q", prompt="User: go"),
+            *[pb.GraphNode(name=f"w{i}", prompt="A:", decode=True, sampling=long, parents=[pb.GraphParent(node="q")])
+              for i in range(2)],
+            pb.GraphNode(name="agg", prompt="J:", decode=True, sampling=long, staircase=True,
+                         parents=[pb.GraphParent(node="w0"), pb.GraphParent(node="w1")])],
+            staircase=pb.StaircaseOptions(proposer_chunks=[2], aggregator_chunks=[2])), **kw),
     }
     call = calls["Decode" if rpc == "deadline" else rpc](timeout=1.5 if rpc == "deadline" else 60)
     with pytest.raises(grpc.RpcError) as err:
-        for i, _ in enumerate(call):
-            if i == 5:
+        for i, event in enumerate(call):
+            # (the staircase case leaves once its aggregator is answering too: every stage is running)
+            if i == 5 if rpc != "RunGraph-staircase" else event.token.node == "agg":
                 assert logic.engine.scheduler.load["running"] >= 1
                 if rpc != "deadline":
                     call.cancel()
