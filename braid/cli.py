@@ -167,13 +167,18 @@ def run_preset(stub, args, metadata) -> None:
     from braid.api.convert import graph_request
     from braid.engine import SamplingParams
     from braid.engine.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
+    from braid.engine.staircase import Variant
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     output = "text" if args.transport == "text" else "kv"
+    stair = Variant(args.staircase) if args.staircase else None
+    if stair is not None and args.preset == "mad-iter":
+        raise ValueError("--staircase: mad-iter has no staircase (each turn reads every earlier turn); use it "
+                         "with mad-par, tot or moa")
     graph = {"mad-iter": lambda: mad_iter(args.question, args.rounds, sampling, output),
-             "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output),
-             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output),
-             "moa": lambda: moa(args.question, args.agents, args.rounds, sampling, output)}[args.preset]()
+             "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output, stair),
+             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output, stair),
+             "moa": lambda: moa(args.question, args.agents, args.rounds, sampling, output, stair)}[args.preset]()
 
     def run(request) -> tuple[str, dict]:
         outputs, session = {}, ""
@@ -181,6 +186,9 @@ def run_preset(stub, args, metadata) -> None:
             kind = event.WhichOneof("event")
             if kind == "token" and args.show_branches:
                 print(f"[{event.token.node}] {event.token.text!r}")
+            elif kind == "round" and args.show_branches:
+                took = ", ".join(f"{c.parent} {c.start}-{c.end}" for c in event.round.chunks)
+                print(f"[{event.round.node}] round {event.round.round} took in: {took or 'nothing new'}")
             elif kind == "node_done":
                 d = event.node_done
                 outputs[d.node] = d
@@ -311,6 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--agents", type=int, default=3,
                    help="--preset mad-par: agents; tot: solutions; moa: proposers per layer (default: 3)")
     p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
+    p.add_argument("--staircase", choices=["reprefill", "append"],
+                   help="--preset mad-par/tot/moa: readers start from the first chunks of what they read "
+                        "(Staircase Streaming), in this variant (default: they wait for whole replies)")
     p.add_argument("--prompt", default="<|synthesizer|>",
                    help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")

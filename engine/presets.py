@@ -5,8 +5,12 @@
 - ToT (depth 1): b solutions in parallel, v voters each reading all of them, then a final answer from the
   winning solution (a second graph, `tot_final`, once the votes are counted).
 - MoA (Mixture-of-Agents, the staircase seed's workflow): layers of n proposers, each layer reading every
-  answer of the layer before, then one aggregator (here each stage waits for the whole layer before; the
-  staircase, which starts from the first chunks, is `engine.staircase`).
+  answer of the layer before, then one aggregator.
+
+With `staircase` (a variant of seed 003), MADpar's later rounds, ToT's voters and MoA's later layers and
+aggregator are staircase nodes: each starts from the first chunks of what it reads instead of waiting for it
+whole (engine.dag). MADiter has none: each turn reads every earlier turn, so its readers do not decode
+together.
 
 `output="kv"` is the choreographed workflow (every message read through its cached encoding); `"text"` is
 the baseline: every message re-encoded in each reader's context (prefix caching still reuses identical
@@ -16,6 +20,7 @@ private nodes for the leakage experiments.
 
 from braid.engine.dag import Edge, Graph, Node
 from braid.engine.sampling import SamplingParams
+from braid.engine.staircase import Variant
 
 PRESETS = ("mad-iter", "mad-par", "tot", "moa")
 
@@ -38,7 +43,8 @@ def mad_iter(question: str, rounds: int = 3, sampling: SamplingParams = Sampling
 
 
 def mad_par(question: str, agents: int = 3, rounds: int = 3, sampling: SamplingParams = SamplingParams(),
-            output: str = "kv") -> Graph:
+            output: str = "kv", staircase: Variant | None = None) -> Graph:
+    """With `staircase`, each round after the first reads the previous round's arguments as they are made."""
     nodes = [Node("system", "Answer the question. Read the other agents' answers and improve yours.\n",
                   output=output),
              Node("question", f"Question: {question}\n", output=output)]
@@ -48,14 +54,16 @@ def mad_par(question: str, agents: int = 3, rounds: int = 3, sampling: SamplingP
         for i in range(agents):
             name = f"round{k + 1}:agent{i}"
             nodes.append(Node(name, f"\nAgent {i}:", role=f"agent{i}", sampling=sampling, output=output,
-                              parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous))))
+                              parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)),
+                              staircase=staircase is not None and k > 0))
             current.append(name)
         previous = current
-    return Graph(nodes)
+    return _graph(nodes, staircase)
 
 
 def tot(problem: str, solutions: int = 8, voters: int = 4, sampling: SamplingParams = SamplingParams(),
-        output: str = "kv") -> Graph:
+        output: str = "kv", staircase: Variant | None = None) -> Graph:
+    """With `staircase`, the voters read the solutions as they are written."""
     nodes = [Node("solve", "Think step by step and propose a solution.\n", output=output),
              Node("vote", "Read the candidate solutions and name the best one.\n", output=output),
              Node("problem", f"Problem: {problem}\n", output=output)]
@@ -63,8 +71,9 @@ def tot(problem: str, solutions: int = 8, voters: int = 4, sampling: SamplingPar
     nodes += [Node(s, f"\nSolution {i}:", role=s, sampling=sampling, output=output,
                    parents=(Edge("solve"), Edge("problem"))) for i, s in enumerate(names)]
     nodes += [Node(f"voter{j}", "\nThe best solution is", role=f"voter{j}", sampling=sampling, output=output,
-                   parents=(Edge("vote"), Edge("problem"), *(Edge(s) for s in names))) for j in range(voters)]
-    return Graph(nodes)
+                   parents=(Edge("vote"), Edge("problem"), *(Edge(s) for s in names)), staircase=staircase is not None)
+              for j in range(voters)]
+    return _graph(nodes, staircase)
 
 
 def tot_final(solve: str, problem: str, winner: str, sampling: SamplingParams = SamplingParams(),
@@ -76,19 +85,27 @@ def tot_final(solve: str, problem: str, winner: str, sampling: SamplingParams = 
 
 
 def moa(question: str, proposers: int = 3, layers: int = 2, sampling: SamplingParams = SamplingParams(),
-        output: str = "kv") -> Graph:
+        output: str = "kv", staircase: Variant | None = None) -> Graph:
+    """With `staircase`, every layer after the first, and the aggregator, reads the layer before as it is
+    written (nested staircases, seed 003)."""
     nodes = [Node("system", "Answer the question. Use the earlier answers where they help.\n", output=output),
              Node("question", f"Question: {question}\n", output=output)]
     previous: list[str] = []
     for k in range(layers):
         current = [f"layer{k + 1}:proposer{i}" for i in range(proposers)]
         nodes += [Node(name, f"\nProposer {i}:", role=f"proposer{i}", sampling=sampling, output=output,
-                       parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)))
+                       parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)),
+                       staircase=staircase is not None and k > 0)
                   for i, name in enumerate(current)]
         previous = current
     nodes.append(Node("aggregator", "\nAggregated answer:", role="aggregator", sampling=sampling, output=output,
-                      parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous))))
-    return Graph(nodes)
+                      parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)),
+                      staircase=staircase is not None))
+    return _graph(nodes, staircase)
+
+
+def _graph(nodes: list[Node], staircase: Variant | None) -> Graph:
+    return Graph(nodes) if staircase is None else Graph(nodes, variant=staircase)
 
 
 def count_votes(votes: list[str], solutions: int) -> int:

@@ -81,9 +81,10 @@ def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     assert (tmp_path / "workflows_cpu.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("preset, transport", [("tot", "grpc"), ("mad-iter", "text"), ("mad-par", "grpc"),
-                                               ("moa", "grpc")])
-def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
+@pytest.mark.parametrize("preset, transport, staircase", [
+    ("tot", "grpc", ""), ("mad-iter", "text", ""), ("mad-par", "grpc", ""), ("moa", "grpc", ""),
+    ("moa", "grpc", "reprefill"), ("mad-par", "text", "append"), ("tot", "grpc", "append")])
+def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport, staircase):
     from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.engine import Engine, EngineConfig
@@ -93,7 +94,8 @@ def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
     try:
         assert main(["run", "--address", f"127.0.0.1:{server.port}", "--preset", preset, "--question", "2 or 3?",
                      "--max-tokens", "3", "--rounds", "2", "--agents", "3", "--voters", "2",
-                     "--transport", transport]) == 0
+                     "--transport", transport, "--show-branches", *(["--staircase", staircase] if staircase else [])
+                     ]) == 0
     finally:
         server.stop()
         redis.stop()
@@ -105,7 +107,11 @@ def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport):
         assert "[round2:negative]" in out and "[moderator]" in out
     if preset == "moa":
         assert "[layer2:proposer2]" in out and "[aggregator]" in out
+    reader = {"moa": "aggregator", "mad-par": "round2:agent0", "tot": "voter0"}.get(preset)
+    assert (f"[{reader}] round 0 took in:" in out) == bool(staircase)  # (the rounds are shown with staircase only)
     assert main(["run", "--preset", "tot"]) == 2 and "--preset needs --question" in capsys.readouterr().err
+    assert main(["run", "--preset", "mad-iter", "--question", "q", "--staircase", "append"]) == 2
+    assert "mad-iter has no staircase" in capsys.readouterr().err
 
 
 def test_leakage_benchmark_control_never_lets_the_secret_through(tmp_path):
