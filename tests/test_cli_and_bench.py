@@ -67,6 +67,21 @@ def test_prompt_tree_benchmark_writes_json_and_plot(tmp_path):
     assert (tmp_path / "prompt_trees_cpu.png").stat().st_size > 0
 
 
+def test_dag_staircase_benchmark_writes_json_and_plot(checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("dag_staircase", os.path.join(ROOT, "benchmarks",
+                                                                                "dag_staircase.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--max-tokens", "4", "--repeats", "1",
+                "--question-words", "6", "--workflows", "moa", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "dag_staircase_cpu.json").read_text())
+    assert [(r["transport"], r["variant"]) for r in result["rows"]] == [
+        ("kv", "reprefill"), ("kv", "append"), ("text", "reprefill"), ("text", "append")]
+    for r in result["rows"]:
+        assert r["ttft_reduction"] == pytest.approx(1 - r["staircase"]["final_ttft_ms"] / r["wait"]["final_ttft_ms"])
+    assert (tmp_path / "dag_staircase_cpu.png").stat().st_size > 0
+
+
 def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     spec = importlib.util.spec_from_file_location("workflows", os.path.join(ROOT, "benchmarks", "workflows.py"))
     bench = importlib.util.module_from_spec(spec)
