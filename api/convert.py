@@ -121,7 +121,8 @@ def decode_call(spec: pb.DecodeCallSpec, default_max_tokens: int) -> DecodeCall:
                       sampling=sampling(spec.sampling, default_max_tokens))
 
 
-def graph(request: pb.GraphRequest, default_max_tokens: int) -> Graph:
+def graph(request: pb.GraphRequest, default_max_tokens: int,
+          schedule: StaircaseSchedule = StaircaseSchedule()) -> Graph:
     """A RunGraph request as a validated Graph (INVALID_ARGUMENT naming the node and field otherwise)."""
     nodes = []
     for i, n in enumerate(request.nodes):
@@ -130,22 +131,25 @@ def graph(request: pb.GraphRequest, default_max_tokens: int) -> Graph:
         nodes.append(Node(n.name, n.prompt, n.role, parents,
                           sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
                           n.output or "kv", n.private, n.staircase))
-    schedule, variant = staircase_options(request.staircase)
+    schedule, variant = staircase_options(request.staircase, schedule)
     return Graph(nodes, schedule, variant)
 
 
 MAX_CHUNK_SIZES = 8
 
 
-def staircase_options(msg: pb.StaircaseOptions) -> tuple[StaircaseSchedule, Variant]:
-    """The schedule and variant a request's StaircaseOptions ask for (the defaults where unset)."""
-    default = StaircaseSchedule()
+def staircase_options(msg: pb.StaircaseOptions, default: StaircaseSchedule = StaircaseSchedule()
+                      ) -> tuple[StaircaseSchedule, Variant]:
+    """The schedule and variant a request's StaircaseOptions ask for (`default`'s chunk sizes where unset; its
+    redundancy only when the request sets no chunk sizes either)."""
     for name in ("proposer_chunks", "aggregator_chunks"):
         if len(getattr(msg, name)) > MAX_CHUNK_SIZES:
             raise BraidError(f"staircase.{name}: at most {MAX_CHUNK_SIZES} sizes (the last repeats), got "
                              f"{len(getattr(msg, name))}")
+    own = bool(msg.proposer_chunks or msg.aggregator_chunks or msg.redundancy)
     schedule = StaircaseSchedule(tuple(msg.proposer_chunks) or default.proposer,
-                                 tuple(msg.aggregator_chunks) or default.aggregator, msg.redundancy)
+                                 tuple(msg.aggregator_chunks) or default.aggregator,
+                                 msg.redundancy if own else default.redundancy)
     try:
         return schedule, Variant(msg.variant or Variant.REPREFILL.value)
     except ValueError:

@@ -22,6 +22,7 @@ from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_
 from braid.engine.dag import NodeRound, NodeToken, run_dag
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
+from braid.engine.staircase import StaircaseSchedule
 from braid.kv.export import KVExporter, fetch
 from braid.protos import agent_pb2 as pb
 
@@ -38,6 +39,7 @@ class ServiceConfig:
     # sessions' messages
     upkeep_period_s: float = 10.0
     fetch_timeout_s: float = 60.0  # a session's message moving here from the replica that holds it
+    staircase: StaircaseSchedule = StaircaseSchedule()  # RunGraph's, where a request sets no chunk sizes
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
@@ -246,7 +248,7 @@ class AgentLogic:
         anything runs. Node outputs stay in the session, except those that are private or were encoded with a
         private node in view: a later call could read them from any role, so they go when the graph ends (their
         node-done event names no message). A graph that fails or is left midway keeps nothing."""
-        graph = convert.graph(request, self.config.default_max_tokens)
+        graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase)
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
             self._resolve(sid, graph.messages)

@@ -12,6 +12,8 @@ from braid.engine.kvcomm import KVCommConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.engine.config import paths_elsewhere, paths_here
+from braid.engine.errors import BraidError
+from braid.engine.staircase import StaircaseSchedule
 from braid.models.chat import WORKER_HEADER
 from braid.synthesizer.runner import SynthesizerConfig
 from braid.workers.runner import WorkerConfig
@@ -67,6 +69,11 @@ class ClusterConfig:
     # collective: NCCL between GPUs (gloo on CPU)
     kv_chunk_bytes: int = 1 << 20  # under gRPC's 4 MiB default message limit
     kv_schedule: tuple[int, ...] = (8, 128, 256)  # staircase: ship after 8 tokens, then every 128, then 256
+    # RunGraph staircase nodes (unless a request says otherwise): the parents' chunks are kv_schedule's sizes;
+    # the staircase node answers in chunks of these sizes, and its first round waits for all parents but
+    # `staircase_redundancy` of them
+    staircase_aggregator: tuple[int, ...] = (8, 128)
+    staircase_redundancy: int = 0
     kv_wait_timeout_s: float = 120.0  # a started branch's KV may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # a branch may wait this long for a worker to start on it
     # the cache path re-encodes this many tokens at each end of every shipped branch, with the earlier branches
@@ -117,7 +124,7 @@ class ClusterConfig:
                 raise ValueError(f"{name} must map resource names to amounts > 0, got {bad}")
         if paths_here() and self.api_keys_file is not None and not os.path.isfile(self.api_keys_file):
             raise ValueError(f"api_keys_file {self.api_keys_file!r} does not exist")
-        self.kv_schedule = tuple(self.kv_schedule)
+        self.kv_schedule, self.staircase_aggregator = tuple(self.kv_schedule), tuple(self.staircase_aggregator)
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port {self.grpc_port} is not a port number")
         # The parts validate themselves: a bad value fails here, not in a replica.
@@ -171,9 +178,13 @@ class ClusterConfig:
         return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens)
 
     def service_config(self) -> ServiceConfig:
+        try:
+            staircase = StaircaseSchedule(self.kv_schedule, self.staircase_aggregator, self.staircase_redundancy)
+        except BraidError as e:
+            raise ValueError(str(e)) from None
         return ServiceConfig(default_max_tokens=self.default_max_tokens,
                              kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity),
-                             limits=self.key_limits())
+                             limits=self.key_limits(), staircase=staircase)
 
     def workflow_config(self) -> WorkflowConfig:
         # a workflow's branches are split into one call per replica that can run them (batched on each)

@@ -214,3 +214,23 @@ def test_nested_staircases_start_before_the_first_round_ends(llama_engine):
     assert index["r2a0"] < last_r0 and index["r2a1"] < last_r0  # the third round answers during the first
     assert all(len(tokens_of(events, f"r{k}a{i}")) == LONG.max_tokens for k in range(3) for i in range(2))
     dag.free()
+
+
+def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it(checkpoint):
+    from braid.api import convert
+    from braid.cluster.config import ClusterConfig
+    from braid.protos import agent_pb2 as pb
+
+    config = ClusterConfig(checkpoint("llama"), kv_schedule=(4, 16), staircase_aggregator=(2,), staircase_redundancy=1)
+    default = config.service_config().staircase
+    assert (default.proposer, default.aggregator, default.redundancy) == ((4, 16), (2,), 1)
+    nodes = [pb.GraphNode(name=n, prompt=n, decode=True) for n in ("a", "b")]
+    nodes.append(pb.GraphNode(name="s", prompt="S", decode=True, staircase=True,
+                              parents=[pb.GraphParent(node="a"), pb.GraphParent(node="b")]))
+    got = convert.graph(pb.GraphRequest(nodes=nodes), 8, default).schedule
+    assert got == default
+    mine = convert.graph(pb.GraphRequest(nodes=nodes, staircase=pb.StaircaseOptions(aggregator_chunks=[3])), 8,
+                         default).schedule
+    assert (mine.proposer, mine.aggregator, mine.redundancy) == ((4, 16), (3,), 0)  # (its own: redundancy 0)
+    with pytest.raises(ValueError, match="aggregator chunk sizes must be positive"):
+        ClusterConfig(checkpoint("llama"), staircase_aggregator=(0,))
