@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from braid.api.messages import SynthesizerInfo
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.dag import Edge, Graph, Node
-from braid.engine.errors import BraidError, ContextOverflowError
+from braid.engine.errors import BraidError, ContextOverflowError, PreconditionError
 from braid.engine.staircase import StaircaseSchedule, Variant
 from braid.engine.synthesis import Placement
 from braid.protos import agent_pb2 as pb
@@ -28,6 +28,7 @@ class Workflow:
     placement: Placement
     transport: int  # as requested (pb.Transport)
     branch_limit: int  # the most tokens one branch message can hold: worker header + max_tokens
+    staircase: tuple[StaircaseSchedule, Variant] | None = None  # answer from the branches' first chunks
 
     @property
     def num_branches(self) -> int:
@@ -35,7 +36,7 @@ class Workflow:
 
 
 def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, header: str, default_max_tokens: int,
-             max_branches: int, colocated: bool) -> Workflow:
+             max_branches: int, colocated: bool, schedule: StaircaseSchedule = StaircaseSchedule()) -> Workflow:
     """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's."""
     if request.transport not in pb.Transport.values():
         raise BraidError(f"transport {request.transport} is not a Transport value ({TRANSPORT_NAMES})")
@@ -53,6 +54,17 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
             raise BraidError(f"branch_prompts[{j}] is empty; every branch needs an instruction")
     if not request.synthesis_prompt:
         raise BraidError("synthesis_prompt is empty")
+    staircase = None
+    if request.HasField("staircase"):
+        if request.transport == pb.TRANSPORT_TEXT:
+            raise BraidError("staircase reads the workers' KV chunks as they arrive: it needs a KV transport "
+                             "(TRANSPORT_GRPC, TRANSPORT_COLLECTIVE or unspecified), not TRANSPORT_TEXT")
+        if colocated:
+            raise PreconditionError("staircase needs workers and a synthesizer on separate replicas, which ship KV "
+                                    "in chunks as they decode; this cluster is colocated (its workers hand whole "
+                                    "messages over). RunGraph's staircase nodes stream on one replica")
+        staircase = staircase_options(request.staircase, schedule)
+        staircase[0].quorum(n)  # (refuses a redundancy that leaves no branch to wait for)
     try:
         placement = Placement(request.placement or info.placement)  # unset: what the synthesizer was calibrated for
     except ValueError:
@@ -61,7 +73,7 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
     answer = sampling(request.synthesis_sampling, default_max_tokens, "synthesis_sampling")
     wf = Workflow(secrets.token_hex(8), request.session_id, request.task or " ", list(request.branch_prompts),
                   request.synthesis_prompt, worker, answer, placement, request.transport,
-                  len(tokenize(header)) + worker.max_tokens)
+                  len(tokenize(header)) + worker.max_tokens, staircase)
     _check_context(wf, info.max_positions, tokenize, text=request.transport == pb.TRANSPORT_TEXT)
     return wf
 

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from braid.engine.sampling import SamplingParams
+from braid.engine.staircase import StaircaseSchedule, Variant
 from braid.engine.synthesis import SynthesisMode
 
 
@@ -52,7 +53,17 @@ class SynthesisRequest:
     branches: int
     transport: str  # text, grpc, collective or local: as decided (metrics are tagged with it)
     branch_tokens: list[list[int]] = field(default_factory=list)  # text mode: the workers' replies
+    # a staircase (seed 003): answer from the branches' KV chunks as they arrive, in this variant and schedule
+    staircase: tuple[StaircaseSchedule, Variant] | None = None
 
+
+@dataclass
+class SynthesisRound:
+    """Synthesizer -> ingress, in a staircase: the token range [start, end) of each branch's message taken in
+    before the next answer chunk."""
+
+    round: int
+    chunks: dict[int, tuple[int, int]]
 
 @dataclass
 class SynthesisOpened:

@@ -25,7 +25,9 @@ from braid.api.auth import KeyLimits
 from braid.api.decision import choose_transport
 from braid.api.directory import Directory
 from braid.api.messages import (AnswerToken, BranchDone, BranchRequest, BranchToken, KVArrived, SynthesisDone,
-                                SynthesisOpened, SynthesisRequest, SynthesizerInfo)
+                                SynthesisOpened, SynthesisRequest, SynthesisRound, SynthesizerInfo)
+from braid.engine.errors import PreconditionError
+from braid.engine.staircase import StaircaseSchedule
 from braid.engine.synthesis import SynthesisMode
 from braid.kv.connector import TransferError, stream_name
 from braid.kv.grpc_transport import abandon
@@ -47,6 +49,7 @@ class WorkflowConfig:
     max_branches: int = 16
     worker_header: str = WORKER_HEADER
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
+    staircase: StaircaseSchedule = StaircaseSchedule()  # a staircase request's, where it sets no chunk sizes
 
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
@@ -88,7 +91,7 @@ class WorkflowDriver:
         cfg = self.config
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
-                              cfg.max_branches, cfg.colocated)
+                              cfg.max_branches, cfg.colocated, cfg.staircase)
         with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
             async with aclosing(self._workflow(wf, info, session, start)) as events:
                 async for event in events:
@@ -103,13 +106,17 @@ class WorkflowDriver:
                                              n * wf.branch_limit,
                                              info.link_bytes_per_s, info.prefill_tokens_per_s, wf.branch_limit,
                                              info.verified_tokens)
+        if wf.staircase is not None and transport == pb.TRANSPORT_TEXT:
+            raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport "
+                                    f"chosen is text ({reason}); ask for TRANSPORT_GRPC to answer from the cache "
+                                    f"path anyway, or drop staircase")
         yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
         mode = pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower()  # text, grpc, collective, local
         if self.metrics:
             self.metrics["requests"].inc(tags={"transport": mode})
         synth_req = SynthesisRequest(wf.id, session, wf.task, wf.synthesis_prompt,
                                      SynthesisMode(None if mode == "text" else wf.placement), wf.answer_sampling, n,
-                                     mode)
+                                     mode, staircase=wf.staircase)
         synth, kv_address, finished = None, "", False
         try:
             if mode != "text":  # open the synthesis first: its receiver is where the workers push
@@ -119,50 +126,37 @@ class WorkflowDriver:
             calls = [self.roles.branches(BranchRequest(wf.id, wf.task, group, [wf.prompts[j] for j in group],
                                                        wf.worker_sampling, mode, kv_address)) for group in groups]
             done: dict[int, BranchDone] = {}
-            try:
-                async with aclosing(merge(calls)) as merged:
-                    async for item in merged:
-                        if isinstance(item, BranchToken):
-                            yield pb.WorkflowEvent(branch_token=pb.BranchToken(
-                                branch=item.branch, token_id=item.token_id, text=item.text,
-                                finish_reason=item.finish_reason))
-                        else:
-                            done[item.branch] = item
-            except Exception as e:  # noqa: BLE001
-                raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: "
-                                    f"{type(cause(e)).__name__}: {cause(e)}") from None
-            branches_done = time.perf_counter()
+            answer = _Answer(start, mode, self.metrics)
+            later = []  # a staircase's receipts and done: checked once every branch has ended
+            # a staircase answers while the branches decode: its stream is merged with theirs
+            streams = [*(_worker_failures(c) for c in calls), *([synth] if wf.staircase is not None else [])]
+            async with aclosing(merge(streams)) as merged:
+                async for item in merged:
+                    if isinstance(item, BranchToken):
+                        yield pb.WorkflowEvent(branch_token=pb.BranchToken(
+                            branch=item.branch, token_id=item.token_id, text=item.text,
+                            finish_reason=item.finish_reason))
+                    elif isinstance(item, BranchDone):
+                        done[item.branch], answer.branches_done = item, time.perf_counter()
+                    elif isinstance(item, SynthesisRound):
+                        yield pb.WorkflowEvent(round=pb.StaircaseRound(round=item.round, chunks=[
+                            pb.BranchChunk(branch=j, start=a, end=b) for j, (a, b) in item.chunks.items()]))
+                    elif isinstance(item, AnswerToken):
+                        yield answer.token(item)
+                    else:
+                        later.append(item)
             if synth is None:
                 synth_req.branch_tokens = [done[j].token_ids for j in range(n)]
                 synth = aiter(self.roles.synthesis(synth_req))
                 await anext(synth)  # the receiver's address, unused in text mode
-            first, last, kv_bytes, kv_ms = None, None, 0, 0.0
-            async for item in synth:
+            async for item in _chain(later, synth if wf.staircase is None else None):
                 if isinstance(item, KVArrived):
-                    sent = done[item.branch]
-                    if item.digest != sent.digest or item.bytes != sent.kv_bytes:
-                        raise TransferError(f"branch {item.branch}: KV arrived corrupted (digest {item.digest:#x}, "
-                                            f"sent {sent.digest:#x})")
-                    kv_bytes, kv_ms = kv_bytes + item.bytes, max(kv_ms, item.transfer_ms)
-                    yield pb.WorkflowEvent(kv_receipt=pb.KVReceipt(
-                        branch=item.branch, bytes=item.bytes, crc32=item.digest, crc32_sent=sent.digest,
-                        transfer_ms=item.transfer_ms,
-                        transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
+                    yield answer.receipt(item, done[item.branch])
                 elif isinstance(item, AnswerToken):
-                    now = time.perf_counter()
-                    if self.metrics and first is not None:
-                        self.metrics["itl"].observe(now - last, tags={"transport": mode})
-                    first, last = first or now, now
-                    yield pb.WorkflowEvent(synthesis_token=pb.TokenEvent(
-                        token_id=item.token_id, text=item.text, finish_reason=item.finish_reason,
-                        message_id=item.message_id))
+                    yield answer.token(item)
                 elif isinstance(item, SynthesisDone):
-                    if self.metrics:
-                        self.metrics["ttft"].observe(first - start, tags={"transport": mode})
                     finished = True
-                    yield pb.WorkflowEvent(timings=pb.Timings(
-                        ttft_ms=1e3 * (first - start), last_branch_to_first_token_ms=1e3 * (first - branches_done),
-                        kv_transfer_ms=kv_ms, kv_bytes=kv_bytes))
+                    yield answer.timings()
                     yield pb.WorkflowEvent(done=pb.WorkflowDone(session_id=session, answer_message_id=item.answer_id,
                                                                 answer_text=item.answer_text,
                                                                 branch_message_ids=item.branch_ids))
@@ -176,6 +170,64 @@ class WorkflowDriver:
         finally:
             if synth is not None and hasattr(synth, "aclose"):
                 await synth.aclose()
+
+
+class _Answer:
+    """A workflow's answer as it streams to the client: its token events, receipts and timings."""
+
+    def __init__(self, start: float, transport: str, metrics):
+        self.start, self.transport, self.metrics = start, transport, metrics
+        self.first = self.last = self.branches_done = None
+        self.kv_bytes, self.kv_ms = 0, 0.0
+
+    def token(self, item: AnswerToken) -> pb.WorkflowEvent:
+        now = time.perf_counter()
+        if self.metrics and self.first is not None:
+            self.metrics["itl"].observe(now - self.last, tags={"transport": self.transport})
+        self.first, self.last = self.first or now, now
+        return pb.WorkflowEvent(synthesis_token=pb.TokenEvent(token_id=item.token_id, text=item.text,
+                                                              finish_reason=item.finish_reason,
+                                                              message_id=item.message_id))
+
+    def receipt(self, item: KVArrived, sent: BranchDone) -> pb.WorkflowEvent:
+        if item.digest != sent.digest or item.bytes != sent.kv_bytes:
+            raise TransferError(f"branch {item.branch}: KV arrived corrupted (digest {item.digest:#x}, "
+                                f"sent {sent.digest:#x})")
+        self.kv_bytes, self.kv_ms = self.kv_bytes + item.bytes, max(self.kv_ms, item.transfer_ms)
+        return pb.WorkflowEvent(kv_receipt=pb.KVReceipt(
+            branch=item.branch, bytes=item.bytes, crc32=item.digest, crc32_sent=sent.digest,
+            transfer_ms=item.transfer_ms, transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
+
+    def timings(self) -> pb.WorkflowEvent:
+        if self.metrics:
+            self.metrics["ttft"].observe(self.first - self.start, tags={"transport": self.transport})
+        return pb.WorkflowEvent(timings=pb.Timings(
+            ttft_ms=1e3 * (self.first - self.start),
+            last_branch_to_first_token_ms=1e3 * (self.first - self.branches_done),
+            kv_transfer_ms=self.kv_ms, kv_bytes=self.kv_bytes))
+
+
+async def _worker_failures(stream) -> AsyncIterator:
+    """A worker call's items; its failure says the workflow was abandoned because of it."""
+    try:
+        async for item in stream:
+            yield item
+    except Exception as e:  # noqa: BLE001
+        raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: "
+                            f"{type(cause(e)).__name__}: {cause(e)}") from None
+    finally:  # (Serve's response streams cancel; in-process ones close)
+        if hasattr(stream, "cancel"):
+            stream.cancel()
+        if hasattr(stream, "aclose"):
+            await stream.aclose()
+
+
+async def _chain(items: list, stream) -> AsyncIterator:
+    for item in items:
+        yield item
+    if stream is not None:
+        async for item in stream:
+            yield item
 
 
 async def merge(streams) -> AsyncIterator:

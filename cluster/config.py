@@ -12,7 +12,6 @@ from braid.engine.kvcomm import KVCommConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.engine.config import paths_elsewhere, paths_here
-from braid.engine.errors import BraidError
 from braid.engine.staircase import StaircaseSchedule
 from braid.models.chat import WORKER_HEADER
 from braid.synthesizer.runner import SynthesizerConfig
@@ -178,20 +177,22 @@ class ClusterConfig:
         return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens)
 
     def service_config(self) -> ServiceConfig:
-        try:
-            staircase = StaircaseSchedule(self.kv_schedule, self.staircase_aggregator, self.staircase_redundancy)
-        except BraidError as e:
-            raise ValueError(str(e)) from None
         return ServiceConfig(default_max_tokens=self.default_max_tokens,
                              kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity),
-                             limits=self.key_limits(), staircase=staircase)
+                             limits=self.key_limits(), staircase=self.staircase_schedule())
+
+    def staircase_schedule(self) -> StaircaseSchedule:
+        """Staircases' default schedule (RunGraph's and RunWorkflow's): the parents' chunks are the sizes
+        the workers ship KV in."""
+        return StaircaseSchedule(self.kv_schedule, self.staircase_aggregator, self.staircase_redundancy)
 
     def workflow_config(self) -> WorkflowConfig:
         # a workflow's branches are split into one call per replica that can run them (batched on each)
         replicas, scaling = ((self.synthesizer_replicas, self.synthesizer_autoscaling) if self.colocate
                              else (self.worker_replicas, self.worker_autoscaling))
         return WorkflowConfig(self.kv_transport, self.colocate, scaling.max_replicas if scaling else replicas,
-                              self.default_max_tokens, self.max_branches, self.worker_header, self.key_limits())
+                              self.default_max_tokens, self.max_branches, self.worker_header, self.key_limits(),
+                              self.staircase_schedule())
 
     def key_limits(self) -> KeyLimits:
         return KeyLimits(self.key_max_sessions, self.key_max_store_bytes, self.key_max_workflows)

@@ -34,3 +34,8 @@ class StoreFullError(BraidError):
 
 class MessageInUseError(BraidError):
     code = "FAILED_PRECONDITION"
+
+
+class PreconditionError(BraidError):
+    """The request is valid, but the deployment or the server's state cannot serve it as asked."""
+    code = "FAILED_PRECONDITION"

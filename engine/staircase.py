@@ -142,6 +142,19 @@ class BranchFeed:
                     self.failed[b] = why
             self.cv.notify_all()
 
+    def arrived(self, source, call: int = 0) -> None:
+        """More of call `call` of `source` can be read (the receiving side's report, for a source read as it
+        arrives from elsewhere: it knows its whole `length` once it has ended, and its `error` if it failed)."""
+        b = self.branch(source, call)
+        if b is None:
+            return
+        with self.cv:
+            if source.error is not None:
+                self.failed.setdefault(b, f"{type(source.error).__name__}: {source.error}")
+            elif source.length is not None and not self.ended[b]:
+                self.ended[b], self.length[b] = True, source.length
+            self.cv.notify_all()
+
     def cancel(self) -> None:
         """Stop waiting: a staircase waiting on this feed raises at once (its consumer has gone)."""
         with self.cv:

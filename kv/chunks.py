@@ -111,6 +111,40 @@ class KVAssembler:
     def token_ids(self) -> list[int]:
         return [t for start in sorted(self._tokens) for t in self._tokens[start]]
 
+    def _whole(self) -> list[tuple[int, int]]:
+        """Token ranges received whole (every layer, and their token ids), in order from the message's start up
+        to the first gap."""
+        ranges, at = [], 0
+        for t0, t1 in sorted(self._pieces):
+            if t0 != at or t0 not in self._tokens or \
+                    sum(l1 - l0 for l0, l1, _ in self._pieces[(t0, t1)]) != self._layers:
+                break
+            ranges.append((t0, t1))
+            at = t1
+        return ranges
+
+    @property
+    def contiguous(self) -> int:
+        """Tokens that can be read while the message is still arriving: whole from its start (the staircase's
+        synthesizer reads them)."""
+        ranges = self._whole()
+        return ranges[-1][1] if ranges else 0
+
+    def read(self, start: int, end: int) -> tuple[list[int], torch.Tensor]:
+        """Tokens [start, end) of the message and their KV [L, 2, H, end - start, D], within `contiguous`."""
+        if not 0 <= start <= end <= self.contiguous:
+            raise ChunkError(f"tokens {start}-{end} of {self.message_id!r} have not arrived "
+                             f"({self.contiguous} have, from its start)")
+        tokens, blocks = [], []
+        for t0, t1 in self._whole():
+            if t1 <= start or t0 >= end:
+                continue
+            a, b = max(start, t0) - t0, min(end, t1) - t0
+            tokens += self._tokens[t0][a:b]
+            parts = sorted(self._pieces[(t0, t1)], key=lambda x: x[0])
+            blocks.append(torch.cat([p for _, _, p in parts], dim=0)[:, :, :, a:b])
+        return tokens, torch.cat(blocks, dim=3) if blocks else torch.empty(0)
+
     def tensor(self) -> torch.Tensor:
         """The message's KV [L, 2, H, T, D], bit-identical to what was sent."""
         if not self.complete:

@@ -17,6 +17,7 @@ from concurrent import futures
 from datetime import timedelta
 
 import grpc
+import torch
 import torch.distributed as dist
 
 from braid.engine import Engine
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 class _Stream:
     def __init__(self, fingerprint: str):
         self.assembler = KVAssembler(fingerprint)
+        self.lock = threading.Lock()  # (the assembler is read while chunks still arrive: see watch)
+        self.listeners: list = []  # called after each chunk, and when the stream completes or fails
         self.done = threading.Event()
         self.error: Exception | None = None
         self.created = time.monotonic()
@@ -49,6 +52,48 @@ class _Stream:
         if not self.done.is_set():
             self.error = error
             self.done.set()
+            self.changed()
+
+    def changed(self) -> None:
+        for listener in list(self.listeners):
+            listener()
+
+
+class BranchArrivals:
+    """One branch stream read while it arrives (a BranchFeed source: engine.staircase): how many tokens of the
+    branch message can be read, their tokens and KV, and whether it has ended or failed."""
+
+    def __init__(self, stream_id: str, stream: _Stream):
+        self.stream_id, self._stream = stream_id, stream
+        self.decode = self  # (BranchFeed's reading side: it is decoding from the start)
+
+    def listen(self, listener) -> None:
+        """Call `listener()` now, after each chunk, and when the stream completes or fails (from the thread
+        receiving it)."""
+        self._stream.listeners.append(listener)
+        listener()
+
+    @property
+    def offsets(self) -> list[int]:
+        return [self._stream.assembler.offset]  # where the message was encoded (set by its first chunk)
+
+    @property
+    def length(self) -> int | None:
+        """The message's whole length once its last chunk has come (None before)."""
+        s = self._stream
+        return s.assembler.total_tokens if s.done.is_set() and s.error is None else None
+
+    @property
+    def error(self) -> Exception | None:
+        return self._stream.error
+
+    def encoded(self, call: int = 0) -> int:
+        with self._stream.lock:
+            return self._stream.assembler.contiguous
+
+    def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
+        with self._stream.lock:
+            return self._stream.assembler.read(start, end)
 
 
 class _PendingLink:
@@ -92,6 +137,17 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         stream.transport, stream.local_message = "local", message_id
         stream.finished = stream.active = time.monotonic()
         stream.done.set()
+
+    def watch(self, stream_id: str) -> "BranchArrivals":
+        """The stream's branch as it arrives, for a staircase reading it before it is complete. `wait` still
+        ends the stream once the reader is done with it (or `forget`, if it gives up)."""
+        return BranchArrivals(stream_id, self._stream(stream_id))
+
+    def forget(self, stream_ids) -> None:
+        """Drop these streams and whatever KV they hold (a reader that gave up on them)."""
+        with self._lock:
+            for sid in stream_ids:
+                self._streams.pop(sid, None)
 
     def abandon(self, stream_ids, reason: str) -> None:
         for sid in stream_ids:
@@ -172,7 +228,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                     continue
                 piece = self._link(chunk.link_id).recv(chunk.shape, DTYPES[chunk.dtype]) if chunk.link_id else None
                 stream.transport = "collective" if chunk.link_id else "grpc"
-                stream.assembler.add(chunk, piece)
+                with stream.lock:
+                    stream.assembler.add(chunk, piece)
                 chunks += 1
                 if chunk.total_tokens:
                     stream.tail_start = stream.tail_start or time.perf_counter()
@@ -180,6 +237,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                 if stream.assembler.complete and not stream.done.is_set():
                     stream.finished = time.perf_counter()
                     stream.done.set()
+                stream.changed()
             incomplete = [sid for sid, s in touched.items() if not s.done.is_set()]
             if incomplete:
                 raise ChunkError(f"KV stream ended with {', '.join(map(repr, incomplete))} incomplete")

@@ -39,7 +39,7 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class WorkflowRequest(_message.Message):
-    __slots__ = ("session_id", "task", "branch_prompts", "synthesis_prompt", "worker_sampling", "synthesis_sampling", "transport", "placement")
+    __slots__ = ("session_id", "task", "branch_prompts", "synthesis_prompt", "worker_sampling", "synthesis_sampling", "transport", "placement", "staircase")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class WorkflowRequest(_message.Message):
     SYNTHESIS_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    STAIRCASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     task: str
     branch_prompts: _containers.RepeatedScalarFieldContainer[str]
@@ -56,23 +57,44 @@ class WorkflowRequest(_message.Message):
     synthesis_sampling: Sampling
     transport: Transport
     placement: str
-    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ...) -> None: ...
+    staircase: StaircaseOptions
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ...) -> None: ...
 
 class WorkflowEvent(_message.Message):
-    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt")
+    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt", "round")
     BRANCH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SYNTHESIS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     branch_token: BranchToken
     synthesis_token: TokenEvent
     decision: Decision
     timings: Timings
     done: WorkflowDone
     kv_receipt: KVReceipt
-    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ...) -> None: ...
+    round: StaircaseRound
+    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ..., round: _Optional[_Union[StaircaseRound, _Mapping]] = ...) -> None: ...
+
+class StaircaseRound(_message.Message):
+    __slots__ = ("round", "chunks")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    chunks: _containers.RepeatedCompositeFieldContainer[BranchChunk]
+    def __init__(self, round: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[BranchChunk, _Mapping]]] = ...) -> None: ...
+
+class BranchChunk(_message.Message):
+    __slots__ = ("branch", "start", "end")
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    branch: int
+    start: int
+    end: int
+    def __init__(self, branch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class KVReceipt(_message.Message):
     __slots__ = ("branch", "bytes", "crc32", "crc32_sent", "transfer_ms", "transport")

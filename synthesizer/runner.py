@@ -5,10 +5,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from braid.api.messages import AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesizerInfo
+from braid.api.messages import (AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesisRound,
+                                SynthesizerInfo)
 from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
-from braid.engine.synthesis import Placement, Refresh, synthesis_stream
+from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
+from braid.engine.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
 
@@ -80,23 +82,39 @@ class SynthesisRunner:
                 self.link_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
         return received
 
-    def run(self, req: SynthesisRequest) -> Iterator[SynthesisOpened | KVArrived | AnswerToken | SynthesisDone]:
-        """Yields where to push KV first; then, in KV modes, one KVArrived per copied branch; the answer's
-        tokens; and SynthesisDone."""
-        eng = self.engine
-        yield SynthesisOpened(self.receiver.address)
-        received = [] if req.mode.text else self._receive(req)
+    def _mode(self, req: SynthesisRequest) -> SynthesisMode:
+        """The request's mode as served: the cache path calibrated and its branch boundaries re-encoded."""
+        mode, eng = req.mode, self.engine
+        if not mode.text and mode.hooks is None and eng.calibration is not None:
+            mode = replace(mode, hooks=eng.calibration.hooks)
+        if not mode.text and mode.refresh is None:
+            mode = replace(mode, refresh=self.refresh)
+        return mode
+
+    def _whole_branches(self, req: SynthesisRequest) -> Iterator[KVArrived | list[str]]:
+        """Each branch once complete, as KVArrived, then their messages stored here (the last item)."""
+        received = self._receive(req)
         for j, got in enumerate(received):
             if got.kv is not None:
                 yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
+        yield [self.receiver.import_message(self.engine, g) for g in received]
+
+    def run(self, req: SynthesisRequest) -> Iterator[SynthesisOpened | KVArrived | SynthesisRound | AnswerToken
+                                                     | SynthesisDone]:
+        """Yields where to push KV first; then, in KV modes, one KVArrived per copied branch; the answer's
+        tokens; and SynthesisDone. A staircase answers first, from the chunks as they arrive, with a
+        SynthesisRound before each answer chunk; its KVArrived come once the branches are complete."""
+        eng = self.engine
+        yield SynthesisOpened(self.receiver.address)
+        if req.staircase is not None:
+            yield from self._staircase(req)
+            return
+        branches = []
+        if not req.mode.text:
+            *arrived, branches = self._whole_branches(req)
+            yield from arrived
         prefix = eng.prefill([PrefillCall(req.task)])
-        branches = [self.receiver.import_message(eng, g) for g in received]
-        mode = req.mode
-        if not mode.text and mode.hooks is None and eng.calibration is not None:
-            mode = replace(mode, hooks=eng.calibration.hooks)  # the cache path, calibrated
-        if not mode.text and mode.refresh is None:
-            mode = replace(mode, refresh=self.refresh)  # and its branches' boundaries re-encoded
-        stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
+        stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=self._mode(req),
                                   sampling=req.sampling)
         answer = []
         for event in stream:
@@ -105,3 +123,31 @@ class SynthesisRunner:
         registered = self.agent.register(req.session, prefix + branches + stream.ids)
         tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
         yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
+
+    def _staircase(self, req: SynthesisRequest) -> Iterator[KVArrived | SynthesisRound | AnswerToken | SynthesisDone]:
+        """The answer from the branches' KV chunks as they arrive (engine.staircase), then the whole branches
+        stored and registered with it, as the waiting path stores them."""
+        eng, (schedule, variant) = self.engine, req.staircase
+        ids = [stream_name(req.workflow, j) for j in range(req.branches)]
+        arrivals = [self.receiver.watch(sid) for sid in ids]
+        feed = BranchFeed([], pump=False, branches=[(a, 0) for a in arrivals])
+        for a in arrivals:
+            a.listen(lambda a=a: feed.arrived(a))
+        result, answer, done = StaircaseResult(), [], False
+        try:
+            prefix = eng.prefill([PrefillCall(req.task)])
+            for event in staircase(eng, feed, req.prompt, prefix, schedule, variant, self._mode(req), req.sampling,
+                                   timeout_s=self.config.kv_wait_timeout_s, result=result):
+                if isinstance(event, RoundTaken):
+                    yield SynthesisRound(event.round, event.chunks)
+                else:
+                    answer.append(event.text)
+                    yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
+            *arrived, branches = self._whole_branches(req)
+            done = True
+        finally:
+            if not done:
+                self.receiver.forget(ids)
+        yield from arrived
+        registered = self.agent.register(req.session, prefix + branches + result.message_ids[-1:])
+        yield SynthesisDone(result.message_ids[-1], "".join(answer), branches, None, registered)

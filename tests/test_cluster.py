@@ -82,6 +82,43 @@ def test_workflow_over_grpc_matches_in_process(cluster, transport):
     assert events[-1].done.answer_message_id and events[-2].timings.ttft_ms > 0
 
 
+def test_staircase_workflow_answers_from_the_workers_chunks_as_they_arrive(cluster):
+    """Staircase over the cluster: the synthesizer reads each worker's KV chunks as they are pushed. With chunks
+    larger than the replies it takes whole branches in one round, so it answers exactly as the waiting cache
+    path does; with small chunks it answers before the workers have finished."""
+    stub, config, *_ = cluster
+    task, prompts = "User: add the partial results.", ["Part 3.", "Part 4 and 5.", "Part 6, 7 and 8 here."]
+    whole = run(stub, task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=GREEDY,
+                synthesis_sampling=GREEDY, transport=pb.TRANSPORT_GRPC,
+                staircase=pb.StaircaseOptions(proposer_chunks=[1000], aggregator_chunks=[1000]))
+    rounds = [e.round for e in whole if e.HasField("round")]
+    assert len(rounds) == 1 and sorted(c.branch for c in rounds[0].chunks) == [0, 1, 2]
+    answer = [e.synthesis_token.token_id for e in whole if e.HasField("synthesis_token")]
+    assert answer == in_process(config.model_path, task, prompts, text_mode=False)
+    assert len(whole[-1].done.branch_message_ids) == 3
+    assert sorted(e.kv_receipt.branch for e in whole if e.HasField("kv_receipt")) == [0, 1, 2]
+
+    long = pb.Sampling(max_tokens=40, ignore_eos=True)
+    early = run(stub, task=task, branch_prompts=prompts, synthesis_prompt="Synthesizer:", worker_sampling=long,
+                synthesis_sampling=GREEDY, staircase=pb.StaircaseOptions(aggregator_chunks=[2]))
+    kinds = [e.WhichOneof("event") for e in early]
+    assert kinds.count("synthesis_token") == 6 and kinds.count("branch_token") == 120
+    assert kinds.index("synthesis_token") < len(kinds) - 1 - kinds[::-1].index("branch_token")  # answer began first
+    first = next(e.round for e in early if e.HasField("round"))
+    assert all(c.end < 40 for c in first.chunks)  # round 0 took in partial branches (kv_schedule 2, 3)
+    timings = next(e.timings for e in early if e.HasField("timings"))
+    assert timings.last_branch_to_first_token_ms < 0
+    assert early[-1].done.answer_text and len(early[-1].done.branch_message_ids) == 3
+    for request, code, needle in (
+            (dict(transport=pb.TRANSPORT_TEXT, staircase=pb.StaircaseOptions()), grpc.StatusCode.INVALID_ARGUMENT,
+             "needs a KV transport"),
+            (dict(staircase=pb.StaircaseOptions(redundancy=3)), grpc.StatusCode.INVALID_ARGUMENT,
+             "redundancy 3 leaves no branch")):
+        with pytest.raises(grpc.RpcError) as err:
+            run(stub, task=task, branch_prompts=prompts, synthesis_prompt="S:", **request)
+        assert err.value.code() == code and needle in err.value.details(), err.value.details()
+
+
 def test_session_calls_and_bad_requests_through_the_proxy(cluster):
     stub, *_ = cluster
     r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hi")]), metadata=METADATA)
