@@ -1,9 +1,11 @@
 """Cluster benchmarks, side by side in one run on a local cluster:
 
 1. KV transfer throughput per transport (gRPC inline payloads; a gloo collective link), loopback.
-2. Parallel-synthesis workflows over the gRPC agent API, KV over gRPC, KV over gloo and text, alternating:
-   end-to-end TTFT (request to first answer token, worker decoding included) and the time
-   from the last branch token to the first answer token (what shipping KV saves).
+2. Parallel-synthesis workflows over the gRPC agent API, KV over gRPC, KV over gloo and text, and a staircase
+   over gRPC (the synthesizer answering from the workers' KV chunks as they arrive, default schedule),
+   alternating: end-to-end TTFT (request to first answer token, worker decoding included) and the time from
+   the last branch token to the first answer token (what shipping KV saves; negative for the staircase,
+   whose answer begins before the workers finish).
 """
 
 import argparse
@@ -68,13 +70,15 @@ def transfer_throughput(mib: int, chunk_sizes=(1 << 20, 4 << 20)) -> list[dict]:
     return rows
 
 
-def workflow(stub, args, length, transport):
+def workflow(stub, args, length, transport, staircase=False):
     sampling = pb.Sampling(max_tokens=length, ignore_eos=True)
     req = pb.WorkflowRequest(task="User: combine what the workers found.", synthesis_prompt="Synthesizer:",
                              branch_prompts=[f"Worker {j}: look at part {j}." + " Think." * j
                                              for j in range(args.branches)],
                              worker_sampling=sampling, synthesis_sampling=pb.Sampling(max_tokens=4, ignore_eos=True),
                              transport=transport)
+    if staircase:
+        req.staircase.CopyFrom(pb.StaircaseOptions())
     events = list(stub.RunWorkflow(req, metadata=(("application", "braid"),), timeout=600))
     t = next(e.timings for e in events if e.HasField("timings"))
     return {"ttft_ms": t.ttft_ms, "last_branch_to_first_token_ms": t.last_branch_to_first_token_ms,
@@ -98,11 +102,12 @@ def main(argv=None):
                 for transport in (pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):  # warm-up, and the gloo link
                     workflow(stub, args, 8, transport)
                 for length in tqdm(args.lengths, desc="branch lengths"):
-                    modes = {"kv": pb.TRANSPORT_GRPC, "gloo": pb.TRANSPORT_COLLECTIVE, "text": pb.TRANSPORT_TEXT}
+                    modes = {"kv": pb.TRANSPORT_GRPC, "gloo": pb.TRANSPORT_COLLECTIVE, "text": pb.TRANSPORT_TEXT,
+                             "stair": pb.TRANSPORT_GRPC}
                     runs = {mode: [] for mode in modes}
                     for _ in range(args.repeats):  # alternate, so drift hits every mode alike
                         for mode, transport in modes.items():
-                            runs[mode].append(workflow(stub, args, length, transport))
+                            runs[mode].append(workflow(stub, args, length, transport, staircase=mode == "stair"))
                     row = {"branch_tokens": length, "branches": args.branches}
                     for mode, rs in runs.items():
                         for key in rs[0]:
@@ -110,6 +115,7 @@ def main(argv=None):
                     for mode in ("kv", "gloo"):
                         row[f"{mode}_handoff_speedup"] = (row["text_last_branch_to_first_token_ms"]
                                                           / row[f"{mode}_last_branch_to_first_token_ms"])
+                    row["stair_ttft_reduction_vs_kv"] = 1 - row["stair_ttft_ms"] / row["kv_ttft_ms"]
                     result["workflows"].append(row)
         finally:
             cluster.stop()
@@ -124,11 +130,11 @@ def report(result, out_dir):
               f"in {r['seconds']:.2f} s = {r['gb_per_s']:.2f} GB/s")
     print(f"\nWorkflows over the agent API, model {result['model']}, medians (handoff: last branch token to "
           "first answer token)")
-    print(f"{'tokens/branch':>13} {'TTFT grpc':>10} {'TTFT gloo':>10} {'TTFT text':>10} {'handoff grpc':>13} "
-          f"{'handoff gloo':>13} {'handoff text':>13} {'KV MB':>7}")
+    print(f"{'tokens/branch':>13} {'TTFT grpc':>10} {'TTFT gloo':>10} {'TTFT text':>10} {'TTFT stair':>11} "
+          f"{'handoff grpc':>13} {'handoff gloo':>13} {'handoff text':>13} {'KV MB':>7}")
     for r in result["workflows"]:
         print(f"{r['branch_tokens']:>13} {r['kv_ttft_ms']:>8.0f}ms {r['gloo_ttft_ms']:>8.0f}ms "
-              f"{r['text_ttft_ms']:>8.0f}ms {r['kv_last_branch_to_first_token_ms']:>11.1f}ms "
+              f"{r['text_ttft_ms']:>8.0f}ms {r['stair_ttft_ms']:>9.0f}ms {r['kv_last_branch_to_first_token_ms']:>11.1f}ms "
               f"{r['gloo_last_branch_to_first_token_ms']:>11.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
               f"{r['kv_kv_bytes'] / 1e6:>7.2f}")
     stem = write_json(out_dir, "cluster_workflow_cpu", result)
@@ -137,7 +143,8 @@ def report(result, out_dir):
         return
     xs = [r["branch_tokens"] for r in result["workflows"]]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, label in (("kv", "KV over gRPC"), ("gloo", "KV over gloo"), ("text", "text re-prefill")):
+    for mode, label in (("kv", "KV over gRPC"), ("gloo", "KV over gloo"), ("text", "text re-prefill"),
+                        ("stair", "staircase, KV over gRPC")):
         ax[0].plot(xs, [r[f"{mode}_ttft_ms"] for r in result["workflows"]], marker="o", label=label)
         ax[1].plot(xs, [r[f"{mode}_last_branch_to_first_token_ms"] for r in result["workflows"]], marker="o",
                    label=label)

@@ -111,6 +111,10 @@ def test_bad_requests_get_clear_statuses_and_the_server_keeps_serving(api):
             task="t", synthesis_prompt="s"))),
         (grpc.StatusCode.INVALID_ARGUMENT, "placement", lambda: stub.RunWorkflow(pb.WorkflowRequest(
             task="t", branch_prompts=["a"], synthesis_prompt="s", placement="diagonal"))),
+        # (this server is colocated: its workers hand whole messages over, so there are no chunks to read early)
+        (grpc.StatusCode.FAILED_PRECONDITION, "this cluster is colocated", lambda: stub.RunWorkflow(
+            pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
+                               staircase=pb.StaircaseOptions()))),
         (grpc.StatusCode.OUT_OF_RANGE, str(limit), lambda: stub.Generate(pb.GenerateRequest(
             prompt="hi", sampling=pb.Sampling(max_tokens=limit)))),
     ]

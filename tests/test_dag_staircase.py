@@ -234,3 +234,47 @@ def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it
     assert (mine.proposer, mine.aggregator, mine.redundancy) == ((4, 16), (3,), 0)  # (its own: redundancy 0)
     with pytest.raises(ValueError, match="aggregator chunk sizes must be positive"):
         ClusterConfig(checkpoint("llama"), staircase_aggregator=(0,))
+
+
+def test_a_staircase_workflow_on_separate_engines_and_when_auto_chooses_text(checkpoint):
+    """The workflow driver with a worker engine and a synthesizer engine (KV over gRPC on loopback, real Redis):
+    a staircase answers, with round events, and its branches and receipts are those of a waiting workflow. When
+    `auto` would re-prefill text (an uncalibrated synthesizer), a staircase is refused with what to do, before
+    any worker starts."""
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.api.service import AgentLogic
+    from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver, iterate_blocking
+    from braid.engine import Engine, EngineConfig
+    from braid.engine.errors import PreconditionError
+    from braid.kv.receiver import KVReceiver
+    from braid.protos import agent_pb2 as pb
+    from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+    from braid.workers.runner import BranchRunner, WorkerConfig
+
+    redis = EmbeddedRedis()
+    directory = Directory.connect(redis.url)
+    synth_engine, worker_engine = (Engine(EngineConfig(checkpoint("llama"))) for _ in range(2))
+    receiver = KVReceiver(synth_engine.fingerprint)
+    synth = SynthesisRunner(synth_engine, receiver, AgentLogic(synth_engine, directory), SynthesizerConfig())
+    worker = BranchRunner(worker_engine, WorkerConfig(kv_schedule=(2, 3)), "w")
+    try:
+        def driver(transport):
+            return WorkflowDriver(ThreadRoles(worker.run, synth.run, synth.info), directory,
+                                  WorkflowConfig(kv_transport=transport), synth_engine.tokenize)
+
+        request = pb.WorkflowRequest(task="t", branch_prompts=["a", "b b"], synthesis_prompt="s",
+                                     worker_sampling=pb.Sampling(max_tokens=12, ignore_eos=True),
+                                     synthesis_sampling=pb.Sampling(max_tokens=4, ignore_eos=True),
+                                     staircase=pb.StaircaseOptions(aggregator_chunks=[2]))
+        events = list(iterate_blocking(driver("grpc").run(request)))
+        kinds = [e.WhichOneof("event") for e in events]
+        assert kinds.count("synthesis_token") == 4 and kinds.count("branch_token") == 24 and kinds[-1] == "done"
+        assert kinds.count("round") >= 1 and sorted(e.kv_receipt.branch for e in events
+                                                    if e.HasField("kv_receipt")) == [0, 1]
+        assert all(e.kv_receipt.crc32 == e.kv_receipt.crc32_sent for e in events if e.HasField("kv_receipt"))
+        assert len(events[-1].done.branch_message_ids) == 2
+        with pytest.raises(PreconditionError, match="ask for TRANSPORT_GRPC"):
+            list(iterate_blocking(driver("auto").run(request)))
+    finally:
+        receiver.stop()
+        redis.stop()
