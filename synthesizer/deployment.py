@@ -43,6 +43,10 @@ class Synthesizer:
     def info(self):
         return self.runner.info()
 
+    def load(self) -> dict[str, int]:
+        """The engine scheduler's calls waiting and running, and its work KV bytes (an operator's probe)."""
+        return self.engine.scheduler.load
+
     # Session affinity: the ingress routes a session's calls with the session id as Serve's multiplexed model
     # id, and a replica that serves a session "loads" it here, so the router sends its later calls here, where
     # its messages are. A call that lands elsewhere anyway moves the messages it names (AgentLogic._resolve).

@@ -386,20 +386,26 @@ def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
 
     stub, *_ = cluster
     worker = serve.get_deployment_handle("Worker", app_name="braid")
-    for stop in ("cancel", "deadline"):
+    synthesizer = serve.get_deployment_handle("Synthesizer", app_name="braid")
+    long = pb.Sampling(max_tokens=2000, ignore_eos=True)
+    for stop in ("cancel", "deadline", "staircase"):  # (staircase: left while the answer and workers decode)
         call = stub.RunWorkflow(pb.WorkflowRequest(
             task="t", branch_prompts=["a", "b"], synthesis_prompt="s", transport=pb.TRANSPORT_GRPC,
-            worker_sampling=pb.Sampling(max_tokens=3000, ignore_eos=True), synthesis_sampling=GREEDY),
+            worker_sampling=long, synthesis_sampling=pb.Sampling(max_tokens=1000, ignore_eos=True)
+            if stop == "staircase" else GREEDY,
+            **({"staircase": pb.StaircaseOptions(aggregator_chunks=[4])} if stop == "staircase" else {})),
             metadata=METADATA + client_metadata(None, 3.0), timeout=3 if stop == "deadline" else 120)
         with pytest.raises(grpc.RpcError) as err:
             for i, event in enumerate(call):
-                if event.HasField("branch_token") and i == 5:
+                if stop != "staircase" and event.HasField("branch_token") and i == 5:
                     assert worker.load.remote().result()["running"] >= 1
-                    if stop == "cancel":
-                        call.cancel()
-        assert err.value.code() == (grpc.StatusCode.CANCELLED if stop == "cancel" else
-                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+                if stop == "cancel" and i == 5 or stop == "staircase" and event.HasField("synthesis_token"):
+                    call.cancel()
+        assert err.value.code() == (grpc.StatusCode.DEADLINE_EXCEEDED if stop == "deadline" else
+                                    grpc.StatusCode.CANCELLED)
         deadline = time.monotonic() + 5  # (running to max_tokens would take far longer)
-        while worker.load.remote().result()["running"] and time.monotonic() < deadline:
+        while (worker.load.remote().result()["running"] or synthesizer.load.remote().result()["running"]) \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert worker.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, stop
+        for role in (worker, synthesizer):
+            assert role.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, stop
