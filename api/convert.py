@@ -36,7 +36,8 @@ class Workflow:
 
 
 def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, header: str, default_max_tokens: int,
-             max_branches: int, colocated: bool, schedule: StaircaseSchedule = StaircaseSchedule()) -> Workflow:
+             max_branches: int, colocated: bool, schedule: StaircaseSchedule = StaircaseSchedule(strict=False)
+             ) -> Workflow:
     """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's."""
     if request.transport not in pb.Transport.values():
         raise BraidError(f"transport {request.transport} is not a Transport value ({TRANSPORT_NAMES})")
@@ -134,7 +135,7 @@ def decode_call(spec: pb.DecodeCallSpec, default_max_tokens: int) -> DecodeCall:
 
 
 def graph(request: pb.GraphRequest, default_max_tokens: int,
-          schedule: StaircaseSchedule = StaircaseSchedule()) -> Graph:
+          schedule: StaircaseSchedule = StaircaseSchedule(strict=False)) -> Graph:
     """A RunGraph request as a validated Graph (INVALID_ARGUMENT naming the node and field otherwise)."""
     nodes = []
     for i, n in enumerate(request.nodes):
@@ -150,18 +151,18 @@ def graph(request: pb.GraphRequest, default_max_tokens: int,
 MAX_CHUNK_SIZES = 8
 
 
-def staircase_options(msg: pb.StaircaseOptions, default: StaircaseSchedule = StaircaseSchedule()
+def staircase_options(msg: pb.StaircaseOptions, default: StaircaseSchedule = StaircaseSchedule(strict=False)
                       ) -> tuple[StaircaseSchedule, Variant]:
-    """The schedule and variant a request's StaircaseOptions ask for (`default`'s chunk sizes where unset; its
-    redundancy only when the request sets no chunk sizes either)."""
+    """The schedule and variant a request's StaircaseOptions ask for: `default`'s (the server's) wherever the
+    request sets nothing. A redundancy the request sets is refused where it leaves no branch to wait for."""
     for name in ("proposer_chunks", "aggregator_chunks"):
         if len(getattr(msg, name)) > MAX_CHUNK_SIZES:
             raise BraidError(f"staircase.{name}: at most {MAX_CHUNK_SIZES} sizes (the last repeats), got "
                              f"{len(getattr(msg, name))}")
-    own = bool(msg.proposer_chunks or msg.aggregator_chunks or msg.redundancy)
+    own = msg.HasField("redundancy")
     schedule = StaircaseSchedule(tuple(msg.proposer_chunks) or default.proposer,
                                  tuple(msg.aggregator_chunks) or default.aggregator,
-                                 msg.redundancy if own else default.redundancy)
+                                 msg.redundancy if own else default.redundancy, strict=own or default.strict)
     try:
         return schedule, Variant(msg.variant or Variant.REPREFILL.value)
     except ValueError:
@@ -183,8 +184,11 @@ def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
                                                stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                                                ignore_eos=s.ignore_eos, **({} if s.seed is None else {"seed": s.seed})))
         nodes.append(node)
-    options = pb.StaircaseOptions(proposer_chunks=graph.schedule.proposer, aggregator_chunks=graph.schedule.aggregator,
-                                  redundancy=graph.schedule.redundancy, variant=graph.variant.value)
+    options = pb.StaircaseOptions(variant=graph.variant.value)
+    if graph.schedule is not None:  # (None: the server's default schedule)
+        options.MergeFrom(pb.StaircaseOptions(proposer_chunks=graph.schedule.proposer,
+                                              aggregator_chunks=graph.schedule.aggregator,
+                                              redundancy=graph.schedule.redundancy))
     return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options)
 
 

@@ -39,7 +39,7 @@ class ServiceConfig:
     # sessions' messages
     upkeep_period_s: float = 10.0
     fetch_timeout_s: float = 60.0  # a session's message moving here from the replica that holds it
-    staircase: StaircaseSchedule = StaircaseSchedule()  # RunGraph's, where a request sets no chunk sizes
+    staircase: StaircaseSchedule = StaircaseSchedule(strict=False)  # RunGraph's, where a request sets none
 
     def __post_init__(self):
         if self.default_max_tokens < 1:

@@ -49,7 +49,7 @@ class WorkflowConfig:
     max_branches: int = 16
     worker_header: str = WORKER_HEADER
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
-    staircase: StaircaseSchedule = StaircaseSchedule()  # a staircase request's, where it sets no chunk sizes
+    staircase: StaircaseSchedule = StaircaseSchedule(strict=False)  # a staircase request's, where it sets none
 
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
@@ -127,9 +127,11 @@ class WorkflowDriver:
                                                        wf.worker_sampling, mode, kv_address)) for group in groups]
             done: dict[int, BranchDone] = {}
             answer = _Answer(start, mode, self.metrics)
-            later = []  # a staircase's receipts and done: checked once every branch has ended
-            # a staircase answers while the branches decode: its stream is merged with theirs
+            # a staircase answers while the branches decode: its stream is merged with theirs. Its receipts are
+            # checked as soon as the branch's own report is in; its done waits until every branch has ended
             streams = [*(_worker_failures(c) for c in calls), *([synth] if wf.staircase is not None else [])]
+            receipts: dict[int, KVArrived] = {}
+            later = []
             async with aclosing(merge(streams)) as merged:
                 async for item in merged:
                     if isinstance(item, BranchToken):
@@ -138,6 +140,13 @@ class WorkflowDriver:
                             finish_reason=item.finish_reason))
                     elif isinstance(item, BranchDone):
                         done[item.branch], answer.branches_done = item, time.perf_counter()
+                        if item.branch in receipts:
+                            yield answer.receipt(receipts.pop(item.branch), item)
+                    elif isinstance(item, KVArrived):
+                        if item.branch in done:
+                            yield answer.receipt(item, done[item.branch])
+                        else:
+                            receipts[item.branch] = item
                     elif isinstance(item, SynthesisRound):
                         yield pb.WorkflowEvent(round=pb.StaircaseRound(round=item.round, chunks=[
                             pb.BranchChunk(branch=j, start=a, end=b) for j, (a, b) in item.chunks.items()]))
@@ -145,6 +154,8 @@ class WorkflowDriver:
                         yield answer.token(item)
                     else:
                         later.append(item)
+            if receipts:
+                raise TransferError(f"branches {sorted(receipts)}: KV arrived that no worker reported sending")
             if synth is None:
                 synth_req.branch_tokens = [done[j].token_ids for j in range(n)]
                 synth = aiter(self.roles.synthesis(synth_req))

@@ -184,7 +184,7 @@ class ClusterConfig:
     def staircase_schedule(self) -> StaircaseSchedule:
         """Staircases' default schedule (RunGraph's and RunWorkflow's): the parents' chunks are the sizes
         the workers ship KV in."""
-        return StaircaseSchedule(self.kv_schedule, self.staircase_aggregator, self.staircase_redundancy)
+        return StaircaseSchedule(self.kv_schedule, self.staircase_aggregator, self.staircase_redundancy, strict=False)
 
     def workflow_config(self) -> WorkflowConfig:
         # a workflow's branches are split into one call per replica that can run them (batched on each)

@@ -67,7 +67,8 @@ class Node:
 @dataclass
 class Graph:
     nodes: list[Node]
-    schedule: StaircaseSchedule = field(default_factory=StaircaseSchedule)  # for staircase nodes
+    # for staircase nodes; None: the server's default where the graph is sent (engine runs use the defaults)
+    schedule: StaircaseSchedule | None = None
     variant: Variant = Variant.REPREFILL
 
     def __post_init__(self):
@@ -131,12 +132,17 @@ class Graph:
         if late:
             raise BraidError(f"{where}: {late[0]!r} is read whole, so it must be done before the parents it "
                              f"streams start decoding")
-        self.schedule.quorum(len(streamed))  # (refuses a redundancy that leaves nothing to wait for)
+        self.stair.quorum(len(streamed))  # (refuses a redundancy that leaves nothing to wait for)
 
     def _home(self, name: str, at: dict[str, int]) -> int:
         """The wave a node decodes alongside: its own, or for a staircase node its streamed parents' home."""
         n = self.node(name)
         return self._home(self.streamed(n)[0], at) if n.staircase else at[name]
+
+    @property
+    def stair(self) -> StaircaseSchedule:
+        """The schedule staircase nodes run with."""
+        return self.schedule if self.schedule is not None else StaircaseSchedule(strict=False)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -339,10 +345,12 @@ class DagRun:
             except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
                 why, error = f"{type(e).__name__}: {e}", e
             finally:
-                stream.close()
-                for feed in {id(f): f for fs in readers.values() for f in fs}.values():
-                    feed.end(wave, why)
-                events.put((None, error))
+                events.put((None, error))  # (first: its error, not a staircase's view of it, is what fails the run)
+                try:
+                    stream.close()
+                finally:
+                    for feed in {id(f): f for fs in readers.values() for f in fs}.values():
+                        feed.end(wave, why)
 
         def aggregate(node: Node) -> None:
             why, error, answer = "its staircase stopped before the answer finished", None, answers[node.name]
@@ -372,10 +380,11 @@ class DagRun:
                     for s in attached]
         replies: dict[str, list[str]] = {}
         error: BaseException | None = None
+        pending = 0
         try:
             for t in threads:
                 t.start()
-            pending = len(threads)
+                pending += 1
             while pending:
                 name, ev = events.get()
                 if name is None:  # a thread ended (with its error, or None)
@@ -401,17 +410,23 @@ class DagRun:
                 feed.cancel()
             if threads[0].is_alive():
                 stream.interrupt()  # (a pump waiting for its next token sees the call end at the next step)
+            elif not pending:
+                stream.close()  # (no pump ever ran: the call still leaves the batch)
             for t in threads:
                 if t.is_alive():
                     t.join()
-            for name in feeds:  # the staircases' answer messages: only their tokens are kept (see _encode_outputs)
-                for mid in self._staircase_results[name].message_ids[-1:]:
+            try:
+                for name in feeds:  # the staircases' answer messages: only their tokens are kept (_encode_output)
+                    for mid in self._staircase_results[name].message_ids[-1:]:
+                        try:
+                            eng.free(mid, when_unpinned=True)
+                        except UnknownMessageError:
+                            pass  # (evicted meanwhile: nothing holds it)
+                for n, mid in zip(decode, stream.ids or ()):
                     if mid in eng.store:
-                        eng.free(mid, when_unpinned=True)
-            for n, mid in zip(decode, stream.ids or ()):
-                if mid in eng.store:
-                    self._finish(n, mid)
-            eng.release(wave_held)
+                        self._finish(n, mid)
+            finally:
+                eng.release(wave_held)
         for n in attached:  # (in dependency order: a nested staircase node reads the outputs before it)
             self._encode_output(n)
         for n in decode:
@@ -435,8 +450,9 @@ class DagRun:
         self._staircase_results[n.name] = result = StaircaseResult()
 
         def run(feed: BranchFeed) -> Iterator[NodeToken | NodeRound]:
-            for ev in staircase(self.engine, feed, n.prompt, prefix, self.graph.schedule, self.graph.variant, mode,
-                                n.sampling, result=result):
+            # (no clock: a parent that is slow is still coming; a failed or cancelled one ends the feed)
+            for ev in staircase(self.engine, feed, n.prompt, prefix, self.graph.stair, self.graph.variant, mode,
+                                n.sampling, idle_s=None, result=result):
                 if isinstance(ev, RoundTaken):
                     yield NodeRound(n.name, ev.round, {streamed[b]: r for b, r in ev.chunks.items()})
                 else:

@@ -39,3 +39,13 @@ class MessageInUseError(BraidError):
 class PreconditionError(BraidError):
     """The request is valid, but the deployment or the server's state cannot serve it as asked."""
     code = "FAILED_PRECONDITION"
+
+
+class UnavailableError(BraidError):
+    """What the request needs stopped coming (a stalled or failed source); retrying may succeed."""
+    code = "UNAVAILABLE"
+
+
+class StoppedError(BraidError):
+    """The request's consumer went away, so its work was stopped."""
+    code = "CANCELLED"

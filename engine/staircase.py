@@ -17,6 +17,7 @@ Two variants:
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,7 +25,7 @@ from enum import Enum
 import torch
 
 from braid.engine.engine import DecodeCall, Engine, TokenEvent, Tokens
-from braid.engine.errors import BraidError
+from braid.engine.errors import BraidError, StoppedError, UnavailableError
 from braid.engine.sampling import SamplingParams
 from braid.engine.synthesis import SynthesisMode, decode_with_hooks, synthesis_stream
 from braid.engine.workflow import BranchStream
@@ -36,6 +37,9 @@ class StaircaseSchedule:
     proposer: tuple[int, ...] = (8, 128, 256)
     aggregator: tuple[int, ...] = (8, 128)
     redundancy: int = 0  # round 0 waits for m - redundancy branches' first chunk
+    # a redundancy the request asked for is refused where it leaves no branch to wait for; a server's default
+    # (strict=False) waits for one branch there instead
+    strict: bool = True
 
     def __post_init__(self):
         for name in ("proposer", "aggregator"):
@@ -48,6 +52,8 @@ class StaircaseSchedule:
 
     def quorum(self, branches: int) -> int:
         """Branches whose first chunk round 0 waits for."""
+        if self.redundancy >= branches and not self.strict:
+            return 1
         if self.redundancy >= branches:
             raise BraidError(f"staircase redundancy {self.redundancy} leaves no branch to wait for: this request "
                              f"has {branches}")
@@ -107,6 +113,8 @@ class BranchFeed:
         self.counts = [0] * len(self.where)
         self.failed: dict[int, str] = {}
         self.cancelled = False
+        self.progressed = None  # when a branch last made progress (None: none has yet)
+        self.started = time.monotonic()
         self.cv = threading.Condition()
         self.threads = []
         for stream in fan_outs if pump else ():
@@ -127,6 +135,7 @@ class BranchFeed:
         if b is None:
             return
         with self.cv:
+            self.progressed = time.monotonic()
             self.counts[b] += 1
             if finished:
                 self.ended[b] = True
@@ -136,6 +145,7 @@ class BranchFeed:
     def end(self, source, why: str) -> None:
         """`source` stopped (the pump's side): its branches that had not ended with their KV stored fail, `why`."""
         with self.cv:
+            self.progressed = time.monotonic()
             for b, (s, _) in enumerate(self.where):
                 # not ended, or ended without its last token's KV (a call that failed stored nothing)
                 if s is source and (not self.ended[b] or s.ids is None):
@@ -149,6 +159,7 @@ class BranchFeed:
         if b is None:
             return
         with self.cv:
+            self.progressed = time.monotonic()
             if source.error is not None:
                 self.failed.setdefault(b, f"{type(source.error).__name__}: {source.error}")
             elif source.length is not None and not self.ended[b]:
@@ -185,14 +196,20 @@ class BranchFeed:
         """Failed, or ended with every token's KV in place: nothing more will come from it."""
         return branch in self.failed or (self.ended[branch] and self.available(branch) >= self.length[branch])
 
-    def wait(self, ready, timeout_s: float) -> None:
-        """Until ready() (called under the lock, re-checked on each token), or BraidError at the timeout or on
+    def wait(self, ready, idle_s: float | None = None, queued_s: float | None = None) -> None:
+        """Until ready() (called under the lock, re-checked on each token). UnavailableError once no branch
+        has made progress for `idle_s` (before any has: for `queued_s`; None: no limit); StoppedError on
         `cancel`."""
         with self.cv:
-            if not self.cv.wait_for(lambda: self.cancelled or ready(), timeout=timeout_s):
-                raise BraidError(f"staircase: branches gave no chunk within {timeout_s:.0f}s")
+            while not (self.cancelled or ready()):
+                limit, since = (queued_s, self.started) if self.progressed is None else (idle_s, self.progressed)
+                left = None if limit is None else since + limit - time.monotonic()
+                if left is not None and left <= 0:
+                    what = "no branch started" if self.progressed is None else "no branch made progress"
+                    raise UnavailableError(f"staircase: {what} for {limit:.0f} s")
+                self.cv.wait(left)
             if self.cancelled:
-                raise BraidError("staircase: cancelled")
+                raise StoppedError("staircase: cancelled (its consumer has gone)")
 
     def readable(self, branch: int, end: int) -> bool:
         """Whether tokens up to `end` can still be read (a call failing just now stored nothing): if not, the
@@ -216,12 +233,13 @@ class BranchFeed:
 def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence[str] = (),
               schedule: StaircaseSchedule = StaircaseSchedule(), variant: Variant = Variant.REPREFILL,
               mode: SynthesisMode = SynthesisMode(), sampling: SamplingParams = SamplingParams(),
-              continue_header: Tokens = "", timeout_s: float = 120.0,
+              continue_header: Tokens = "", idle_s: float | None = 120.0, queued_s: float | None = None,
               result: StaircaseResult | None = None) -> Iterator[TokenEvent | RoundTaken]:
     """Yields each round's RoundTaken, then its answer tokens; `result` collects the whole run. `mode`: text
     (placement None) or KV re-encoded to its placement (append always places chunks one after another, the
     positions text would give them); `continue_header`: the tokens that resume the answer after appended
-    chunks (append only; default the prompt's last token)."""
+    chunks (append only; default the prompt's last token); `idle_s`: fail (UNAVAILABLE) once no branch has
+    made progress for this long, `queued_s`: before any has (None: no limit)."""
     result = result if result is not None else StaircaseResult()
     m = len(feed)
     quorum = schedule.quorum(m)
@@ -253,11 +271,12 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
             if round_ == 0:
                 feed.wait(lambda: all(feed.settled(j) for j in range(m)) or (
                     sum(1 for j in range(m) if target(j) > 0 or feed.settled(j)) >= quorum
-                    and any(target(j) > 0 for j in range(m))), timeout_s)
+                    and any(target(j) > 0 for j in range(m))), idle_s, queued_s)
                 if not any(target(j) > 0 for j in range(m)):
-                    raise BraidError(f"staircase: every branch failed ({'; '.join(sorted(set(feed.failed.values())))})")
+                    raise UnavailableError(f"staircase: every branch failed "
+                                           f"({'; '.join(sorted(set(feed.failed.values())))})")
             else:
-                feed.wait(lambda: all(target(j) > taken[j] or feed.settled(j) for j in range(m)), timeout_s)
+                feed.wait(lambda: all(target(j) > taken[j] or feed.settled(j) for j in range(m)), idle_s, queued_s)
             new = {}
             for j in range(m):
                 b = target(j)
@@ -299,6 +318,9 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
     finally:
         if stream is not None:  # stopped mid-round (an error, or the consumer left): the call leaves the batch
             stream.close()      # and unpins what it used before anything here is freed
+            for mid in stream.ids or ():  # (it had ended and stored its message, never handed out: it goes)
+                if mid in engine.store:
+                    engine.free(mid, when_unpinned=True)
         keep = set(result.message_ids[-1:])
         for mid in held:
             if mid not in keep and mid in engine.store:

@@ -31,6 +31,7 @@ from braid.kv.grpc_transport import GRPC_LIMITS
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
+GONE_FOR_S = 3600.0  # how long a given-up stream's id is remembered
 
 
 class _Stream:
@@ -110,6 +111,9 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     def __init__(self, fingerprint: str, host: str = "127.0.0.1", port: int = 0):
         self.fingerprint, self.host = fingerprint, host
         self._streams: dict[str, _Stream] = {}
+        # streams given up (abandoned or forgotten) -> why and when: a late chunk or wait for one finds it failed
+        # instead of starting it over, and nothing here keeps its KV; forgotten after GONE_FOR_S
+        self._gone: dict[str, tuple[Exception, float]] = {}
         self._links: dict[str, _PendingLink] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS)
@@ -120,7 +124,27 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
 
     def _stream(self, stream_id: str) -> _Stream:
         with self._lock:
+            gone = self._gone.get(stream_id)
+            if gone is not None:  # (a failed stream of its own: not kept)
+                stream = _Stream(self.fingerprint)
+                stream.error, stream.active = gone[0], time.monotonic()
+                stream.done.set()
+                return stream
             return self._streams.setdefault(stream_id, _Stream(self.fingerprint))
+
+    def _give_up(self, stream_ids, error: Exception) -> None:
+        """Fail these streams (whoever waits on one sees `error`) and drop them, remembering why for a while."""
+        now = time.monotonic()
+        with self._lock:
+            for sid, (_, when) in list(self._gone.items()):
+                if now - when > GONE_FOR_S:
+                    del self._gone[sid]
+            dropped = [self._streams.pop(sid, None) for sid in stream_ids]
+            for sid in stream_ids:
+                self._gone[sid] = (error, now)
+        for stream in dropped:
+            if stream is not None:
+                stream.fail(error)
 
     # ---- the receiving side's API ----------------------------------------------------------------
     def opened(self, stream_id: str) -> None:
@@ -145,13 +169,11 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
 
     def forget(self, stream_ids) -> None:
         """Drop these streams and whatever KV they hold (a reader that gave up on them)."""
-        with self._lock:
-            for sid in stream_ids:
-                self._streams.pop(sid, None)
+        self._give_up(list(stream_ids), TransferError("its reader gave up on this KV stream"))
 
     def abandon(self, stream_ids, reason: str) -> None:
         for sid in stream_ids:
-            self._stream(sid).fail(TransferError(f"KV stream {sid!r} abandoned: {reason}"))
+            self._give_up([sid], TransferError(f"KV stream {sid!r} abandoned: {reason}"))
 
     def wait(self, stream_id: str, idle_timeout: float, queue_timeout: float = 3600.0) -> ReceivedStream:
         """Block until the stream's message is complete; raises TransferError on error or timeout."""
@@ -223,6 +245,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         try:
             for chunk in request_iterator:
                 stream = touched.setdefault(chunk.stream_id, self._stream(chunk.stream_id))
+                if stream.error is not None:  # given up here (abandoned, or its reader left): stop sending
+                    raise stream.error
                 stream.active = time.monotonic()
                 if chunk.open:
                     continue

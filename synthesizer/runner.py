@@ -91,13 +91,11 @@ class SynthesisRunner:
             mode = replace(mode, refresh=self.refresh)
         return mode
 
-    def _whole_branches(self, req: SynthesisRequest) -> Iterator[KVArrived | list[str]]:
-        """Each branch once complete, as KVArrived, then their messages stored here (the last item)."""
-        received = self._receive(req)
+    @staticmethod
+    def _receipts(received: list[ReceivedStream]) -> Iterator[KVArrived]:
         for j, got in enumerate(received):
             if got.kv is not None:
                 yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
-        yield [self.receiver.import_message(self.engine, g) for g in received]
 
     def run(self, req: SynthesisRequest) -> Iterator[SynthesisOpened | KVArrived | SynthesisRound | AnswerToken
                                                      | SynthesisDone]:
@@ -109,11 +107,10 @@ class SynthesisRunner:
         if req.staircase is not None:
             yield from self._staircase(req)
             return
-        branches = []
-        if not req.mode.text:
-            *arrived, branches = self._whole_branches(req)
-            yield from arrived
+        received = [] if req.mode.text else self._receive(req)
+        yield from self._receipts(received)
         prefix = eng.prefill([PrefillCall(req.task)])
+        branches = [self.receiver.import_message(eng, g) for g in received]
         stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=self._mode(req),
                                   sampling=req.sampling)
         answer = []
@@ -125,29 +122,35 @@ class SynthesisRunner:
         yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
 
     def _staircase(self, req: SynthesisRequest) -> Iterator[KVArrived | SynthesisRound | AnswerToken | SynthesisDone]:
-        """The answer from the branches' KV chunks as they arrive (engine.staircase), then the whole branches
-        stored and registered with it, as the waiting path stores them."""
+        """The answer from the branches' KV chunks as they arrive (engine.staircase), then the whole branches'
+        receipts, and the branches stored and registered with the answer, as the waiting path stores them. A
+        run that fails or is left midway keeps nothing here."""
         eng, (schedule, variant) = self.engine, req.staircase
         ids = [stream_name(req.workflow, j) for j in range(req.branches)]
         arrivals = [self.receiver.watch(sid) for sid in ids]
         feed = BranchFeed([], pump=False, branches=[(a, 0) for a in arrivals])
         for a in arrivals:
             a.listen(lambda a=a: feed.arrived(a))
-        result, answer, done = StaircaseResult(), [], False
+        result, answer, prefix, branches, done = StaircaseResult(), [], [], [], False
         try:
             prefix = eng.prefill([PrefillCall(req.task)])
             for event in staircase(eng, feed, req.prompt, prefix, schedule, variant, self._mode(req), req.sampling,
-                                   timeout_s=self.config.kv_wait_timeout_s, result=result):
+                                   idle_s=self.config.kv_wait_timeout_s, queued_s=self.config.kv_queue_timeout_s,
+                                   result=result):
                 if isinstance(event, RoundTaken):
                     yield SynthesisRound(event.round, event.chunks)
                 else:
                     answer.append(event.text)
                     yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
-            *arrived, branches = self._whole_branches(req)
+            received = self._receive(req)
+            yield from self._receipts(received)
+            branches = [self.receiver.import_message(eng, g) for g in received]
+            registered = self.agent.register(req.session, prefix + branches + result.message_ids[-1:])
             done = True
         finally:
             if not done:
                 self.receiver.forget(ids)
-        yield from arrived
-        registered = self.agent.register(req.session, prefix + branches + result.message_ids[-1:])
+                for mid in prefix + branches + result.message_ids[-1:]:
+                    if mid in eng.store:
+                        eng.free(mid, when_unpinned=True)
         yield SynthesisDone(result.message_ids[-1], "".join(answer), branches, None, registered)

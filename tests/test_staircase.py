@@ -24,7 +24,7 @@ def run(engine, schedule, variant, mode, fan_outs=None, prefix=None):
     prefix = prefix if prefix is not None else engine.prefill([PrefillCall(TASK)])
     feed = BranchFeed(fan_outs)
     result = StaircaseResult()
-    events = list(staircase(engine, feed, PROMPT, prefix, schedule, variant, mode, ANSWER, timeout_s=60,
+    events = list(staircase(engine, feed, PROMPT, prefix, schedule, variant, mode, ANSWER, idle_s=60,
                             result=result))
     feed.join()
     return result, events, fan_outs, prefix
