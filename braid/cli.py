@@ -239,6 +239,8 @@ def run_cmd(args) -> int:
                                  worker_sampling=sampling, synthesis_sampling=sampling,
                                  transport=pb.Transport.Value(f"TRANSPORT_{args.transport.upper()}"),
                                  placement=args.placement)
+    if args.staircase:
+        request.staircase.CopyFrom(pb.StaircaseOptions(variant=args.staircase))
     credentials = client_credentials(args.tls, args.ca_cert)
     channel = grpc.secure_channel(args.address, credentials) if credentials else grpc.insecure_channel(args.address)
     with channel:
@@ -251,6 +253,9 @@ def run_cmd(args) -> int:
                     print(f"[transport] {pb.Transport.Name(event.decision.transport)}: {event.decision.reason}")
                 elif kind == "branch_token" and args.show_branches:
                     print(f"[branch {event.branch_token.branch}] {event.branch_token.text!r}")
+                elif kind == "round" and args.show_branches:
+                    took = ", ".join(f"branch {c.branch} {c.start}-{c.end}" for c in event.round.chunks)
+                    print(f"\n[round {event.round.round}] took in: {took or 'nothing new'}")
                 elif kind == "kv_receipt":
                     r = event.kv_receipt
                     how = pb.Transport.Name(r.transport).removeprefix("TRANSPORT_").lower()
@@ -320,8 +325,10 @@ def main(argv=None) -> int:
                    help="--preset mad-par: agents; tot: solutions; moa: proposers per layer (default: 3)")
     p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
     p.add_argument("--staircase", choices=["reprefill", "append"],
-                   help="--preset mad-par/tot/moa: readers start from the first chunks of what they read "
-                        "(Staircase Streaming), in this variant (default: they wait for whole replies)")
+                   help="answer from the first chunks of what is read (Staircase Streaming), in this variant: the "
+                        "synthesizer from the workers' KV as it arrives (a KV transport between separate "
+                        "replicas), or with --preset mad-par/tot/moa, the readers of each stage (default: wait "
+                        "for whole replies)")
     p.add_argument("--prompt", default="<|synthesizer|>",
                    help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")
