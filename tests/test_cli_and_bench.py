@@ -138,3 +138,20 @@ def test_leakage_benchmark_control_never_lets_the_secret_through(tmp_path):
     # nothing Bob reads depends on Alice's secret under the control or the text baseline: his answer cannot move
     assert rows["control"]["answer_changes"]["rate"] == 0 and rows["text"]["answer_changes"]["rate"] == 0
     assert set(rows) == {"leak", "control", "text"} and (tmp_path / "leakage_cpu.png").stat().st_size > 0
+
+
+def test_run_staircase_workflow_on_a_colocated_server_says_why_not(checkpoint, capsys):
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.cluster.inprocess import start_in_process
+    from braid.engine import Engine, EngineConfig
+
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
+    try:
+        assert main(["run", "--address", f"127.0.0.1:{server.port}", "--task", "t", "--branch", "a",
+                     "--staircase", "reprefill"]) == 1
+    finally:
+        server.stop()
+        redis.stop()
+    err = capsys.readouterr().err
+    assert "FAILED_PRECONDITION" in err and "this cluster is colocated" in err
