@@ -94,3 +94,25 @@ def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     # branches, and at 12 in at least 3 of the 4 (MultiQA's twelve sums are its hardest answer)
     assert all(accuracy[(task, m, TEXT.name)] == 1.0 for task in TASKS for m in (2, 7))
     assert all(accuracy[(task, 12, TEXT.name)] >= 0.75 for task in TASKS)
+
+
+def test_workflow_eval_reads_tot_graphs_three_ways_and_writes_json(checkpoint, tmp_path):
+    """ToT graphs of the reference tasks (random weights here): every mode scored on the same tasks, paired
+    against text; and the graph is the parallel-synthesis layout (the voter reads the system prompt, then each
+    solution's worker turn)."""
+    from braid.evals import workflows
+    from braid.models.tasks import generate
+
+    graph = workflows.tot_graph(generate("vote", 0, 3), "kv")
+    assert [e.node for e in graph.node("voter").parents] == ["system", "solution0", "solution1", "solution2"]
+    waves = [([n.name for n in w], [n.name for n in a]) for w, a in graph.plan()]
+    assert waves[-2:] == [(["solution0", "solution1", "solution2"], []), (["voter"], [])]  # (the voter waits)
+    stair = workflows.tot_graph(generate("vote", 0, 3), "staircase").plan()
+    assert [([n.name for n in w], [n.name for n in a]) for w, a in stair][-1] == (
+        ["solution0", "solution1", "solution2"], ["voter"])  # (it streams them)
+    out = tmp_path / "w.json"
+    workflows.main(["--model", checkpoint("llama"), "--tasks", "vote", "--samples", "2", "--branches", "2",
+                    "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["text", "kv", "staircase"] and all(r["n"] == 2 for r in rows)
+    assert all("minus_text" in r for r in rows[1:]) and (tmp_path / "w.png").stat().st_size > 0
