@@ -145,7 +145,7 @@ def graph(request: pb.GraphRequest, default_max_tokens: int,
                           sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
                           n.output or "kv", n.private, n.staircase))
     schedule, variant = staircase_options(request.staircase, schedule)
-    return Graph(nodes, schedule, variant)
+    return Graph(nodes, schedule, variant, request.calibrated)
 
 
 MAX_CHUNK_SIZES = 8
@@ -189,7 +189,7 @@ def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
         options.MergeFrom(pb.StaircaseOptions(proposer_chunks=graph.schedule.proposer,
                                               aggregator_chunks=graph.schedule.aggregator,
                                               redundancy=graph.schedule.redundancy))
-    return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options)
+    return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options, calibrated=graph.calibrated)
 
 
 def token_event(event) -> pb.TokenEvent:

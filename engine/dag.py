@@ -21,7 +21,10 @@ decode, as an aggregator of Staircase Streaming does (engine.staircase, with the
 variant): it runs alongside its parents' wave and answers from their first chunks. Its other parents are
 read whole first. Cached (kv) parents are read from their KV chunks, text parents from their tokens; a kv
 parent whose encoding saw another role's private node turns the node to text chunks, so the control above
-holds. Staircases nest: a staircase node may stream other staircase nodes' answers as they are decoded (as
+holds. With `calibrated`, a node shaped as a synthesis (its decoding parents, all cached, after the parents it
+reads whole) reads those replies as the served cache path does, through the engine's calibration: the mapper
+on their KV, the boundary refresh, and the synthesizer LoRA in its own forwards; its output is then encoded
+again with base weights, as a staircase node's is, so any reader may take it. Staircases nest: a staircase node may stream other staircase nodes' answers as they are decoded (as
 text chunks: an answer has no single encoding until it ends), as debate rounds do. When it ends, its prompt and reply are encoded once after its parents' whole messages (as a node that
 waited would read them): that is the output its children read.
 """
@@ -36,7 +39,7 @@ from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, SynthesisMode
+from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 
 MAX_NODES = 64
 OUTPUTS = ("kv", "text")
@@ -70,6 +73,9 @@ class Graph:
     # for staircase nodes; None: the server's default where the graph is sent (engine runs use the defaults)
     schedule: StaircaseSchedule | None = None
     variant: Variant = Variant.REPREFILL
+    # read cached replies through the engine's trained calibration (engine.calibration: cache mapper, synthesizer
+    # LoRA, boundary refresh), in the nodes shaped as a synthesis: see DagRun._calibrated
+    calibrated: bool = False
 
     def __post_init__(self):
         if not 1 <= len(self.nodes) <= MAX_NODES:
@@ -270,6 +276,8 @@ class DagRun:
             for n in encode:
                 yield NodeDone(n.name, self.outputs[n.name], "", notes[n.name])
         decode = [n for n in wave if n.sampling is not None]
+        calibrated = [n for n in decode if self._calibrated(n)]
+        decode = [n for n in decode if n not in calibrated]
         if attached:
             yield from self._stream_wave(decode, attached, notes, start)
         elif decode:
@@ -288,6 +296,8 @@ class DagRun:
                         self._finish(n, mid)
             for c, n in enumerate(decode):
                 yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(c, [])), notes[n.name])
+        for n in calibrated:
+            yield from self._synthesize(n, notes, start)
 
     def _call(self, n: Node):
         ctx = self._context[n.name]
@@ -458,6 +468,51 @@ class DagRun:
                 else:
                     yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
         return run
+
+    def _calibrated(self, n: Node) -> bool:
+        """Whether node n reads its replies through the engine's calibration: the graph asks for it, the engine
+        has one, and n is shaped as a synthesis (cached decoding parents last, after those it reads whole, at
+        unset offsets), the layout the calibration was trained on."""
+        if not (self.graph.calibrated and self.engine.calibration is not None and n.sampling is not None
+                and not n.staircase):
+            return False
+        replies = [i for i, e in enumerate(n.parents) if e.node and self.graph.node(e.node).sampling is not None]
+        return bool(replies) and replies == list(range(replies[0], len(n.parents))) \
+            and all(e.offset is None for e in n.parents) \
+            and all(self.graph.node(n.parents[i].node).output == "kv" for i in replies)
+
+    def _synthesize(self, n: Node, notes: dict[str, list[str]], start: float) -> Iterator[NodeToken | NodeDone]:
+        """Calibrated node n: its whole parents read as usual (the prefix), its replies read as the served cache
+        path reads branches (engine.synthesis); a reply whose encoding saw another role's private node is read
+        through a copy without it, uncalibrated there. Its output is encoded again with base weights."""
+        edges = [e for e in n.parents if e.node and self.graph.node(e.node).sampling is not None]
+        whole = [e for e in n.parents if e not in edges]
+        prefix, notes[n.name] = self._read_parents(n, whole)
+        self._context[n.name] = prefix
+        leaky = [e for e in edges if not e.leak and not self._clean(self._taint[e.node], n.role)]
+        branches = [self._without_private(e.node, n.role).message if e in leaky else self.outputs[e.node]
+                    for e in edges]
+        notes[n.name] += [f"{e.node}:private" for e in leaky]
+        attached = self.engine.calibration  # (its placement, and the refresh it was trained with)
+        k = (attached.calibration.record or {}).get("config", {}).get("refresh", 0)
+        mode = SynthesisMode(attached.calibration.placement, attached.hooks, Refresh(k, k) if k else None)
+        stream = synthesis_stream(self.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
+        answer, text = [], []
+        try:
+            for ev in stream:
+                if not answer:
+                    self.ttft[n.name] = time.perf_counter() - start
+                answer.append(ev.token_id)
+                text.append(ev.text)
+                yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
+        finally:
+            stream.close()
+            for mid in stream.ids or ():  # (adapted KV: only its tokens are kept, see _encode_output)
+                if mid in self.engine.store:
+                    self.engine.free(mid, when_unpinned=True)
+        self._staircase_results[n.name] = StaircaseResult(answer=answer)
+        self._encode_output(n)
+        yield NodeDone(n.name, self.outputs[n.name], "".join(text), notes[n.name])
 
     def _encode_output(self, n: Node) -> None:
         """Staircase node n's prompt and reply encoded after its parents' whole messages, read as a node that

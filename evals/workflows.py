@@ -4,8 +4,10 @@ The reference tasks as ToT graphs (engine.dag): a system node, one solver per br
 worker reply it decodes), and a voter that reads every solution and answers the task's question (vote: pick
 the most confident answer; chain: combine two lookups). The voter reads the solutions through their cached
 encodings ("kv", choreographed), re-encoded in its own context ("text", the baseline), or as a staircase node
-streaming their KV chunks while they decode ("staircase", default schedule, re-prefill). Accuracy per mode,
-with a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used.
+streaming their KV chunks while they decode ("staircase", default schedule, re-prefill), or through the model's
+trained calibration ("calibrated": cache mapper, synthesizer LoRA and boundary refresh, the served cache
+path's reading; the fine-tune on baseline traces, done by `braid calibrate`). Accuracy per mode, with a
+paired bootstrap interval and McNemar's p against text, on task seeds that no training run used.
 
     python -m braid.evals.workflows --out benchmarks/results/eval_workflows_cpu.json
 """
@@ -25,7 +27,7 @@ from braid.models.chat import WORKER_HEADER, turn
 from braid.models.tasks import Task, sample
 from braid.results import pyplot
 
-MODES = ("text", "kv", "staircase")
+MODES = ("text", "kv", "staircase", "calibrated")
 SOLVER = SamplingParams(max_tokens=48)
 VOTER = SamplingParams(max_tokens=64)
 
@@ -40,7 +42,7 @@ def tot_graph(task: Task, mode: str) -> Graph:
                           parents=(Edge("system"), Edge(f"notes{j}"))))
     nodes.append(Node("voter", task.prompt(), role="voter", sampling=VOTER, staircase=mode == "staircase",
                       parents=(Edge("system"), *(Edge(f"solution{j}") for j in range(len(task.branches))))))
-    return Graph(nodes)
+    return Graph(nodes, calibrated=mode == "calibrated")
 
 
 def answer(engine: Engine, task: Task, mode: str) -> bool:
@@ -63,15 +65,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/eval_workflows_cpu.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    engine = Engine(EngineConfig(args.model, calibration="none"))
+    engine = Engine(EngineConfig(args.model))  # (with its calibration when it has one: "calibrated" reads through it)
+    modes = MODES if engine.calibration is not None else MODES[:-1]
+    if engine.calibration is None:
+        print(f"{args.model} has no calibration: the calibrated mode is left out")
     rows = []
     for name in args.tasks.split(","):
         tasks = sample(name, args.samples, args.seed, args.branches)
-        got = {mode: [] for mode in MODES}
+        got = {mode: [] for mode in modes}
         for task in tqdm(tasks, desc=name, unit="task"):
-            for mode in MODES:
+            for mode in modes:
                 got[mode].append(answer(engine, task, mode))
-        for mode in MODES:
+        for mode in modes:
             acc = accuracy_ci(got[mode])
             row = {"task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value, "ci": [acc.low, acc.high]}
             if mode != "text":
@@ -92,10 +97,10 @@ def main(argv=None) -> int:
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.4))
         names = list(dict.fromkeys(r["task"] for r in rows))
-        for k, mode in enumerate(MODES):
+        for k, mode in enumerate(modes):
             mine = [next(r for r in rows if r["task"] == n and r["mode"] == mode) for n in names]
-            xs = [i + (k - 1) * 0.27 for i in range(len(names))]
-            ax.bar(xs, [100 * r["accuracy"] for r in mine], 0.27, label=mode,
+            xs = [i + (k - 1.5) * 0.2 for i in range(len(names))]
+            ax.bar(xs, [100 * r["accuracy"] for r in mine], 0.2, label=mode,
                    yerr=[[100 * (r["accuracy"] - r["ci"][0]) for r in mine],
                          [100 * (r["ci"][1] - r["accuracy"]) for r in mine]], capsize=3)
         ax.set_xticks(range(len(names)), names)

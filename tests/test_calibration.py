@@ -377,3 +377,34 @@ def test_committed_calibration_reproduces_its_recorded_sample():
     assert [r["answers"] for r in got["results"]] == [r["answers"] for r in recorded["results"]]
     accuracy = {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in got["summary"]}
     assert accuracy == {(r["task"], r["branches"], r["mode"]): r["accuracy"] for r in recorded["summary"]}
+
+
+def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkpoint, tmp_path):
+    """A ToT voter in a `calibrated` graph gives the tokens of synthesis_stream over the same solutions with the
+    calibration's mode (mapper, LoRA, its placement); its output is base KV that any later node may read."""
+    from braid.engine.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken
+    from braid.engine.synthesis import SynthesisMode, synthesis_stream
+
+    ckpt = checkpoint("llama")
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    nodes = [Node("system", "System: vote."),
+             *[Node(f"s{j}", f"Solution {j}:", role=f"s{j}", sampling=greedy, parents=(Edge("system"),))
+               for j in range(3)],
+             Node("voter", "Best:", role="v", sampling=greedy,
+                  parents=(Edge("system"), *(Edge(f"s{j}") for j in range(3)))),
+             Node("after", "Then:", sampling=greedy, parents=(Edge("voter"),))]
+    for calibrated in (True, False):
+        dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
+        events = list(dag)
+        voter = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "voter"]
+        mode = SynthesisMode(engine.calibration.calibration.placement, engine.calibration.hooks)
+        by_hand = synthesis_stream(engine, [dag.outputs[f"s{j}"] for j in range(3)], "Best:", [dag.outputs["system"]],
+                                   mode, greedy)
+        expected = [e.token_id for e in by_hand]
+        engine.free(by_hand.ids[0])
+        assert (voter == expected) == calibrated  # (the random calibration changes the answer)
+        assert [e.node for e in events if isinstance(e, NodeDone)][-1] == "after"  # (its output is base KV)
+        assert engine.message(dag.outputs["voter"]).token_ids[-5:] == tuple(voter)
+        dag.temporary += dag.outputs.values()
+        dag.free()

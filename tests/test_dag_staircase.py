@@ -246,6 +246,8 @@ def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it
     from braid.engine.presets import moa as moa_preset
     sent = convert.graph_request(moa_preset("q", staircase=Variant.APPEND)).staircase
     assert sent.variant == "append" and not sent.proposer_chunks and not sent.HasField("redundancy")
+    calibrated = Graph(moa_preset("q").nodes, calibrated=True)
+    assert convert.graph(convert.graph_request(calibrated), 8).calibrated
 
 
 def test_a_staircase_workflow_on_separate_engines_and_when_auto_chooses_text(checkpoint):
