@@ -188,7 +188,8 @@ def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
     if graph.schedule is not None:  # (None: the server's default schedule)
         options.MergeFrom(pb.StaircaseOptions(proposer_chunks=graph.schedule.proposer,
                                               aggregator_chunks=graph.schedule.aggregator,
-                                              redundancy=graph.schedule.redundancy))
+                                              **({"redundancy": graph.schedule.redundancy}
+                                                 if graph.schedule.strict else {})))
     return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options, calibrated=graph.calibrated)
 
 

@@ -326,9 +326,9 @@ def main(argv=None) -> int:
     p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
     p.add_argument("--staircase", choices=["reprefill", "append"],
                    help="answer from the first chunks of what is read (Staircase Streaming), in this variant: the "
-                        "synthesizer from the workers' KV as it arrives (a KV transport between separate "
-                        "replicas), or with --preset mad-par/tot/moa, the readers of each stage (default: wait "
-                        "for whole replies)")
+                        "synthesizer from the workers' KV as it arrives (needs --transport grpc or collective "
+                        "between separate replicas), or with --preset mad-par/tot/moa, the readers of each "
+                        "stage (default: wait for whole replies)")
     p.add_argument("--prompt", default="<|synthesizer|>",
                    help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")

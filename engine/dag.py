@@ -21,12 +21,16 @@ decode, as an aggregator of Staircase Streaming does (engine.staircase, with the
 variant): it runs alongside its parents' wave and answers from their first chunks. Its other parents are
 read whole first. Cached (kv) parents are read from their KV chunks, text parents from their tokens; a kv
 parent whose encoding saw another role's private node turns the node to text chunks, so the control above
-holds. With `calibrated`, a node shaped as a synthesis (its decoding parents, all cached, after the parents it
-reads whole) reads those replies as the served cache path does, through the engine's calibration: the mapper
-on their KV, the boundary refresh, and the synthesizer LoRA in its own forwards; its output is then encoded
-again with base weights, as a staircase node's is, so any reader may take it. Staircases nest: a staircase node may stream other staircase nodes' answers as they are decoded (as
-text chunks: an answer has no single encoding until it ends), as debate rounds do. When it ends, its prompt and reply are encoded once after its parents' whole messages (as a node that
-waited would read them): that is the output its children read.
+holds. Staircases nest: a staircase node may stream other staircase nodes' answers as they are decoded (as
+text chunks: an answer has no single encoding until it ends), as debate rounds do. When a staircase node
+ends, its prompt and reply are encoded once after its parents' whole messages (as a node that waited would
+read them): that is the output its children read.
+
+Calibrated reading. With `calibrated`, a node shaped as a synthesis (its decoding parents, all cached, after
+the parents it reads whole; not streamed by a staircase) reads those replies as the served cache path does,
+through the engine's calibration: the mapper on their KV, the boundary refresh, and the synthesizer LoRA in
+its own forwards. Its output is then encoded again with base weights, as a staircase node's is, so any
+reader may take it.
 """
 
 import queue
@@ -36,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
-from braid.engine.errors import BraidError, UnknownMessageError
+from braid.engine.errors import BraidError, PreconditionError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
@@ -244,6 +248,9 @@ class DagRun:
     _staircase_results: dict[str, StaircaseResult] = field(default_factory=dict)  # staircase node -> its run
 
     def __iter__(self) -> Iterator[NodeToken | NodeRound | NodeDone]:
+        if self.graph.calibrated and self.engine.calibration is None:
+            raise PreconditionError("the graph asks for calibrated reading, but this server's model has no "
+                                    "calibration loaded (braid calibrate; braid serve --calibration)")
         for wave, attached in self.graph.plan():
             yield from self._run_wave(wave, attached)
 
@@ -324,17 +331,20 @@ class DagRun:
         feeds it token by token, or, for a nested staircase, the threads of the staircase nodes it streams.
         Any failure (or the consumer leaving) stops them all within a step."""
         eng, calls = self.engine, {n.name: c for c, n in enumerate(decode)}
-        # the staircases' setup first (it may fail): from the decode call on, nothing fails before the threads
+        # everything that may fail first: from the decode call on, nothing fails before the threads
         runs = {s.name: self._staircase_run(s, self.graph.streamed(s), notes) for s in attached}
-        stream = eng.decode_stream([self._call(n) for n in decode])
-        wave = _WaveSource(stream, [self._offset(None, self._context[n.name]) for n in decode],
-                           [len(eng.tokenize(n.prompt)) for n in decode])
+        offsets = [self._offset(None, self._context[n.name]) for n in decode]
+        headers = [len(eng.tokenize(n.prompt)) for n in decode]
         answers = {s.name: _AnswerSource(eng.tokenize(s.prompt)) for s in attached}
-        feeds = {}
-        for s in attached:
-            streamed = self.graph.streamed(s)
-            branches = [(answers[p], 0) if p in answers else (wave, calls[p]) for p in streamed]
-            feeds[s.name] = BranchFeed([], pump=False, branches=branches)
+        sources = {s.name: [(p, answers.get(p), calls.get(p)) for p in self.graph.streamed(s)] for s in attached}
+        missing = [p for parts in sources.values() for p, a, c in parts if a is None and c is None]
+        if missing:
+            raise BraidError(f"staircase: {missing[0]!r} is not decoded in this wave")
+        stream = eng.decode_stream([self._call(n) for n in decode])
+        wave = _WaveSource(stream, offsets, headers)
+        feeds = {name: BranchFeed([], pump=False, branches=[(a, 0) if a is not None else (wave, c)
+                                                            for _, a, c in parts])
+                 for name, parts in sources.items()}
         readers = {n: [feeds[s.name] for s in attached if n in self.graph.streamed(s)] for n in [*calls, *answers]}
         events: queue.Queue = queue.Queue()
         stop = threading.Event()
@@ -474,8 +484,8 @@ class DagRun:
         has one, and n is shaped as a synthesis (cached decoding parents last, after those it reads whole, at
         unset offsets), the layout the calibration was trained on."""
         if not (self.graph.calibrated and self.engine.calibration is not None and n.sampling is not None
-                and not n.staircase):
-            return False
+                and not n.staircase) or any(n.name in self.graph.streamed(s) for s in self.graph.nodes):
+            return False  # (nor a node a staircase streams: its tokens come from the wave's own decode)
         replies = [i for i, e in enumerate(n.parents) if e.node and self.graph.node(e.node).sampling is not None]
         return bool(replies) and replies == list(range(replies[0], len(n.parents))) \
             and all(e.offset is None for e in n.parents) \
@@ -484,7 +494,8 @@ class DagRun:
     def _synthesize(self, n: Node, notes: dict[str, list[str]], start: float) -> Iterator[NodeToken | NodeDone]:
         """Calibrated node n: its whole parents read as usual (the prefix), its replies read as the served cache
         path reads branches (engine.synthesis); a reply whose encoding saw another role's private node is read
-        through a copy without it, uncalibrated there. Its output is encoded again with base weights."""
+        through a copy re-encoded without it (through the mapper like the rest). The refresh is the one the
+        calibration was trained with. Its output is encoded again with base weights."""
         edges = [e for e in n.parents if e.node and self.graph.node(e.node).sampling is not None]
         whole = [e for e in n.parents if e not in edges]
         prefix, notes[n.name] = self._read_parents(n, whole)

@@ -53,7 +53,7 @@ class StaircaseSchedule:
     def quorum(self, branches: int) -> int:
         """Branches whose first chunk round 0 waits for."""
         if self.redundancy >= branches and not self.strict:
-            return 1
+            return 1  # (a server's default: wait for one)
         if self.redundancy >= branches:
             raise BraidError(f"staircase redundancy {self.redundancy} leaves no branch to wait for: this request "
                              f"has {branches}")
@@ -158,12 +158,16 @@ class BranchFeed:
         b = self.branch(source, call)
         if b is None:
             return
+        readable = source.encoded(call)
         with self.cv:
-            self.progressed = time.monotonic()
-            if source.error is not None:
-                self.failed.setdefault(b, f"{type(source.error).__name__}: {source.error}")
+            if source.error is not None and b not in self.failed:
+                self.failed[b] = f"{type(source.error).__name__}: {source.error}"
             elif source.length is not None and not self.ended[b]:
                 self.ended[b], self.length[b] = True, source.length
+            elif readable <= self.counts[b]:
+                return  # (nothing new: the clocks go on)
+            self.counts[b] = max(self.counts[b], readable)
+            self.progressed = time.monotonic()
             self.cv.notify_all()
 
     def cancel(self) -> None:
@@ -206,7 +210,7 @@ class BranchFeed:
                 left = None if limit is None else since + limit - time.monotonic()
                 if left is not None and left <= 0:
                     what = "no branch started" if self.progressed is None else "no branch made progress"
-                    raise UnavailableError(f"staircase: {what} for {limit:.0f} s")
+                    raise UnavailableError(f"staircase: {what} for {limit:g} s")
                 self.cv.wait(left)
             if self.cancelled:
                 raise StoppedError("staircase: cancelled (its consumer has gone)")

@@ -111,9 +111,9 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     def __init__(self, fingerprint: str, host: str = "127.0.0.1", port: int = 0):
         self.fingerprint, self.host = fingerprint, host
         self._streams: dict[str, _Stream] = {}
-        # streams given up (abandoned or forgotten) -> why and when: a late chunk or wait for one finds it failed
-        # instead of starting it over, and nothing here keeps its KV; forgotten after GONE_FOR_S
-        self._gone: dict[str, tuple[Exception, float]] = {}
+        # streams given up (abandoned, forgotten, timed out) -> why and when: a late chunk or wait for one finds it
+        # failed instead of starting it over, and nothing here keeps its KV; forgotten after GONE_FOR_S
+        self._gone: dict[str, tuple[str, float]] = {}
         self._links: dict[str, _PendingLink] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS)
@@ -125,15 +125,15 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     def _stream(self, stream_id: str) -> _Stream:
         with self._lock:
             gone = self._gone.get(stream_id)
-            if gone is not None:  # (a failed stream of its own: not kept)
+            if gone is not None:  # (a failed stream of its own, with a fresh error: not kept)
                 stream = _Stream(self.fingerprint)
-                stream.error, stream.active = gone[0], time.monotonic()
+                stream.error, stream.active = TransferError(gone[0]), time.monotonic()
                 stream.done.set()
                 return stream
             return self._streams.setdefault(stream_id, _Stream(self.fingerprint))
 
-    def _give_up(self, stream_ids, error: Exception) -> None:
-        """Fail these streams (whoever waits on one sees `error`) and drop them, remembering why for a while."""
+    def _give_up(self, stream_ids, reason: str) -> None:
+        """Fail these streams (whoever waits on one sees `reason`) and drop them, remembering why for a while."""
         now = time.monotonic()
         with self._lock:
             for sid, (_, when) in list(self._gone.items()):
@@ -141,10 +141,10 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                     del self._gone[sid]
             dropped = [self._streams.pop(sid, None) for sid in stream_ids]
             for sid in stream_ids:
-                self._gone[sid] = (error, now)
+                self._gone[sid] = (reason, now)
         for stream in dropped:
             if stream is not None:
-                stream.fail(error)
+                stream.fail(TransferError(reason))
 
     # ---- the receiving side's API ----------------------------------------------------------------
     def opened(self, stream_id: str) -> None:
@@ -169,27 +169,34 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
 
     def forget(self, stream_ids) -> None:
         """Drop these streams and whatever KV they hold (a reader that gave up on them)."""
-        self._give_up(list(stream_ids), TransferError("its reader gave up on this KV stream"))
+        self._give_up(list(stream_ids), "its reader gave up on this KV stream")
 
     def abandon(self, stream_ids, reason: str) -> None:
         for sid in stream_ids:
-            self._give_up([sid], TransferError(f"KV stream {sid!r} abandoned: {reason}"))
+            self._give_up([sid], f"KV stream {sid!r} abandoned: {reason}")
 
     def wait(self, stream_id: str, idle_timeout: float, queue_timeout: float = 3600.0) -> ReceivedStream:
         """Block until the stream's message is complete; raises TransferError on error or timeout."""
         stream = self._stream(stream_id)
+        late = None  # why it timed out
         try:
             while not stream.done.is_set():
                 now = time.monotonic()
                 if stream.active is None and now - stream.created > queue_timeout:
-                    raise TransferError(f"no worker started on KV stream {stream_id!r} within {queue_timeout:.0f} s")
-                if stream.active is not None and now - stream.active > idle_timeout:
-                    raise TransferError(f"KV for {stream_id!r} stopped arriving: nothing for {idle_timeout:.0f} s "
-                                        f"({stream.assembler.tokens_received} tokens received)")
+                    late = f"no worker started on KV stream {stream_id!r} within {queue_timeout:.0f} s"
+                elif stream.active is not None and now - stream.active > idle_timeout:
+                    late = (f"KV for {stream_id!r} stopped arriving: nothing for {idle_timeout:.0f} s "
+                            f"({stream.assembler.tokens_received} tokens received)")
+                if late:
+                    break
                 stream.done.wait(min(1.0, idle_timeout, queue_timeout))
         finally:
             with self._lock:  # forget the stream either way: an abandoned one must not keep its KV here
                 self._streams.pop(stream_id, None)
+                if late:  # (given up: a late chunk must not start it over)
+                    self._gone[stream_id] = (late, time.monotonic())
+        if late:
+            raise TransferError(late)
         if stream.error is not None:
             raise stream.error
         a = stream.assembler

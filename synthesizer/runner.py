@@ -144,7 +144,8 @@ class SynthesisRunner:
                     yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
             received = self._receive(req)
             yield from self._receipts(received)
-            branches = [self.receiver.import_message(eng, g) for g in received]
+            for got in received:  # (one by one: a failure midway frees those already in)
+                branches.append(self.receiver.import_message(eng, got))
             registered = self.agent.register(req.session, prefix + branches + result.message_ids[-1:])
             done = True
         finally:

@@ -408,3 +408,32 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         assert engine.message(dag.outputs["voter"]).token_ids[-5:] == tuple(voter)
         dag.temporary += dag.outputs.values()
         dag.free()
+
+
+def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint, tmp_path):
+    """A node a staircase streams is read as the wave decodes it, so it is not calibrated (found in review:
+    the graph crashed and left a decode running); a calibrated graph on a model without a calibration is
+    refused, not silently read uncalibrated."""
+    from braid.engine.dag import DagRun, Edge, Graph, Node, NodeToken
+    from braid.engine.errors import PreconditionError
+
+    ckpt = checkpoint("llama")
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    nodes = [Node("system", "System: vote."),
+             *[Node(f"s{j}", f"Solution {j}:", sampling=greedy, parents=(Edge("system"),)) for j in range(2)],
+             Node("c", "Best:", sampling=greedy, parents=(Edge("system"), Edge("s0"), Edge("s1"))),
+             Node("d", "Other:", sampling=greedy, parents=(Edge("system"), Edge("s0"))),
+             Node("s", "Then:", sampling=greedy, staircase=True, parents=(Edge("system"), Edge("c"), Edge("d")))]
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    got = {}
+    for calibrated in (True, False):
+        dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
+        events = list(dag)
+        got[calibrated] = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "c"]
+        dag.temporary += dag.outputs.values()
+        dag.free()
+    assert got[True] == got[False] and len(got[True]) == 4
+    assert engine.scheduler.load["running"] == 0
+    plain = Engine(EngineConfig(ckpt, calibration="none"))
+    with pytest.raises(PreconditionError, match="no calibration loaded"):
+        list(DagRun(plain, Graph(nodes, calibrated=True)))

@@ -119,3 +119,71 @@ def test_wait_clock_starts_when_the_worker_starts_and_abandon_ends_it(llama_engi
         assert time.monotonic() - start < 5
     finally:
         receiver.stop()
+
+
+def test_a_staircase_reads_a_stream_while_it_arrives_with_its_two_clocks(llama_engine):
+    """A branch read while it arrives (KVReceiver.watch): its tokens received whole from the start are readable,
+    bit for bit; the feed's queued clock runs until any branch has sent a chunk, the idle clock after."""
+    import torch
+
+    from braid.engine.errors import UnavailableError
+    from braid.engine.staircase import BranchFeed
+
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: add these.")])
+    branch, = eng.decode([DecodeCall(WORKER_HEADER, parents=[p], sampling=SamplingParams(max_tokens=9,
+                                                                                          ignore_eos=True))])
+    msg = eng.message(branch)
+    receiver = KVReceiver(eng.fingerprint)
+    try:
+        arrivals = receiver.watch("wf:0")
+        feed = BranchFeed([], pump=False, branches=[(arrivals, 0)])
+        arrivals.listen(lambda: feed.arrived(arrivals))
+        start = time.monotonic()
+        with pytest.raises(UnavailableError, match="no branch started for 0.4 s"):
+            feed.wait(lambda: False, idle_s=0.05, queued_s=0.4)  # (the idle clock does not run yet)
+        assert time.monotonic() - start >= 0.4
+        sender = GrpcSender(receiver.address, eng.fingerprint)
+        sender.open(["wf:0"])
+        sender.send(BranchChunk("wf:0", branch, msg.offset, 0, list(msg.token_ids[:6]), msg.kv[:, :, :, :6].clone()))
+        feed.wait(lambda: arrivals.encoded() >= 6, idle_s=5)
+        tokens, kv = arrivals.partial_kv(0, 2, 6)
+        assert tokens == list(msg.token_ids[2:6]) and torch.equal(kv, msg.kv[:, :, :, 2:6])
+        assert feed.ended == [False]
+        with pytest.raises(UnavailableError, match="no branch made progress for 0.1 s"):
+            feed.wait(lambda: False, idle_s=0.1, queued_s=30)
+        sender.send(BranchChunk("wf:0", branch, msg.offset, 6, list(msg.token_ids[6:]), msg.kv[:, :, :, 6:].clone(),
+                                total_tokens=msg.num_tokens))
+        sender.finish()
+        feed.wait(lambda: feed.settled(0), idle_s=5)
+        assert feed.length == [msg.num_tokens]
+        got = receiver.wait("wf:0", idle_timeout=5)
+        assert torch.equal(got.kv, msg.kv) and receiver._streams == {}
+    finally:
+        receiver.stop()
+
+
+def test_a_given_up_stream_is_not_started_over_by_late_chunks(llama_engine):
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: add these.")])
+    msg = eng.message(p)
+    receiver = KVReceiver(eng.fingerprint)
+    try:
+        receiver.watch("wf:late")  # (a reader is there, then gives up)
+        receiver.forget(["wf:late"])
+        abandon(receiver.address, ["wf:gone"], "the client left")
+        for sid in ("wf:late", "wf:gone"):
+            sender = GrpcSender(receiver.address, eng.fingerprint)
+            sender.open([sid])
+            sender.send(BranchChunk(sid, p, msg.offset, 0, list(msg.token_ids), msg.kv.clone(),
+                                    total_tokens=msg.num_tokens))
+            with pytest.raises(TransferError):
+                sender.finish()
+            with pytest.raises(TransferError, match="gave up|abandoned"):
+                receiver.wait(sid, idle_timeout=5)
+        assert receiver._streams == {}
+        with pytest.raises(TransferError, match="no worker started"):
+            receiver.wait("wf:never", idle_timeout=5, queue_timeout=0.1)
+        assert receiver._streams == {} and "wf:never" in receiver._gone
+    finally:
+        receiver.stop()
