@@ -103,6 +103,17 @@ class Fuzzer:
             s.seed = self.rng.choice((0, 1, 2**64 - 1))
         return s
 
+    def staircase(self) -> pb.StaircaseOptions:
+        """Staircase options: sane, or (hostile) zero or huge chunk sizes, too many, any redundancy, any variant."""
+        rng, o = self.rng, pb.StaircaseOptions()
+        sizes = UINTS if self.hostile() else (2, 8, 128)
+        o.proposer_chunks.extend(rng.choice(sizes) for _ in range(rng.choice((0, 1, 2, 9 if self.hostile() else 3))))
+        o.aggregator_chunks.extend(rng.choice(sizes) for _ in range(rng.choice((0, 1, 2))))
+        if rng.random() < 0.4:
+            o.redundancy = rng.choice(UINTS if self.hostile() else (0, 1))
+        o.variant = rng.choice(("", "reprefill", "append", "sideways") if self.hostile() else ("", "append"))
+        return o
+
     def placement(self, session: str, spec):
         n = self.rng.randint(0, 3)
         spec.parents.extend(self.message_id(session) for _ in range(n))
@@ -129,7 +140,8 @@ class Fuzzer:
                 synthesis_prompt=self.text(), worker_sampling=self.sampling(), synthesis_sampling=self.sampling(),
                 transport=rng.choice((0, 1, 2, 3, 4, 5, -1, 99)), placement=rng.choice(("", "sequential",
                                                                                        "branch_point", "none",
-                                                                                       "diagonal")))
+                                                                                       "diagonal")),
+                staircase=self.staircase() if rng.random() < 0.3 else None)
         if method == "Generate":
             return method, pb.GenerateRequest(session_id=sid, prompt=self.text(), sampling=self.sampling())
         if method == "Prefill":
@@ -175,8 +187,9 @@ class Fuzzer:
                                           parents=parents, decode=rng.random() < 0.6, sampling=self.sampling(),
                                           output=rng.choice(("", "kv", "text", "json") if self.hostile() else
                                                             ("", "kv", "text")),
-                                          private=rng.random() < 0.2))
-            return method, pb.GraphRequest(session_id=sid, nodes=nodes)
+                                          private=rng.random() < 0.2, staircase=rng.random() < 0.3))
+            return method, pb.GraphRequest(session_id=sid, nodes=nodes, calibrated=rng.random() < 0.2,
+                                           staircase=self.staircase() if rng.random() < 0.5 else None)
         if method == "ListSessions":
             return method, pb.ListSessionsRequest()
         return method, pb.HealthRequest()
