@@ -254,6 +254,7 @@ class AgentLogic:
             self._resolve(sid, graph.messages)
             start = time.perf_counter()
             dag = run_dag(self.engine, graph)
+            registered: list[str] = []  # what the session keeps; the rest goes when the run is freed
             try:
                 for event in dag:
                     if isinstance(event, NodeToken):
@@ -264,17 +265,14 @@ class AgentLogic:
                         chunks = [pb.GraphChunk(parent=p, start=a, end=b) for p, (a, b) in event.chunks.items()]
                         yield pb.GraphEvent(round=pb.GraphRound(node=event.node, round=event.round, chunks=chunks))
                     else:
-                        kept = event.message_id if dag.shareable(event.node) else ""
-                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=kept,
+                        shown = event.message_id if dag.shareable(event.node) else ""
+                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=shown,
                                                                        text=event.text, reencoded=event.reencoded))
-                kept = [mid for name, mid in dag.outputs.items() if dag.shareable(name)]
-                dag.temporary += [mid for mid in dag.outputs.values() if mid not in kept]
-                self.register(sid, kept)  # (while the run still holds them against eviction)
-            except BaseException:
-                dag.temporary += dag.outputs.values()
-                raise
+                shareable = [mid for name, mid in dag.outputs.items() if dag.shareable(name)]
+                self.register(sid, shareable)  # (while the run still holds them against eviction)
+                registered = shareable
             finally:
-                dag.free()
+                dag.free(keep=registered)
             yield pb.GraphEvent(done=pb.GraphDone(session_id=sid, seconds=time.perf_counter() - start))
 
     def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:

@@ -50,8 +50,7 @@ def run_once(eng: Engine, graph, final: list[str]) -> dict:
             last[ev.node] = now
             count[ev.node] = count.get(ev.node, 0) + 1
     seconds = time.perf_counter() - start
-    dag.temporary += dag.outputs.values()
-    dag.free()
+    dag.free(keep=())
     rate = statistics.mean((count[n] - 1) / max(last[n] - first[n], 1e-9) for n in final)
     return {"final_ttft_ms": 1e3 * statistics.mean(first.values()), "final_tokens_per_s": rate, "e2e_s": seconds}
 

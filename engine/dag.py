@@ -36,7 +36,7 @@ reader may take it.
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
@@ -233,7 +233,7 @@ class NodeDone:
 class DagRun:
     """Iterate for NodeToken and NodeDone events, wave by wave. After it: `outputs` (node -> message id).
     What it makes is kept from eviction until `free()`, which also drops the re-encoded copies it made
-    (outputs stay: they belong to the caller)."""
+    (outputs stay, unless `free(keep=...)` says otherwise: they belong to the caller)."""
 
     engine: Engine
     graph: Graph
@@ -259,8 +259,11 @@ class DagRun:
         in view (a later call could read it from any role)."""
         return not self._taint[name]
 
-    def free(self) -> None:
-        """Release what it held and free its re-encoded copies (those evicted meanwhile are gone already)."""
+    def free(self, keep: Collection[str] | None = None) -> None:
+        """Release what it held and free its re-encoded copies (those evicted meanwhile are gone already). With
+        `keep`, its outputs not in `keep` go too (`keep=()`: all of them)."""
+        if keep is not None:
+            self.temporary += [mid for mid in self.outputs.values() if mid not in keep]
         for mid in self.temporary:
             try:
                 self.engine.free(mid, when_unpinned=True)
@@ -448,7 +451,7 @@ class DagRun:
             finally:
                 eng.release(wave_held)
         for n in attached:  # (in dependency order: a nested staircase node reads the outputs before it)
-            self._encode_output(n)
+            self._encode_output(n, self._staircase_results.pop(n.name).answer)
         for n in decode:
             yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
         for n in attached:
@@ -521,17 +524,15 @@ class DagRun:
             for mid in stream.ids or ():  # (adapted KV: only its tokens are kept, see _encode_output)
                 if mid in self.engine.store:
                     self.engine.free(mid, when_unpinned=True)
-        self._staircase_results[n.name] = StaircaseResult(answer=answer)
-        self._encode_output(n)
+        self._encode_output(n, answer)
         yield NodeDone(n.name, self.outputs[n.name], "".join(text), notes[n.name])
 
-    def _encode_output(self, n: Node) -> None:
-        """Staircase node n's prompt and reply encoded after its parents' whole messages, read as a node that
-        waited for them reads them: its output."""
-        result = self._staircase_results.pop(n.name)
+    def _encode_output(self, n: Node, answer: list[int]) -> None:
+        """Node n's prompt and `answer` encoded after its parents' whole messages, read as a node that waited for
+        them reads them: the output of a staircase or calibrated node."""
         self._context[n.name], _ = self._read_parents(n)
         ctx = self._context[n.name]
-        mid, = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + result.answer,
+        mid, = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + answer,
                                                 parents=[i.message for i in ctx], offsets=[i.offset for i in ctx])])
         self._finish(n, mid)
 

@@ -13,7 +13,6 @@ paired bootstrap interval and McNemar's p against text, on task seeds that no tr
 """
 
 import argparse
-import json
 import logging
 import os
 
@@ -25,7 +24,7 @@ from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER, turn
 from braid.models.tasks import Task, sample
-from braid.results import pyplot
+from braid.results import pyplot, write_json
 
 MODES = ("text", "kv", "staircase", "calibrated")
 SOLVER = SamplingParams(max_tokens=48)
@@ -50,8 +49,7 @@ def answer(engine: Engine, task: Task, mode: str) -> bool:
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["voter"]).split("<|synthesizer|>", 1)[-1]
-    dag.temporary += dag.outputs.values()
-    dag.free()
+    dag.free(keep=())
     return task.correct(reply)
 
 
@@ -90,9 +88,8 @@ def main(argv=None) -> int:
                 if "minus_text" in r else "")
         print(f"{r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} [{100 * r['ci'][0]:5.1f}, "
               f"{100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "config": vars(args)}, f, indent=2)
+    stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
+                      {"rows": rows, "config": vars(args)})
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -107,7 +104,7 @@ def main(argv=None) -> int:
         ax.set(ylabel="voter accuracy (%)", title=f"ToT voting on the reference model ({args.branches} solvers)")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=110)
+        fig.savefig(stem + ".png", dpi=110)
     print(f"wrote {args.out} and its plot")
     return 0
 

@@ -406,8 +406,7 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         assert (voter == expected) == calibrated  # (the random calibration changes the answer)
         assert [e.node for e in events if isinstance(e, NodeDone)][-1] == "after"  # (its output is base KV)
         assert engine.message(dag.outputs["voter"]).token_ids[-5:] == tuple(voter)
-        dag.temporary += dag.outputs.values()
-        dag.free()
+        dag.free(keep=())
 
 
 def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint, tmp_path):
@@ -430,8 +429,7 @@ def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint,
         dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
         events = list(dag)
         got[calibrated] = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "c"]
-        dag.temporary += dag.outputs.values()
-        dag.free()
+        dag.free(keep=())
     assert got[True] == got[False] and len(got[True]) == 4
     assert engine.scheduler.load["running"] == 0
     plain = Engine(EngineConfig(ckpt, calibration="none"))

@@ -159,5 +159,4 @@ def test_private_text_and_kept_taint_still_stop_leaks(llama_engine):
     # Bob's copy kept bob_note (bob's own), so bob_secret stays in its taint, and Dave is kept from it too
     assert dag._taint["bob_reads"] == {"bob_secret"} and done["dave_reads"].reencoded == ["bob_reads:private"]
     assert not dag.shareable("bob_reads") and not dag.shareable("alice_says") and dag.shareable("dave_reads")
-    dag.temporary += dag.outputs.values()
-    dag.free()
+    dag.free(keep=())
