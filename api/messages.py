@@ -95,9 +95,11 @@ class AnswerToken:
 class SynthesisDone:
     answer_id: str
     answer_text: str  # the answer alone (not the prompt, not the branches)
-    branch_ids: list[str]  # the branches as stored where the answer was made (empty in text mode)
+    branch_ids: list[str]  # the branches as stored where the answer was made (empty in text mode; "" for a
+    # branch a staircase lost)
     tpot_s: float | None = None
     registered: bool = True  # False: the control plane was unreachable (the answer stands; Redis lost it)
+    failed: dict[int, str] = field(default_factory=dict)  # branches a staircase answered without, and why
 
 
 @dataclass(frozen=True)

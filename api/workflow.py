@@ -129,8 +129,10 @@ class WorkflowDriver:
             answer = _Answer(start, mode, self.metrics)
             # a staircase answers while the branches decode: its stream is merged with theirs. Its receipts are
             # checked as soon as the branch's own report is in; its done waits until every branch has ended
-            streams = [*(_worker_failures(c) for c in calls), *([synth] if wf.staircase is not None else [])]
+            stair = wf.staircase is not None
+            streams = [*(_worker_failures(c, g, stair) for c, g in zip(calls, groups)), *([synth] if stair else [])]
             receipts: dict[int, KVArrived] = {}
+            failed: dict[int, str] = {}  # branches a staircase answers without, and why
             later = []
             async with aclosing(merge(streams)) as merged:
                 async for item in merged:
@@ -152,10 +154,19 @@ class WorkflowDriver:
                             pb.BranchChunk(branch=j, start=a, end=b) for j, (a, b) in item.chunks.items()]))
                     elif isinstance(item, AnswerToken):
                         yield answer.token(item)
+                    elif isinstance(item, _Lost):
+                        lost = [j for j in item.branches if j not in done and j not in failed]
+                        for j in lost:
+                            failed[j] = item.reason
+                            yield pb.WorkflowEvent(branch_failed=pb.BranchFailed(branch=j, reason=item.reason))
+                        if lost:  # the synthesizer stops waiting for them at once
+                            await asyncio.to_thread(abandon, kv_address, [stream_name(wf.id, j) for j in lost],
+                                                    item.reason)
                     else:
                         later.append(item)
-            if receipts:
-                raise TransferError(f"branches {sorted(receipts)}: KV arrived that no worker reported sending")
+            stray = sorted(set(receipts) - set(failed))  # (a lost branch's KV may have come whole: not checked)
+            if stray:
+                raise TransferError(f"branches {stray}: KV arrived that no worker reported sending")
             if synth is None:
                 synth_req.branch_tokens = [done[j].token_ids for j in range(n)]
                 synth = aiter(self.roles.synthesis(synth_req))
@@ -167,10 +178,15 @@ class WorkflowDriver:
                     yield answer.token(item)
                 elif isinstance(item, SynthesisDone):
                     finished = True
+                    for j, why in sorted(item.failed.items()):  # (lost to the synthesizer: its KV failed)
+                        if j not in failed:
+                            failed[j] = why
+                            yield pb.WorkflowEvent(branch_failed=pb.BranchFailed(branch=j, reason=why))
                     yield answer.timings()
-                    yield pb.WorkflowEvent(done=pb.WorkflowDone(session_id=session, answer_message_id=item.answer_id,
-                                                                answer_text=item.answer_text,
-                                                                branch_message_ids=item.branch_ids))
+                    yield pb.WorkflowEvent(done=pb.WorkflowDone(
+                        session_id=session, answer_message_id=item.answer_id, answer_text=item.answer_text,
+                        branch_message_ids=["" if j in failed else mid for j, mid in enumerate(item.branch_ids)],
+                        failed_branches=[pb.BranchFailed(branch=j, reason=why) for j, why in sorted(failed.items())]))
         except BaseException as e:  # a failure, or the client went away (GeneratorExit)
             if kv_address and not finished:  # the synthesizer may be waiting on streams no one will send
                 if hasattr(synth, "cancel"):
@@ -218,14 +234,24 @@ class _Answer:
             kv_transfer_ms=self.kv_ms, kv_bytes=self.kv_bytes))
 
 
-async def _worker_failures(stream) -> AsyncIterator:
-    """A worker call's items; its failure says the workflow was abandoned because of it."""
+@dataclass
+class _Lost:
+    """A worker call failed in a staircase workflow: the answer goes on without its branches not yet done."""
+    branches: list[int]
+    reason: str
+
+
+async def _worker_failures(stream, branches: list[int], staircase: bool) -> AsyncIterator:
+    """A worker call's items. Its failure abandons the workflow, saying so; in a staircase it loses only its
+    own branches (one _Lost item)."""
     try:
         async for item in stream:
             yield item
     except Exception as e:  # noqa: BLE001
-        raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: "
-                            f"{type(cause(e)).__name__}: {cause(e)}") from None
+        why = f"{type(cause(e)).__name__}: {cause(e)}"
+        if not staircase:
+            raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: {why}") from None
+        yield _Lost(branches, f"its worker failed mid-stream: {why}")
     finally:  # (Serve's response streams cancel; in-process ones close)
         if hasattr(stream, "cancel"):
             stream.cancel()

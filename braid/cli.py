@@ -256,6 +256,9 @@ def run_cmd(args) -> int:
                 elif kind == "round" and args.show_branches:
                     took = ", ".join(f"branch {c.branch} {c.start}-{c.end}" for c in event.round.chunks)
                     print(f"\n[round {event.round.round}] took in: {took or 'nothing new'}")
+                elif kind == "branch_failed":
+                    print(f"\n[branch {event.branch_failed.branch} lost] {event.branch_failed.reason}; the answer "
+                          f"goes on with the others", file=sys.stderr)
                 elif kind == "kv_receipt":
                     r = event.kv_receipt
                     how = pb.Transport.Name(r.transport).removeprefix("TRANSPORT_").lower()

@@ -41,6 +41,8 @@ def _load_in_background(address: str, requests, concurrency: int, timeout: float
 def _outcomes(records) -> dict:
     codes = Counter("OK" if r.ok else (r.error.split(":", 1)[0] or "INCOMPLETE") for r in records)
     return {"workflows": len(records), "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"],
+            "completed_with_lost_branches": sum(r.ok and r.lost_branches > 0 for r in records),
+            "lost_branches": sum(r.lost_branches for r in records),
             "errors": sorted({r.error for r in records if r.error})[:20]}
 
 
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=float, default=None, help="seconds into the load to break it (default: 2 for "
                                                              "redis-restart, 3 for kill-worker)")
     p.add_argument("--down", type=float, default=1.0, help="redis-restart: seconds Redis stays down (default: 1)")
+    p.add_argument("--staircase", choices=["reprefill", "append"], default=None,
+                   help="kill-worker: staircase workflows (KV over gRPC), which answer on without a lost branch")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
     args = p.parse_args(argv)
     workflows = args.workflows or (40 if args.fault == "redis-restart" else 20)
@@ -129,8 +133,12 @@ def main(argv=None) -> int:
     after = args.after if args.after is not None else (2.0 if args.fault == "redis-restart" else 3.0)
     if workflows < 1 or concurrency < 1 or after < 0 or args.down < 0:
         p.error("--workflows and --concurrency must be >= 1, --after and --down >= 0")
-    workload = (Workload(branches=(4,), length=(8, 12), transports=("text", "grpc")) if args.fault == "kill-worker"
-                else Workload())  # (kill-worker: long enough that the workers are busy at the kill)
+    if args.staircase and args.fault != "kill-worker":
+        p.error("--staircase goes with kill-worker")
+    workload = Workload()
+    if args.fault == "kill-worker":  # (long enough that the workers are busy at the kill)
+        workload = Workload(branches=(4,), length=(8, 12), transports=("grpc",) if args.staircase else ("text", "grpc"),
+                            staircase=args.staircase or "")
     if args.fault == "redis-restart":
         from braid.api.directory import Directory, EmbeddedRedis
         from braid.cluster.inprocess import start_in_process
@@ -156,10 +164,11 @@ def main(argv=None) -> int:
             local.stop()
     back = "never" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s later"
     print(f"{args.fault}: {result['workflows']} workflows ({result['in_flight_at_fault']} in flight at the "
-          f"fault), outcomes {result['outcomes']}, hung {result['hung']}; "
-          f"a new workflow completed: {back}")
+          f"fault), outcomes {result['outcomes']} ({result['completed_with_lost_branches']} answered without a lost "
+          f"branch; {result['lost_branches']} branches lost), hung {result['hung']}; a new workflow completed: {back}")
     print("PASS" if result["passed"] else "FAIL")
-    stem = write_json(args.out, f"chaos_{args.fault.replace('-', '_')}_cpu", {**result, "config": vars(args)})
+    name = f"chaos_{args.fault.replace('-', '_')}{'_staircase' if args.staircase else ''}_cpu"
+    stem = write_json(args.out, name, {**result, "config": vars(args)})
     print(f"wrote {stem}.json")
     return 0 if result["passed"] else 1
 

@@ -22,6 +22,7 @@ class RequestRecord:
     end: float | None = None
     error: str = ""
     transport: str = ""
+    lost_branches: int = 0  # branches a staircase answered without (their worker or KV failed)
 
     @property
     def ok(self) -> bool:

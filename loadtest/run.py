@@ -36,6 +36,8 @@ async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem,
                     rec.token_times.append(now)
                 elif kind == "branch_token":
                     rec.branch_tokens += 1
+                elif kind == "branch_failed":
+                    rec.lost_branches += 1
                 elif kind == "decision":
                     rec.transport = pb.Transport.Name(event.decision.transport).removeprefix("TRANSPORT_").lower()
             rec.end = time.perf_counter()
@@ -126,6 +128,8 @@ def parse_args(argv=None):
     p.add_argument("--worker-max-tokens", type=int, default=32, help="cap on each worker's reply (default: 32)")
     p.add_argument("--answer-max-tokens", type=int, default=48, help="cap on each answer (default: 48)")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests and the arrivals (default: 0)")
+    p.add_argument("--staircase", choices=["reprefill", "append"], default="",
+                   help="send staircase workflows of this variant (needs --transports grpc)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     p.add_argument("--timeout", type=float, default=600, help="seconds per request (default: 600)")
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
         lo, hi = (int(x) for x in args.length.split(","))
         workload = Workload(tuple(args.tasks.split(",")), tuple(int(b) for b in args.branches.split(",")), (lo, hi),
                             tuple(args.transports.split(",")), args.worker_max_tokens, args.answer_max_tokens,
-                            args.seed)
+                            args.seed, args.staircase)
         slos = parse_slos(args.goodput)
         if args.num_prompts < 1 or args.max_concurrency < 0 or not args.request_rate > 0 or args.burstiness <= 0:
             raise ValueError("--num-prompts >= 1, --max-concurrency >= 0, --request-rate > 0, --burstiness > 0")

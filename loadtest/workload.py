@@ -20,6 +20,7 @@ class Workload:
     worker_max_tokens: int = 32
     answer_max_tokens: int = 48
     seed: int = 0
+    staircase: str = ""  # a staircase variant (reprefill, append) for every request; "" none
 
     def __post_init__(self):
         bad = [t for t in self.tasks if t not in TASKS]
@@ -32,6 +33,10 @@ class Workload:
             raise ValueError(f"transports must be some of {', '.join(TRANSPORT_CHOICES)}; got {self.transports}")
         if self.worker_max_tokens < 1 or self.answer_max_tokens < 1:
             raise ValueError("worker_max_tokens and answer_max_tokens must be >= 1")
+        if self.staircase not in ("", "reprefill", "append"):
+            raise ValueError(f"staircase must be reprefill, append or empty, got {self.staircase!r}")
+        if self.staircase and set(self.transports) - {"grpc"}:
+            raise ValueError(f"a staircase reads KV as it arrives: its transport must be grpc, got {self.transports}")
 
     def requests(self, n: int) -> list[pb.WorkflowRequest]:
         """n requests; the same seed gives the same requests."""
@@ -39,9 +44,12 @@ class Workload:
         out = []
         for i in range(n):
             task = generate(rng.choice(self.tasks), self.seed * 100_003 + i, rng.choice(self.branches), self.length)
-            out.append(task_request(task, pb.Sampling(max_tokens=self.worker_max_tokens),
-                                    pb.Sampling(max_tokens=self.answer_max_tokens),
-                                    TRANSPORT_CHOICES[rng.choice(self.transports)]))
+            request = task_request(task, pb.Sampling(max_tokens=self.worker_max_tokens),
+                                   pb.Sampling(max_tokens=self.answer_max_tokens),
+                                   TRANSPORT_CHOICES[rng.choice(self.transports)])
+            if self.staircase:
+                request.staircase.CopyFrom(pb.StaircaseOptions(variant=self.staircase))
+            out.append(request)
         return out
 
 

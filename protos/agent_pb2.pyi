@@ -61,7 +61,7 @@ class WorkflowRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ...) -> None: ...
 
 class WorkflowEvent(_message.Message):
-    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt", "round")
+    __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt", "round", "branch_failed")
     BRANCH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SYNTHESIS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class WorkflowEvent(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FAILED_FIELD_NUMBER: _ClassVar[int]
     branch_token: BranchToken
     synthesis_token: TokenEvent
     decision: Decision
@@ -76,7 +77,16 @@ class WorkflowEvent(_message.Message):
     done: WorkflowDone
     kv_receipt: KVReceipt
     round: StaircaseRound
-    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ..., round: _Optional[_Union[StaircaseRound, _Mapping]] = ...) -> None: ...
+    branch_failed: BranchFailed
+    def __init__(self, branch_token: _Optional[_Union[BranchToken, _Mapping]] = ..., synthesis_token: _Optional[_Union[TokenEvent, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., done: _Optional[_Union[WorkflowDone, _Mapping]] = ..., kv_receipt: _Optional[_Union[KVReceipt, _Mapping]] = ..., round: _Optional[_Union[StaircaseRound, _Mapping]] = ..., branch_failed: _Optional[_Union[BranchFailed, _Mapping]] = ...) -> None: ...
+
+class BranchFailed(_message.Message):
+    __slots__ = ("branch", "reason")
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    branch: int
+    reason: str
+    def __init__(self, branch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StaircaseRound(_message.Message):
     __slots__ = ("round", "chunks")
@@ -145,16 +155,18 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., last_branch_to_first_token_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkflowDone(_message.Message):
-    __slots__ = ("session_id", "branch_message_ids", "answer_message_id", "answer_text")
+    __slots__ = ("session_id", "branch_message_ids", "answer_message_id", "answer_text", "failed_branches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BRANCH_MESSAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     ANSWER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     branch_message_ids: _containers.RepeatedScalarFieldContainer[str]
     answer_message_id: str
     answer_text: str
-    def __init__(self, session_id: _Optional[str] = ..., branch_message_ids: _Optional[_Iterable[str]] = ..., answer_message_id: _Optional[str] = ..., answer_text: _Optional[str] = ...) -> None: ...
+    failed_branches: _containers.RepeatedCompositeFieldContainer[BranchFailed]
+    def __init__(self, session_id: _Optional[str] = ..., branch_message_ids: _Optional[_Iterable[str]] = ..., answer_message_id: _Optional[str] = ..., answer_text: _Optional[str] = ..., failed_branches: _Optional[_Iterable[_Union[BranchFailed, _Mapping]]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("call", "token_id", "text", "finish_reason", "message_id")

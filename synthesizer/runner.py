@@ -9,6 +9,7 @@ from braid.api.messages import (AnswerToken, KVArrived, SynthesisDone, Synthesis
                                 SynthesizerInfo)
 from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
+from braid.engine.errors import BraidError
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
 from braid.engine.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
@@ -70,17 +71,13 @@ class SynthesisRunner:
         attached = self.engine.calibration
         return attached.calibration.path if attached is not None else ""
 
-    def _receive(self, req: SynthesisRequest) -> list[ReceivedStream]:
-        received = []
-        for j in range(req.branches):
-            got = self.receiver.wait(stream_name(req.workflow, j), self.config.kv_wait_timeout_s,
-                                     self.config.kv_queue_timeout_s)
-            received.append(got)
-            rate = got.link_bytes_per_s
-            if rate is not None:
-                old = self.link_bytes_per_s
-                self.link_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
-        return received
+    def _receive(self, stream_id: str) -> ReceivedStream:
+        """A branch's whole KV stream (TransferError if it failed or timed out); its link rate is recorded."""
+        got = self.receiver.wait(stream_id, self.config.kv_wait_timeout_s, self.config.kv_queue_timeout_s)
+        rate, old = got.link_bytes_per_s, self.link_bytes_per_s
+        if rate is not None:
+            self.link_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        return got
 
     def _mode(self, req: SynthesisRequest) -> SynthesisMode:
         """The request's mode as served: the cache path calibrated and its branch boundaries re-encoded."""
@@ -92,8 +89,8 @@ class SynthesisRunner:
         return mode
 
     @staticmethod
-    def _receipts(received: list[ReceivedStream]) -> Iterator[KVArrived]:
-        for j, got in enumerate(received):
+    def _receipts(received: dict[int, ReceivedStream]) -> Iterator[KVArrived]:
+        for j, got in received.items():
             if got.kv is not None:
                 yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
 
@@ -107,10 +104,11 @@ class SynthesisRunner:
         if req.staircase is not None:
             yield from self._staircase(req)
             return
-        received = [] if req.mode.text else self._receive(req)
+        received = {} if req.mode.text else {j: self._receive(stream_name(req.workflow, j))
+                                             for j in range(req.branches)}
         yield from self._receipts(received)
         prefix = eng.prefill([PrefillCall(req.task)])
-        branches = [self.receiver.import_message(eng, g) for g in received]
+        branches = [self.receiver.import_message(eng, g) for g in received.values()]
         stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=self._mode(req),
                                   sampling=req.sampling)
         answer = []
@@ -124,14 +122,16 @@ class SynthesisRunner:
     def _staircase(self, req: SynthesisRequest) -> Iterator[KVArrived | SynthesisRound | AnswerToken | SynthesisDone]:
         """The answer from the branches' KV chunks as they arrive (engine.staircase), then the whole branches'
         receipts, and the branches stored and registered with the answer, as the waiting path stores them. A
-        run that fails or is left midway keeps nothing here."""
+        branch lost midway (its worker failed, or its KV; the ingress abandons the streams of a worker call that
+        failed) is left out: the answer goes on with the others, and SynthesisDone says which were lost and why.
+        A run that fails (every branch lost) or is left midway keeps nothing here."""
         eng, (schedule, variant) = self.engine, req.staircase
         ids = [stream_name(req.workflow, j) for j in range(req.branches)]
         arrivals = [self.receiver.watch(sid) for sid in ids]
         feed = BranchFeed([], pump=False, branches=[(a, 0) for a in arrivals])
         for a in arrivals:
             a.listen(lambda a=a: feed.arrived(a))
-        result, answer, prefix, branches, done = StaircaseResult(), [], [], [], False
+        result, answer, prefix, stored, done = StaircaseResult(), [], [], {}, False
         try:
             prefix = eng.prefill([PrefillCall(req.task)])
             for event in staircase(eng, feed, req.prompt, prefix, schedule, variant, self._mode(req), req.sampling,
@@ -142,16 +142,28 @@ class SynthesisRunner:
                 else:
                     answer.append(event.text)
                     yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
-            received = self._receive(req)
+            failed = dict(feed.failed)  # (a superset of result.failed: some may have failed after the last round)
+            self.receiver.forget([ids[j] for j in failed])
+            received = {}
+            for j in range(req.branches):
+                if j not in failed:
+                    try:
+                        received[j] = self._receive(ids[j])
+                    except BraidError as e:  # lost after the answer took in what it could
+                        failed[j] = f"{type(e).__name__}: {e}"
             yield from self._receipts(received)
-            for got in received:  # (one by one: a failure midway frees those already in)
-                branches.append(self.receiver.import_message(eng, got))
-            registered = self.agent.register(req.session, prefix + branches + result.message_ids[-1:])
+            for j, got in received.items():  # (one by one: a failure midway frees those already in)
+                stored[j] = self.receiver.import_message(eng, got)
+            registered = self.agent.register(req.session, prefix + list(stored.values()) + result.message_ids[-1:])
             done = True
         finally:
             if not done:
                 self.receiver.forget(ids)
-                for mid in prefix + branches + result.message_ids[-1:]:
+                for mid in prefix + list(stored.values()) + result.message_ids[-1:]:
                     if mid in eng.store:
                         eng.free(mid, when_unpinned=True)
-        yield SynthesisDone(result.message_ids[-1], "".join(answer), branches, None, registered)
+        if failed:
+            log.warning("workflow %s: the staircase answered without branches %s: %s", req.workflow, sorted(failed),
+                        "; ".join(failed[j] for j in sorted(failed)))
+        yield SynthesisDone(result.message_ids[-1], "".join(answer), [stored.get(j, "") for j in range(req.branches)],
+                            None, registered, failed)

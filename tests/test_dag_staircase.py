@@ -250,74 +250,155 @@ def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it
     assert convert.graph(convert.graph_request(calibrated), 8).calibrated
 
 
+class Separate:
+    """The workflow driver over a synthesizer engine and `workers` worker engines, each call of branch group g on
+    worker g (KV over gRPC on loopback, real Redis)."""
+
+    def __init__(self, checkpoint, workers: int = 1):
+        from braid.api.directory import Directory, EmbeddedRedis
+        from braid.api.service import AgentLogic
+        from braid.engine import Engine, EngineConfig
+        from braid.kv.receiver import KVReceiver
+        from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+        from braid.workers.runner import BranchRunner, WorkerConfig
+
+        self.redis = EmbeddedRedis()
+        self.directory = Directory.connect(self.redis.url)
+        self.synth_engine = Engine(EngineConfig(checkpoint("llama")))
+        self.worker_engines = [Engine(EngineConfig(checkpoint("llama"))) for _ in range(workers)]
+        self.receiver = KVReceiver(self.synth_engine.fingerprint)
+        self.synth = SynthesisRunner(self.synth_engine, self.receiver, AgentLogic(self.synth_engine, self.directory),
+                                     SynthesizerConfig())
+        self.workers = [BranchRunner(e, WorkerConfig(kv_schedule=(2, 3)), f"w{g}")
+                        for g, e in enumerate(self.worker_engines)]
+
+    def run_branches(self, req):
+        return self.workers[req.indices[0] % len(self.workers)].run(req)
+
+    def run(self, request, transport="grpc"):
+        from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver, iterate_blocking
+
+        driver = WorkflowDriver(ThreadRoles(self.run_branches, self.synth.run, self.synth.info), self.directory,
+                                WorkflowConfig(kv_transport=transport, branch_groups=len(self.workers)),
+                                self.synth_engine.tokenize)
+        return iterate_blocking(driver.run(request))
+
+    def idle(self, within_s: float = 5.0) -> bool:
+        """Whether every engine's scheduler runs nothing and the receiver holds no stream (waits up to
+        `within_s`: threads let go as they unwind)."""
+        engines = [self.synth_engine, *self.worker_engines]
+        deadline = time.monotonic() + within_s
+        while any(e.scheduler.load["running"] for e in engines) or self.receiver._streams:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self):
+        self.receiver.stop()
+        self.redis.stop()
+
+
+def workflow_request(prompts=("a", "b b"), staircase=None, max_tokens=12, answer_tokens=4, transport=None):
+    from braid.protos import agent_pb2 as pb
+
+    return pb.WorkflowRequest(task="t", branch_prompts=list(prompts), synthesis_prompt="s",
+                              worker_sampling=pb.Sampling(max_tokens=max_tokens, ignore_eos=True),
+                              synthesis_sampling=pb.Sampling(max_tokens=answer_tokens, ignore_eos=True),
+                              transport=pb.TRANSPORT_GRPC if transport is None else transport, staircase=staircase)
+
+
 def test_a_staircase_workflow_on_separate_engines_and_when_auto_chooses_text(checkpoint):
     """The workflow driver with a worker engine and a synthesizer engine (KV over gRPC on loopback, real Redis):
     a staircase answers, with round events, and its branches and receipts are those of a waiting workflow. When
     `auto` would re-prefill text (an uncalibrated synthesizer), a staircase is refused with what to do, before
     any worker starts."""
-    from braid.api.directory import Directory, EmbeddedRedis
-    from braid.api.service import AgentLogic
-    from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver, iterate_blocking
-    from braid.engine import Engine, EngineConfig
     from braid.engine.errors import PreconditionError
-    from braid.kv.receiver import KVReceiver
     from braid.protos import agent_pb2 as pb
-    from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
-    from braid.workers.runner import BranchRunner, WorkerConfig
 
-    redis = EmbeddedRedis()
-    directory = Directory.connect(redis.url)
-    synth_engine, worker_engine = (Engine(EngineConfig(checkpoint("llama"))) for _ in range(2))
-    receiver = KVReceiver(synth_engine.fingerprint)
-    synth = SynthesisRunner(synth_engine, receiver, AgentLogic(synth_engine, directory), SynthesizerConfig())
-    worker = BranchRunner(worker_engine, WorkerConfig(kv_schedule=(2, 3)), "w")
+    setup = Separate(checkpoint)
+    synth_engine, receiver = setup.synth_engine, setup.receiver
     try:
-        def driver(transport):
-            return WorkflowDriver(ThreadRoles(worker.run, synth.run, synth.info), directory,
-                                  WorkflowConfig(kv_transport=transport), synth_engine.tokenize)
-
-        def request(staircase=None, max_tokens=12, transport=pb.TRANSPORT_GRPC):
-            return pb.WorkflowRequest(task="t", branch_prompts=["a", "b b"], synthesis_prompt="s",
-                                      worker_sampling=pb.Sampling(max_tokens=max_tokens, ignore_eos=True),
-                                      synthesis_sampling=pb.Sampling(max_tokens=4, ignore_eos=True),
-                                      transport=transport, staircase=staircase)
-
-        events = list(iterate_blocking(driver("grpc").run(request(pb.StaircaseOptions(aggregator_chunks=[2])))))
+        events = list(setup.run(workflow_request(staircase=pb.StaircaseOptions(aggregator_chunks=[2]))))
         kinds = [e.WhichOneof("event") for e in events]
         assert kinds.count("synthesis_token") == 4 and kinds.count("branch_token") == 24 and kinds[-1] == "done"
         assert kinds.count("round") >= 1 and sorted(e.kv_receipt.branch for e in events
                                                     if e.HasField("kv_receipt")) == [0, 1]
         assert all(e.kv_receipt.crc32 == e.kv_receipt.crc32_sent for e in events if e.HasField("kv_receipt"))
-        assert len(events[-1].done.branch_message_ids) == 2
+        assert len(events[-1].done.branch_message_ids) == 2 and not events[-1].done.failed_branches
         # whole chunks: the waiting workflow's answer, token for token
         answers = []
         for options in (pb.StaircaseOptions(proposer_chunks=[1000], aggregator_chunks=[1000]), None):
-            got = list(iterate_blocking(driver("grpc").run(request(options))))
+            got = list(setup.run(workflow_request(staircase=options)))
             answers.append([e.synthesis_token.token_id for e in got if e.HasField("synthesis_token")])
         assert answers[0] == answers[1]
         assert receiver._streams == {}  # every stream ended and was let go
         # a client that leaves mid-answer: every stage stops, and the synthesizer keeps nothing of it
         before = set(synth_engine.store.ids())
-        events = iterate_blocking(driver("grpc").run(request(pb.StaircaseOptions(aggregator_chunks=[2]), 2000)))
+        events = setup.run(workflow_request(staircase=pb.StaircaseOptions(aggregator_chunks=[2]), max_tokens=2000))
         for event in events:
             if event.HasField("synthesis_token"):
                 break
         events.close()
-        deadline = time.monotonic() + 5
-        while (synth_engine.scheduler.load["running"] or worker_engine.scheduler.load["running"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert synth_engine.scheduler.load["running"] == worker_engine.scheduler.load["running"] == 0
-
-        def kept():  # (the synthesizer's thread lets go as it unwinds)
-            return {m for m in set(synth_engine.store.ids()) - before if not m.startswith(CACHED_PREFIX)}
-
-        while (kept() or receiver._streams) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert receiver._streams == {} and kept() == set()
+        assert setup.idle()
+        kept = {m for m in set(synth_engine.store.ids()) - before if not m.startswith(CACHED_PREFIX)}
+        assert kept == set()
         with pytest.raises(PreconditionError, match="ask for TRANSPORT_GRPC"):
-            list(iterate_blocking(driver("auto").run(request(pb.StaircaseOptions(),
-                                                             transport=pb.TRANSPORT_UNSPECIFIED))))
+            list(setup.run(workflow_request(staircase=pb.StaircaseOptions(), transport=pb.TRANSPORT_UNSPECIFIED),
+                           transport="auto"))
     finally:
-        receiver.stop()
-        redis.stop()
+        setup.stop()
+
+
+def test_a_worker_lost_mid_stream_leaves_the_staircase_answer_to_the_others(checkpoint):
+    """Two worker engines; the one decoding branch 1 fails mid-stream (its call is interrupted, as an engine
+    stopping under it would). The staircase finishes its answer with branches 0 and 2, says which branch it lost
+    and why, stores and registers the other two, and keeps nothing of the lost one; the service goes on. Without
+    a staircase the same fault fails the workflow with UNAVAILABLE."""
+    import threading
+
+    from braid.kv.connector import TransferError
+    from braid.protos import agent_pb2 as pb
+
+    setup = Separate(checkpoint, workers=2)
+    lost_engine = setup.worker_engines[1]
+
+    def fail_soon():
+        while not lost_engine.scheduler.running or not lost_engine.scheduler.running[0].decoding:
+            time.sleep(0.005)
+        time.sleep(0.05)  # (a few tokens in)
+        group = lost_engine.scheduler.running[0]
+        group.cancelled = True
+        group.wake()
+
+    try:
+        before = set(setup.synth_engine.store.ids())
+        threading.Thread(target=fail_soon, daemon=True).start()
+        events = list(setup.run(workflow_request(("a", "b b", "c c c"), pb.StaircaseOptions(aggregator_chunks=[2]),
+                                                 max_tokens=300, answer_tokens=8)))
+        kinds = [e.WhichOneof("event") for e in events]
+        lost = [e.branch_failed for e in events if e.HasField("branch_failed")]
+        assert [f.branch for f in lost] == [1] and "worker failed mid-stream" in lost[0].reason, lost
+        assert kinds.count("synthesis_token") == 8 and kinds[-1] == "done"
+        done = events[-1].done
+        assert [(f.branch, f.reason) for f in done.failed_branches] == [(1, lost[0].reason)]
+        assert done.branch_message_ids[1] == "" and all(done.branch_message_ids[j] for j in (0, 2))
+        assert sorted(e.kv_receipt.branch for e in events if e.HasField("kv_receipt")) == [0, 2]
+        eng = setup.synth_engine
+        whole = {j: eng.message(done.branch_message_ids[j]).num_tokens for j in (0, 2)}
+        rounds = [e.round for e in events if e.HasField("round")]
+        taken = {j: max((c.end for r in rounds for c in r.chunks if c.branch == j), default=0) for j in range(3)}
+        assert taken[1] < 300 and all(taken[j] == whole[j] for j in (0, 2)), (taken, whole)
+        assert setup.idle()
+        kept = {m for m in set(eng.store.ids()) - before if not m.startswith(CACHED_PREFIX)}
+        answer_and_branches = {done.answer_message_id, done.branch_message_ids[0], done.branch_message_ids[2]}
+        assert answer_and_branches <= kept and len(kept - answer_and_branches) <= 1  # (and the task, if not cached)
+        # without a staircase the lost branch fails the workflow, and the service goes on
+        threading.Thread(target=fail_soon, daemon=True).start()
+        with pytest.raises(TransferError, match="worker failed mid-request"):
+            list(setup.run(workflow_request(("a", "b b", "c c c"), max_tokens=300)))
+        assert setup.idle()
+        events = list(setup.run(workflow_request(staircase=pb.StaircaseOptions())))
+        assert events[-1].HasField("done") and not events[-1].done.failed_branches
+    finally:
+        setup.stop()
