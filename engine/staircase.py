@@ -12,7 +12,8 @@ Two variants:
   prompt and the answer so far as the header (recomputed; the prefix cache reuses what it can);
 - append: the new chunks go after the aggregator's output so far, one after another, then a short
   continuation header; nothing before is recomputed. In KV mode the chunks' keys are re-rotated there, with
-  the calibration's mapper and adapter applied when a mode carries them.
+  the calibration's mapper applied when a mode carries one. A mode's adapter runs every round's forwards
+  (text or KV), and each round reads the earlier rounds' adapted KV as its own.
 """
 
 import dataclasses
@@ -265,9 +266,6 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
             return taken[j]
         return feed.length[j] if feed.settled(j) else max(taken[j], schedule.boundary(feed.available(j)))
 
-    if variant is Variant.APPEND and mode.hooks is not None and mode.hooks.adapter is not None:
-        raise BraidError("the append variant cannot run with a LoRA adapter yet: each round's answer is stored as "
-                         "adapted KV, which the next round may not take as a parent; use the re-prefill variant")
     stream = None
     try:
         round_ = 0
@@ -367,8 +365,7 @@ def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offset
         tokens = [t for j, (a, b) in sorted(new.items()) for t in feed.chunk(j, a, b)[0]]
         call = DecodeCall(tokens + header, parents=list(parents), offsets=list(offsets), new_offset=end,
                           sampling=params)
-        stream = engine.decode_stream([call])
-        return stream, end
+        return decode_with_hooks(engine, call, mode.hooks, {}, m), end  # (an adapter's earlier rounds are its own)
     at = end
     for j, (a, b) in sorted(new.items()):
         mid = _import(engine, feed, j, a, b, held)

@@ -142,6 +142,51 @@ def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_
     engine.free(mid), engine.free(plain), workers.free()
 
 
+def test_append_rounds_under_the_lora_continue_their_own_adapted_rounds(checkpoint, tmp_path):
+    """The staircase's append variant with the synthesizer LoRA: each round takes the earlier rounds' adapted KV
+    as its own (a call under the same adapter may; a base call may not), and the answer is, token for token,
+    what one forward of the adapted weights over the whole append layout gives after the base-encoded prefix."""
+    from peft import PeftModel
+
+    from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
+    from braid.engine.synthesis import SynthesisMode
+
+    ckpt = checkpoint("llama")
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    hooks = engine.calibration.without(mapper=True)
+    task, prompt, answer = "User: add the parts.", "Synthesizer:", SamplingParams(max_tokens=10, ignore_eos=True)
+    workers = fan_out(engine, task, ["Part 3.", "Part 4 and 5."], "W:", SamplingParams(max_tokens=6, ignore_eos=True))
+    prefix = engine.prefill([PrefillCall(task)])
+    feed, result = BranchFeed([workers]), StaircaseResult()
+    list(staircase(engine, feed, prompt, prefix, StaircaseSchedule((10_000,), (4, 3)), Variant.APPEND,
+                   SynthesisMode(None, hooks), answer, result=result))
+    feed.join()
+    last = engine.message(result.message_ids[-1])
+    assert last.fingerprint == f"{engine.fingerprint}+{hooks.tag}" and len(result.rounds) == 3
+    with pytest.raises(FingerprintMismatchError):
+        engine.decode([DecodeCall("more", parents=[last.id], sampling=SamplingParams(max_tokens=1))])
+    # the layout: the whole branches, the prompt and 4 answer tokens; then a resume token and 3; then one and 3
+    resume = engine.tokenize(prompt)[-1:]
+    body = [t for mid in workers.ids for t in engine.message(mid).token_ids] + engine.tokenize(prompt)
+    where = []
+    for k, (lo, hi) in enumerate(((0, 4), (4, 7), (7, 10))):
+        body += resume if k else []
+        for t in result.answer[lo:hi]:
+            where.append(len(body) - 1)  # (the position whose logits chose it)
+            body.append(t)
+    base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa"),
+                                        engine.calibration.calibration.adapter_path).merge_and_unload().eval()
+    with torch.no_grad():
+        cache = base(torch.tensor([engine.message(prefix[0]).token_ids]), use_cache=True).past_key_values
+        logits = adapted(torch.tensor([body]), past_key_values=cache).logits[0]
+        cache = base(torch.tensor([engine.message(prefix[0]).token_ids]), use_cache=True).past_key_values
+        unadapted = base(torch.tensor([body]), past_key_values=cache).logits[0]
+    assert logits[where].argmax(-1).tolist() == result.answer
+    assert unadapted[where].argmax(-1).tolist() != result.answer  # (the check can tell the adapter was on)
+    engine.free(last.id), workers.free()
+
+
 def test_bf16_engine_keeps_its_dtypes_and_base_workers(checkpoint, tmp_path):
     """Attaching a calibration moves nothing to another dtype (RoPE's inv_freq stays fp32), so a bf16
     engine's workers are bit-identical to an uncalibrated one's."""
