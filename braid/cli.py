@@ -371,7 +371,9 @@ def main(argv=None) -> int:
                         "cache:sequential+refresh (each branch's first and last token re-encoded with the earlier "
                         "branches in view), "
                         "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
-                        "staircase-append:kv and, with a calibration, calibrated, calibrated+refresh, "
+                        "staircase-append:kv, staircase-reprefill:kv+refresh, staircase-append:kv+refresh and, with a "
+                        "calibration, calibrated, calibrated+refresh, "
+                        "staircase-reprefill:calibrated+refresh, staircase-append:calibrated+refresh, "
                         "calibrated:sequential and the ablations calibrated-no-reencode, calibrated-no-mapper, "
                         "calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",

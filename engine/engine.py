@@ -278,8 +278,8 @@ class Engine:
 
         Validation happens here, before the first event; `transform` and `adapter` are the
         seams for a cache mapper and a LoRA adapter (see engine.synthesis). `tag`: the new messages were
-        encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which only calls with
-        the same tag take as a parent (the base model refuses it).
+        encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
+        model refuses as a parent.
         """
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
         group, _ = self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform, adapter,
@@ -305,7 +305,7 @@ class Engine:
         extra = [p.max_tokens for p in params] if params is not None else [0] * len(calls)
         what = "header" if params is not None else "message"
         with self._store_lock:
-            plan = self._plan(values, calls, extra, what, fingerprint)
+            plan = self._plan(values, calls, extra, what)
             ready: dict[int, str] = {}
             views: list[str] = []
             # A mapped or adapted call's KV is not what the base model gives for the same content: not cached.
@@ -391,10 +391,7 @@ class Engine:
         rest.seeds, rest.prefix = [seeds[c] for c in keep], prefixes
         return rest, ready, views, [extra[c] for c in keep]
 
-    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str,
-              fingerprint: str | None = None) -> _Plan:
-        """`fingerprint`: what the calls' own messages are encoded by. Parents must be the base model's, or
-        (an adapted call continuing its own earlier output) encoded by the same adapted weights."""
+    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:
         n = len(calls)
         if n == 0:
             raise BraidError("no calls given")
@@ -413,7 +410,7 @@ class Engine:
             end, mine, placed = 0, [], []
             for i, pid in enumerate(parents):
                 msg = self.store.get(pid)
-                if msg.fingerprint not in (self.fingerprint, fingerprint):
+                if msg.fingerprint != self.fingerprint:
                     raise FingerprintMismatchError(
                         f"call {c}: parent {pid!r} was encoded by model {msg.fingerprint}, this engine runs "
                         f"{self.fingerprint}; re-encode its text with this model")

@@ -10,10 +10,11 @@ a new chunk or has ended, as the seed's aggregator does.
 Two variants:
 - re-prefill: each round is one synthesis over every branch's tokens so far, each in its own slot, with the
   prompt and the answer so far as the header (recomputed; the prefix cache reuses what it can);
-- append: the new chunks go after the aggregator's output so far, one after another, then a short
-  continuation header; nothing before is recomputed. In KV mode the chunks' keys are re-rotated there, with
-  the calibration's mapper applied when a mode carries one. A mode's adapter runs every round's forwards
-  (text or KV), and each round reads the earlier rounds' adapted KV as its own.
+- append (the seed's prefix-caching template): the new chunks go after the chunks taken so far, in the order
+  they came, and are never encoded again; the prompt and the answer so far follow them, re-encoded each round
+  as in re-prefill. In KV mode the chunks' keys are re-rotated there, with the calibration's mapper applied
+  when a mode carries one; in text mode each round's chunks are prefilled once, as one message.
+A mode's adapter runs the aggregator's forwards in both variants.
 """
 
 import dataclasses
@@ -25,10 +26,10 @@ from enum import Enum
 
 import torch
 
-from braid.engine.engine import DecodeCall, Engine, TokenEvent, Tokens
+from braid.engine.engine import DecodeCall, Engine, PrefillCall, TokenEvent, Tokens
 from braid.engine.errors import BraidError, StoppedError, UnavailableError
 from braid.engine.sampling import SamplingParams
-from braid.engine.synthesis import SynthesisMode, decode_with_hooks, synthesis_stream
+from braid.engine.synthesis import SynthesisMode, decode_with_hooks, refresh_branches, synthesis_stream
 from braid.engine.workflow import BranchStream
 
 
@@ -238,21 +239,18 @@ class BranchFeed:
 def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence[str] = (),
               schedule: StaircaseSchedule = StaircaseSchedule(), variant: Variant = Variant.REPREFILL,
               mode: SynthesisMode = SynthesisMode(), sampling: SamplingParams = SamplingParams(),
-              continue_header: Tokens = "", idle_s: float | None = 120.0, queued_s: float | None = None,
+              idle_s: float | None = 120.0, queued_s: float | None = None,
               result: StaircaseResult | None = None) -> Iterator[TokenEvent | RoundTaken]:
     """Yields each round's RoundTaken, then its answer tokens; `result` collects the whole run. `mode`: text
     (placement None) or KV re-encoded to its placement (append always places chunks one after another, the
-    positions text would give them); `continue_header`: the tokens that resume the answer after appended
-    chunks (append only; default the prompt's last token); `idle_s`: fail (UNAVAILABLE) once no branch has
-    made progress for this long, `queued_s`: before any has (None: no limit)."""
+    positions text would give them); `idle_s`: fail (UNAVAILABLE) once no branch has made progress for this
+    long, `queued_s`: before any has (None: no limit)."""
     result = result if result is not None else StaircaseResult()
     m = len(feed)
     quorum = schedule.quorum(m)
     prompt_ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    resume = (engine.tokenize(continue_header) if isinstance(continue_header, str) else list(continue_header)) \
-        or prompt_ids[-1:]
     taken = [0] * m
-    held: list[str] = []  # imported chunks and the aggregator's earlier rounds (append), freed at the end
+    held: list[str] = []  # the chunks taken in, kept from eviction between rounds, freed at the end
     # the append variant's growing context: parents with their offsets (None: where stored), where it ends, and
     # which branch each imported chunk came from (the mapper calibrates every chunk, each round)
     parents, offsets = list(prefix), [None] * len(prefix)
@@ -292,12 +290,12 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                 taken[j] = b
             budget = min(schedule.aggregator_chunk(round_), sampling.max_tokens - len(result.answer))
             params = dataclasses.replace(sampling, max_tokens=budget)
+            header = prompt_ids + result.answer  # (re-encoded each round)
             if variant is Variant.REPREFILL:
-                stream = _reprefill_round(engine, feed, new, slots, prompt_ids + result.answer, prefix, mode, params,
-                                          held)
+                stream = _reprefill_round(engine, feed, new, slots, header, prefix, mode, params, held)
             else:
-                stream, end = _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end,
-                                            chunk_branch, taken, m, mode, params, held)
+                stream, end = _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch, taken,
+                                            m, mode, params, held)
             finished = False
             for event in stream:
                 result.answer.append(event.token_id)
@@ -307,12 +305,7 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                 yield event
             answer_id, stream = stream.ids[0], None
             result.message_ids.append(answer_id)
-            if variant is Variant.APPEND:
-                parents.append(answer_id)
-                offsets.append(None)
-                end = engine.message(answer_id).end
-                held.append(answer_id)
-            elif len(result.message_ids) > 1:  # re-prefill: only the last round's message is the answer
+            if len(result.message_ids) > 1:  # only the last round's message is the answer
                 engine.free(result.message_ids[-2])
             if finished:
                 break
@@ -355,24 +348,40 @@ def _reprefill_round(engine, feed, new, slots, header, prefix, mode: SynthesisMo
     return synthesis_stream(engine, [slots[j] for j in sorted(slots)], header, prefix, mode, params)
 
 
-def _append_round(engine, feed, new, round_, prompt_ids, resume, parents, offsets, end, chunk_branch, taken, m,
-                  mode: SynthesisMode, params, held):
-    """The new chunks one after another after the context so far, then the prompt (round 0) or the resume
-    tokens; the context before is reused as it is. The mapper sees each chunk with its branch's length so far
-    (`taken`), the nearest this round knows of the whole branch's length it was trained with."""
-    header = prompt_ids if round_ == 0 else resume
+def _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch, taken, m, mode: SynthesisMode,
+                  params, held):
+    """The new chunks one after another after the chunks so far (KV: each imported and re-rotated there, its
+    boundary tokens refreshed when the mode says so; text: prefilled there as one message), then the prompt and
+    the answer so far; the chunks before are reused as they are. The mapper sees each chunk with its branch's
+    length so far (`taken`), the nearest this round knows of the whole branch's length it was trained with."""
+    at = end
     if mode.text:
         tokens = [t for j, (a, b) in sorted(new.items()) for t in feed.chunk(j, a, b)[0]]
-        call = DecodeCall(tokens + header, parents=list(parents), offsets=list(offsets), new_offset=end,
-                          sampling=params)
-        return decode_with_hooks(engine, call, mode.hooks, {}, m), end  # (an adapter's earlier rounds are its own)
-    at = end
-    for j, (a, b) in sorted(new.items()):
-        mid = _import(engine, feed, j, a, b, held)
-        chunk_branch[mid] = j
-        parents.append(mid)
-        offsets.append(at)
-        at += b - a
+        if tokens:
+            mid, = engine.prefill([PrefillCall(tokens, parents=list(parents), offsets=list(offsets), new_offset=at)])
+            engine.hold([mid])
+            held.append(mid)
+            parents.append(mid)
+            offsets.append(at)
+            at += len(tokens)
+    else:
+        chunks, starts = [], []
+        for j, (a, b) in sorted(new.items()):
+            chunks.append((_import(engine, feed, j, a, b, held), j))
+            starts.append(at)
+            at += b - a
+        parts = [(mid, start, k) for k, ((mid, _), start) in enumerate(zip(chunks, starts))]
+        if chunks and mode.refresh is not None and (mode.refresh.head or mode.refresh.tail):
+            # each chunk's boundary tokens re-encoded with the chunks before it in view (refreshed runs: k None)
+            parts, temporary = refresh_branches(engine, list(parents), [engine.message(c) for c, _ in chunks],
+                                                starts, mode.refresh)
+            engine.hold(temporary)
+            held.extend(temporary)
+        for mid, start, k in parts:
+            parents.append(mid)
+            offsets.append(start)
+            if k is not None:
+                chunk_branch[mid] = chunks[k][1]
     call = DecodeCall(header, parents=list(parents), offsets=list(offsets), new_offset=at, sampling=params)
     stream = decode_with_hooks(engine, call, mode.hooks, chunk_branch, m,
                                {mid: taken[j] for mid, j in chunk_branch.items()})

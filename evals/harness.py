@@ -49,7 +49,8 @@ BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
 
 
 STAIRCASE_MODES = tuple(Mode(f"staircase-{v.value}:{t}", m, v) for v in Variant
-                        for t, m in (("text", TEXT_MODE), ("kv", SynthesisMode(Placement.SEQUENTIAL))))
+                        for t, m in (("text", TEXT_MODE), ("kv", SynthesisMode(Placement.SEQUENTIAL)),
+                                     ("kv+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH))))
 
 
 def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
@@ -62,11 +63,16 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
     and `calibrated:<placement>` for the other re-encoding placement; `calibrated+refresh` adds the boundary
-    refresh."""
+    refresh; `staircase-reprefill:calibrated+refresh` and `staircase-append:calibrated+refresh` stream it."""
     full, placement = attached.hooks, attached.calibration.placement
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
     return [Mode("calibrated", SynthesisMode(placement, full)),
             Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH)),
+            # the staircase as a cluster serves it with this calibration (append reads no refresh)
+            Mode(f"staircase-reprefill:{mode_name(REFRESH)}", SynthesisMode(placement, full, REFRESH),
+                 Variant.REPREFILL),
+            Mode(f"staircase-append:{mode_name(REFRESH)}", SynthesisMode(Placement.SEQUENTIAL, full, REFRESH),
+                 Variant.APPEND),
             Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
             Mode("calibrated-no-mapper", SynthesisMode(placement, attached.without(mapper=True))),

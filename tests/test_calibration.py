@@ -142,10 +142,11 @@ def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_
     engine.free(mid), engine.free(plain), workers.free()
 
 
-def test_append_rounds_under_the_lora_continue_their_own_adapted_rounds(checkpoint, tmp_path):
-    """The staircase's append variant with the synthesizer LoRA: each round takes the earlier rounds' adapted KV
-    as its own (a call under the same adapter may; a base call may not), and the answer is, token for token,
-    what one forward of the adapted weights over the whole append layout gives after the base-encoded prefix."""
+def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, tmp_path):
+    """The staircase's append variant with the synthesizer LoRA, in text mode: the chunks are prefilled by the
+    base weights, and each round's prompt and answer so far are encoded by the adapted ones. The answer is,
+    token for token, what one forward of the adapted weights over the prompt and answer gives after the prefix
+    and the chunks (base weights)."""
     from peft import PeftModel
 
     from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
@@ -163,27 +164,18 @@ def test_append_rounds_under_the_lora_continue_their_own_adapted_rounds(checkpoi
     feed.join()
     last = engine.message(result.message_ids[-1])
     assert last.fingerprint == f"{engine.fingerprint}+{hooks.tag}" and len(result.rounds) == 3
-    with pytest.raises(FingerprintMismatchError):
-        engine.decode([DecodeCall("more", parents=[last.id], sampling=SamplingParams(max_tokens=1))])
-    # the layout: the whole branches, the prompt and 4 answer tokens; then a resume token and 3; then one and 3
-    resume = engine.tokenize(prompt)[-1:]
-    body = [t for mid in workers.ids for t in engine.message(mid).token_ids] + engine.tokenize(prompt)
-    where = []
-    for k, (lo, hi) in enumerate(((0, 4), (4, 7), (7, 10))):
-        body += resume if k else []
-        for t in result.answer[lo:hi]:
-            where.append(len(body) - 1)  # (the position whose logits chose it)
-            body.append(t)
+    chunks = [t for mid in workers.ids for t in engine.message(mid).token_ids]
+    body = engine.tokenize(prompt) + result.answer
     base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa"),
                                         engine.calibration.calibration.adapter_path).merge_and_unload().eval()
+    where = slice(len(body) - len(result.answer) - 1, len(body) - 1)  # (the positions whose logits chose them)
     with torch.no_grad():
-        cache = base(torch.tensor([engine.message(prefix[0]).token_ids]), use_cache=True).past_key_values
-        logits = adapted(torch.tensor([body]), past_key_values=cache).logits[0]
-        cache = base(torch.tensor([engine.message(prefix[0]).token_ids]), use_cache=True).past_key_values
-        unadapted = base(torch.tensor([body]), past_key_values=cache).logits[0]
-    assert logits[where].argmax(-1).tolist() == result.answer
-    assert unadapted[where].argmax(-1).tolist() != result.answer  # (the check can tell the adapter was on)
+        context = torch.tensor([list(engine.message(prefix[0]).token_ids) + chunks])
+        logits = adapted(torch.tensor([body]), past_key_values=base(context, use_cache=True).past_key_values).logits
+        unadapted = base(torch.tensor([body]), past_key_values=base(context, use_cache=True).past_key_values).logits
+    assert logits[0, where].argmax(-1).tolist() == result.answer
+    assert unadapted[0, where].argmax(-1).tolist() != result.answer  # (the check can tell the adapter was on)
     engine.free(last.id), workers.free()
 
 

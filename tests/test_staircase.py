@@ -9,7 +9,7 @@ import pytest
 from braid.engine import PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.engine.workflow import fan_out
 
 TASK, CONTEXTS, PROMPT = "User: add the parts.", ["Part 3.", "Part 4 and 5.", "Part 6, 7."], "Synthesizer:"
@@ -42,12 +42,18 @@ def test_schedule_boundaries_quorum_and_validation():
             StaircaseSchedule(**bad)
 
 
-@pytest.mark.parametrize("mode", [TEXT, SynthesisMode(Placement.BRANCH_POINT)], ids=["text", "kv"])
-def test_reprefill_of_whole_branches_is_wait_for_all(fresh_engine, mode):
-    """Branches taken whole, the answer decoded in rounds of 3 and 5 tokens with the answer so far re-prefilled
-    each round: the same greedy tokens as one synthesis after every branch has ended."""
-    result, events, (branches,), prefix = run(fresh_engine, StaircaseSchedule(WHOLE, (3, 5)), Variant.REPREFILL,
-                                              mode)
+@pytest.mark.parametrize("variant, mode", [
+    (Variant.REPREFILL, TEXT), (Variant.REPREFILL, SynthesisMode(Placement.BRANCH_POINT)),
+    (Variant.REPREFILL, SynthesisMode(Placement.SEQUENTIAL, refresh=Refresh(1, 1))),
+    (Variant.APPEND, TEXT), (Variant.APPEND, KV), (Variant.APPEND, SynthesisMode(Placement.SEQUENTIAL,
+                                                                                 refresh=Refresh(1, 1)))],
+    ids=["reprefill-text", "reprefill-kv", "reprefill-kv-refresh", "append-text", "append-kv", "append-kv-refresh"])
+def test_whole_branches_answer_as_wait_for_all(fresh_engine, variant, mode):
+    """Branches taken whole, the answer decoded in rounds of 3 and 5 tokens with the prompt and the answer so
+    far re-encoded each round: the same greedy tokens as one synthesis after every branch has ended. (Append
+    places the branches one after another, as the sequential placement does; its refresh re-encodes each
+    chunk's boundary tokens, here each whole branch's, as the synthesis's does.)"""
+    result, events, (branches,), prefix = run(fresh_engine, StaircaseSchedule(WHOLE, (3, 5)), variant, mode)
     lengths = [fresh_engine.message(b).num_tokens for b in branches.ids]  # header + 12 tokens
     assert result.rounds[0].chunks == {j: (0, n) for j, n in enumerate(lengths)}
     assert all(not r.chunks for r in result.rounds[1:]) and len(result.rounds) == 3
@@ -56,9 +62,9 @@ def test_reprefill_of_whole_branches_is_wait_for_all(fresh_engine, mode):
 
 
 def test_append_puts_text_and_kv_chunks_at_the_same_positions(fresh_engine):
-    """Append, text and KV: the chunks sit right after the context so far, in branch order, then the prompt; the
-    rounds after it resume with one token. Same tokens, same positions; only where the chunk KV came from differs
-    (the workers' encoding in KV mode, the aggregator's context in text mode)."""
+    """Append, text and KV: the chunks sit right after the chunks so far, in branch order, then the prompt and the
+    answer so far. Same tokens, same positions; only where the chunk KV came from differs (the workers' encoding
+    in KV mode, a prefill after the chunks before in text mode)."""
     ends, answers = {}, {}
     for name, mode in (("text", TEXT), ("kv", KV)):
         result, _, (branches,), prefix = run(fresh_engine, StaircaseSchedule(WHOLE, (4, 3)), Variant.APPEND, mode)
@@ -67,8 +73,9 @@ def test_append_puts_text_and_kv_chunks_at_the_same_positions(fresh_engine):
         answers[name] = result.answer
         chunk_tokens = sum(fresh_engine.message(b).num_tokens for b in branches.ids)
         prompt_tokens = len(fresh_engine.tokenize(PROMPT))
-        # prefix, the three branches, the prompt, 10 answer tokens, and one resume token for each later round
-        assert last.end == fresh_engine.message(prefix[0]).end + chunk_tokens + prompt_tokens + 10 + 2
+        # prefix, the three branches, then the last round's message: the prompt and the 10 answer tokens
+        assert last.end == fresh_engine.message(prefix[0]).end + chunk_tokens + prompt_tokens + 10
+        assert last.token_ids == tuple(fresh_engine.tokenize(PROMPT) + result.answer)
     assert ends["text"] == ends["kv"] and len(answers["text"]) == len(answers["kv"]) == 10
 
 
@@ -106,23 +113,32 @@ def test_a_failed_worker_call_leaves_the_answer_to_the_others(fresh_engine):
     assert len(result.answer) == 10
 
 
-def test_a_consumer_that_leaves_mid_answer_leaves_nothing_behind(fresh_engine):
-    """Closing the staircase mid-round stops its call and frees every chunk it imported."""
+@pytest.mark.parametrize("refresh", [None, Refresh(1, 1)], ids=["kv", "kv-refresh"])
+@pytest.mark.parametrize("leave_after", [2, 5, None], ids=["round0", "round1", "end"])
+def test_append_keeps_nothing_but_its_answer(fresh_engine, refresh, leave_after):
+    """Append over small chunks (with their boundaries refreshed, or not): closing the staircase mid-round stops
+    its call and frees every chunk it imported and every refreshed run; what is left is the answer so far (the
+    last round's message, which the caller owns)."""
     before = set(fresh_engine.store.ids())
     prefix = fresh_engine.prefill([PrefillCall(TASK)])
     fan = fan_out(fresh_engine, TASK, CONTEXTS, "W:", WORKER)
-    feed = BranchFeed([fan])
-    run = staircase(fresh_engine, feed, PROMPT, prefix, StaircaseSchedule((4, 4), (3, 5)), Variant.APPEND, KV, ANSWER)
+    feed, result = BranchFeed([fan]), StaircaseResult()
+    run = staircase(fresh_engine, feed, PROMPT, prefix, StaircaseSchedule((4, 4), (3, 5)), Variant.APPEND,
+                    SynthesisMode(Placement.SEQUENTIAL, refresh=refresh), ANSWER, result=result)
     tokens = 0
     for event in run:
         tokens += hasattr(event, "token_id")
-        if tokens == 2:
+        if tokens == leave_after:
             break
     run.close()
     feed.join()
     fan.free()
     fresh_engine.free(prefix[0])
-    left = {m for m in set(fresh_engine.store.ids()) - before if not m.startswith("~")}
+    if leave_after is None:
+        assert len(result.answer) == 10 and len(result.rounds) > 2
+    for mid in result.message_ids[-1:]:  # the answer so far is the caller's
+        fresh_engine.free(mid)
+    left = {m for m in set(fresh_engine.store.ids()) - before if not m.startswith("~")}  # (the prefix cache)
     assert not left, left
 
 
