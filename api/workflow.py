@@ -185,7 +185,7 @@ class WorkflowDriver:
                     yield answer.timings()
                     yield pb.WorkflowEvent(done=pb.WorkflowDone(
                         session_id=session, answer_message_id=item.answer_id, answer_text=item.answer_text,
-                        branch_message_ids=["" if j in failed else mid for j, mid in enumerate(item.branch_ids)],
+                        branch_message_ids=item.branch_ids,  # (a branch lost after its KV had all come is kept)
                         failed_branches=[pb.BranchFailed(branch=j, reason=why) for j, why in sorted(failed.items())]))
         except BaseException as e:  # a failure, or the client went away (GeneratorExit)
             if kv_address and not finished:  # the synthesizer may be waiting on streams no one will send
@@ -228,9 +228,10 @@ class _Answer:
     def timings(self) -> pb.WorkflowEvent:
         if self.metrics:
             self.metrics["ttft"].observe(self.first - self.start, tags={"transport": self.transport})
+        last = self.branches_done if self.branches_done is not None else time.perf_counter()  # (every branch lost)
         return pb.WorkflowEvent(timings=pb.Timings(
             ttft_ms=1e3 * (self.first - self.start),
-            last_branch_to_first_token_ms=1e3 * (self.first - self.branches_done),
+            last_branch_to_first_token_ms=1e3 * (self.first - last),
             kv_transfer_ms=self.kv_ms, kv_bytes=self.kv_bytes))
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.engine.workflow import fan_out
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import SYNTHESIZER_HEADER, WORKER_HEADER, turn
@@ -26,7 +26,7 @@ from braid.results import pyplot, write_json
 
 TASK = turn("system", "workers each report their part; the synthesizer joins them.")
 PROMPT = turn("user", "join the parts.") + SYNTHESIZER_HEADER
-MODES = {"text": TEXT, "kv": SynthesisMode(Placement.SEQUENTIAL)}
+MODES = {"text": TEXT, "kv": SynthesisMode(Placement.SEQUENTIAL, refresh=Refresh(1, 1))}  # kv: as a cluster serves it
 
 
 def start_workers(engine: Engine, length: int, slow_s: float):

@@ -14,7 +14,8 @@ Two variants:
   they came, and are never encoded again; the prompt and the answer so far follow them, re-encoded each round
   as in re-prefill. In KV mode the chunks' keys are re-rotated there, with the calibration's mapper applied
   when a mode carries one; in text mode each round's chunks are prefilled once, as one message.
-A mode's adapter runs the aggregator's forwards in both variants.
+KV modes read the chunks through the mode's hooks (mapper, adapter) and boundary refresh, as the cache path does.
+A branch that fails mid-stream is left out from then on; once every branch has failed, the run fails.
 """
 
 import dataclasses
@@ -277,6 +278,9 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                                            f"({'; '.join(sorted(set(feed.failed.values())))})")
             else:
                 feed.wait(lambda: all(target(j) > taken[j] or feed.settled(j) for j in range(m)), idle_s, queued_s)
+                if len(feed.failed) == m:
+                    raise UnavailableError(f"staircase: every branch failed mid-answer "
+                                           f"({'; '.join(sorted(set(feed.failed.values())))})")
             new = {}
             for j in range(m):
                 b = target(j)

@@ -68,7 +68,7 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
     return [Mode("calibrated", SynthesisMode(placement, full)),
             Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH)),
-            # the staircase as a cluster serves it with this calibration (append reads no refresh)
+            # the staircase as a cluster serves it with this calibration
             Mode(f"staircase-reprefill:{mode_name(REFRESH)}", SynthesisMode(placement, full, REFRESH),
                  Variant.REPREFILL),
             Mode(f"staircase-append:{mode_name(REFRESH)}", SynthesisMode(Placement.SEQUENTIAL, full, REFRESH),

@@ -357,17 +357,18 @@ def test_a_worker_lost_mid_stream_leaves_the_staircase_answer_to_the_others(chec
     a staircase the same fault fails the workflow with UNAVAILABLE."""
     import threading
 
+    from braid.engine.errors import UnavailableError
     from braid.kv.connector import TransferError
     from braid.protos import agent_pb2 as pb
 
     setup = Separate(checkpoint, workers=2)
     lost_engine = setup.worker_engines[1]
 
-    def fail_soon():
-        while not lost_engine.scheduler.running or not lost_engine.scheduler.running[0].decoding:
+    def fail_soon(engine=lost_engine):
+        while not engine.scheduler.running or not engine.scheduler.running[0].decoding:
             time.sleep(0.005)
         time.sleep(0.05)  # (a few tokens in)
-        group = lost_engine.scheduler.running[0]
+        group = engine.scheduler.running[0]
         group.cancelled = True
         group.wake()
 
@@ -388,11 +389,18 @@ def test_a_worker_lost_mid_stream_leaves_the_staircase_answer_to_the_others(chec
         whole = {j: eng.message(done.branch_message_ids[j]).num_tokens for j in (0, 2)}
         rounds = [e.round for e in events if e.HasField("round")]
         taken = {j: max((c.end for r in rounds for c in r.chunks if c.branch == j), default=0) for j in range(3)}
-        assert taken[1] < 300 and all(taken[j] == whole[j] for j in (0, 2)), (taken, whole)
+        assert 0 < taken[1] < 300 and all(taken[j] == whole[j] for j in (0, 2)), (taken, whole)
         assert setup.idle()
         kept = {m for m in set(eng.store.ids()) - before if not m.startswith(CACHED_PREFIX)}
         answer_and_branches = {done.answer_message_id, done.branch_message_ids[0], done.branch_message_ids[2]}
-        assert answer_and_branches <= kept and len(kept - answer_and_branches) <= 1  # (and the task, if not cached)
+        task, = kept - answer_and_branches  # (and the task's message: the session holds it)
+        assert eng.message(task).token_ids == tuple(eng.tokenize("t"))
+        # a workflow whose only branch is lost: UNAVAILABLE, whether before its first round or after it
+        threading.Thread(target=fail_soon, args=(setup.worker_engines[0],), daemon=True).start()
+        with pytest.raises(UnavailableError, match="every branch failed"):
+            list(setup.run(workflow_request(("a",), pb.StaircaseOptions(aggregator_chunks=[2]), max_tokens=300,
+                                            answer_tokens=8)))
+        assert setup.idle()
         # without a staircase the lost branch fails the workflow, and the service goes on
         threading.Thread(target=fail_soon, daemon=True).start()
         with pytest.raises(TransferError, match="worker failed mid-request"):
