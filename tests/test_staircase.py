@@ -79,6 +79,28 @@ def test_append_puts_text_and_kv_chunks_at_the_same_positions(fresh_engine):
     assert ends["text"] == ends["kv"] and len(answers["text"]) == len(answers["kv"]) == 10
 
 
+@pytest.mark.parametrize("refresh", [None, Refresh(1, 1)], ids=["kv", "kv-refresh"])
+def test_kv_append_gives_text_appends_greedy_tokens(fresh_engine, refresh):
+    """One branch, read after the prefix and its own context (where its worker encoded it), in chunks of 4 over
+    several rounds: each KV chunk sits where text append would encode it, seeing what it would see, so KV
+    append (and its boundary refresh, which re-encodes tokens to the same KV) gives text append's greedy tokens."""
+    prefix = fresh_engine.prefill([PrefillCall(TASK)])
+    context = prefix + fresh_engine.prefill([PrefillCall(CONTEXTS[0], parents=prefix)])  # (what the worker reads;
+    # greedy, the branch is the same in both runs)
+    answers, rounds = {}, {}
+    for name, mode in (("text", TEXT), ("kv", SynthesisMode(Placement.SEQUENTIAL, refresh=refresh))):
+        fan = fan_out(fresh_engine, TASK, CONTEXTS[:1], "W:", SamplingParams(max_tokens=40, ignore_eos=True))
+        feed, result = BranchFeed([fan]), StaircaseResult()
+        list(staircase(fresh_engine, feed, PROMPT, context, StaircaseSchedule((4,), (2,)), Variant.APPEND, mode,
+                       ANSWER, result=result))
+        feed.join()
+        answers[name], rounds[name] = result.answer, [r.chunks for r in result.rounds]
+        fresh_engine.free(result.message_ids[-1])
+        fan.free()
+    assert answers["kv"] == answers["text"] and len(answers["text"]) == 10
+    assert sum(1 for chunks in rounds["kv"] if chunks) > 1  # (taken in over several rounds)
+
+
 @pytest.mark.parametrize("variant", list(Variant))
 def test_redundancy_starts_without_the_slowest_branch(fresh_engine, variant):
     """Two worker calls; the second starts late. With redundancy 1 the first round takes only the first call's
