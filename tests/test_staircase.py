@@ -79,26 +79,56 @@ def test_append_puts_text_and_kv_chunks_at_the_same_positions(fresh_engine):
     assert ends["text"] == ends["kv"] and len(answers["text"]) == len(answers["kv"]) == 10
 
 
+class Released:
+    """A decoded branch message handed to a staircase `step` tokens at a time (a BranchFeed source, read as
+    BranchArrivals is): each release once the staircase has taken in the one before, so every run sees the same
+    rounds."""
+
+    def __init__(self, engine, message_id: str, step: int):
+        self.msg, self.step, self.n, self.error = engine.message(message_id), step, 0, None
+        self.decode = self
+
+    offsets = property(lambda self: [self.msg.offset])
+    length = property(lambda self: self.msg.num_tokens if self.n == self.msg.num_tokens else None)
+
+    def encoded(self, call: int = 0) -> int:
+        return self.n
+
+    def partial_kv(self, call: int, start: int, end: int):
+        return list(self.msg.token_ids[start:end]), self.msg.kv[:, :, :, start:end]
+
+    def release(self, feed: BranchFeed, result: StaircaseResult) -> None:
+        while self.n < self.msg.num_tokens:
+            self.n = min(self.n + self.step, self.msg.num_tokens)
+            feed.arrived(self)
+            taken = len([r for r in result.rounds if r.chunks])
+            while len([r for r in result.rounds if r.chunks]) == taken and not feed.cancelled:
+                time.sleep(0.002)
+
+
 @pytest.mark.parametrize("refresh", [None, Refresh(1, 1)], ids=["kv", "kv-refresh"])
 def test_kv_append_gives_text_appends_greedy_tokens(fresh_engine, refresh):
-    """One branch, read after the prefix and its own context (where its worker encoded it), in chunks of 4 over
-    several rounds: each KV chunk sits where text append would encode it, seeing what it would see, so KV
-    append (and its boundary refresh, which re-encodes tokens to the same KV) gives text append's greedy tokens."""
-    prefix = fresh_engine.prefill([PrefillCall(TASK)])
-    context = prefix + fresh_engine.prefill([PrefillCall(CONTEXTS[0], parents=prefix)])  # (what the worker reads;
-    # greedy, the branch is the same in both runs)
+    """One branch, read after the prefix and its own context (where its worker encoded it), 4 tokens a round:
+    each KV chunk sits where text append encodes it, seeing what it sees there, so KV append (and its boundary
+    refresh, which re-encodes tokens to the same KV) gives text append's greedy tokens, round for round."""
+    fan = fan_out(fresh_engine, TASK, CONTEXTS[:1], "W:", SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in fan:
+        pass
+    context = [*fan.prefix, *fan.contexts]
     answers, rounds = {}, {}
     for name, mode in (("text", TEXT), ("kv", SynthesisMode(Placement.SEQUENTIAL, refresh=refresh))):
-        fan = fan_out(fresh_engine, TASK, CONTEXTS[:1], "W:", SamplingParams(max_tokens=40, ignore_eos=True))
-        feed, result = BranchFeed([fan]), StaircaseResult()
+        source, result = Released(fresh_engine, fan.ids[0], 4), StaircaseResult()
+        feed = BranchFeed([], pump=False, branches=[(source, 0)])
+        releases = threading.Thread(target=source.release, args=(feed, result), daemon=True)
+        releases.start()
         list(staircase(fresh_engine, feed, PROMPT, context, StaircaseSchedule((4,), (2,)), Variant.APPEND, mode,
-                       ANSWER, result=result))
-        feed.join()
+                       SamplingParams(max_tokens=16, ignore_eos=True), idle_s=60, result=result))
+        releases.join()
         answers[name], rounds[name] = result.answer, [r.chunks for r in result.rounds]
         fresh_engine.free(result.message_ids[-1])
-        fan.free()
-    assert answers["kv"] == answers["text"] and len(answers["text"]) == 10
-    assert sum(1 for chunks in rounds["kv"] if chunks) > 1  # (taken in over several rounds)
+    assert rounds["kv"] == rounds["text"] and sum(1 for chunks in rounds["kv"] if chunks) > 3
+    assert answers["kv"] == answers["text"] and len(answers["text"]) == 16
+    fan.free()
 
 
 @pytest.mark.parametrize("variant", list(Variant))
