@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=512, help="each agent's role prefix")
     ap.add_argument("--anchors", type=int, default=8, help="texts warmed into the pool before measuring")
     ap.add_argument("--requests", type=int, default=3, help="measured requests (median per agent)")
+    ap.add_argument("--recompute", default="0,0.1,0.2",
+                    help="comma-separated fractions of the reused text re-encoded (each timed; default: 0,0.1,0.2)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     model = args.model or make_random_checkpoint(tempfile.mkdtemp(prefix="braid-100m-"), "llama", "100m")
@@ -77,7 +79,9 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     prefixes = [words(rng, vocab, args.prefix_tokens) for _ in range(args.agents)]
     header = words(rng, vocab, 4)
-    comm = KVComm(engine, KVCommConfig(gamma=1.0, capacity=max(20, args.anchors)), base_prefix=words(rng, vocab, 4))
+    fractions = [float(f) for f in args.recompute.split(",")]
+    configs = [KVCommConfig(gamma=1.0, capacity=max(20, args.anchors), recompute=f) for f in fractions]
+    comm = KVComm(engine, configs[0], base_prefix=words(rng, vocab, 4))
 
     def prompts(text):
         return [AgentPrompt(f"agent{k}", prefixes[k], [("user", text)], [header], FIRST) for k in range(args.agents)]
@@ -88,23 +92,34 @@ def main(argv=None) -> int:
             kvcomm_ttft(comm, p)
     for p in prompts(words(rng, vocab, 16)):  # warm-up of both code paths at a small size
         dense_ttft(engine, p)
-    dense, reuse, reused = [[] for _ in range(args.agents)], [[] for _ in range(args.agents)], []
+    dense, reused = [[] for _ in range(args.agents)], []
+    reuse = {f: [[] for _ in range(args.agents)] for f in fractions}
     for _ in tqdm(range(args.requests), desc="measuring", unit="request"):
         text = words(rng, vocab, args.input_tokens)
         for k, p in enumerate(prompts(text)):
             dense[k].append(dense_ttft(engine, p))
-            took, ok = kvcomm_ttft(comm, p)
-            reuse[k].append(took)
-            reused.append(ok)
-    rows = [{"agent": k + 1, "dense_ttft_s": statistics.median(dense[k]), "kvcomm_ttft_s": statistics.median(reuse[k]),
-             "speedup": statistics.median(dense[k]) / statistics.median(reuse[k])} for k in range(args.agents)]
+            for f, config in zip(fractions, configs):  # (the same pools; only the recomputed share differs)
+                comm.config = config
+                took, ok = kvcomm_ttft(comm, p)
+                reuse[f][k].append(took)
+                reused.append(ok)
+    rows = [{"agent": k + 1, "dense_ttft_s": statistics.median(dense[k]),
+             "kvcomm_ttft_s": statistics.median(reuse[fractions[0]][k]),
+             "speedup": statistics.median(dense[k]) / statistics.median(reuse[fractions[0]][k]),
+             "by_recompute": {str(f): {"kvcomm_ttft_s": statistics.median(reuse[f][k]),
+                                       "speedup": statistics.median(dense[k]) / statistics.median(reuse[f][k])}
+                              for f in fractions}} for k in range(args.agents)]
     stats = comm.stats()
     result = {"model": args.model or "random 100m-shape llama", "input_tokens": args.input_tokens,
+              "recompute": fractions,
               "prefix_tokens": args.prefix_tokens, "anchors": stats["anchors"], "pool_bytes": stats["bytes"],
               "measured_reuse_rate": sum(reused) / len(reused), "requests": args.requests, "rows": rows}
-    print(f"{'agent':>5} {'dense TTFT ms':>14} {'KVComm TTFT ms':>15} {'speedup':>8}")
+    print(f"{'agent':>5} {'dense TTFT ms':>14} " + " ".join(f"{'KVComm r=' + str(f) + ' ms':>17} {'x':>5}"
+                                                         for f in fractions))
     for r in rows:
-        print(f"{r['agent']:>5} {1e3 * r['dense_ttft_s']:>14.1f} {1e3 * r['kvcomm_ttft_s']:>15.1f} {r['speedup']:>7.1f}x")
+        print(f"{r['agent']:>5} {1e3 * r['dense_ttft_s']:>14.1f} " + " ".join(
+            f"{1e3 * r['by_recompute'][str(f)]['kvcomm_ttft_s']:>17.1f} {r['by_recompute'][str(f)]['speedup']:>4.1f}x"
+            for f in fractions))
     print(f"anchors {stats['anchors']}, pool {stats['bytes'] / 2**20:.0f} MiB, reuse on measured prompts "
           f"{100 * result['measured_reuse_rate']:.0f}%")
     stem = write_json(args.out, "kvcomm_cpu", result)

@@ -95,9 +95,11 @@ class ClusterConfig:
     key_max_sessions: int = 0
     key_max_store_bytes: int = 0
     key_max_workflows: int = 0
-    # KVComm (RunAgents): the entropy threshold gamma (0: never reuse) and anchors per placeholder pool (V)
+    # KVComm (RunAgents): the entropy threshold gamma (0: never reuse), anchors per placeholder pool (V), and
+    # the fraction of a reused text re-encoded, its tokens with the least certain offsets (0: the seed's method)
     kvcomm_gamma: float = 0.3
     kvcomm_capacity: int = 20
+    kvcomm_recompute: float = KVCommConfig.recompute
 
     def __post_init__(self):
         if paths_here() and not os.path.isfile(os.path.join(self.model_path, "config.json")):
@@ -160,6 +162,7 @@ class ClusterConfig:
         props["kv_transport"]["enum"] = list(TRANSPORTS)
         props["kvcomm_gamma"].update(minimum=0, maximum=1)
         props["kvcomm_capacity"]["minimum"] = 0
+        props["kvcomm_recompute"].update(minimum=0, maximum=1)
         return {"type": "object", "additionalProperties": False, "required": ["model_path"], "properties": props}
 
     def engine_config(self, role: str = "synthesizer") -> EngineConfig:
@@ -178,7 +181,8 @@ class ClusterConfig:
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens,
-                             kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity),
+                             kvcomm=KVCommConfig(gamma=self.kvcomm_gamma, capacity=self.kvcomm_capacity,
+                                                 recompute=self.kvcomm_recompute),
                              limits=self.key_limits(), staircase=self.staircase_schedule())
 
     def staircase_schedule(self) -> StaircaseSchedule:

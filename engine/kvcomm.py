@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
-from braid.engine.synthesis import Refresh, refresh_branches
+from braid.engine.synthesis import Refresh, Runs, refresh_branches
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.kernels import rerotate_keys
@@ -50,6 +50,8 @@ SKETCH = 128  # token embedding size: a fixed random projection of a token's bas
 TOP_K = 16  # a token interpolates from the TOP_K pool tokens nearest it
 SKETCH_CACHE = 256  # recent texts whose sketches are kept (every agent of a round reads the same texts)
 ENTROPY_SAMPLE = 128  # tokens of a text the entropy criterion is estimated on (evenly spaced)
+RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context split into this many (up to 64 tokens:
+# single tokens)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class KVCommConfig:
     # a reused context re-encodes this many tokens at each end with the agent's prefix in view
     # (engine.synthesis.Refresh); 0: none, the seed's method as it is
     refresh: int = 0
+    # and this fraction of its tokens, those whose interpolated offsets are least certain (the widest spread of
+    # the anchor tokens they interpolate from), each with the prefix and the context before it in view; 0: none,
+    # the seed's method as it is (README, KVComm: 0.2 keeps the reference task's accuracy at gamma 0.3)
+    recompute: float = 0.2
 
     def __post_init__(self):
         if not 0 <= self.gamma <= 1:
@@ -72,6 +78,8 @@ class KVCommConfig:
             raise ValueError(f"kvcomm temperature must be > 0, got {self.temperature}")
         if not isinstance(self.refresh, int) or self.refresh < 0:
             raise ValueError(f"kvcomm refresh must be an int >= 0, got {self.refresh!r}")
+        if not 0 <= self.recompute <= 1:
+            raise ValueError(f"kvcomm recompute must be a fraction in [0, 1], got {self.recompute}")
 
     @property
     def enabled(self) -> bool:
@@ -338,13 +346,13 @@ class KVComm:
                                                                 prompt.agent, self.config))
             held: list[str] = []
             if matches and all(m.shareable for m in matches):
-                ctx_id, slots = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds, P,
-                                                  context, prefix_id)
+                ctx_id, slots, doubt = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds,
+                                                         P, context, prefix_id)
                 parts = [ctx_id]
-                if self.config.refresh:  # its two ends re-encoded with the prefix in view
+                chosen = self._recomputed(doubt)
+                if chosen.spans:  # those tokens re-encoded with the prefix and the context before them in view
                     try:
-                        runs, made = refresh_branches(eng, [prefix_id], [eng.message(ctx_id)], [P],
-                                                      Refresh(self.config.refresh, self.config.refresh))
+                        runs, made = refresh_branches(eng, [prefix_id], [eng.message(ctx_id)], [P], chosen)
                     except BaseException:
                         self._free([ctx_id])
                         raise
@@ -397,16 +405,40 @@ class KVComm:
             self._free(ids)
         return rows
 
+    def _recomputed(self, doubt: torch.Tensor) -> Runs:
+        """The context tokens a reused context re-encodes: `refresh` at each end, and the `recompute` fraction
+        in the windows with the most doubt (per context token; at most RECOMPUTE_WINDOWS windows a context, so
+        that a long text re-encodes a few runs, each one call's worth of context, not one per token)."""
+        n, cfg = doubt.shape[0], self.config
+        chosen = [t for a, b in (Refresh(cfg.refresh, cfg.refresh).runs(n) if cfg.refresh else []) for t in range(a, b)]
+        k = math.ceil(cfg.recompute * n)
+        if k:
+            w = math.ceil(n / RECOMPUTE_WINDOWS)
+            score = torch.nn.functional.pad(doubt, (0, -n % w)).view(-1, w).sum(dim=1)
+            for i in score.topk(math.ceil(k / w)).indices.tolist():
+                chosen += range(i * w, min(n, (i + 1) * w))
+        return Runs.of(chosen)
+
     def _approximate(self, agent, names, texts, joins, bases, matches, bounds, P, context, prefix_id):
         """Every placeholder and join (but the last) as base + interpolated offsets, placed after the prefix
-        and stored as one message: no forward pass."""
-        eng, parts, slots = self.engine, [], []
+        and stored as one message: no forward pass. Also each context token's doubt: the weighted spread of the
+        anchor tokens' offsets it interpolated (sum_k w_k |o_k|^2 - |sum_k w_k o_k|^2; joins: 0)."""
+        eng, parts, slots, doubt = self.engine, [], [], []
         for i, (text, base, m) in enumerate(zip(texts, bases, matches)):
-            parts.append(interpolate(base, [a.offsets[agent][0] for a in m.anchors], m))
+            offsets = [a.offsets[agent][0] for a in m.anchors]
+            parts.append(interpolate(base, offsets, m))
+            if self.config.recompute:
+                norms = torch.cat([(d.float() ** 2).sum(dim=1).cpu() for d in offsets])  # [pool tokens]
+                first = torch.tensor([0, *[d.shape[0] for d in offsets]]).cumsum(0)
+                mean_sq = (m.weight * norms[first[m.anchor] + m.token]).sum(dim=1)
+                doubt.append(mean_sq - ((parts[-1] - base).float() ** 2).sum(dim=1).cpu())
+            else:
+                doubt.append(torch.zeros(len(text)))
             share = m.anchor_weights
             if i < len(texts) - 1 and joins[i]:  # the join after it: the same text in every anchor
                 parts.append(interpolate_join(self._base(joins[i]), [a.offsets[agent][1] for a in m.anchors],
                                               share))
+                doubt.append(torch.zeros(len(joins[i])))
             with self._lock:
                 for a in m.anchors:
                     a.uses += 1
@@ -414,7 +446,8 @@ class KVComm:
                                       tuple((a.id, round(float(w), 4)) for a, w in zip(m.anchors, share))))
         positions = torch.cat([torch.arange(P + s, P + e) for s, e in bounds])
         kv = rotate(unfeatures(torch.cat(parts), self._like), positions, eng.lm.inv_freq)
-        return eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots
+        return (eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots,
+                torch.cat(doubt))
 
     def _record(self, scope, agent, names, texts, joins, bounds, P, ctx_id, bases) -> list[SlotDecision]:
         """After a dense prefill: each placeholder's and join's measured offsets go into the anchor that holds

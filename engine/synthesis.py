@@ -82,6 +82,27 @@ class Refresh:
         return [r for r in ((0, head), (tail, length)) if r[0] < r[1]]
 
 
+@dataclass(frozen=True)
+class Runs:
+    """Tokens a caller chose to re-encode (refresh_branches' other selection, beside Refresh's two ends), as
+    merged [start, end) runs."""
+
+    spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, tokens) -> "Runs":
+        spans: list[list[int]] = []
+        for t in sorted(set(int(t) for t in tokens)):
+            if spans and spans[-1][1] == t:
+                spans[-1][1] = t + 1
+            else:
+                spans.append([t, t + 1])
+        return cls(tuple((a, b) for a, b in spans))
+
+    def runs(self, length: int) -> list[tuple[int, int]]:
+        return [(a, min(b, length)) for a, b in self.spans if a < min(b, length)]
+
+
 @dataclass
 class SynthesisHooks:
     """Where a trained cache mapper and a synthesizer LoRA adapter plug in."""
@@ -128,12 +149,14 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
 
 
 def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],
-                     refresh: Refresh) -> tuple[list[tuple[str, int, int | None]], list[str]]:
-    """Re-encode each branch's boundary runs in one parallel prefill: a run starting at token a of branch j is
+                     refresh: "Refresh | Runs") -> tuple[list[tuple[str, int, int | None]], list[str]]:
+    """Re-encode each branch's runs (its two ends, or the runs given) in parallel prefills (as many calls at once
+    as the engine takes): a run starting at token a of branch j is
     encoded at offset_j + a after the prefix, branches 0..j-1 at their offsets and branch j's tokens [0, a).
     Returns the synthesizer's branch parents in order, as (message id, offset, branch index or None for a
     refreshed run, which the mapper leaves alone), and the temporary messages (views and runs) to free."""
     views: list[str] = []
+    runs: list[str] = []
     try:
         calls, layout = [], []
         for j, (msg, off) in enumerate(zip(branches, offsets)):
@@ -153,9 +176,11 @@ def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[M
             if at < msg.num_tokens:
                 views.append(engine.view(msg.id, at, msg.num_tokens))
                 layout.append((views[-1], off + at, j))
-        runs = engine.prefill(calls) if calls else []
+        step = engine.config.max_parallel_calls
+        for i in range(0, len(calls), step):  # (as many calls as a prefill takes at once, in turn)
+            runs += engine.prefill(calls[i:i + step])
     except BaseException:
-        for mid in views:
+        for mid in views + runs:
             engine.free(mid, when_unpinned=True)
         raise
     parts = [(runs[p] if isinstance(p, int) else p, off, j) for p, off, j in layout]

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import asdict
 
+import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
@@ -50,8 +51,19 @@ def dense(engine: Engine, tasks: list[SharedTextTask]) -> list[bool]:
     return out
 
 
-def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig) -> dict:
-    comm = KVComm(engine, config, base_prefix=turn("system", MULTIQA_SYSTEM))
+class RandomRecompute(KVComm):
+    """The `recompute` ablation: the same number of tokens re-encoded, drawn at random instead of by doubt."""
+
+    def _recomputed(self, doubt):
+        return super()._recomputed(torch.rand(doubt.shape, generator=self.rng))
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.rng = torch.Generator().manual_seed(0)
+
+
+def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig, random_recompute: bool = False) -> dict:
+    comm = (RandomRecompute if random_recompute else KVComm)(engine, config, base_prefix=turn("system", MULTIQA_SYSTEM))
     correct, reused, seconds = [], [], []
     for task in tqdm(tasks, desc=f"kvcomm gamma={config.gamma} V={config.capacity}", unit="request"):
         for j, p in enumerate(prompts(task)):
@@ -78,22 +90,29 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=KVCommConfig.temperature)
     ap.add_argument("--refresh", default=str(KVCommConfig.refresh),
                     help="comma-separated tokens re-encoded at each end of a reused text (each a config; 0: none)")
+    ap.add_argument("--recompute", default=str(KVCommConfig.recompute),
+                    help="comma-separated fractions of a reused text's tokens re-encoded, the least certain first "
+                         "(each a config; 0: none)")
+    ap.add_argument("--random-recompute", action="store_true",
+                    help="ablation: re-encode as many tokens as --recompute says, drawn at random, not by doubt")
     ap.add_argument("--out", default="benchmarks/results/eval_kvcomm_cpu.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     engine = Engine(EngineConfig(args.model))
     tasks = [shared_text_task(args.seed + i, args.agents, args.questions) for i in range(args.requests)]
     base = dense(engine, tasks)
-    configs = [KVCommConfig(g, 20, args.temperature, r) for r in map(int, args.refresh.split(","))
-               for g in map(float, args.gammas.split(","))]
-    configs += [KVCommConfig(0.3, v, args.temperature, r) for r in map(int, args.refresh.split(","))
-                for v in map(int, args.capacities.split(",")) if v != 20]
+    recomputes = [float(x) for x in args.recompute.split(",")]
+    configs = [KVCommConfig(g, 20, args.temperature, r, c) for r in map(int, args.refresh.split(","))
+               for c in recomputes for g in map(float, args.gammas.split(","))]
+    configs += [KVCommConfig(0.3, v, args.temperature, r, c) for r in map(int, args.refresh.split(","))
+                for c in recomputes for v in map(int, args.capacities.split(",")) if v != 20]
     rows = []
     for config in configs:
         start = time.perf_counter()
-        r = kvcomm(engine, tasks, config)
+        r = kvcomm(engine, tasks, config, args.random_recompute)
         acc, diff = accuracy_ci(r["correct"]), paired_difference_ci(r["correct"], base)
-        rows.append({**asdict(config), "accuracy": asdict(acc), "minus_dense": asdict(diff),
+        rows.append({**asdict(config), "recompute_by": "random" if args.random_recompute else "doubt",
+                     "accuracy": asdict(acc), "minus_dense": asdict(diff),
                      "mcnemar_p": mcnemar_p(r["correct"], base), "reuse_rate": sum(r["reused"]) / len(r["reused"]),
                      "accuracy_when_reused": (sum(c for c, u in zip(r["correct"], r["reused"]) if u)
                                               / max(1, sum(r["reused"]))),
@@ -106,7 +125,8 @@ def main(argv=None) -> None:
         json.dump(out, f, indent=1)
     plot(out, args.out.removesuffix(".json") + ".png")
     print(json.dumps({"dense": out["dense_accuracy"]["value"],
-                      "configs": [(r["gamma"], r["capacity"], r["refresh"], round(r["accuracy"]["value"], 3),
+                      "configs": [(r["gamma"], r["capacity"], r["refresh"], r["recompute"],
+                                   round(r["accuracy"]["value"], 3),
                                    round(r["reuse_rate"], 3)) for r in rows]}))
 
 

@@ -53,7 +53,7 @@ def test_gamma_zero_or_no_capacity_is_dense_prefill(llama_engine, config):
 
 
 def test_an_anchor_reproduces_the_kv_it_was_measured_on(fresh_engine):
-    comm = KVComm(fresh_engine, KVCommConfig(gamma=0.3), base_prefix="Text:")
+    comm = KVComm(fresh_engine, KVCommConfig(gamma=0.3, recompute=0.0), base_prefix="Text:")  # (the seed's method)
     p = prompt("solver", TEXTS[0], TEXTS[1])
     first, dense_reply, dense_kv = run(comm, p)  # no anchors: dense, and the offsets are recorded
     assert not first.reused and [s.new_anchor for s in first.slots] == [True, True]
@@ -70,7 +70,7 @@ def test_a_refreshed_reuse_re_encodes_both_ends_and_frees_everything(fresh_engin
     anchor measured on the very text (an exact approximation) that is dense prefill's answer again; what
     prepare stored (the approximated context, its middle's view, the two refreshed runs) all goes."""
     eng = fresh_engine
-    comm = KVComm(eng, KVCommConfig(gamma=0.3, refresh=1), base_prefix="Text:")
+    comm = KVComm(eng, KVCommConfig(gamma=0.3, refresh=1, recompute=0.0), base_prefix="Text:")
     p = prompt("solver", TEXTS[0])
     _, dense_reply, _ = run(comm, p)
     own = lambda: sorted(m for m in eng.store.ids() if not m.startswith("~"))  # noqa: E731 (not the cache's)
@@ -87,8 +87,41 @@ def test_a_refreshed_reuse_re_encodes_both_ends_and_frees_everything(fresh_engin
         KVCommConfig(refresh=-1)
 
 
+def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
+    """`recompute`: that fraction of a reused context's tokens, those with the most doubt, is re-encoded with
+    the prefix and the context before it in view. All of them is dense prefill again (its KV, its reply) over
+    an inexact approximation; a quarter re-encodes that many tokens; `free` takes everything prepare stored."""
+    from braid.engine.synthesis import Runs
+
+    assert Runs.of([5, 1, 2, 3, 9, 9]).spans == ((1, 4), (5, 6), (9, 10))
+    eng = fresh_engine
+    own = lambda: set(m for m in eng.store.ids() if not m.startswith("~"))  # noqa: E731 (not the cache's)
+    longer, text = TEXTS[0] + " " + TEXTS[1], TEXTS[2]  # (an anchor at least as long as the text)
+    n = len(eng.tokenize(text))
+    for fraction in (1.0, 0.25):
+        comm = KVComm(eng, KVCommConfig(gamma=1.0, recompute=fraction), base_prefix="Text:")
+        run(comm, prompt("solver", longer))  # dense: the anchor
+        p = prompt("solver", text)
+        want_reply, want_kv = dense_tokens(eng, p)
+        before = own()
+        prep, stream = comm.decode_stream(p, "tenant")
+        reply = [e.token_id for e in stream]
+        approximated = prep.held[0]  # (the whole approximated context; the parents read views of it, and runs)
+        recomputed = sum(eng.message(m).num_tokens for m in prep.parents[1:]
+                         if eng.message(m).parents != (approximated,))
+        assert prep.reused and recomputed == (n if fraction == 1.0 else -(-n // 4))
+        if fraction == 1.0:
+            assert reply == want_reply[-GREEDY.max_tokens:]
+            torch.testing.assert_close(eng.message(prep.parents[1]).kv, want_kv, rtol=0, atol=1e-5)
+        comm.free(prep)
+        eng.free(stream.ids[0])
+        assert own() <= before
+    with pytest.raises(ValueError, match="kvcomm recompute"):
+        KVCommConfig(recompute=1.5)
+
+
 def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
-    comm = KVComm(llama_engine, KVCommConfig(gamma=1.0, temperature=0.5))
+    comm = KVComm(llama_engine, KVCommConfig(gamma=1.0, temperature=0.5, recompute=0.0))
     for text in TEXTS[:4]:
         run(comm, prompt("solver", text))
     pool = comm.pools[("tenant", "user")]

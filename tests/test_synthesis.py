@@ -188,3 +188,23 @@ def test_refresh_failure_leaves_the_store_as_it_was(llama_engine):
         synthesis_stream(eng, branches, [], prefix=prefix,
                          mode=SynthesisMode(Placement.SEQUENTIAL, refresh=Refresh(1, 1)))
     assert own() == before  # (what the prefix cache keeps of the refreshed runs may stay: it is evictable)
+
+
+def test_refresh_runs_beyond_one_prefills_worth_of_calls_go_in_turn(checkpoint):
+    """More runs than one prefill takes at once (max_parallel_calls) are re-encoded a prefill's worth at a
+    time: the same parts and KV as in one prefill."""
+    from braid.engine import Engine, EngineConfig
+    from braid.engine.synthesis import Runs, refresh_branches
+
+    parts = {}
+    for limit in (64, 2):
+        eng = Engine(EngineConfig(checkpoint("llama"), max_parallel_calls=limit))
+        prefix, (branch, *_) = workflow(eng, ["Part 3 and some more words here."])
+        msg = eng.message(branch)
+        got, made = refresh_branches(eng, prefix, [msg], [msg.offset], Runs.of([0, 2, 4, 6, 8]))
+        parts[limit] = [(eng.message(p).token_ids, off, j, eng.message(p).kv) for p, off, j in got]
+        for mid in made:
+            eng.free(mid)
+    assert len(parts[2]) > 5 and [p[:3] for p in parts[2]] == [p[:3] for p in parts[64]]
+    for a, b in zip(parts[2], parts[64]):
+        torch.testing.assert_close(a[3], b[3], rtol=0, atol=1e-6)
