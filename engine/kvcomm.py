@@ -50,8 +50,8 @@ SKETCH = 128  # token embedding size: a fixed random projection of a token's bas
 TOP_K = 16  # a token interpolates from the TOP_K pool tokens nearest it
 SKETCH_CACHE = 256  # recent texts whose sketches are kept (every agent of a round reads the same texts)
 ENTROPY_SAMPLE = 128  # tokens of a text the entropy criterion is estimated on (evenly spaced)
-RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context split into this many (up to 64 tokens:
-# single tokens)
+RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context cut into at most this many (a context of
+# up to 64 tokens: single tokens)
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,16 @@ def interpolate(base: torch.Tensor, offsets: Sequence[torch.Tensor], m: Match) -
     return out
 
 
+def spread(offsets: Sequence[torch.Tensor], m: Match, mean: torch.Tensor) -> torch.Tensor:
+    """Each token's doubt [T]: how much the anchor-token offsets it interpolates disagree, their weighted variance
+    sum_k w_k |o_k - mean|^2 = sum_k w_k |o_k|^2 - |mean|^2, relative to the mean squared offset norm over the
+    pool tokens (`mean` [T, F]: the interpolated offsets, interpolate(0, offsets, m))."""
+    norms = torch.cat([(d.float() ** 2).sum(dim=1).cpu() for d in offsets])  # [pool tokens]
+    first = torch.tensor([0, *[d.shape[0] for d in offsets]]).cumsum(0)
+    mean_sq = (m.weight * norms[first[m.anchor] + m.token]).sum(dim=1)
+    return (mean_sq - (mean.float() ** 2).sum(dim=1).cpu()) / norms.mean().clamp_min(1e-30)
+
+
 def interpolate_join(base: torch.Tensor, offsets: Sequence[torch.Tensor], share: torch.Tensor) -> torch.Tensor:
     """Token rows base [T, F] + sum_a share[a] * offsets[a] (seed 002, eq. 7: the same text in every anchor)."""
     out = base.clone()
@@ -349,13 +359,15 @@ class KVComm:
                 ctx_id, slots, doubt = self._approximate(prompt.agent, names, texts, joins, bases, matches, bounds,
                                                          P, context, prefix_id)
                 parts = [ctx_id]
-                chosen = self._recomputed(doubt)
-                if chosen.spans:  # those tokens re-encoded with the prefix and the context before them in view
-                    try:
-                        runs, made = refresh_branches(eng, [prefix_id], [eng.message(ctx_id)], [P], chosen)
-                    except BaseException:
-                        self._free([ctx_id])
-                        raise
+                try:
+                    chosen = self._recomputed(doubt)
+                    # those tokens re-encoded with the prefix and the context before them in view
+                    runs, made = (refresh_branches(eng, [prefix_id], [eng.message(ctx_id)], [P], chosen)
+                                  if chosen.spans else (None, []))
+                except BaseException:
+                    self._free([ctx_id])
+                    raise
+                if runs is not None:
                     parts = [p for p, _, _ in runs]
                     held = [ctx_id, *(m for m in made if m not in parts)]  # (the views the runs were encoded on)
             else:
@@ -411,7 +423,8 @@ class KVComm:
         that a long text re-encodes a few runs, each one call's worth of context, not one per token)."""
         n, cfg = doubt.shape[0], self.config
         chosen = [t for a, b in (Refresh(cfg.refresh, cfg.refresh).runs(n) if cfg.refresh else []) for t in range(a, b)]
-        k = math.ceil(cfg.recompute * n)
+        # (never a token of a text its own anchor measured: it is exact, its doubt -inf)
+        k = min(math.ceil(cfg.recompute * n), int(torch.isfinite(doubt).sum()))
         if k:
             w = math.ceil(n / RECOMPUTE_WINDOWS)
             score = torch.nn.functional.pad(doubt, (0, -n % w)).view(-1, w).sum(dim=1)
@@ -421,24 +434,20 @@ class KVComm:
 
     def _approximate(self, agent, names, texts, joins, bases, matches, bounds, P, context, prefix_id):
         """Every placeholder and join (but the last) as base + interpolated offsets, placed after the prefix
-        and stored as one message: no forward pass. Also each context token's doubt: the weighted spread of the
-        anchor tokens' offsets it interpolated (sum_k w_k |o_k|^2 - |sum_k w_k o_k|^2; joins: 0)."""
+        and stored as one message: no forward pass. Also each context token's doubt (`spread`; joins: 0; a text
+        its own anchor measured, and its join: -inf, never recomputed)."""
         eng, parts, slots, doubt = self.engine, [], [], []
         for i, (text, base, m) in enumerate(zip(texts, bases, matches)):
             offsets = [a.offsets[agent][0] for a in m.anchors]
             parts.append(interpolate(base, offsets, m))
-            if self.config.recompute:
-                norms = torch.cat([(d.float() ** 2).sum(dim=1).cpu() for d in offsets])  # [pool tokens]
-                first = torch.tensor([0, *[d.shape[0] for d in offsets]]).cumsum(0)
-                mean_sq = (m.weight * norms[first[m.anchor] + m.token]).sum(dim=1)
-                doubt.append(mean_sq - ((parts[-1] - base).float() ** 2).sum(dim=1).cpu())
-            else:
-                doubt.append(torch.zeros(len(text)))
+            exact = len(m.anchors) == 1 and m.anchors[0].tokens == tuple(text)  # (its own measured KV)
+            doubt.append(torch.full((len(text),), -math.inf) if exact else
+                         spread(offsets, m, parts[-1] - base) if self.config.recompute else torch.zeros(len(text)))
             share = m.anchor_weights
             if i < len(texts) - 1 and joins[i]:  # the join after it: the same text in every anchor
                 parts.append(interpolate_join(self._base(joins[i]), [a.offsets[agent][1] for a in m.anchors],
                                               share))
-                doubt.append(torch.zeros(len(joins[i])))
+                doubt.append(torch.full((len(joins[i]),), -math.inf if exact else 0.0))
             with self._lock:
                 for a in m.anchors:
                     a.uses += 1

@@ -62,7 +62,7 @@ class CacheMapper(Protocol):
 @dataclass(frozen=True)
 class Refresh:
     """Re-encode the first `head` and last `tail` tokens of every branch after the branch's placement, with the
-    shared prefix, every earlier branch and the branch's own earlier tokens in view (one parallel prefill, base
+    shared prefix, every earlier branch and the branch's own earlier tokens in view (parallel prefills, base
     weights, no mapper), and let the synthesizer read those instead of the branch's own KV for them. The rest
     of each branch is read as shipped (through the mapper, when there is one). Measured on the reference model
     (README, Calibration): one token at each end brings chain and trail from shipped KV to text's accuracy."""

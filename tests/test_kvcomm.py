@@ -7,7 +7,7 @@ import torch
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
 from braid.engine.kvcomm import (AgentPrompt, AnchorPool, KVComm, KVCommConfig, features, interpolate, rotate,
-                                 unfeatures)
+                                 spread, unfeatures)
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 ROLES = {"critic": "System: you are the critic. Be brief.", "solver": "System: you solve it step by step, then stop."}
@@ -118,6 +118,12 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
         assert own() <= before
     with pytest.raises(ValueError, match="kvcomm recompute"):
         KVCommConfig(recompute=1.5)
+    # a long context: whole windows (at most 64 of them) with the most doubt; none of an exact text (-inf)
+    comm = KVComm(eng, KVCommConfig(gamma=1.0, recompute=0.04, refresh=1))  # (8 tokens: two windows of 4)
+    doubt = torch.zeros(200)
+    doubt[[10, 11, 150]] = 1.0  # windows of 4 tokens: [8, 12) and [148, 152) hold them
+    assert comm._recomputed(doubt).spans == ((0, 1), (8, 12), (148, 152), (199, 200))  # (and the refresh's ends)
+    assert comm._recomputed(torch.full((200,), -float("inf"))).spans == ((0, 1), (199, 200))
 
 
 def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
@@ -135,6 +141,14 @@ def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine)
         for a, t, w in zip(m.anchor[j].tolist(), m.token[j].tolist(), m.weight[j].tolist()):
             want[j] += w * m.anchors[a].offsets["solver"][0][t]
     torch.testing.assert_close(got, want)
+    # each token's doubt: the weighted variance of the anchor-token offsets it interpolates (several anchors)
+    offsets = [a.offsets["solver"][0] for a in m.anchors]
+    assert len({int(a) for a in m.anchor.flatten()}) > 1
+    scale = torch.cat([(d ** 2).sum(dim=1) for d in offsets]).mean()
+    var = torch.stack([sum(w * ((m.anchors[a].offsets["solver"][0][t] - (got[j] - base[j])) ** 2).sum()
+                           for a, t, w in zip(m.anchor[j].tolist(), m.token[j].tolist(), m.weight[j].tolist()))
+                       for j in range(len(text))]) / scale
+    torch.testing.assert_close(spread(offsets, m, got - base), var, rtol=1e-3, atol=1e-5)
     kv = torch.randn(2, 2, 2, 3, 4)
     assert torch.equal(unfeatures(features(kv), kv), kv)
     prep, _, kv = run(comm, prompt("solver", TEXTS[4]))  # and the reply runs on it, no prefill of the text
