@@ -137,11 +137,24 @@ class Anchor:
     sketch: torch.Tensor  # [T, SKETCH]: its tokens' embeddings, a random projection of their base KV
     offsets: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # agent: (text, join)
     uses: int = 0  # prompts interpolated from it
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)  # agent: [T] its text offsets' squared norms
+
+    def measured(self, agent: str, text: torch.Tensor, join: torch.Tensor | None) -> None:
+        """Record `agent`'s offsets (what a dense prefill measured)."""
+        self.offsets[agent] = (text, join)
+        self.norms[agent] = (text.float() ** 2).sum(dim=1).cpu()
+
+    def text_norms(self, agent: str) -> torch.Tensor:
+        """[T]: the squared norms of `agent`'s text offsets (for `spread`; kept, not recomputed per prompt)."""
+        if agent not in self.norms:
+            self.norms[agent] = (self.offsets[agent][0].float() ** 2).sum(dim=1).cpu()
+        return self.norms[agent]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   [self.sketch, *(x for pair in self.offsets.values() for x in pair if x is not None)])
+                   [self.sketch, *(x for pair in self.offsets.values() for x in pair if x is not None),
+                    *self.norms.values()])
 
 
 @dataclass(frozen=True)
@@ -247,12 +260,13 @@ def interpolate(base: torch.Tensor, offsets: Sequence[torch.Tensor], m: Match) -
     return out
 
 
-def spread(offsets: Sequence[torch.Tensor], m: Match, mean: torch.Tensor) -> torch.Tensor:
+def spread(norms: Sequence[torch.Tensor], m: Match, mean: torch.Tensor) -> torch.Tensor:
     """Each token's doubt [T]: how much the anchor-token offsets it interpolates disagree, their weighted variance
     sum_k w_k |o_k - mean|^2 = sum_k w_k |o_k|^2 - |mean|^2, relative to the mean squared offset norm over the
-    pool tokens (`mean` [T, F]: the interpolated offsets, interpolate(0, offsets, m))."""
-    norms = torch.cat([(d.float() ** 2).sum(dim=1).cpu() for d in offsets])  # [pool tokens]
-    first = torch.tensor([0, *[d.shape[0] for d in offsets]]).cumsum(0)
+    pool tokens (`norms`: per anchor of the match, its offsets' squared norms [T_a]; `mean` [T, F]: the
+    interpolated offsets, interpolate(0, offsets, m))."""
+    first = torch.tensor([0, *[n.shape[0] for n in norms]]).cumsum(0)
+    norms = torch.cat(list(norms))  # [pool tokens]
     mean_sq = (m.weight * norms[first[m.anchor] + m.token]).sum(dim=1)
     return (mean_sq - (mean.float() ** 2).sum(dim=1).cpu()) / norms.mean().clamp_min(1e-30)
 
@@ -442,7 +456,8 @@ class KVComm:
             parts.append(interpolate(base, offsets, m))
             exact = len(m.anchors) == 1 and m.anchors[0].tokens == tuple(text)  # (its own measured KV)
             doubt.append(torch.full((len(text),), -math.inf) if exact else
-                         spread(offsets, m, parts[-1] - base) if self.config.recompute else torch.zeros(len(text)))
+                         spread([a.text_norms(agent) for a in m.anchors], m, parts[-1] - base) if self.config.recompute
+                         else torch.zeros(len(text)))
             share = m.anchor_weights
             if i < len(texts) - 1 and joins[i]:  # the join after it: the same text in every anchor
                 parts.append(interpolate_join(self._base(joins[i]), [a.offsets[agent][1] for a in m.anchors],
@@ -482,7 +497,7 @@ class KVComm:
                     pruned = pool.add(anchor)
                     if pruned is not None:
                         log.debug("kvcomm %s/%s: pruned anchor %d (%d uses)", scope, name, pruned.id, pruned.uses)
-                anchor.offsets[agent] = (d_text, d_join)
+                anchor.measured(agent, d_text, d_join)
             slots.append(SlotDecision(name, len(text), False, new_anchor=new))
         return slots
 
