@@ -24,7 +24,7 @@ from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.engine.dag import NodeToken, run_dag
 from braid.engine.presets import mad_par, moa
 from braid.engine.staircase import Variant
-from braid.models.checkpoints import SHAPES, make_random_checkpoint
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import pyplot, write_json
 
 MODES = ("wait", "reprefill", "append")
@@ -57,9 +57,7 @@ def run_once(eng: Engine, graph, final: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
-    p.add_argument("--checkpoint", help="use this checkpoint directory instead of a random one")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_model_arguments(p)
     p.add_argument("--workflows", default="moa,mad-par", help="comma-separated (default: moa,mad-par)")
     p.add_argument("--transports", default="kv,text", help="comma-separated (default: kv,text)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default: 64)")
@@ -68,7 +66,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     names, transports = args.workflows.split(","), args.transports.split(",")
     if set(names) - {"moa", "mad-par"} or set(transports) - {"kv", "text"} or args.max_tokens < 2 \
             or args.repeats < 1:
@@ -76,8 +73,7 @@ def main(argv=None) -> int:
     question = " ".join(f"fact{i % 17}" for i in range(args.question_words)) + "?"
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or make_random_checkpoint(
-            tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        path, device = benchmark_model(args, tmp)
         eng = Engine(EngineConfig(path, device=device, calibration="none", store_budget_bytes=16 << 30))
     rows = []
     with tqdm(total=len(names) * len(transports) * len(MODES) * (args.repeats + 1), desc="staircase dags",

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
-from braid.models.checkpoints import SHAPES, make_random_checkpoint
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import pyplot, write_json
 from braid.train.calibrate import write_untrained
 
@@ -35,9 +35,7 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
-    p.add_argument("--checkpoint", help="use this checkpoint directory instead of building a random one")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_model_arguments(p)
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="tokens per branch (default: 128 256 512 1024 on CPU, 512 1024 2048 4096 on CUDA)")
@@ -86,11 +84,8 @@ def decode_rate(eng, gen, n_tokens, context=512):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or make_random_checkpoint(
-            tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        path, device = benchmark_model(args, tmp)
         calibration = EngineConfig(path, calibration="auto" if args.checkpoint else "none").resolved().calibration
         trained = calibration != "none"
         if not trained:
@@ -98,6 +93,7 @@ def main(argv=None):
         eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
                                   calibration=calibration))
     hooks = eng.calibration.hooks
+    lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
     gen = torch.Generator().manual_seed(0)
     rows = []
     for length in tqdm(lengths, desc="branch lengths"):

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.engine.dag import run_dag
 from braid.engine.presets import mad_iter, mad_par, tot
-from braid.models.checkpoints import SHAPES, make_random_checkpoint
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import pyplot, write_json
 
 SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # the seed's TTFT speedups (Llama-3.1-8B, GPU)
@@ -49,9 +49,7 @@ def run_once(eng: Engine, graph) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
-    p.add_argument("--checkpoint", help="use this checkpoint directory instead of a random one")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_model_arguments(p)
     p.add_argument("--workflows", default="mad-iter,tot,mad-par", help="comma-separated (default: all three)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default: 64)")
     p.add_argument("--question-words", type=int, default=48, help="words in the question (default: 48)")
@@ -59,7 +57,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     names = args.workflows.split(",")
     bad = [n for n in names if n not in SEED_RATIOS]
     if bad or args.max_tokens < 1 or args.repeats < 1:
@@ -67,8 +64,7 @@ def main(argv=None) -> int:
     question = " ".join(f"fact{i % 17}" for i in range(args.question_words)) + "?"
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or make_random_checkpoint(
-            tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        path, device = benchmark_model(args, tmp)
         eng = Engine(EngineConfig(path, device=device, calibration="none", store_budget_bytes=16 << 30))
     rows = []
     with tqdm(total=len(names) * 2 * (args.repeats + 1), desc="workflows", unit="run") as bar:

@@ -54,12 +54,12 @@ def dense(engine: Engine, tasks: list[SharedTextTask]) -> list[bool]:
 class RandomRecompute(KVComm):
     """The `recompute` ablation: the same number of tokens re-encoded, drawn at random instead of by doubt."""
 
-    def _recomputed(self, doubt):
-        return super()._recomputed(torch.rand(doubt.shape, generator=self.rng))
-
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.rng = torch.Generator().manual_seed(0)
+
+    def _recomputed(self, doubt):
+        return super()._recomputed(torch.rand(doubt.shape, generator=self.rng))
 
 
 def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig, random_recompute: bool = False) -> dict:

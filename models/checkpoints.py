@@ -70,3 +70,19 @@ def make_random_checkpoint(path: str, family: str = "llama", shape: str = "tiny"
     model.save_pretrained(path)
     build_tokenizer(min(512, config.vocab_size)).save_pretrained(path)
     return path
+
+
+def add_model_arguments(parser, shape: str = "100m") -> None:
+    """A benchmark's model: --shape (random weights), --checkpoint (a real one instead) and --device."""
+    parser.add_argument("--shape", default=shape, choices=sorted(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--checkpoint", help="use this checkpoint directory instead of a random one")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+
+
+def benchmark_model(args, tmp: str) -> tuple[str, str]:
+    """(checkpoint path, device) for add_model_arguments' args: the --checkpoint given, or a random llama of
+    --shape saved under `tmp` (bf16 on CUDA, fp32 on CPU); "auto" picks CUDA when it is visible."""
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = args.checkpoint or make_random_checkpoint(
+        tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    return path, device
