@@ -153,6 +153,8 @@ def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[M
     """Re-encode each branch's runs (its two ends, or the runs given) in parallel prefills (as many calls at once
     as the engine takes): a run starting at token a of branch j is
     encoded at offset_j + a after the prefix, branches 0..j-1 at their offsets and branch j's tokens [0, a).
+    Each branch is cut at its runs' ends into pieces (views, no copy) that every call reading them shares, so
+    a prefill places each piece once however many runs read it.
     Returns the synthesizer's branch parents in order, as (message id, offset, branch index or None for a
     refreshed run, which the mapper leaves alone), and the temporary messages (views and runs) to free."""
     views: list[str] = []
@@ -160,22 +162,21 @@ def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[M
     try:
         calls, layout = [], []
         for j, (msg, off) in enumerate(zip(branches, offsets)):
-            at = 0
-            for a, b in refresh.runs(msg.num_tokens):
-                if a > at:  # the part between runs is read as shipped: a view of it
-                    views.append(engine.view(msg.id, at, a))
-                    layout.append((views[-1], off + at, j))
-                own = [engine.view(msg.id, 0, a)] if a else []
-                views += own
-                calls.append(PrefillCall(list(msg.token_ids[a:b]),
-                                         parents=[*prefix, *(m.id for m in branches[:j]), *own],
-                                         offsets=[None] * len(prefix) + list(offsets[:j]) + [off] * len(own),
-                                         new_offset=off + a))
-                layout.append((len(calls) - 1, off + a, None))
-                at = b
-            if at < msg.num_tokens:
-                views.append(engine.view(msg.id, at, msg.num_tokens))
-                layout.append((views[-1], off + at, j))
+            spans = dict(refresh.runs(msg.num_tokens))  # run start -> its end
+            cuts = sorted({0, msg.num_tokens, *spans, *spans.values()})
+            pieces = []  # (start, view over [start, next cut) as shipped)
+            for a, b in zip(cuts, cuts[1:]):
+                if a in spans:  # a run, encoded after the pieces before it
+                    calls.append(PrefillCall(list(msg.token_ids[a:b]),
+                                             parents=[*prefix, *(m.id for m in branches[:j]), *(v for _, v in pieces)],
+                                             offsets=[None] * len(prefix) + list(offsets[:j])
+                                             + [off + s for s, _ in pieces], new_offset=off + a))
+                    layout.append((len(calls) - 1, off + a, None))
+                if a not in spans or b < msg.num_tokens:  # read as shipped, or by the runs after it
+                    views.append(engine.view(msg.id, a, b))
+                    pieces.append((a, views[-1]))
+                    if a not in spans:
+                        layout.append((views[-1], off + a, j))
         step = engine.config.max_parallel_calls
         for i in range(0, len(calls), step):  # (as many calls as a prefill takes at once, in turn)
             runs += engine.prefill(calls[i:i + step])
