@@ -1,15 +1,25 @@
-"""Agent workflows' answers on the reference model: tree-of-thoughts voting as a RunGraph DAG, read three ways.
+"""Agent workflows' answers on the reference model: ToT voting, iterative and parallel debate as RunGraph DAGs.
 
-The reference tasks as ToT graphs (engine.dag): a system node, one solver per branch (its own notes, then a
-worker reply it decodes), and a voter that reads every solution and answers the task's question (vote: pick
-the most confident answer; chain: combine two lookups). The voter reads the solutions through their cached
-encodings ("kv", choreographed), re-encoded in its own context ("text", the baseline), or as a staircase node
-streaming their KV chunks while they decode ("staircase", default schedule, re-prefill), or through the model's
-trained calibration ("calibrated": cache mapper, synthesizer LoRA and boundary refresh, the served cache
-path's reading; the fine-tune on baseline traces, done by `braid calibrate`). Accuracy per mode, with a
-paired bootstrap interval and McNemar's p against text, on task seeds that no training run used.
+The reference tasks as the seed's three workflow shapes (engine.dag), every worker reply a lookup in its own
+notes and the final node the task's synthesis (vote: pick the most confident answer; chain: combine two
+lookups):
+- ToT: one solver per branch (its own notes, then a worker reply it decodes), then a voter that reads every
+  solution and answers the task's question;
+- MADiter: the solvers speak in turn, each after every earlier turn (then its own notes and reply), and a
+  moderator reads every turn and answers;
+- MADpar: two rounds of parallel agents (the second round's agents read every first-round answer, then
+  their own notes, and answer again), and an aggregator reads the last round and answers.
+The final node reads the replies through their cached encodings ("kv", choreographed), re-encoded in its own
+context ("text", the baseline), as a staircase node streaming their KV chunks while they decode
+("staircase", default schedule, re-prefill; ToT and MADpar, whose readers decode together: MADpar's second
+round and aggregator both stream), or through the model's trained calibration ("calibrated": cache mapper,
+synthesizer LoRA and boundary refresh, the served cache path's reading; the fine-tune on baseline traces,
+done by `braid calibrate`). In MADiter and MADpar the earlier readers (later turns, the second round) read
+the same way as the final node (text in the baseline, cached encodings otherwise). Accuracy per mode, with
+a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used.
 
     python -m braid.evals.workflows --out benchmarks/results/eval_workflows_cpu.json
+    python -m braid.evals.workflows --workflows mad-iter,mad-par --out benchmarks/results/eval_debate_cpu.json
 """
 
 import argparse
@@ -31,24 +41,58 @@ SOLVER = SamplingParams(max_tokens=48)
 VOTER = SamplingParams(max_tokens=64)
 
 
+def _turn(task: Task, j: int, mode: str, name: str, before: tuple[Edge, ...] = ()) -> list[Node]:
+    """Solver j's turn as `name`: its notes after `before` (earlier replies it reads), then its reply."""
+    return [Node(f"{name}:notes", turn("user", task.branches[j].context), role=f"solver{j}",
+                 parents=(Edge("system"), *before)),
+            Node(name, WORKER_HEADER, role=f"solver{j}", sampling=SOLVER, output="text" if mode == "text" else "kv",
+                 parents=(Edge("system"), *before, Edge(f"{name}:notes")))]
+
+
 def tot_graph(task: Task, mode: str) -> Graph:
     """The task as a ToT DAG: solvers (notes, then a worker reply), then one voter reading every solution."""
+    m = len(task.branches)
     nodes = [Node("system", turn("system", task.system))]
-    for j, branch in enumerate(task.branches):
-        nodes.append(Node(f"notes{j}", turn("user", branch.context), role=f"solver{j}", parents=(Edge("system"),)))
-        nodes.append(Node(f"solution{j}", WORKER_HEADER, role=f"solver{j}", sampling=SOLVER,
-                          output="text" if mode == "text" else "kv",
-                          parents=(Edge("system"), Edge(f"notes{j}"))))
-    nodes.append(Node("voter", task.prompt(), role="voter", sampling=VOTER, staircase=mode == "staircase",
-                      parents=(Edge("system"), *(Edge(f"solution{j}") for j in range(len(task.branches))))))
+    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"solution{j}")]
+    nodes.append(Node("final", task.prompt(), role="voter", sampling=VOTER, staircase=mode == "staircase",
+                      parents=(Edge("system"), *(Edge(f"solution{j}") for j in range(m)))))
     return Graph(nodes, calibrated=mode == "calibrated")
 
 
-def answer(engine: Engine, task: Task, mode: str) -> bool:
-    dag = DagRun(engine, tot_graph(task, mode))
+def mad_iter_graph(task: Task, mode: str) -> Graph:
+    """Iterative debate: solver j speaks after every earlier turn (then its own notes); a moderator reads every
+    turn and answers."""
+    m = len(task.branches)
+    nodes = [Node("system", turn("system", task.system))]
+    for j in range(m):
+        nodes += _turn(task, j, mode, f"turn{j}", before=tuple(Edge(f"turn{i}") for i in range(j)))
+    nodes.append(Node("final", task.prompt(), role="moderator", sampling=VOTER,
+                      parents=(Edge("system"), *(Edge(f"turn{j}") for j in range(m)))))
+    return Graph(nodes, calibrated=mode == "calibrated")
+
+
+def mad_par_graph(task: Task, mode: str) -> Graph:
+    """Parallel debate, two rounds: each second-round agent reads every first-round answer (then its own notes)
+    and answers again; an aggregator reads the second round and answers (streaming it, as a staircase node)."""
+    m = len(task.branches)
+    first = tuple(Edge(f"round1:{j}") for j in range(m))
+    nodes = [Node("system", turn("system", task.system))]
+    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"round1:{j}")]
+    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"round2:{j}", before=first)]
+    nodes.append(Node("final", task.prompt(), role="aggregator", sampling=VOTER, staircase=mode == "staircase",
+                      parents=(Edge("system"), *(Edge(f"round2:{j}") for j in range(m)))))
+    return Graph(nodes, calibrated=mode == "calibrated")
+
+
+WORKFLOWS = {"tot": tot_graph, "mad-iter": mad_iter_graph, "mad-par": mad_par_graph}
+STREAMING = ("tot", "mad-par")  # whose readers decode together, so a staircase applies
+
+
+def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> bool:
+    dag = DagRun(engine, WORKFLOWS[workflow](task, mode))
     for _ in dag:
         pass
-    reply = engine.text(dag.outputs["voter"]).split("<|synthesizer|>", 1)[-1]
+    reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
     dag.free(keep=())
     return task.correct(reply)
 
@@ -56,52 +100,64 @@ def answer(engine: Engine, task: Task, mode: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=os.environ.get("BRAID_MODEL", REFERENCE_MODEL))
+    p.add_argument("--workflows", default="tot", help=f"comma-separated, of {', '.join(WORKFLOWS)} (default: tot)")
     p.add_argument("--tasks", default="vote,chain", help="comma-separated task families (default: vote,chain)")
     p.add_argument("--branches", type=int, default=4, help="solvers per graph (default: 4)")
     p.add_argument("--samples", type=int, default=100, help="tasks per family (default: 100)")
     p.add_argument("--seed", type=int, default=6000, help="first task seed (default: 6000; held out)")
     p.add_argument("--out", default="benchmarks/results/eval_workflows_cpu.json")
     args = p.parse_args(argv)
+    workflows = args.workflows.split(",")
+    unknown = [w for w in workflows if w not in WORKFLOWS]
+    if unknown:
+        p.error(f"unknown workflow {unknown[0]!r}: choose from {', '.join(WORKFLOWS)}")
     logging.basicConfig(level=logging.WARNING)
     engine = Engine(EngineConfig(args.model))  # (with its calibration when it has one: "calibrated" reads through it)
-    modes = MODES if engine.calibration is not None else MODES[:-1]
     if engine.calibration is None:
         print(f"{args.model} has no calibration: the calibrated mode is left out")
     rows = []
-    for name in args.tasks.split(","):
-        tasks = sample(name, args.samples, args.seed, args.branches)
-        got = {mode: [] for mode in modes}
-        for task in tqdm(tasks, desc=name, unit="task"):
+    for workflow in workflows:
+        modes = [m for m in MODES if (m != "calibrated" or engine.calibration is not None)
+                 and (m != "staircase" or workflow in STREAMING)]
+        for name in args.tasks.split(","):
+            tasks = sample(name, args.samples, args.seed, args.branches)
+            got = {mode: [] for mode in modes}
+            for task in tqdm(tasks, desc=f"{workflow} {name}", unit="task"):
+                for mode in modes:
+                    got[mode].append(answer(engine, task, mode, workflow))
             for mode in modes:
-                got[mode].append(answer(engine, task, mode))
-        for mode in modes:
-            acc = accuracy_ci(got[mode])
-            row = {"task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value, "ci": [acc.low, acc.high]}
-            if mode != "text":
-                diff = paired_difference_ci(got[mode], got["text"])
-                row |= {"minus_text": diff.value, "minus_text_ci": [diff.low, diff.high],
-                        "mcnemar_p": mcnemar_p(got[mode], got["text"])}
-            rows.append(row)
-    print(f"{'task':<7} {'mode':<10} {'n':>4} {'accuracy [95% CI]':>24} {'minus text [95% CI]':>26} {'McNemar p':>10}")
+                acc = accuracy_ci(got[mode])
+                row = {"workflow": workflow, "task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value,
+                       "ci": [acc.low, acc.high]}
+                if mode != "text":
+                    diff = paired_difference_ci(got[mode], got["text"])
+                    row |= {"minus_text": diff.value, "minus_text_ci": [diff.low, diff.high],
+                            "mcnemar_p": mcnemar_p(got[mode], got["text"])}
+                rows.append(row)
+    print(f"{'workflow':<9} {'task':<7} {'mode':<10} {'n':>4} {'accuracy [95% CI]':>24} {'minus text [95% CI]':>26} "
+          f"{'McNemar p':>10}")
     for r in rows:
         diff = (f"{100 * r['minus_text']:+.1f} [{100 * r['minus_text_ci'][0]:+.1f}, {100 * r['minus_text_ci'][1]:+.1f}]"
                 if "minus_text" in r else "")
-        print(f"{r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} [{100 * r['ci'][0]:5.1f}, "
-              f"{100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g}")
+        print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
+              f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g}")
     stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
                       {"rows": rows, "config": vars(args)})
     plt = pyplot()
     if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        names = list(dict.fromkeys(r["task"] for r in rows))
-        for k, mode in enumerate(modes):
-            mine = [next(r for r in rows if r["task"] == n and r["mode"] == mode) for n in names]
-            xs = [i + (k - 1.5) * 0.2 for i in range(len(names))]
-            ax.bar(xs, [100 * r["accuracy"] for r in mine], 0.2, label=mode,
-                   yerr=[[100 * (r["accuracy"] - r["ci"][0]) for r in mine],
-                         [100 * (r["ci"][1] - r["accuracy"]) for r in mine]], capsize=3)
-        ax.set_xticks(range(len(names)), names)
-        ax.set(ylabel="voter accuracy (%)", title=f"ToT voting on the reference model ({args.branches} solvers)")
+        groups = list(dict.fromkeys((r["workflow"], r["task"]) for r in rows))
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 3.4))
+        for k, mode in enumerate(MODES):
+            mine = [(i, r) for i, g in enumerate(groups) for r in rows if (r["workflow"], r["task"]) == g
+                    and r["mode"] == mode]
+            if not mine:
+                continue
+            ax.bar([i + (k - 1.5) * 0.2 for i, _ in mine], [100 * r["accuracy"] for _, r in mine], 0.2, label=mode,
+                   yerr=[[100 * (r["accuracy"] - r["ci"][0]) for _, r in mine],
+                         [100 * (r["ci"][1] - r["accuracy"]) for _, r in mine]], capsize=3)
+        ax.set_xticks(range(len(groups)), [f"{w}\n{t}" for w, t in groups])
+        ax.set(ylabel="final answer accuracy (%)",
+               title=f"Workflows on the reference model ({args.branches} solvers)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)

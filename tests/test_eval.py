@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 
+import pytest
 
 from braid.cli import main
 from braid.models import REFERENCE_MODEL
@@ -96,23 +97,36 @@ def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     assert all(accuracy[(task, 12, TEXT.name)] >= 0.75 for task in TASKS)
 
 
-def test_workflow_eval_reads_tot_graphs_three_ways_and_writes_json(checkpoint, tmp_path):
-    """ToT graphs of the reference tasks (random weights here): every mode scored on the same tasks, paired
-    against text; and the graph is the parallel-synthesis layout (the voter reads the system prompt, then each
-    solution's worker turn)."""
+def test_workflow_eval_reads_tot_and_debate_graphs_each_way_and_writes_json(checkpoint, tmp_path):
+    """The reference tasks as ToT, MADiter and MADpar graphs (random weights here): every mode scored on the
+    same tasks, paired against text; the final node reads the system prompt, then each last reply's worker
+    turn (the parallel-synthesis layout); a debate turn reads the earlier replies, then its own notes."""
     from braid.evals import workflows
     from braid.models.tasks import generate
 
-    graph = workflows.tot_graph(generate("vote", 0, 3), "kv")
-    assert [e.node for e in graph.node("voter").parents] == ["system", "solution0", "solution1", "solution2"]
+    task = generate("vote", 0, 3)
+    graph = workflows.tot_graph(task, "kv")
+    assert [e.node for e in graph.node("final").parents] == ["system", "solution0", "solution1", "solution2"]
     waves = [([n.name for n in w], [n.name for n in a]) for w, a in graph.plan()]
-    assert waves[-2:] == [(["solution0", "solution1", "solution2"], []), (["voter"], [])]  # (the voter waits)
-    stair = workflows.tot_graph(generate("vote", 0, 3), "staircase").plan()
+    assert waves[-2:] == [(["solution0", "solution1", "solution2"], []), (["final"], [])]  # (the voter waits)
+    stair = workflows.tot_graph(task, "staircase").plan()
     assert [([n.name for n in w], [n.name for n in a]) for w, a in stair][-1] == (
-        ["solution0", "solution1", "solution2"], ["voter"])  # (it streams them)
+        ["solution0", "solution1", "solution2"], ["final"])  # (it streams them)
+    mad_iter = workflows.mad_iter_graph(task, "text")
+    assert [e.node for e in mad_iter.node("turn2").parents] == ["system", "turn0", "turn1", "turn2:notes"]
+    assert mad_iter.node("turn1").output == "text" and [n.name for n in mad_iter.plan()[-1][0]] == ["final"]
+    mad_par = workflows.mad_par_graph(task, "staircase")
+    assert [e.node for e in mad_par.node("round2:1").parents] == ["system", "round1:0", "round1:1", "round1:2",
+                                                                  "round2:1:notes"]
+    assert [([n.name for n in w], [n.name for n in a]) for w, a in mad_par.plan()][-1] == (
+        ["round2:0", "round2:1", "round2:2"], ["final"])  # (the aggregator streams the second round)
     out = tmp_path / "w.json"
-    workflows.main(["--model", checkpoint("llama"), "--tasks", "vote", "--samples", "2", "--branches", "2",
-                    "--out", str(out)])
+    workflows.main(["--model", checkpoint("llama"), "--workflows", "tot,mad-iter", "--tasks", "vote",
+                    "--samples", "2", "--branches", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["text", "kv", "staircase"] and all(r["n"] == 2 for r in rows)
-    assert all("minus_text" in r for r in rows[1:]) and (tmp_path / "w.png").stat().st_size > 0
+    assert [(r["workflow"], r["mode"]) for r in rows] == [("tot", "text"), ("tot", "kv"), ("tot", "staircase"),
+                                                          ("mad-iter", "text"), ("mad-iter", "kv")]
+    assert all(r["n"] == 2 for r in rows) and all("minus_text" in r for r in rows if r["mode"] != "text")
+    assert (tmp_path / "w.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        workflows.main(["--model", checkpoint("llama"), "--workflows", "debate", "--out", str(out)])
