@@ -22,7 +22,7 @@ from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, Sampling
 from braid.engine.kvcomm import AgentPrompt, KVComm, KVCommConfig
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models.chat import turn
-from braid.models.tasks import MULTIQA_SYSTEM, SharedTextTask, shared_text_task
+from braid.models.tasks import DEFAULT_LENGTH, MULTIQA_SYSTEM, SharedTextTask, shared_text_task
 
 log = logging.getLogger(__name__)
 SAMPLING = SamplingParams(max_tokens=64)
@@ -84,6 +84,9 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=60, help="requests per config (each: one prompt per agent)")
     ap.add_argument("--agents", type=int, default=5)
     ap.add_argument("--questions", type=int, default=3, help="user questions in the shared text")
+    ap.add_argument("--words", default="{},{}".format(*DEFAULT_LENGTH),
+                    help="least and most aside words per user question (longer texts: recompute picks windows "
+                         "once a text passes 64 tokens)")
     ap.add_argument("--seed", type=int, default=7000, help="first task seed (the model never saw these tasks)")
     ap.add_argument("--gammas", default="0,0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--capacities", default="0,5,10,20,40")
@@ -97,9 +100,15 @@ def main(argv=None) -> None:
                     help="ablation: re-encode as many tokens as --recompute says, drawn at random, not by doubt")
     ap.add_argument("--out", default="benchmarks/results/eval_kvcomm_cpu.json")
     args = ap.parse_args(argv)
+    try:
+        words = tuple(int(w) for w in args.words.split(","))
+        if len(words) != 2 or not 0 <= words[0] <= words[1]:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--words takes the least and most words as 'A,B' with 0 <= A <= B, got {args.words!r}")
     logging.basicConfig(level=logging.INFO)
     engine = Engine(EngineConfig(args.model))
-    tasks = [shared_text_task(args.seed + i, args.agents, args.questions) for i in range(args.requests)]
+    tasks = [shared_text_task(args.seed + i, args.agents, args.questions, words) for i in range(args.requests)]
     base = dense(engine, tasks)
     recomputes = [float(x) for x in args.recompute.split(",")]
     configs = [KVCommConfig(g, 20, args.temperature, r, c) for r in map(int, args.refresh.split(","))
@@ -119,7 +128,8 @@ def main(argv=None) -> None:
                      "pool_bytes": r["pool_bytes"], "seconds": time.perf_counter() - start})
         log.info("%s", rows[-1])
     out = {"model": args.model, "fingerprint": engine.fingerprint, "requests": args.requests,
-           "agents": args.agents, "questions": args.questions, "seeds": [args.seed, args.seed + args.requests - 1],
+           "agents": args.agents, "questions": args.questions, "words": list(words),
+           "shared_tokens": [len(engine.tokenize(t.shared)) for t in tasks], "seeds": [args.seed, args.seed + args.requests - 1],
            "dense_accuracy": asdict(accuracy_ci(base)), "configs": rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -16,10 +16,10 @@ round and aggregator both stream), or through the model's trained calibration ("
 synthesizer LoRA and boundary refresh, the served cache path's reading; the fine-tune on baseline traces,
 done by `braid calibrate`). In MADiter and MADpar the earlier readers (later turns, the second round) read
 the same way as the final node (text in the baseline, cached encodings otherwise). Accuracy per mode, with
-a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used.
+a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used, and the
+share of worker turns that said their own lookup (where a debate loses it: in its turns or its final reading).
 
-    python -m braid.evals.workflows --out benchmarks/results/eval_workflows_cpu.json
-    python -m braid.evals.workflows --workflows mad-iter,mad-par --out benchmarks/results/eval_debate_cpu.json
+    python -m braid.evals.workflows --workflows tot,mad-iter,mad-par
 """
 
 import argparse
@@ -33,7 +33,7 @@ from braid.engine.dag import DagRun, Edge, Graph, Node
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER, turn
-from braid.models.tasks import Task, sample
+from braid.models.tasks import Task, strip_reply, sample
 from braid.results import pyplot, write_json
 
 MODES = ("text", "kv", "staircase", "calibrated")
@@ -88,13 +88,17 @@ WORKFLOWS = {"tot": tot_graph, "mad-iter": mad_iter_graph, "mad-par": mad_par_gr
 STREAMING = ("tot", "mad-par")  # whose readers decode together, so a staircase applies
 
 
-def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> bool:
-    dag = DagRun(engine, WORKFLOWS[workflow](task, mode))
+def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> tuple[bool, int, int]:
+    """Whether the final answer is right, and how many of the worker turns said their own lookup, of how many."""
+    graph = WORKFLOWS[workflow](task, mode)
+    dag = DagRun(engine, graph)
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
+    turns = [(n.name, int(n.role.removeprefix("solver"))) for n in graph.nodes if n.sampling is SOLVER]
+    said = [strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) for name, _ in turns]
     dag.free(keep=())
-    return task.correct(reply)
+    return task.correct(reply), sum(s == task.branches[j].output for s, (_, j) in zip(said, turns)), len(turns)
 
 
 def main(argv=None) -> int:
@@ -121,26 +125,29 @@ def main(argv=None) -> int:
                  and (m != "staircase" or workflow in STREAMING)]
         for name in args.tasks.split(","):
             tasks = sample(name, args.samples, args.seed, args.branches)
-            got = {mode: [] for mode in modes}
+            got, turns = {mode: [] for mode in modes}, {mode: [0, 0] for mode in modes}
             for task in tqdm(tasks, desc=f"{workflow} {name}", unit="task"):
                 for mode in modes:
-                    got[mode].append(answer(engine, task, mode, workflow))
+                    right, said, of = answer(engine, task, mode, workflow)
+                    got[mode].append(right)
+                    turns[mode] = [turns[mode][0] + said, turns[mode][1] + of]
             for mode in modes:
                 acc = accuracy_ci(got[mode])
                 row = {"workflow": workflow, "task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value,
-                       "ci": [acc.low, acc.high]}
+                       "ci": [acc.low, acc.high], "turns_right": turns[mode][0] / turns[mode][1]}
                 if mode != "text":
                     diff = paired_difference_ci(got[mode], got["text"])
                     row |= {"minus_text": diff.value, "minus_text_ci": [diff.low, diff.high],
                             "mcnemar_p": mcnemar_p(got[mode], got["text"])}
                 rows.append(row)
     print(f"{'workflow':<9} {'task':<7} {'mode':<10} {'n':>4} {'accuracy [95% CI]':>24} {'minus text [95% CI]':>26} "
-          f"{'McNemar p':>10}")
+          f"{'McNemar p':>10} {'turns right':>11}")
     for r in rows:
         diff = (f"{100 * r['minus_text']:+.1f} [{100 * r['minus_text_ci'][0]:+.1f}, {100 * r['minus_text_ci'][1]:+.1f}]"
                 if "minus_text" in r else "")
         print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
-              f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g}")
+              f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g} "
+              f"{100 * r['turns_right']:>10.1f}%")
     stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
                       {"rows": rows, "config": vars(args)})
     plt = pyplot()

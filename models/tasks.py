@@ -74,17 +74,18 @@ class Task:
         return turn("user", self.question) + header("synthesizer")
 
     def correct(self, prediction: str) -> bool:
-        return _NORMALIZE.get(self.name, _strip)(prediction) == _NORMALIZE.get(self.name, _strip)(self.answer)
+        return _NORMALIZE.get(self.name, strip_reply)(prediction) == _NORMALIZE.get(self.name, strip_reply)(self.answer)
 
 
-def _strip(text: str) -> str:
+def strip_reply(text: str) -> str:
+    """A reply as its words: without the end token and the spaces around."""
     return text.removesuffix(END).strip()
 
 
 def _answer_set(text: str) -> tuple[str, ...]:
     # MultiQA answers are labelled, so in any order they are the same answer: with
     # the questions overlapping at one position there is no "first" question.
-    return tuple(sorted(part.strip() for part in _strip(text).split(",")))
+    return tuple(sorted(part.strip() for part in strip_reply(text).split(",")))
 
 
 _NORMALIZE: dict[str, Callable[[str], object]] = {"multiqa": _answer_set}

@@ -388,20 +388,22 @@ def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
     worker = serve.get_deployment_handle("Worker", app_name="braid")
     synthesizer = serve.get_deployment_handle("Synthesizer", app_name="braid")
     long = pb.Sampling(max_tokens=2000, ignore_eos=True)
-    for stop in ("cancel", "deadline", "staircase"):  # (staircase: left while the answer and workers decode)
+    # staircase: left while the answer and workers decode; grpc-deadline: a gRPC deadline alone, no metadata
+    for stop in ("cancel", "deadline", "grpc-deadline", "staircase"):
         call = stub.RunWorkflow(pb.WorkflowRequest(
             task="t", branch_prompts=["a", "b"], synthesis_prompt="s", transport=pb.TRANSPORT_GRPC,
             worker_sampling=long, synthesis_sampling=pb.Sampling(max_tokens=1000, ignore_eos=True)
             if stop == "staircase" else GREEDY,
             **({"staircase": pb.StaircaseOptions(aggregator_chunks=[4])} if stop == "staircase" else {})),
-            metadata=METADATA + client_metadata(None, 3.0), timeout=3 if stop == "deadline" else 120)
+            metadata=METADATA + (client_metadata(None, 3.0) if stop == "deadline" else ()),
+            timeout=3 if "deadline" in stop else 120)
         with pytest.raises(grpc.RpcError) as err:
             for i, event in enumerate(call):
                 if stop != "staircase" and event.HasField("branch_token") and i == 5:
                     assert worker.load.remote().result()["running"] >= 1
                 if stop == "cancel" and i == 5 or stop == "staircase" and event.HasField("synthesis_token"):
                     call.cancel()
-        assert err.value.code() == (grpc.StatusCode.DEADLINE_EXCEEDED if stop == "deadline" else
+        assert err.value.code() == (grpc.StatusCode.DEADLINE_EXCEEDED if "deadline" in stop else
                                     grpc.StatusCode.CANCELLED)
         deadline = time.monotonic() + 5  # (running to max_tokens would take far longer)
         while (worker.load.remote().result()["running"] or synthesizer.load.remote().result()["running"]) \
