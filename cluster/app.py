@@ -7,7 +7,7 @@ from braid.cluster.config import Autoscaling, ClusterConfig
 from braid.synthesizer.deployment import Synthesizer
 from braid.workers.deployment import Worker
 
-SERVICER = "braid.protos.agent_pb2_grpc.add_AgentServiceServicer_to_server"
+SERVICER = "braid.cluster.grpc_proxy.add_agent_service"  # (Serve's proxy registers the agent service with it)
 APP = "braid"  # the Serve application: clients send it as gRPC metadata `application`
 
 

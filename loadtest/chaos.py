@@ -9,6 +9,13 @@ workflows and kills one Worker replica while they run. It passes when none hung,
 failed with UNAVAILABLE (its branches were on the killed replica), and a new workflow completes afterwards
 without anyone restarting anything.
 
+`python -m braid.loadtest.chaos client-leaves` starts a local Ray cluster and, one workflow at a time, stops
+each mid-stream from the client's side, three ways: the client cancels the call; its gRPC deadline passes;
+its deadline passes where Braid's clients also send it as metadata (`braid-timeout-ms`). Each time it checks
+that the Worker and Synthesizer replicas are idle within `--grace` seconds. It passes when every workflow
+stopped, every way (the first two rely on Serve's gRPC proxy passing the client's cancel on, which
+cluster.grpc_proxy makes sure of).
+
 Traffic goes to loopback only. Writes JSON.
 """
 
@@ -110,12 +117,74 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
     return result
 
 
+LEAVES = ("cancel", "grpc-deadline", "metadata-deadline")
+
+
+def clients_leave(address: str, per_way: int = 12, grace_s: float = 3.0, seed: int = 0,
+                  metadata=(("application", "braid"),)) -> dict:
+    """Per way a client can leave (LEAVES), `per_way` workflows stopped mid-stream one after another: how many
+    left every replica idle within `grace_s`, and how many were still running (then waited out before the
+    next). Uses the Serve app of this process's Ray."""
+    import random
+
+    from ray import serve
+
+    from braid.api.auth import client_metadata
+    from braid.protos import agent_pb2 as pb
+
+    roles = [serve.get_deployment_handle(name, app_name="braid") for name in ("Worker", "Synthesizer")]
+
+    def running() -> int:
+        return sum(r.load.remote().result()["running"] for r in roles)
+
+    rng, rows, errors = random.Random(seed), {}, Counter()
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for way in LEAVES:
+            stopped, still_running, early, settle = 0, 0, 0, []
+            for _ in range(per_way):
+                deadline = rng.uniform(0.5, 2.0)
+                call = stub.RunWorkflow(pb.WorkflowRequest(
+                    task="t", branch_prompts=["a", "b"], synthesis_prompt="s", transport=pb.TRANSPORT_GRPC,
+                    worker_sampling=pb.Sampling(max_tokens=1500, ignore_eos=True),
+                    synthesis_sampling=pb.Sampling(max_tokens=6, ignore_eos=True)),
+                    metadata=metadata + (client_metadata(None, deadline) if way == "metadata-deadline" else ()),
+                    timeout=120 if way == "cancel" else deadline)
+                leave_at = rng.randint(3, 60)  # (events in: the workers are decoding)
+                decoding = False
+                try:
+                    for i, event in enumerate(call):
+                        decoding = decoding or event.HasField("branch_token")
+                        if way == "cancel" and i == leave_at:
+                            call.cancel()
+                except grpc.RpcError as e:
+                    errors[f"{e.code().name}: {(e.details() or '')[:120]}"] += 1
+                if not decoding:  # (it left before any worker decoded: not the case measured)
+                    early += 1
+                    continue
+                left = time.monotonic()
+                while running() and time.monotonic() - left < grace_s:
+                    time.sleep(0.05)
+                if running():
+                    still_running += 1
+                    while running():  # (it decodes to max_tokens: wait it out, so the next starts clean)
+                        time.sleep(0.5)
+                else:
+                    stopped += 1
+                    settle.append(time.monotonic() - left)
+            rows[way] = {"workflows": stopped + still_running, "left_before_decoding": early, "stopped": stopped,
+                         "still_running": still_running,
+                         "max_stop_s": max(settle, default=None)}
+    return {"ways": rows, "grace_s": grace_s, "statuses": dict(errors),
+            "passed": all(r["workflows"] > 0 and r["stopped"] == r["workflows"] for r in rows.values())}
+
+
 def main(argv=None) -> int:
     from braid.models import REFERENCE_MODEL
     from braid.results import write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("fault", choices=("redis-restart", "kill-worker"), help="what to break")
+    p.add_argument("fault", choices=("redis-restart", "kill-worker", "client-leaves"), help="what to break")
     p.add_argument("--model", default=REFERENCE_MODEL, help="checkpoint to serve (default: the reference model)")
     p.add_argument("--workflows", type=int, default=None, help="workflows to send (default: 40 for "
                                                                "redis-restart, 20 for kill-worker)")
@@ -126,6 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--down", type=float, default=1.0, help="redis-restart: seconds Redis stays down (default: 1)")
     p.add_argument("--staircase", choices=["reprefill", "append"], default=None,
                    help="kill-worker: staircase workflows (KV over gRPC), which answer on without a lost branch")
+    p.add_argument("--grace", type=float, default=3.0,
+                   help="client-leaves: seconds the replicas have to become idle (default: 3)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
     args = p.parse_args(argv)
     workflows = args.workflows or (40 if args.fault == "redis-restart" else 20)
@@ -135,6 +206,10 @@ def main(argv=None) -> int:
         p.error("--workflows and --concurrency must be >= 1, --after and --down >= 0")
     if args.staircase and args.fault != "kill-worker":
         p.error("--staircase goes with kill-worker")
+    if args.grace <= 0:
+        p.error(f"--grace must be > 0, got {args.grace}")
+    if args.fault == "client-leaves":
+        return _clients_leave_main(args)
     workload = Workload()
     if args.fault == "kill-worker":  # (long enough that the workers are busy at the kill)
         workload = Workload(branches=(4,), length=(8, 12), transports=("grpc",) if args.staircase else ("text", "grpc"),
@@ -169,6 +244,26 @@ def main(argv=None) -> int:
     print("PASS" if result["passed"] else "FAIL")
     name = f"chaos_{args.fault.replace('-', '_')}{'_staircase' if args.staircase else ''}_cpu"
     stem = write_json(args.out, name, {**result, "config": vars(args)})
+    print(f"wrote {stem}.json")
+    return 0 if result["passed"] else 1
+
+
+def _clients_leave_main(args) -> int:
+    from braid.cluster.config import ClusterConfig
+    from braid.cluster.local import free_port, start_local_cluster
+    from braid.results import write_json
+
+    local = start_local_cluster(ClusterConfig(args.model, grpc_port=free_port(), kv_transport="grpc",
+                                              kv_wait_timeout_s=30))
+    try:
+        result = clients_leave(local.address, args.workflows or 12, args.grace)
+    finally:
+        local.stop()
+    for way, r in result["ways"].items():
+        print(f"{way}: {r['stopped']} of {r['workflows']} stopped on every replica within {args.grace:g} s, "
+              f"{r['still_running']} still running ({r['left_before_decoding']} left before any worker decoded)")
+    print("PASS" if result["passed"] else "FAIL")
+    stem = write_json(args.out, "chaos_client_leaves_cpu", {**result, "config": vars(args)})
     print(f"wrote {stem}.json")
     return 0 if result["passed"] else 1
 

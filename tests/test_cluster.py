@@ -362,6 +362,17 @@ def test_fuzzed_requests_through_the_proxy(cluster):
     assert report["passed"], (report["statuses"], report["failures"][:5])
 
 
+def test_clients_that_leave_stop_the_work_every_way(cluster):
+    """The chaos script's short version of client-leaves: a client that cancels mid-stream, or whose gRPC
+    deadline passes, or whose deadline sent as metadata passes, leaves every replica idle within seconds."""
+    from braid.loadtest.chaos import LEAVES, clients_leave
+
+    _, _, _, _, local = cluster
+    result = clients_leave(local.address, per_way=3, grace_s=5.0)
+    assert result["passed"] and list(result["ways"]) == list(LEAVES), result
+    assert all(r["stopped"] + r["still_running"] + r["left_before_decoding"] == 3 for r in result["ways"].values())
+
+
 def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(cluster):
     """The chaos script's short version: the Worker replica is killed while workflows run; each completes or
     fails with UNAVAILABLE, none hangs, and a new workflow completes without anyone restarting anything."""
@@ -378,8 +389,10 @@ def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(clust
 
 def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
     """A cancelled RunWorkflow (the client went away, or its deadline passed) ends the workers' decoding on
-    their replica within seconds, instead of running to max_tokens. Serve's proxy does not pass a call's gRPC
-    deadline on, so the client also sends it as metadata (client_metadata), which the ingress enforces."""
+    their replica within seconds, instead of running to max_tokens: a bare cancel (also once the answer
+    streams, in a staircase), a gRPC deadline alone, and the deadline Braid's clients also send as metadata
+    (client_metadata), which the ingress enforces. (Serve's own proxy handler misses a cancel that lands while
+    it writes; cluster.grpc_proxy registers the service so that none is missed.)"""
     from ray import serve
 
     from braid.api.auth import client_metadata
@@ -410,4 +423,4 @@ def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         for role in (worker, synthesizer):
-            assert role.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, stop
+            assert role.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, (stop, role)

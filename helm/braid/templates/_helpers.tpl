@@ -60,7 +60,7 @@ http_options:
 grpc_options:
   port: {{ int .Values.grpcPort }}
   grpc_servicer_functions:
-  - braid.protos.agent_pb2_grpc.add_AgentServiceServicer_to_server
+  - braid.cluster.grpc_proxy.add_agent_service
 applications:
 - name: braid
   route_prefix: /braid
