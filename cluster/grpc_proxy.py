@@ -14,6 +14,13 @@ message itself (`context.write`). A client that leaves cancels that handler or f
 it cancels the task, which is then always inside the proxy's wait for the replica, where the proxy cancels
 the replica's work, and waits for it, so nothing of the proxy's touches the call after gRPC has let it go.
 
+The price of the queue: the proxy's generator ends, and Serve counts the call as done (its ongoing-request
+count, latency and access log), once the replica has finished, while the handler may still be writing to a
+slow client; and such a client's messages wait in the proxy's memory, not in gRPC's flow control. A bounded
+queue would bring the race back (the task would be cancelled while it waits on the queue). Serve's
+replicas' own gRPC servers, when Serve runs them, build handlers with the same factory and get the same
+wrapping.
+
 Runs inside Serve's proxy actor: it imports only grpc, asyncio and the generated code.
 """
 
@@ -54,7 +61,11 @@ def decoupled(handler: Callable[..., AsyncIterator]) -> Callable[..., Awaitable[
                 await context.write(item)
         finally:
             task.cancel()  # (inside the proxy's wait for the replica: the proxy cancels the replica's work)
-            await asyncio.gather(task, return_exceptions=True)
+            while not task.done():  # (until it has ended, whatever else cancels this handler meanwhile)
+                try:
+                    await asyncio.wait({task})
+                except asyncio.CancelledError:
+                    pass
 
     return unary_stream
 

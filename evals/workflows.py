@@ -11,8 +11,8 @@ lookups):
   their own notes, and answer again), and an aggregator reads the last round and answers.
 The final node reads the replies through their cached encodings ("kv", choreographed), re-encoded in its own
 context ("text", the baseline), as a staircase node streaming their KV chunks while they decode
-("staircase", default schedule, re-prefill; ToT and MADpar, whose readers decode together: MADpar's second
-round and aggregator both stream), or through the model's trained calibration ("calibrated": cache mapper,
+("staircase", default schedule, re-prefill; ToT and MADpar, whose final node reads replies that decode
+together; MADpar's second round reads the first whole, since its own notes come last), or through the model's trained calibration ("calibrated": cache mapper,
 synthesizer LoRA and boundary refresh, the served cache path's reading; the fine-tune on baseline traces,
 done by `braid calibrate`). In MADiter and MADpar the earlier readers (later turns, the second round) read
 the same way as the final node (text in the baseline, cached encodings otherwise). Accuracy per mode, with
@@ -95,7 +95,8 @@ def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> tupl
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
-    turns = [(n.name, int(n.role.removeprefix("solver"))) for n in graph.nodes if n.sampling is SOLVER]
+    turns = [(n.name, int(n.role.removeprefix("solver"))) for n in graph.nodes if n.sampling is SOLVER
+             and task.branches[int(n.role.removeprefix("solver"))].output is not None]  # (MultiQA has none)
     said = [strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) for name, _ in turns]
     dag.free(keep=())
     return task.correct(reply), sum(s == task.branches[j].output for s, (_, j) in zip(said, turns)), len(turns)
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
             for mode in modes:
                 acc = accuracy_ci(got[mode])
                 row = {"workflow": workflow, "task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value,
-                       "ci": [acc.low, acc.high], "turns_right": turns[mode][0] / turns[mode][1]}
+                       "ci": [acc.low, acc.high],
+                       "turns_right": turns[mode][0] / turns[mode][1] if turns[mode][1] else None}
                 if mode != "text":
                     diff = paired_difference_ci(got[mode], got["text"])
                     row |= {"minus_text": diff.value, "minus_text_ci": [diff.low, diff.high],
@@ -145,9 +147,10 @@ def main(argv=None) -> int:
     for r in rows:
         diff = (f"{100 * r['minus_text']:+.1f} [{100 * r['minus_text_ci'][0]:+.1f}, {100 * r['minus_text_ci'][1]:+.1f}]"
                 if "minus_text" in r else "")
+        turns = "-" if r["turns_right"] is None else f"{100 * r['turns_right']:.1f}%"
         print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
               f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g} "
-              f"{100 * r['turns_right']:>10.1f}%")
+              f"{turns:>11}")
     stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
                       {"rows": rows, "config": vars(args)})
     plt = pyplot()

@@ -120,11 +120,13 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
 LEAVES = ("cancel", "grpc-deadline", "metadata-deadline")
 
 
-def clients_leave(address: str, per_way: int = 12, grace_s: float = 3.0, seed: int = 0,
+def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: int = 0, wait_out_s: float = 300.0,
                   metadata=(("application", "braid"),)) -> dict:
     """Per way a client can leave (LEAVES), `per_way` workflows stopped mid-stream one after another: how many
-    left every replica idle within `grace_s`, and how many were still running (then waited out before the
-    next). Uses the Serve app of this process's Ray."""
+    left every replica idle (nothing waiting, running or reserved) within `grace_s`, and how many were still
+    running (then waited out, at most `wait_out_s`, before the next). A workflow counts only if its workers
+    were decoding when it left and it ended as the client left it (CANCELLED or DEADLINE_EXCEEDED). Uses the
+    Serve app of this process's Ray."""
     import random
 
     from ray import serve
@@ -134,14 +136,17 @@ def clients_leave(address: str, per_way: int = 12, grace_s: float = 3.0, seed: i
 
     roles = [serve.get_deployment_handle(name, app_name="braid") for name in ("Worker", "Synthesizer")]
 
-    def running() -> int:
-        return sum(r.load.remote().result()["running"] for r in roles)
+    def busy() -> bool:
+        return any(r.load.remote().result() != {"waiting": 0, "running": 0, "reserved_bytes": 0} for r in roles)
 
-    rng, rows, errors = random.Random(seed), {}, Counter()
+    rng, rows, statuses, examples = random.Random(seed), {}, Counter(), {}
+    expected = {"cancel": "CANCELLED", "grpc-deadline": "DEADLINE_EXCEEDED", "metadata-deadline": "DEADLINE_EXCEEDED"}
     with grpc.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         for way in LEAVES:
-            stopped, still_running, early, settle = 0, 0, 0, []
+            row = {"workflows": 0, "left_before_decoding": 0, "ended_otherwise": 0, "stopped": 0, "still_running": 0,
+                   "hung": 0}
+            settle = []
             for _ in range(per_way):
                 deadline = rng.uniform(0.5, 2.0)
                 call = stub.RunWorkflow(pb.WorkflowRequest(
@@ -149,33 +154,39 @@ def clients_leave(address: str, per_way: int = 12, grace_s: float = 3.0, seed: i
                     worker_sampling=pb.Sampling(max_tokens=1500, ignore_eos=True),
                     synthesis_sampling=pb.Sampling(max_tokens=6, ignore_eos=True)),
                     metadata=metadata + (client_metadata(None, deadline) if way == "metadata-deadline" else ()),
-                    timeout=120 if way == "cancel" else deadline)
+                    # (the metadata way: the server's deadline fires, the client's own is far later)
+                    timeout={"cancel": 120, "grpc-deadline": deadline}.get(way, deadline + 60))
                 leave_at = rng.randint(3, 60)  # (events in: the workers are decoding)
-                decoding = False
+                decoding, status = False, "OK"
                 try:
                     for i, event in enumerate(call):
                         decoding = decoding or event.HasField("branch_token")
                         if way == "cancel" and i == leave_at:
                             call.cancel()
                 except grpc.RpcError as e:
-                    errors[f"{e.code().name}: {(e.details() or '')[:120]}"] += 1
+                    status = e.code().name
+                    statuses[status] += 1
+                    examples.setdefault(status, (e.details() or "")[:160])
                 if not decoding:  # (it left before any worker decoded: not the case measured)
-                    early += 1
+                    row["left_before_decoding"] += 1
                     continue
+                if status != expected[way]:  # (it finished, or failed, before the client left)
+                    row["ended_otherwise"] += 1
+                    continue
+                row["workflows"] += 1
                 left = time.monotonic()
-                while running() and time.monotonic() - left < grace_s:
+                while busy() and time.monotonic() - left < grace_s:
                     time.sleep(0.05)
-                if running():
-                    still_running += 1
-                    while running():  # (it decodes to max_tokens: wait it out, so the next starts clean)
-                        time.sleep(0.5)
-                else:
-                    stopped += 1
+                if not busy():
+                    row["stopped"] += 1
                     settle.append(time.monotonic() - left)
-            rows[way] = {"workflows": stopped + still_running, "left_before_decoding": early, "stopped": stopped,
-                         "still_running": still_running,
-                         "max_stop_s": max(settle, default=None)}
-    return {"ways": rows, "grace_s": grace_s, "statuses": dict(errors),
+                    continue
+                row["still_running"] += 1
+                while busy() and time.monotonic() - left < wait_out_s:  # (it decodes on to max_tokens: wait it
+                    time.sleep(0.5)                                      # out, so the next starts clean)
+                row["hung"] += busy()
+            rows[way] = {**row, "max_stop_s": max(settle, default=None)}
+    return {"ways": rows, "grace_s": grace_s, "statuses": dict(statuses), "status_examples": examples,
             "passed": all(r["workflows"] > 0 and r["stopped"] == r["workflows"] for r in rows.values())}
 
 
@@ -187,7 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("fault", choices=("redis-restart", "kill-worker", "client-leaves"), help="what to break")
     p.add_argument("--model", default=REFERENCE_MODEL, help="checkpoint to serve (default: the reference model)")
     p.add_argument("--workflows", type=int, default=None, help="workflows to send (default: 40 for "
-                                                               "redis-restart, 20 for kill-worker)")
+                                                               "redis-restart, 20 for kill-worker, 20 per way "
+                                                               "for client-leaves)")
     p.add_argument("--concurrency", type=int, default=None, help="workflows in flight (default: 8 for "
                                                                  "redis-restart, all of them for kill-worker)")
     p.add_argument("--after", type=float, default=None, help="seconds into the load to break it (default: 2 for "
@@ -256,12 +268,13 @@ def _clients_leave_main(args) -> int:
     local = start_local_cluster(ClusterConfig(args.model, grpc_port=free_port(), kv_transport="grpc",
                                               kv_wait_timeout_s=30))
     try:
-        result = clients_leave(local.address, args.workflows or 12, args.grace)
+        result = clients_leave(local.address, args.workflows or 20, args.grace)
     finally:
         local.stop()
     for way, r in result["ways"].items():
         print(f"{way}: {r['stopped']} of {r['workflows']} stopped on every replica within {args.grace:g} s, "
-              f"{r['still_running']} still running ({r['left_before_decoding']} left before any worker decoded)")
+              f"{r['still_running']} still running, {r['hung']} of them past the wait ({r['left_before_decoding']} "
+              f"left before any worker decoded, {r['ended_otherwise']} ended otherwise)")
     print("PASS" if result["passed"] else "FAIL")
     stem = write_json(args.out, "chaos_client_leaves_cpu", {**result, "config": vars(args)})
     print(f"wrote {stem}.json")

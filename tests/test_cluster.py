@@ -369,8 +369,8 @@ def test_clients_that_leave_stop_the_work_every_way(cluster):
 
     _, _, _, _, local = cluster
     result = clients_leave(local.address, per_way=3, grace_s=5.0)
-    assert result["passed"] and list(result["ways"]) == list(LEAVES), result
-    assert all(r["stopped"] + r["still_running"] + r["left_before_decoding"] == 3 for r in result["ways"].values())
+    assert result["passed"] and list(result["ways"]) == list(LEAVES), result  # (each: >= 1 left mid-decode)
+    assert all(r["still_running"] == r["ended_otherwise"] == 0 for r in result["ways"].values()), result
 
 
 def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(cluster):
