@@ -121,12 +121,13 @@ LEAVES = ("cancel", "grpc-deadline", "metadata-deadline")
 
 
 def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: int = 0, wait_out_s: float = 300.0,
-                  metadata=(("application", "braid"),)) -> dict:
+                  deadlines: tuple[float, float] = (0.5, 2.0), metadata=(("application", "braid"),)) -> dict:
     """Per way a client can leave (LEAVES), `per_way` workflows stopped mid-stream one after another: how many
     left every replica idle (nothing waiting, running or reserved) within `grace_s`, and how many were still
     running (then waited out, at most `wait_out_s`, before the next). A workflow counts only if its workers
-    were decoding when it left and it ended as the client left it (CANCELLED or DEADLINE_EXCEEDED). Uses the
-    Serve app of this process's Ray."""
+    were decoding when it left and it ended as the client left it (CANCELLED or DEADLINE_EXCEEDED); the
+    deadline ways draw their deadline from `deadlines` (seconds), which must end before 2 x 1500 worker tokens
+    do. Uses the Serve app of this process's Ray."""
     import random
 
     from ray import serve
@@ -148,7 +149,7 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
                    "hung": 0}
             settle = []
             for _ in range(per_way):
-                deadline = rng.uniform(0.5, 2.0)
+                deadline = rng.uniform(*deadlines)
                 call = stub.RunWorkflow(pb.WorkflowRequest(
                     task="t", branch_prompts=["a", "b"], synthesis_prompt="s", transport=pb.TRANSPORT_GRPC,
                     worker_sampling=pb.Sampling(max_tokens=1500, ignore_eos=True),
