@@ -25,12 +25,10 @@ Runs inside Serve's proxy actor: it imports only grpc, asyncio and the generated
 """
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from braid.protos import agent_pb2_grpc
 
-log = logging.getLogger(__name__)
 _END = object()
 
 

@@ -129,7 +129,8 @@ def main(argv=None) -> None:
         log.info("%s", rows[-1])
     out = {"model": args.model, "fingerprint": engine.fingerprint, "requests": args.requests,
            "agents": args.agents, "questions": args.questions, "words": list(words),
-           "shared_tokens": [len(engine.tokenize(t.shared)) for t in tasks], "seeds": [args.seed, args.seed + args.requests - 1],
+           "shared_tokens": [len(engine.tokenize(t.shared)) for t in tasks],
+           "seeds": [args.seed, args.seed + args.requests - 1],
            "dense_accuracy": asdict(accuracy_ci(base)), "configs": rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

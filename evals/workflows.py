@@ -12,10 +12,11 @@ lookups):
 The final node reads the replies through their cached encodings ("kv", choreographed), re-encoded in its own
 context ("text", the baseline), as a staircase node streaming their KV chunks while they decode
 ("staircase", default schedule, re-prefill; ToT and MADpar, whose final node reads replies that decode
-together; MADpar's second round reads the first whole, since its own notes come last), or through the model's trained calibration ("calibrated": cache mapper,
-synthesizer LoRA and boundary refresh, the served cache path's reading; the fine-tune on baseline traces,
-done by `braid calibrate`). In MADiter and MADpar the earlier readers (later turns, the second round) read
-the same way as the final node (text in the baseline, cached encodings otherwise). Accuracy per mode, with
+together; MADpar's second round reads the first whole, since its own notes come last), or through the
+model's trained calibration ("calibrated": cache mapper, synthesizer LoRA and boundary refresh, the served
+cache path's reading; the fine-tune on baseline traces, done by `braid calibrate`). In MADiter and MADpar
+the earlier readers (later turns, the second round) read the same way as the final node (text in the
+baseline, cached encodings otherwise). Accuracy per mode, with
 a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used, and the
 share of worker turns that said their own lookup (where a debate loses it: in its turns or its final reading).
 
@@ -95,11 +96,12 @@ def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> tupl
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
-    turns = [(n.name, int(n.role.removeprefix("solver"))) for n in graph.nodes if n.sampling is SOLVER
-             and task.branches[int(n.role.removeprefix("solver"))].output is not None]  # (MultiQA has none)
-    said = [strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) for name, _ in turns]
+    solvers = [(n.name, task.branches[int(n.role.removeprefix("solver"))]) for n in graph.nodes if n.sampling is SOLVER]
+    turns = [(name, branch) for name, branch in solvers if branch.output is not None]  # (MultiQA has none)
+    right = sum(strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) == branch.output
+                for name, branch in turns)
     dag.free(keep=())
-    return task.correct(reply), sum(s == task.branches[j].output for s, (_, j) in zip(said, turns)), len(turns)
+    return task.correct(reply), right, len(turns)
 
 
 def main(argv=None) -> int:
@@ -149,8 +151,8 @@ def main(argv=None) -> int:
                 if "minus_text" in r else "")
         turns = "-" if r["turns_right"] is None else f"{100 * r['turns_right']:.1f}%"
         print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
-              f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} {r.get('mcnemar_p', float('nan')):>10.3g} "
-              f"{turns:>11}")
+              f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} "
+              f"{r.get('mcnemar_p', float('nan')):>10.3g} {turns:>11}")
     stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
                       {"rows": rows, "config": vars(args)})
     plt = pyplot()
