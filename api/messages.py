@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from braid.engine.engine import DecodeCall
 from braid.engine.sampling import SamplingParams
 from braid.engine.staircase import StaircaseSchedule, Variant
 from braid.engine.synthesis import SynthesisMode
@@ -18,6 +19,24 @@ class BranchRequest:
     sampling: SamplingParams
     transport: str  # "text" (no KV shipped), "grpc", "collective" or "local"
     kv_address: str = ""  # the synthesizer's KV receiver, in KV modes
+
+
+@dataclass
+class NodesRequest:
+    """Graph holder (the Synthesizer replica running a RunGraph) -> worker: decode these calls of one wave
+    together. Their parents are messages of the holder, fetched from it over KVExport (lent to this session for
+    the wave); each call's output message is shipped back to the holder's KV receiver when the calls end.
+    The worker answers as to a BranchRequest: BranchToken per token (`branch` is the call's index here), then
+    BranchDone per call once its output is with the holder."""
+
+    stream: str  # call c's output goes on KV stream stream_name(stream, c)
+    session: str
+    holder: str  # the holder's KVExport address
+    fingerprint: str  # the holder's model: what the fetched parents must have been encoded by
+    calls: list[DecodeCall]
+    kv_address: str  # the holder's KV receiver
+    transport: str  # "grpc" or "collective"
+    fetch_timeout_s: float = 60.0
 
 
 @dataclass
@@ -38,6 +57,7 @@ class BranchDone:
     token_ids: list[int]
     kv_bytes: int
     digest: int  # of the chunks sent (braid.kv.connector); 0 when nothing was copied
+    replica: str = ""  # the worker that decoded it
 
 
 @dataclass

@@ -9,7 +9,9 @@ never reach another session's messages.
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
@@ -19,7 +21,7 @@ from braid.api.auth import KeyLimits
 from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
 from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
-from braid.engine.dag import NodeRound, NodeToken, run_dag
+from braid.engine.dag import NodeRound, NodeToken, WaveExecutor, run_dag
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
 from braid.engine.staircase import StaircaseSchedule
@@ -59,6 +61,10 @@ class AgentLogic:
         self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
         self._held_lock, self._moving_lock, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
         self._moving: dict[str, threading.Lock] = {}  # message id -> the lock of its move here, while it moves
+        # RunGraph: where its plain decoding waves run, per session (None: here). Set by the deployment that owns
+        # this replica when there are Worker replicas (synthesizer.waves).
+        self.waves: Callable[[str], WaveExecutor] | None = None
+        self._lent: Counter[tuple[str, str]] = Counter()  # (session, message) lent to a wave's workers
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str, caller: str):
@@ -105,13 +111,34 @@ class AgentLogic:
             self._held.setdefault(session_id, set()).update(ids)
 
     # ---- between replicas: serving this replica's messages, freeing those of sessions gone ---------
+    @contextmanager
+    def lend(self, session_id: str, ids: Iterable[str]):
+        """While it lasts, KVExport serves these messages to callers naming `session_id`, though the directory
+        does not list them (a graph's outputs and re-encoded copies, which its workers read)."""
+        keys = [(session_id, mid) for mid in set(ids)]
+        with self._held_lock:
+            self._lent.update(keys)
+        try:
+            yield
+        finally:
+            with self._held_lock:
+                self._lent.subtract(keys)
+                self._lent += Counter()
+
+    def _exportable(self, session_id: str, message_id: str) -> None:
+        """KVExport's check: the message is the session's (the directory says so), or lent to it."""
+        with self._held_lock:
+            if self._lent[(session_id, message_id)]:
+                return
+        self.directory.lookup(session_id, message_id)
+
     def start_upkeep(self, host: str = "127.0.0.1") -> str:
         """Serve this replica's session messages to the other replicas (KVExport), announce where, and every
         `upkeep_period_s` renew that and free the messages held here of sessions closed (on any replica) or
         expired. Returns the address. Called once by the deployment that owns this replica."""
         if self.exporter is not None:
             return self.exporter.address
-        self.exporter = KVExporter(self.engine, self.directory.lookup, host)
+        self.exporter = KVExporter(self.engine, self._exportable, host)
         self._upkeep_round()
         threading.Thread(target=self._upkeep_loop, daemon=True, name="session-upkeep").start()
         return self.exporter.address
@@ -253,7 +280,7 @@ class AgentLogic:
                 self.directory.running(caller, self.config.limits.workflows):
             self._resolve(sid, graph.messages)
             start = time.perf_counter()
-            dag = run_dag(self.engine, graph)
+            dag = run_dag(self.engine, graph, self.waves(sid) if self.waves is not None else None)
             registered: list[str] = []  # what the session keeps; the rest goes when the run is freed
             try:
                 for event in dag:
@@ -267,7 +294,8 @@ class AgentLogic:
                     else:
                         shown = event.message_id if dag.shareable(event.node) else ""
                         yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=shown,
-                                                                       text=event.text, reencoded=event.reencoded))
+                                                                       text=event.text, reencoded=event.reencoded,
+                                                                       replica=event.replica))
                 shareable = [mid for name, mid in dag.outputs.items() if dag.shareable(name)]
                 self.register(sid, shareable)  # (while the run still holds them against eviction)
                 registered = shareable

@@ -34,15 +34,16 @@ def build_app(config: ClusterConfig, redis_url: str):
     # Each replica's scheduler batches the calls it holds. Colocated, a workflow holds a synthesis call
     # (waiting for its branches) and a branch call on the same deployment: twice the room.
     ongoing = config.max_ongoing_requests * (2 if config.colocate else 1)
-    synth = Synthesizer.options(**deployment_options(
-        config.synthesizer_replicas, config.synthesizer_autoscaling, config.gpus_per_synthesizer,
-        config.synthesizer_resources, ongoing)).bind(
-        config.engine_config("synthesizer"), config.synthesizer_config(), config.service_config(), redis_url,
-        config.session_ttl_s, config.worker_config() if config.colocate else None)
-    workers = synth
+    workers = None
     if not config.colocate:
         workers = Worker.options(**deployment_options(
             config.worker_replicas, config.worker_autoscaling, config.gpus_per_worker, config.worker_resources,
             config.max_ongoing_requests)).bind(config.engine_config("worker"), config.worker_config())
-    return AgentIngress.bind(workers, synth, config.workflow_config(), redis_url, config.session_ttl_s,
+    synth = Synthesizer.options(**deployment_options(
+        config.synthesizer_replicas, config.synthesizer_autoscaling, config.gpus_per_synthesizer,
+        config.synthesizer_resources, ongoing)).bind(
+        config.engine_config("synthesizer"), config.synthesizer_config(), config.service_config(), redis_url,
+        config.session_ttl_s, config.worker_config() if config.colocate else None,
+        workers if config.synthesizer_config().graph_worker_calls else None)
+    return AgentIngress.bind(workers or synth, synth, config.workflow_config(), redis_url, config.session_ttl_s,
                              config.model_path, config.api_keys_file)

@@ -75,6 +75,9 @@ class ClusterConfig:
     staircase_redundancy: int = 0
     kv_wait_timeout_s: float = 120.0  # a started branch's KV may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # a branch may wait this long for a worker to start on it
+    # RunGraph decodes its nodes on the Worker replicas (each wave dealt over them, parents and outputs moved
+    # as KV); false, or colocated: on the session's Synthesizer replica, each wave in one batch
+    graph_on_workers: bool = True
     # the cache path re-encodes this many tokens at each end of every shipped branch, with the earlier branches
     # in view (engine.synthesis.Refresh); 0: off
     refresh_tokens: int = 1
@@ -177,7 +180,11 @@ class ClusterConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))
 
     def synthesizer_config(self) -> SynthesizerConfig:
-        return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens)
+        graph_calls = 0
+        if self.graph_on_workers and not self.colocate:
+            graph_calls = self.worker_autoscaling.max_replicas if self.worker_autoscaling else self.worker_replicas
+        return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens, graph_calls,
+                                 "collective" if self.kv_transport == "collective" else "grpc")
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens,

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, PreconditionError, UnknownMessageError
@@ -227,6 +228,29 @@ class NodeDone:
     message_id: str  # its output message: prompt + reply
     text: str  # the reply ("" for a node without sampling)
     reencoded: list[str]  # parents it read through a re-encoded copy ("name:text" or "name:private")
+    replica: str = ""  # where it was decoded, when not on the run's own engine (a Worker replica)
+
+
+class WaveStream(Protocol):
+    """A wave's decoding calls running elsewhere, read as `Engine.decode_stream`'s stream is: iterate for
+    TokenEvents (`call`, `token_id`, `text`, `finish_reason`); `ids` once iteration ends, each call's output
+    stored in the run's engine; `close()` from the iterating thread, always; `replicas[c]`: where call c ran."""
+
+    ids: list[str] | None
+    replicas: list[str]
+
+    def __iter__(self) -> Iterator: ...
+
+    def close(self) -> None: ...
+
+
+class WaveExecutor(Protocol):
+    """Where a graph's waves decode, when not on the run's engine: other replicas (synthesizer.waves runs them
+    on Worker replicas). Called by DagRun._run_wave, from the run's thread, for each wave's decoding nodes that
+    read whole parents only and no calibration (staircase waves and calibrated nodes stay on the engine,
+    whose receiver and LoRA they need). The calls' parents are messages of the run's engine."""
+
+    def decode_stream(self, calls: list[DecodeCall]) -> WaveStream: ...
 
 
 @dataclass
@@ -237,6 +261,7 @@ class DagRun:
 
     engine: Engine
     graph: Graph
+    executor: WaveExecutor | None = None  # where plain decoding waves run (None: on `engine`)
     outputs: dict[str, str] = field(default_factory=dict)
     temporary: list[str] = field(default_factory=list)
     _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
@@ -291,7 +316,7 @@ class DagRun:
         if attached:
             yield from self._stream_wave(decode, attached, notes, start)
         elif decode:
-            stream = self.engine.decode_stream([self._call(n) for n in decode])
+            stream = (self.executor or self.engine).decode_stream([self._call(n) for n in decode])
             replies: dict[int, list[str]] = {}
             try:
                 for ev in stream:
@@ -304,8 +329,9 @@ class DagRun:
                 for n, mid in zip(decode, stream.ids or ()):
                     if mid in self.engine.store:
                         self._finish(n, mid)
+            where = getattr(stream, "replicas", None) or [""] * len(decode)
             for c, n in enumerate(decode):
-                yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(c, [])), notes[n.name])
+                yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(c, [])), notes[n.name], where[c])
         for n in calibrated:
             yield from self._synthesize(n, notes, start)
 
@@ -654,6 +680,7 @@ class _AnswerSource:
         return self.tokens[start:end], None  # (read as text: there is no KV to give)
 
 
-def run_dag(engine: Engine, graph: Graph) -> DagRun:
-    """The graph's run; iterate it for events (see DagRun)."""
-    return DagRun(engine, graph)
+def run_dag(engine: Engine, graph: Graph, executor: WaveExecutor | None = None) -> DagRun:
+    """The graph's run; iterate it for events (see DagRun). With `executor`, its plain decoding waves run
+    there (on other replicas), and their outputs come back to `engine`."""
+    return DagRun(engine, graph, executor)

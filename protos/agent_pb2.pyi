@@ -479,16 +479,18 @@ class GraphToken(_message.Message):
     def __init__(self, node: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GraphNodeDone(_message.Message):
-    __slots__ = ("node", "message_id", "text", "reencoded")
+    __slots__ = ("node", "message_id", "text", "reencoded", "replica")
     NODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     REENCODED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     node: str
     message_id: str
     text: str
     reencoded: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., text: _Optional[str] = ..., reencoded: _Optional[_Iterable[str]] = ...) -> None: ...
+    replica: str
+    def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., text: _Optional[str] = ..., reencoded: _Optional[_Iterable[str]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class GraphDone(_message.Message):
     __slots__ = ("session_id", "seconds")

@@ -8,6 +8,7 @@ import logging
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from braid.api.directory import Directory
 from braid.api.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
@@ -17,6 +18,7 @@ from braid.api.workflow import in_thread, run_in_thread
 from braid.engine import Engine, EngineConfig
 from braid.kv.receiver import KVReceiver
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers.runner import BranchRunner, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,8 @@ SESSIONS_ROUTED_PER_REPLICA = 4096  # sessions a replica is remembered as holdin
 @serve.deployment(name="Synthesizer")
 class Synthesizer:
     def __init__(self, engine_config: EngineConfig, config: SynthesizerConfig, service: ServiceConfig,
-                 redis_url: str, session_ttl_s: int, colocated_worker: WorkerConfig | None = None):
+                 redis_url: str, session_ttl_s: int, colocated_worker: WorkerConfig | None = None,
+                 workers: DeploymentHandle | None = None):
         self.engine = Engine(engine_config)
         replica = serve.get_replica_context().replica_id.unique_id
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())
@@ -35,6 +38,12 @@ class Synthesizer:
         exports = self.agent.start_upkeep(host=ray.util.get_node_ip_address())  # (a session's messages, to others)
         self.runner = SynthesisRunner(self.engine, receiver, self.agent, config)
         self.branches = BranchRunner(self.engine, colocated_worker, f"colocated-{replica}") if colocated_worker else None
+        if workers is not None and config.graph_worker_calls:  # RunGraph's waves decode on the Worker replicas
+            on_workers = WaveWorkers(lambda req: workers.options(stream=True).run_nodes.remote(req),
+                                     config.graph_worker_calls, config.graph_transport, service.fetch_timeout_s,
+                                     config.kv_wait_timeout_s)
+            self.agent.waves = lambda sid: WorkerWaves(self.engine, receiver, exports, on_workers, sid,
+                                                       self.agent.lend)
         self.metrics = metrics()
         report_engine(self.engine)  # (store bytes and the scheduler's gauges, every second)
         log.info("synthesizer %s: KV in at %s, session messages out at %s, prefill %.0f tok/s", replica,

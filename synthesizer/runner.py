@@ -23,6 +23,10 @@ class SynthesizerConfig:
     kv_wait_timeout_s: float = 120.0  # a started branch stream may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # how long a branch may wait for a worker to start on it
     refresh_tokens: int = 1  # the cache path re-encodes this many tokens at each end of every branch (0: off)
+    # RunGraph: each plain decoding wave is dealt over at most this many Worker calls (synthesizer.waves), its
+    # outputs shipped back over `graph_transport`; 0: graphs decode on this replica
+    graph_worker_calls: int = 0
+    graph_transport: str = "grpc"
 
     def __post_init__(self):
         for name in ("kv_wait_timeout_s", "kv_queue_timeout_s"):
@@ -30,6 +34,10 @@ class SynthesizerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.refresh_tokens, int) or self.refresh_tokens < 0:
             raise ValueError(f"refresh_tokens must be an int >= 0, got {self.refresh_tokens!r}")
+        if self.graph_worker_calls < 0:
+            raise ValueError(f"graph_worker_calls must be >= 0 (0: graphs decode here), got {self.graph_worker_calls}")
+        if self.graph_transport not in ("grpc", "collective"):
+            raise ValueError(f"graph_transport must be grpc or collective, got {self.graph_transport!r}")
 
 
 class SynthesisRunner:

@@ -119,6 +119,49 @@ def test_staircase_workflow_answers_from_the_workers_chunks_as_they_arrive(clust
         assert err.value.code() == code and needle in err.value.details(), err.value.details()
 
 
+def test_run_graph_decodes_on_the_worker_replicas(cluster):
+    """RunGraph's decoding nodes run on the Worker replica (their parents fetched from the session's synthesizer,
+    their outputs shipped back) and answer as the graph does on one engine; a client that leaves mid-graph stops
+    the worker's decoding."""
+    from ray import serve
+
+    from braid.api.convert import graph as to_graph
+    from braid.engine.dag import run_dag
+    from braid.engine.staircase import StaircaseSchedule
+
+    stub, config, *_ = cluster
+    nodes = [pb.GraphNode(name="sys", prompt="System: be brief.", role="a", private=True),
+             pb.GraphNode(name="q", prompt="User: 2 and 3?")]
+    nodes += [pb.GraphNode(name=f"w{i}", prompt=f"Agent {i}:", role="a" if i == 0 else "b", decode=True,
+                           sampling=GREEDY, parents=[pb.GraphParent(node="sys")] * (i == 0) + [pb.GraphParent(node="q")])
+              for i in range(2)]
+    nodes.append(pb.GraphNode(name="judge", prompt="Judge:", role="b", decode=True, sampling=GREEDY,
+                              parents=[pb.GraphParent(node="w0"), pb.GraphParent(node="w1")]))
+    request = pb.GraphRequest(nodes=nodes)
+    events = list(stub.RunGraph(request, metadata=METADATA, timeout=120))
+    done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
+    assert all(done[n].replica.startswith("worker-") for n in ("w0", "w1", "judge"))
+    assert done["q"].replica == "" and list(done["judge"].reencoded) == ["w0:private"]
+    local = list(run_dag(Engine(EngineConfig(config.model_path)), to_graph(request, 128, StaircaseSchedule())))
+    assert [(e.node, e.text) for e in local if hasattr(e, "reencoded")] == [(n, d.text) for n, d in done.items()]
+    stub.CloseSession(pb.CloseSessionRequest(session_id=events[-1].done.session_id), metadata=METADATA)
+    # a client that leaves while the workers decode
+    worker = serve.get_deployment_handle("Worker", app_name="braid")
+    for n in nodes[2:4]:
+        n.sampling.CopyFrom(pb.Sampling(max_tokens=2000, ignore_eos=True))
+    call = stub.RunGraph(pb.GraphRequest(nodes=nodes), metadata=METADATA, timeout=120)
+    with pytest.raises(grpc.RpcError) as err:
+        for i, event in enumerate(call):
+            if i == 5:
+                assert worker.load.remote().result()["running"] >= 1
+                call.cancel()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    deadline = time.monotonic() + 5
+    while worker.load.remote().result()["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+
+
 def test_session_calls_and_bad_requests_through_the_proxy(cluster):
     stub, *_ = cluster
     r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hi")]), metadata=METADATA)

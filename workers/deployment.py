@@ -2,7 +2,7 @@
 
 from ray import serve
 
-from braid.api.messages import BranchRequest
+from braid.api.messages import BranchRequest, NodesRequest
 from braid.api.metrics import report_engine
 from braid.api.workflow import in_thread
 from braid.engine import Engine, EngineConfig
@@ -20,6 +20,11 @@ class Worker:
         """Streams BranchToken per token, then BranchDone per branch (braid.api.messages). Async, so the
         replica takes many calls at once; each runs on its own thread into the engine's scheduler."""
         async for item in in_thread(lambda: self.runner.run(req)):
+            yield item
+
+    async def run_nodes(self, req: NodesRequest):
+        """A RunGraph wave's calls for the Synthesizer replica running the graph (BranchRunner.run_nodes)."""
+        async for item in in_thread(lambda: self.runner.run_nodes(req)):
             yield item
 
     def load(self) -> dict[str, int]:

@@ -1,14 +1,17 @@
-"""The worker role over one engine (Ray-free): decode a group of branches and ship their KV as they grow."""
+"""The worker role over one engine (Ray-free): decode a group of branches and ship their KV as they grow; or
+decode a RunGraph wave's calls for the replica running the graph, and ship their outputs back to it."""
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from braid.api.messages import BranchDone, BranchRequest, BranchToken
+from braid.api.messages import BranchDone, BranchRequest, BranchToken, NodesRequest
 from braid.engine import Engine, fan_out
+from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
 from braid.kv.collective import CollectiveSender, collective_backend, open_link
 from braid.kv.connector import BranchChunk, KVSender, stream_name
+from braid.kv.export import fetch
 from braid.kv.grpc_transport import GrpcSender
 from braid.models.chat import WORKER_HEADER
 
@@ -92,3 +95,43 @@ class BranchRunner:
                 self.links.pop(req.kv_address, None)  # a broken pair is set up afresh next time
             # The branches now live at the synthesizer: copied there, or (local) handed over in this store.
             branches.free(keep_branches=handed_over)
+
+    def run_nodes(self, req: NodesRequest) -> Iterator[BranchToken | BranchDone]:
+        """A RunGraph wave's calls (engine.dag), decoded together on this engine. Each parent is fetched from
+        the holder (checked there against the session) and stored here under an id of its own for the call;
+        when the calls end, each output message (its prompt and reply) is shipped to the holder's receiver.
+        Whatever this took in or made is freed when it returns, failed or not."""
+        if req.transport not in ("grpc", "collective"):
+            raise BraidError(f"a graph's wave ships its outputs over grpc or collective, not {req.transport!r}")
+        eng, names = self.engine, [stream_name(req.stream, c) for c in range(len(req.calls))]
+        here: dict[str, str] = {}  # the holder's parent id -> its copy here
+        held: list[str] = []  # (kept from eviction until the call has pinned them)
+        sender, stream = self._sender(req.kv_address, req.transport), None
+        try:
+            sender.open(names)
+            for mid in dict.fromkeys(p for call in req.calls for p in call.parents):
+                got = fetch(req.holder, req.session, mid, req.fingerprint, req.fetch_timeout_s)
+                here[mid] = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
+                held += eng.hold([here[mid]])
+            stream = eng.decode_stream([replace(c, parents=[here[p] for p in c.parents]) for c in req.calls])
+            for ev in stream:
+                yield BranchToken(ev.call, ev.token_id, ev.text, ev.finish_reason or "")
+            outputs = [eng.message(mid) for mid in stream.ids]
+            for c, msg in enumerate(outputs):  # (a message never changes: its KV is sent as it is)
+                sender.send(BranchChunk(names[c], names[c], msg.offset, 0, list(msg.token_ids), msg.kv,
+                                        msg.num_tokens))
+            sent, sender = sender.finish(), None
+            for c, msg in enumerate(outputs):
+                yield BranchDone(c, list(msg.token_ids), msg.nbytes, sent[names[c]].digest, self.name)
+        finally:
+            if sender is not None:  # only left here when the call failed midway
+                sender.abort("the worker's wave failed")
+                self.links.pop(req.kv_address, None)
+            if stream is not None:
+                stream.close()
+            eng.release(held)
+            for mid in [*here.values(), *((stream.ids or []) if stream is not None else [])]:
+                try:
+                    eng.free(mid, when_unpinned=True)
+                except UnknownMessageError:
+                    pass

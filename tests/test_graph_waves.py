@@ -1,0 +1,172 @@
+"""RunGraph's waves on worker engines (synthesizer.waves): the same graph, decoded on two workers that fetch their
+parents from the holder over KVExport and ship their outputs back over the gRPC KV transport, answers as it does
+on the holder alone; a failed or abandoned worker call keeps nothing anywhere. Real Redis, real gRPC; only
+Serve's response stream is played in-process (InThreadCall)."""
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+
+from braid.api.directory import Directory, EmbeddedRedis
+from braid.api.service import AgentLogic, ServiceConfig
+from braid.engine import Engine, EngineConfig
+from braid.engine.errors import UnknownMessageError
+from braid.kv.connector import TransferError
+from braid.kv.export import fetch
+from braid.kv.receiver import KVReceiver
+from braid.protos import agent_pb2 as pb
+from braid.synthesizer.waves import WaveWorkers, WorkerWaves
+from braid.workers.runner import BranchRunner, WorkerConfig
+
+GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
+
+
+class InThreadCall:
+    """A Serve response stream, played in this process: the worker's generator runs on the reading thread;
+    `cancel()`, from any thread, ends it at its next item."""
+
+    def __init__(self, items, fail_after: int | None = None):
+        self.items, self.fail_after, self.cancelled = items, fail_after, threading.Event()
+
+    def __iter__(self):
+        try:
+            for n, item in enumerate(self.items):
+                if self.cancelled.is_set():
+                    raise RuntimeError("cancelled")
+                if self.fail_after is not None and n == self.fail_after:
+                    raise ConnectionError("the worker's replica died")
+                yield item
+        finally:
+            self.items.close()
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    redis_server = EmbeddedRedis()
+    config = EngineConfig(checkpoint("llama"))
+    holder = Engine(config)
+    logic = AgentLogic(holder, Directory.connect(redis_server.url), ServiceConfig(replica="H"))
+    exports = logic.start_upkeep()
+    receiver = KVReceiver(holder.fingerprint)
+    workers = [BranchRunner(Engine(config), WorkerConfig(), f"worker-{i}") for i in range(2)]
+    turn = itertools.count()
+    calls: list[InThreadCall] = []
+    plan = {"fail_after": None}
+
+    def call(req):  # (round-robin, so that both workers take part in every wave of two calls or more)
+        c = InThreadCall(workers[next(turn) % 2].run_nodes(req), plan["fail_after"])
+        calls.append(c)
+        return c
+
+    def on_workers(enabled: bool):
+        logic.waves = (lambda sid: WorkerWaves(holder, receiver, exports, WaveWorkers(call, 2), sid, logic.lend)
+                       ) if enabled else None
+
+    yield logic, workers, on_workers, calls, plan
+    logic.stop_upkeep()
+    receiver.stop()
+    redis_server.stop()
+
+
+def graph(session_id=""):
+    """Role a's private system prompt, a shared question, two rounds of three debaters (the second reading every
+    first-round reply), one of them read as text, and a judge."""
+    nodes = [pb.GraphNode(name="sys", prompt="System: be brief.", role="a", private=True),
+             pb.GraphNode(name="q", prompt="User: 2 and 3?")]
+    for r in range(2):
+        for i in range(3):
+            parents = [pb.GraphParent(node="sys")] if i == 0 else []
+            parents += [pb.GraphParent(node="q")] + [pb.GraphParent(node=f"r0d{j}") for j in range(3) if r]
+            nodes.append(pb.GraphNode(name=f"r{r}d{i}", prompt=f"Agent {i}:", role="a" if i == 0 else f"b{i}",
+                                      decode=True, sampling=GREEDY, parents=parents,
+                                      output="text" if (r, i) == (0, 2) else "kv"))
+    nodes.append(pb.GraphNode(name="judge", prompt="Judge:", role="b1", decode=True, sampling=GREEDY,
+                              parents=[pb.GraphParent(node=f"r1d{j}") for j in range(3)]))
+    return pb.GraphRequest(session_id=session_id, nodes=nodes)
+
+
+def run(logic, request):
+    events = list(logic.RunGraph(request))
+    done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
+    tokens = {}
+    for e in events:
+        if e.HasField("token"):
+            tokens.setdefault(e.token.node, []).append(e.token.token_id)
+    return events[-1].done.session_id, done, tokens
+
+
+def new_messages(engine: Engine, before: set[str]) -> list:
+    """Messages stored since `before`, other than the prefix cache's own entries."""
+    return [engine.message(m) for m in engine.store.ids() if m not in before
+            and engine.message(m).content_key is None]
+
+
+def test_waves_on_workers_answer_as_the_holder_does(cluster):
+    logic, workers, on_workers, _, _ = cluster
+    before = [set(w.engine.store.ids()) for w in workers]
+    on_workers(False)
+    sid_here, here, tokens_here = run(logic, graph())
+    on_workers(True)
+    sid, there, tokens = run(logic, graph())
+    assert list(there) == list(here) and tokens == tokens_here  # greedy tokens, node by node
+    decoding = [n for n in there if n.startswith(("r", "judge"))]
+    assert all(here[n].replica == "" for n in here)
+    assert {there[n].replica for n in decoding} == {"worker-0", "worker-1"}  # the waves were spread
+    assert all(there[n].replica == "" for n in ("sys", "q"))  # (prompt-only nodes encode on the holder)
+    assert [list(there[n].reencoded) for n in there] == [list(here[n].reencoded) for n in here]
+    # outputs are session messages on the holder, as close to the holder's own as fp32 batching allows
+    shared = [n for n in there if there[n].message_id]
+    assert shared == [n for n in here if here[n].message_id] and "judge" in shared and "r0d0" not in shared
+    for n in shared:
+        a, b = logic.engine.message(here[n].message_id), logic.engine.message(there[n].message_id)
+        assert a.token_ids == b.token_ids and a.offset == b.offset and len(a.parents) == len(b.parents)
+        assert a.parent_offsets == b.parent_offsets
+        torch.testing.assert_close(b.kv, a.kv, atol=1e-4, rtol=1e-4)
+        assert logic.directory.lookup(sid, there[n].message_id).replica == "H"
+    # the workers kept nothing, and nothing stays lent
+    for w, old in zip(workers, before):
+        assert new_messages(w.engine, old) == [] and w.engine.scheduler.load["running"] == 0
+    assert not logic._lent
+    # what was lent for the waves is no longer served: the holder's outputs only to their own session
+    with pytest.raises(UnknownMessageError):
+        fetch(logic.exporter.address, sid_here, there["judge"].message_id, logic.engine.fingerprint)
+    for s in (sid, sid_here):
+        logic.CloseSession(pb.CloseSessionRequest(session_id=s))
+
+
+def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
+    logic, workers, on_workers, calls, plan = cluster
+    on_workers(True)
+    stored = set(logic.engine.store.ids())
+    before = [set(w.engine.store.ids()) for w in workers]
+    plan["fail_after"] = 3  # every worker call dies after its third token
+    try:
+        with pytest.raises(TransferError, match="the worker's replica died"):
+            run(logic, graph())
+    finally:
+        plan["fail_after"] = None
+    # a client that leaves while the first round decodes on the workers
+    made = len(calls)
+    events = logic.RunGraph(graph())
+    for e in events:
+        if e.HasField("token"):
+            break
+    events.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(w.engine.scheduler.load["running"] for w in workers):
+        time.sleep(0.05)
+    assert len(calls) - made == 2 and all(c.cancelled.is_set() for c in calls[made:])
+    for w, old in zip(workers, before):
+        assert new_messages(w.engine, old) == [] and w.engine.scheduler.load["running"] == 0
+    assert new_messages(logic.engine, stored) == [] and not logic._lent
+    assert logic.directory.list_sessions() == []  # (the sessions these calls opened were closed again)
+    # and the next graph runs
+    sid, done, _ = run(logic, graph())
+    assert done["judge"].replica.startswith("worker-")
+    logic.CloseSession(pb.CloseSessionRequest(session_id=sid))
