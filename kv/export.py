@@ -72,21 +72,23 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
             yield chunk
 
 
-def fetch(address: str, session_id: str, message_id: str, fingerprint: str, timeout: float = 60.0) -> FetchedMessage:
-    """The message from the replica at `address`, checked chunk by chunk. Raises UnknownMessageError
-    (NOT_FOUND) if the holder no longer has it, TransferError (UNAVAILABLE) if the holder cannot be reached,
-    a BraidError for a corrupt or foreign chunk."""
+def fetch(address: str, session_id: str, message_id: str, fingerprint: str, timeout: float = 60.0,
+          channel: grpc.Channel | None = None) -> FetchedMessage:
+    """The message from the replica at `address` (over `channel` when given), checked chunk by chunk. Raises
+    UnknownMessageError (NOT_FOUND) if the holder no longer has it, TransferError (UNAVAILABLE) if the holder
+    cannot be reached, a BraidError for a corrupt or foreign chunk."""
+    if channel is None:
+        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
+            return fetch(address, session_id, message_id, fingerprint, timeout, channel)
     assembler = KVAssembler(fingerprint)
     parents: list[str] = []
     parent_offsets: list[int] = []
     try:
-        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
-            stub = kv_pb2_grpc.KVExportStub(channel)
-            for chunk in stub.Fetch(kv_pb2.FetchRequest(session_id=session_id, message_id=message_id),
-                                    timeout=timeout):
-                assembler.add(chunk)
-                parents += chunk.parents
-                parent_offsets += chunk.parent_offsets
+        stub = kv_pb2_grpc.KVExportStub(channel)
+        for chunk in stub.Fetch(kv_pb2.FetchRequest(session_id=session_id, message_id=message_id), timeout=timeout):
+            assembler.add(chunk)
+            parents += chunk.parents
+            parent_offsets += chunk.parent_offsets
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             raise UnknownMessageError(f"message {message_id!r} is gone from the replica that held it "
@@ -97,3 +99,13 @@ def fetch(address: str, session_id: str, message_id: str, fingerprint: str, time
         raise TransferError(f"fetching {message_id!r} from {address} returned {assembler.message_id!r}")
     return FetchedMessage(message_id, assembler.token_ids(), assembler.tensor(), assembler.offset, fingerprint,
                           parents, parent_offsets)
+
+
+def fetch_many(channel: grpc.Channel, address: str, session_id: str, message_ids: list[str], fingerprint: str,
+               timeout: float = 60.0) -> list[FetchedMessage]:
+    """Several messages from the holder at `address` at once, over `channel` (see `fetch`), in the order named."""
+    if len(message_ids) < 2:
+        return [fetch(address, session_id, mid, fingerprint, timeout, channel) for mid in message_ids]
+    with futures.ThreadPoolExecutor(min(8, len(message_ids)), thread_name_prefix="kv-fetch") as pool:
+        return list(pool.map(lambda mid: fetch(address, session_id, mid, fingerprint, timeout, channel),
+                             message_ids))

@@ -19,6 +19,7 @@ from braid.kv.export import fetch
 from braid.kv.receiver import KVReceiver
 from braid.protos import agent_pb2 as pb
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
+from braid.workers import runner
 from braid.workers.runner import BranchRunner, WorkerConfig
 
 GREEDY = pb.Sampling(max_tokens=6, ignore_eos=True)
@@ -101,14 +102,18 @@ def run(logic, request):
     return events[-1].done.session_id, done, tokens
 
 
-def new_messages(engine: Engine, before: set[str]) -> list:
-    """Messages stored since `before`, other than the prefix cache's own entries."""
-    return [engine.message(m) for m in engine.store.ids() if m not in before
+def new_messages(engine: Engine, before: set[str], copies=()) -> list:
+    """Messages stored since `before`, other than the prefix cache's own entries and `copies`."""
+    return [engine.message(m) for m in engine.store.ids() if m not in before and m not in set(copies)
             and engine.message(m).content_key is None]
 
 
-def test_waves_on_workers_answer_as_the_holder_does(cluster):
+def test_waves_on_workers_answer_as_the_holder_does(cluster, monkeypatch):
     logic, workers, on_workers, _, _ = cluster
+    fetched = []  # (the worker's channel, message): each worker fetches a parent once, for every wave
+    real = runner.fetch_many
+    monkeypatch.setattr(runner, "fetch_many", lambda channel, address, session, ids, *a: fetched.extend(
+        (id(channel), m) for m in ids) or real(channel, address, session, ids, *a))
     before = [set(w.engine.store.ids()) for w in workers]
     on_workers(False)
     sid_here, here, tokens_here = run(logic, graph())
@@ -129,9 +134,12 @@ def test_waves_on_workers_answer_as_the_holder_does(cluster):
         assert a.parent_offsets == b.parent_offsets
         torch.testing.assert_close(b.kv, a.kv, atol=1e-4, rtol=1e-4)
         assert logic.directory.lookup(sid, there[n].message_id).replica == "H"
-    # the workers kept nothing, and nothing stays lent
+    # the workers kept only copies of the parents they read (one per message, for later waves), and nothing
+    # stays lent
     for w, old in zip(workers, before):
-        assert new_messages(w.engine, old) == [] and w.engine.scheduler.load["running"] == 0
+        assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
+        assert len(new_messages(w.engine, old)) == len(w.copies) > 0
+    assert len(fetched) == len(set(fetched)) == sum(len(w.copies) for w in workers)
     assert not logic._lent
     # what was lent for the waves is no longer served: the holder's outputs only to their own session
     with pytest.raises(UnknownMessageError):
@@ -143,7 +151,7 @@ def test_waves_on_workers_answer_as_the_holder_does(cluster):
 def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
     logic, workers, on_workers, calls, plan = cluster
     on_workers(True)
-    stored = set(logic.engine.store.ids())
+    stored, sessions = set(logic.engine.store.ids()), logic.directory.list_sessions()
     before = [set(w.engine.store.ids()) for w in workers]
     plan["fail_after"] = 3  # every worker call dies after its third token
     try:
@@ -163,10 +171,12 @@ def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
         time.sleep(0.05)
     assert len(calls) - made == 2 and all(c.cancelled.is_set() for c in calls[made:])
     for w, old in zip(workers, before):
-        assert new_messages(w.engine, old) == [] and w.engine.scheduler.load["running"] == 0
+        assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
     assert new_messages(logic.engine, stored) == [] and not logic._lent
-    assert logic.directory.list_sessions() == []  # (the sessions these calls opened were closed again)
-    # and the next graph runs
+    assert logic.directory.list_sessions() == sessions  # (the sessions these calls opened were closed again)
+    # and the next graph runs; each worker keeps at most COPIES parents' copies, the oldest going first
+    workers[0].COPIES = 2
     sid, done, _ = run(logic, graph())
-    assert done["judge"].replica.startswith("worker-")
+    assert done["judge"].replica.startswith("worker-") and len(workers[0].copies) == 2
+    assert all(copy in workers[0].engine.store for copy in workers[0].copies.values())
     logic.CloseSession(pb.CloseSessionRequest(session_id=sid))

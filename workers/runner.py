@@ -2,8 +2,12 @@
 decode a RunGraph wave's calls for the replica running the graph, and ship their outputs back to it."""
 
 import logging
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+
+import grpc
 
 from braid.api.messages import BranchDone, BranchRequest, BranchToken, NodesRequest
 from braid.engine import Engine, fan_out
@@ -11,8 +15,8 @@ from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
 from braid.kv.collective import CollectiveSender, collective_backend, open_link
 from braid.kv.connector import BranchChunk, KVSender, stream_name
-from braid.kv.export import fetch
-from braid.kv.grpc_transport import GrpcSender
+from braid.kv.export import fetch_many
+from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
 from braid.models.chat import WORKER_HEADER
 
 log = logging.getLogger(__name__)
@@ -40,9 +44,17 @@ class WorkerConfig:
 class BranchRunner:
     """Runs BranchRequests on `engine`; the Worker deployment (and a colocated Synthesizer) host one."""
 
+    COPIES = 256  # graph parents kept here after their wave (the holder's message -> the copy here), at most
+
     def __init__(self, engine: Engine, config: WorkerConfig, name: str = "worker"):
         self.engine, self.config, self.name = engine, config, name
         self.links = {}  # receiver address -> CollectiveLink, set up once per pair
+        # (holder, session, message) -> its copy here: a graph's later waves read the same parents again
+        # (its question, its system prompts); the copies are the store's to evict, and the oldest go past COPIES
+        self.copies: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._using: Counter[str] = Counter()  # copy -> the calls reading it now (never freed while read)
+        self._copies_lock = threading.Lock()
+        self.channels: dict[str, grpc.Channel] = {}  # holder's KVExport address -> a channel to it, kept
 
     def _sender(self, address: str, transport: str) -> KVSender:
         fp, size = self.engine.fingerprint, self.config.kv_chunk_bytes
@@ -97,22 +109,19 @@ class BranchRunner:
             branches.free(keep_branches=handed_over)
 
     def run_nodes(self, req: NodesRequest) -> Iterator[BranchToken | BranchDone]:
-        """A RunGraph wave's calls (engine.dag), decoded together on this engine. Each parent is fetched from
-        the holder (checked there against the session) and stored here under an id of its own for the call;
-        when the calls end, each output message (its prompt and reply) is shipped to the holder's receiver.
-        Whatever this took in or made is freed when it returns, failed or not."""
+        """A RunGraph wave's calls (engine.dag), decoded together on this engine. Each parent is read from a copy
+        here, fetched from the holder (checked there against the session) unless an earlier wave left one; when
+        the calls end, each output message (its prompt and reply) is shipped to the holder's receiver. The
+        outputs are freed when it returns, failed or not; the parents' copies stay for later waves."""
         if req.transport not in ("grpc", "collective"):
             raise BraidError(f"a graph's wave ships its outputs over grpc or collective, not {req.transport!r}")
         eng, names = self.engine, [stream_name(req.stream, c) for c in range(len(req.calls))]
-        here: dict[str, str] = {}  # the holder's parent id -> its copy here
-        held: list[str] = []  # (kept from eviction until the call has pinned them)
+        held: list[str] = []  # the parents' copies, kept from eviction (and from trimming) until the calls end
+        spare: list[str] = []  # copies another call made too: this call's go when it ends
         sender, stream = self._sender(req.kv_address, req.transport), None
         try:
             sender.open(names)
-            for mid in dict.fromkeys(p for call in req.calls for p in call.parents):
-                got = fetch(req.holder, req.session, mid, req.fingerprint, req.fetch_timeout_s)
-                here[mid] = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
-                held += eng.hold([here[mid]])
+            here = self._parents(req, held, spare)
             stream = eng.decode_stream([replace(c, parents=[here[p] for p in c.parents]) for c in req.calls])
             for ev in stream:
                 yield BranchToken(ev.call, ev.token_id, ev.text, ev.finish_reason or "")
@@ -130,8 +139,56 @@ class BranchRunner:
             if stream is not None:
                 stream.close()
             eng.release(held)
-            for mid in [*here.values(), *((stream.ids or []) if stream is not None else [])]:
+            self._trim(held)
+            for mid in [*spare, *((stream.ids or []) if stream is not None else [])]:
                 try:
                     eng.free(mid, when_unpinned=True)
+                except UnknownMessageError:
+                    pass
+
+    def _parents(self, req: NodesRequest, held: list[str], spare: list[str]) -> dict[str, str]:
+        """The holder's parent id -> its copy here, each held (appended to `held`) and marked in use; the missing
+        ones fetched together (a copy that another call kept meanwhile makes this one `spare`)."""
+        eng, here = self.engine, {}
+        wanted = list(dict.fromkeys(p for call in req.calls for p in call.parents))
+        with self._copies_lock:
+            for mid in wanted:
+                key = (req.holder, req.session, mid)
+                if key in self.copies:
+                    try:
+                        held += eng.hold([self.copies[key]])
+                    except UnknownMessageError:  # evicted by the store meanwhile
+                        del self.copies[key]
+                        continue
+                    here[mid] = self.copies[key]
+                    self._using[here[mid]] += 1
+                    self.copies.move_to_end(key)
+        missing = [mid for mid in wanted if mid not in here]
+        with self._copies_lock:
+            channel = self.channels.get(req.holder) or self.channels.setdefault(
+                req.holder, grpc.insecure_channel(req.holder, options=GRPC_LIMITS))
+        for got in fetch_many(channel, req.holder, req.session, missing, req.fingerprint, req.fetch_timeout_s):
+            copy = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
+            held += eng.hold([copy])
+            here[got.message_id] = copy
+            with self._copies_lock:
+                key = (req.holder, req.session, got.message_id)
+                if key in self.copies:
+                    spare.append(copy)
+                    continue
+                self.copies[key] = copy
+                self._using[copy] += 1
+        return here
+
+    def _trim(self, used: list[str]) -> None:
+        """A call is done with the copies `used`; the oldest copies no call reads go, down to COPIES."""
+        with self._copies_lock:
+            self._using.subtract(used)
+            self._using += Counter()
+            for key in [k for k, copy in self.copies.items() if not self._using[copy]]:
+                if len(self.copies) <= self.COPIES:
+                    break
+                try:
+                    self.engine.free(self.copies.pop(key), when_unpinned=True)
                 except UnknownMessageError:
                     pass
