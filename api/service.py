@@ -165,10 +165,11 @@ class AgentLogic:
             self.directory.announce_replica(self.config.replica, self.exporter.address,
                                             int(3 * self.config.upkeep_period_s) + 1)
         with self._held_lock:
-            sessions = list(self._held)
+            sessions = list(set(self._held) | self.kvcomm.scopes())
         gone = set(sessions) - self.directory.open_sessions(sessions)
         freed = 0
         for sid in gone:
+            self.kvcomm.drop(sid)  # (RunAgents' anchors: this session's alone)
             with self._held_lock:
                 ids = self._held.pop(sid, set())
             for mid in ids:
@@ -262,6 +263,7 @@ class AgentLogic:
                     freed += 1
                 except UnknownMessageError:  # evicted already
                     pass
+        self.kvcomm.drop(request.session_id)  # (reached only by the session's owner: close_session checks)
         return pb.CloseSessionResponse(freed_messages=freed)
 
     def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:

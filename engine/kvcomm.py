@@ -320,6 +320,17 @@ class KVComm:
         with self._lock:
             return self.pools.setdefault((scope, placeholder), AnchorPool(self.config.capacity))
 
+    def scopes(self) -> set[str]:
+        """The scopes (sessions) that have pools here."""
+        with self._lock:
+            return {scope for scope, _ in self.pools}
+
+    def drop(self, scope: str) -> int:
+        """Forget every pool of `scope` (its session has gone); returns the anchors dropped."""
+        with self._lock:
+            gone = [key for key in self.pools if key[0] == scope]
+            return sum(len(self.pools.pop(key)) for key in gone)
+
     @property
     def nbytes(self) -> int:
         with self._lock:

@@ -266,6 +266,15 @@ def test_run_agents_with_kvcomm_reuses_within_a_session_only(api):
         [e.token.token.token_id for e in dense if e.HasField("token")]
     other = list(stub.RunAgents(agents_request()))  # another session: nothing of the first one's anchors
     assert other[-1].done.reused == 0 and other[-1].done.session_id != sid
+    # a session's anchors go with it: at once when it is closed here, at the next upkeep when it expired
+    from braid.protos import agent_pb2 as pb
+
+    assert {sid, other[-1].done.session_id} <= logic.kvcomm.scopes()
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    assert sid not in logic.kvcomm.scopes() and other[-1].done.session_id in logic.kvcomm.scopes()
+    logic.directory.r.delete(f"braid:session:{other[-1].done.session_id}")  # (as its TTL would)
+    logic.upkeep()
+    assert other[-1].done.session_id not in logic.kvcomm.scopes()
 
 
 def test_run_agents_refuses_bad_graphs_and_keeps_serving(api):
