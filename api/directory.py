@@ -1,7 +1,8 @@
 """The control plane in Redis: sessions and a directory of messages.
 
 Keys are scoped by session, so a call can only ever resolve ids of its own session:
-  braid:session:{sid}           hash  created, messages, kv_bytes
+  braid:session:{sid}           hash  created, messages, kv_bytes, owner, anchors (the replica holding its
+                                      KVComm anchor pools)
   braid:session:{sid}:messages  set   message ids
   braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes
   braid:owner:{key}:sessions    set   the sessions an API key opened (for its limits)
@@ -234,8 +235,8 @@ class Directory:
     for i = 1, 3 do redis.call('expire', KEYS[i], ARGV[6]) end
     return 1
     """
-    _RELOCATE = """
-    if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], 'replica', ARGV[1]) end
+    _SET_IF_THERE = """
+    if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], ARGV[1], ARGV[2]) end
     """
     _COUNT_DOWN = """
     if redis.call('exists', KEYS[1]) == 1 then return redis.call('decr', KEYS[1]) end
@@ -252,10 +253,18 @@ class Directory:
             raise UnknownMessageError(f"session {rec.session_id!r} was closed or expired while the call ran; "
                                       "its new messages were freed")
 
+    def set_anchors(self, session_id: str, replica: str) -> None:
+        """The session's KVComm anchor pools live on `replica` now (a session closed meanwhile stays closed)."""
+        self.r.eval(self._SET_IF_THERE, 1, f"braid:session:{session_id}", "anchors", replica)
+
+    def anchors(self, session_id: str) -> str | None:
+        """The replica holding the session's anchor pools (None: none recorded)."""
+        return self.r.hget(f"braid:session:{session_id}", "anchors")
+
     def relocate(self, session_id: str, message_id: str, replica: str) -> None:
         """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""
         # (one step: a session closed meanwhile stays closed, no record outlives it)
-        self.r.eval(self._RELOCATE, 1, f"braid:msg:{session_id}:{message_id}", replica)
+        self.r.eval(self._SET_IF_THERE, 1, f"braid:msg:{session_id}:{message_id}", "replica", replica)
 
     def announce_replica(self, replica: str, address: str, ttl_s: int) -> None:
         """Where `replica` serves its messages to others, for `ttl_s` seconds unless announced again."""

@@ -25,7 +25,7 @@ from braid.engine.dag import NodeRound, NodeToken, WaveExecutor, run_dag
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.kvcomm import KVComm, KVCommConfig
 from braid.engine.staircase import StaircaseSchedule
-from braid.kv.export import KVExporter, fetch
+from braid.kv.export import KVExporter, fetch, fetch_anchors
 from braid.protos import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,31 @@ class AgentLogic:
                 self._lent.subtract(keys)
                 self._lent += Counter()
 
+    def _export_anchors(self, session_id: str) -> dict:
+        """KVExport's FetchAnchors: an open session's anchor pools, leaving this replica for the caller's."""
+        self.directory.session(session_id)  # (NOT_FOUND once closed or expired)
+        state = self.kvcomm.export(session_id, drop=True)
+        if not state:
+            raise UnknownMessageError(f"replica {self.config.replica} holds no anchors of session {session_id!r}")
+        log.info("anchors of session %s leave for another replica (%d pools)", session_id, len(state["pools"]))
+        return state
+
+    def _anchors_here(self, session_id: str) -> None:
+        """Before a RunAgents call: the session's anchor pools move here from the replica that holds them (the
+        directory says which), so a session keeps its reuse on whichever replica a call reaches. Anchors are a
+        cache: when they cannot move, they are measured again here."""
+        holder = self.directory.anchors(session_id)
+        if holder is None or holder == self.config.replica or session_id in self.kvcomm.scopes():
+            return
+        address = self.directory.replica_address(holder)
+        try:
+            if address is None:
+                raise UnknownMessageError(f"replica {holder} has gone")
+            taken = self.kvcomm.adopt(session_id, fetch_anchors(address, session_id, self.config.fetch_timeout_s))
+            log.info("anchors of session %s moved here from replica %s (%d)", session_id, holder, taken)
+        except BraidError as e:  # (TransferError is one too)
+            log.warning("the anchors of session %s stay behind (%s); they are measured again here", session_id, e)
+
     def _exportable(self, session_id: str, message_id: str) -> None:
         """KVExport's check: the message is the session's (the directory says so), or lent to it."""
         with self._held_lock:
@@ -138,7 +163,7 @@ class AgentLogic:
         expired. Returns the address. Called once by the deployment that owns this replica."""
         if self.exporter is not None:
             return self.exporter.address
-        self.exporter = KVExporter(self.engine, self._exportable, host)
+        self.exporter = KVExporter(self.engine, self._exportable, host, anchors=self._export_anchors)
         self._upkeep_round()
         threading.Thread(target=self._upkeep_loop, daemon=True, name="session-upkeep").start()
         return self.exporter.address
@@ -270,7 +295,14 @@ class AgentLogic:
         """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
+            if request.kvcomm:
+                self._anchors_here(sid)
             yield from self._agents(sid, request)
+            if request.kvcomm and sid in self.kvcomm.scopes():
+                try:
+                    self.directory.set_anchors(sid, self.config.replica)
+                except redis.RedisError as e:  # (its anchors stay here; a call elsewhere measures its own)
+                    log.warning("could not record where the anchors of session %s are: %s", sid, e)
 
     def RunGraph(self, request: pb.GraphRequest, caller: str = "") -> Iterator[pb.GraphEvent]:
         """Any DAG of agent calls (engine.dag), validated whole and its session messages resolved before

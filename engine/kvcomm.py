@@ -40,7 +40,7 @@ import torch
 
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
 from braid.engine.synthesis import Refresh, Runs, refresh_branches
-from braid.engine.errors import BraidError
+from braid.engine.errors import BraidError, PreconditionError
 from braid.engine.sampling import SamplingParams
 from braid.kernels import rerotate_keys
 
@@ -330,6 +330,39 @@ class KVComm:
         with self._lock:
             gone = [key for key in self.pools if key[0] == scope]
             return sum(len(self.pools.pop(key)) for key in gone)
+
+    def export(self, scope: str, drop: bool = False) -> dict:
+        """Every pool of `scope` as plain values and CPU tensors (what `adopt` takes, on this model's replicas),
+        oldest anchor first; with `drop`, the pools leave this replica (they move). Empty: no pools here."""
+        with self._lock:
+            keys = [key for key in self.pools if key[0] == scope]
+            pools = {key[1]: self.pools.pop(key) if drop else self.pools[key] for key in keys}
+            return {"fingerprint": self.engine.fingerprint, "pools": {
+                name: [{"tokens": list(a.tokens), "sketch": a.sketch.cpu(), "uses": a.uses,
+                        "offsets": {agent: [text.cpu(), join.cpu() if join is not None else None]
+                                    for agent, (text, join) in a.offsets.items()}} for a in pool.anchors]
+                for name, pool in pools.items()}} if keys else {}
+
+    def adopt(self, scope: str, state: dict) -> int:
+        """Pools that `export` gave on another replica, as this scope's own (anchors get ids of this replica);
+        refused (PreconditionError) if another model measured them. Returns the anchors taken in."""
+        if state.get("fingerprint") != self.engine.fingerprint:
+            raise PreconditionError(f"anchors measured on model {state.get('fingerprint')!r} cannot serve model "
+                                    f"{self.engine.fingerprint!r}")
+        device, taken = self.engine.lm.device, 0
+        for name, anchors in state["pools"].items():
+            pool = self.pool(scope, name)
+            with self._lock:
+                for a in anchors[-pool.capacity:]:
+                    if pool.find(tuple(a["tokens"])) is not None:
+                        continue  # (measured here meanwhile)
+                    self._next_id += 1
+                    anchor = Anchor(self._next_id, tuple(a["tokens"]), a["sketch"].to(device), uses=a["uses"])
+                    for agent, (text, join) in a["offsets"].items():
+                        anchor.measured(agent, text.to(device), join.to(device) if join is not None else None)
+                    pool.add(anchor)
+                    taken += 1
+        return taken
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,5 @@
-"""Session messages between replicas: one replica serves a stored message's KV, another fetches it.
+"""Session messages between replicas: one replica serves a stored message's KV, another fetches it; and a
+session's KVComm anchor pools, moving with the session.
 
 A session's messages live in the store of the replica whose call made them. When a later call of the
 session reaches another replica (the router sent it elsewhere: a new replica, load, a lost affinity), that
@@ -7,7 +8,9 @@ same ids, so the call runs as if it had reached the holder. The chunks are the K
 (`braid.kv.chunks`): checksummed per chunk, fingerprint-checked, bit-identical on arrival.
 """
 
+import io
 import logging
+import zlib
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -45,8 +48,10 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
     without its session, reads nothing."""
 
     def __init__(self, engine: Engine, check: Callable[[str, str], None], host: str = "127.0.0.1", port: int = 0,
-                 max_chunk_bytes: int = 1 << 20):
-        self.engine, self.check, self.max_chunk_bytes = engine, check, max_chunk_bytes
+                 max_chunk_bytes: int = 1 << 20, anchors: Callable[[str], dict] | None = None):
+        """`anchors(session_id)`: the session's KVComm pools as `KVComm.export` gives them, leaving this replica;
+        it raises UnknownMessageError (NOT_FOUND) unless the session is open and has anchors here."""
+        self.engine, self.check, self.max_chunk_bytes, self.anchors = engine, check, max_chunk_bytes, anchors
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS)
         kv_pb2_grpc.add_KVExportServicer_to_server(self, self._server)
         self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
@@ -70,6 +75,46 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
                 chunk.parent_offsets.extend(msg.parent_offsets)
                 first = False
             yield chunk
+
+
+    def FetchAnchors(self, request: kv_pb2.FetchAnchorsRequest, context):
+        try:
+            if self.anchors is None:
+                raise UnknownMessageError("this replica keeps no anchors")
+            state = self.anchors(request.session_id)
+        except BraidError as e:
+            context.abort(grpc.StatusCode[e.code], str(e))
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        for start in range(0, len(data), self.max_chunk_bytes):
+            piece = data[start:start + self.max_chunk_bytes]
+            yield kv_pb2.AnchorsChunk(payload=piece, crc32=zlib.crc32(piece), total_bytes=len(data))
+
+
+def fetch_anchors(address: str, session_id: str, timeout: float = 60.0) -> dict:
+    """The session's anchor pools from the replica at `address`, which lets go of them (`KVComm.adopt` takes
+    them). Raises UnknownMessageError if it has none for the session, TransferError if it cannot be reached or
+    a chunk arrives corrupt."""
+    pieces, total = [], None
+    try:
+        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
+            stub = kv_pb2_grpc.KVExportStub(channel)
+            for chunk in stub.FetchAnchors(kv_pb2.FetchAnchorsRequest(session_id=session_id), timeout=timeout):
+                if zlib.crc32(chunk.payload) != chunk.crc32:
+                    raise TransferError(f"anchors of session {session_id!r} from {address}: a chunk failed its "
+                                        "checksum")
+                pieces.append(chunk.payload)
+                total = chunk.total_bytes
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            raise UnknownMessageError(f"no anchors of session {session_id!r} at {address} ({e.details()})") from None
+        raise TransferError(f"could not fetch the anchors of session {session_id!r} from {address}: "
+                            f"{e.code().name}: {e.details()}") from None
+    data = b"".join(pieces)
+    if total is None or len(data) != total:
+        raise TransferError(f"anchors of session {session_id!r} from {address}: {len(data)} of {total} bytes")
+    return torch.load(io.BytesIO(data), weights_only=True)  # (plain values and tensors only)
 
 
 def fetch(address: str, session_id: str, message_id: str, fingerprint: str, timeout: float = 60.0,

@@ -80,6 +80,22 @@ class FetchRequest(_message.Message):
     message_id: str
     def __init__(self, session_id: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
 
+class FetchAnchorsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class AnchorsChunk(_message.Message):
+    __slots__ = ("payload", "crc32", "total_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    crc32: int
+    total_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
 class PushAck(_message.Message):
     __slots__ = ("bytes", "chunks")
     BYTES_FIELD_NUMBER: _ClassVar[int]

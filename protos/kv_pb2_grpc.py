@@ -203,6 +203,11 @@ class KVExportStub:
                 request_serializer=braid_dot_protos_dot_kv__pb2.FetchRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_kv__pb2.KVChunk.FromString,
                 _registered_method=True)
+        self.FetchAnchors = channel.unary_stream(
+                '/braid.v1.KVExport/FetchAnchors',
+                request_serializer=braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.AnchorsChunk.FromString,
+                _registered_method=True)
 
 
 class KVExportServicer:
@@ -217,6 +222,14 @@ class KVExportServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchAnchors(self, request, context):
+        """The session's KVComm anchor pools, moving to the caller: they leave this replica. NOT_FOUND if the session
+        is not open or has no anchors here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVExportServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +237,11 @@ def add_KVExportServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=braid_dot_protos_dot_kv__pb2.FetchRequest.FromString,
                     response_serializer=braid_dot_protos_dot_kv__pb2.KVChunk.SerializeToString,
+            ),
+            'FetchAnchors': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchAnchors,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.AnchorsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -254,6 +272,33 @@ class KVExport:
             '/braid.v1.KVExport/Fetch',
             braid_dot_protos_dot_kv__pb2.FetchRequest.SerializeToString,
             braid_dot_protos_dot_kv__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchAnchors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/braid.v1.KVExport/FetchAnchors',
+            braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.AnchorsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -291,3 +291,48 @@ def test_run_agents_refuses_bad_graphs_and_keeps_serving(api):
             list(stub.RunAgents(request))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
     assert list(stub.RunAgents(agents_request(rounds=1)))[-1].done.prompts == 2
+
+
+def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
+    """Two replicas on one Redis: RunAgents on A measures the session's anchors; the session's next call reaches
+    B, which takes them over (KVExport.FetchAnchors, checksummed) and reuses every text at once, as A would have;
+    A lets go of them, and the directory names B. Another session, or a closed one, gets none."""
+    import grpc
+
+    from braid.api.directory import Directory, EmbeddedRedis
+    from braid.api.service import ServiceConfig
+    from braid.cluster.inprocess import start_in_process
+    from braid.engine.errors import UnknownMessageError
+    from braid.kv.export import fetch_anchors
+    from braid.protos import agent_pb2 as pb
+    from braid.protos import agent_pb2_grpc
+
+    redis_server = EmbeddedRedis()
+    servers = [start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url),
+                                ServiceConfig(replica=name)) for name in ("A", "B")]
+    channels = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    try:
+        (a, b), (logic_a, logic_b) = [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.logic for s in servers]
+        first = list(a.RunAgents(agents_request()))
+        sid = first[-1].done.session_id
+        assert logic_a.directory.anchors(sid) == "A" and sid in logic_a.kvcomm.scopes()
+        on_b = list(b.RunAgents(agents_request(session_id=sid)))  # the same texts: each its own anchor, moved
+        assert on_b[-1].done.reused == on_b[-1].done.prompts == 4
+        assert sid not in logic_a.kvcomm.scopes() and sid in logic_b.kvcomm.scopes()
+        assert logic_a.directory.anchors(sid) == "B"
+        dense = list(a.RunAgents(agents_request(session_id=sid, kvcomm=False)))  # (kvcomm off: nothing moves)
+        assert [e.token.token.token_id for e in on_b if e.HasField("token")] == \
+            [e.token.token.token_id for e in dense if e.HasField("token")]
+        assert sid in logic_b.kvcomm.scopes()
+        other = list(a.RunAgents(agents_request()))[-1].done.session_id
+        with pytest.raises(UnknownMessageError):  # A holds no anchors of sid any more
+            fetch_anchors(logic_a.exporter.address, sid)
+        b.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        with pytest.raises(UnknownMessageError):  # closed: B let go of them, and serves none
+            fetch_anchors(logic_b.exporter.address, sid)
+        assert other in logic_a.kvcomm.scopes()
+    finally:
+        for c, s in zip(channels, servers):
+            c.close()
+            s.stop()
+        redis_server.stop()
