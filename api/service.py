@@ -114,8 +114,11 @@ class AgentLogic:
     @contextmanager
     def lend(self, session_id: str, ids: Iterable[str]):
         """While it lasts, KVExport serves these messages to callers naming `session_id`, though the directory
-        does not list them (a graph's outputs and re-encoded copies, which its workers read)."""
-        keys = [(session_id, mid) for mid in set(ids)]
+        does not list them (a graph's outputs and re-encoded copies, which its workers read), and they are kept
+        from eviction (the workers fetch them while it lasts)."""
+        ids = set(ids)
+        keys = [(session_id, mid) for mid in ids]
+        held = self.engine.hold(ids)  # (NOT_FOUND if one has gone already)
         with self._held_lock:
             self._lent.update(keys)
         try:
@@ -124,6 +127,7 @@ class AgentLogic:
             with self._held_lock:
                 self._lent.subtract(keys)
                 self._lent += Counter()
+            self.engine.release(held)
 
     def _export_anchors(self, session_id: str) -> dict:
         """KVExport's FetchAnchors: an open session's anchor pools, leaving this replica for the caller's."""
@@ -147,7 +151,8 @@ class AgentLogic:
                 raise UnknownMessageError(f"replica {holder} has gone")
             taken = self.kvcomm.adopt(session_id, fetch_anchors(address, session_id, self.config.fetch_timeout_s))
             log.info("anchors of session %s moved here from replica %s (%d)", session_id, holder, taken)
-        except BraidError as e:  # (TransferError is one too)
+            self.directory.set_anchors(session_id, self.config.replica)  # (at once: the holder let go of them)
+        except Exception as e:  # noqa: BLE001 - a cache: whatever failed, the call goes on without it
             log.warning("the anchors of session %s stay behind (%s); they are measured again here", session_id, e)
 
     def _exportable(self, session_id: str, message_id: str) -> None:

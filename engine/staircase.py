@@ -140,9 +140,9 @@ class BranchFeed:
         with self.cv:
             self.progressed = time.monotonic()
             self.counts[b] += 1
-            if finished:
-                self.ended[b] = True
+            if finished:  # (length first: `settled` reads both without the lock)
                 self.length[b] = source.header_length(call) + self.counts[b]
+                self.ended[b] = True
             self.cv.notify_all()
 
     def end(self, source, why: str) -> None:
@@ -166,7 +166,7 @@ class BranchFeed:
             if source.error is not None and b not in self.failed:
                 self.failed[b] = f"{type(source.error).__name__}: {source.error}"
             elif source.length is not None and not self.ended[b]:
-                self.ended[b], self.length[b] = True, source.length
+                self.length[b], self.ended[b] = source.length, True  # (length first, as in record)
             elif readable <= self.counts[b]:
                 return  # (nothing new: the clocks go on)
             self.counts[b] = max(self.counts[b], readable)

@@ -7,7 +7,8 @@ held: no persistence) and starts it again on the same port. It passes when every
 `python -m braid.loadtest.chaos kill-worker` starts a local Ray cluster (two Worker replicas), sends
 workflows and kills one Worker replica while they run. It passes when none hung, each either completed or
 failed with UNAVAILABLE (its branches were on the killed replica), and a new workflow completes afterwards
-without anyone restarting anything.
+without anyone restarting anything. With `--graphs`, the load is RunGraph debates (MADpar, whose waves decode on
+the Worker replicas) instead, under the same bar, and afterwards a new graph must complete too.
 
 `python -m braid.loadtest.chaos client-leaves` starts a local Ray cluster and, one workflow at a time, stops
 each mid-stream from the client's side, three ways: the client cancels the call; its gRPC deadline passes;
@@ -117,6 +118,72 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
     return result
 
 
+def debate(max_tokens: int = 24):
+    """A MADpar debate (engine.presets) as a RunGraph request: 3 agents x 2 rounds and, with random or
+    reference weights alike, `max_tokens` per reply."""
+    from braid.api.convert import graph_request
+    from braid.engine import SamplingParams
+    from braid.engine.presets import mad_par
+
+    return graph_request(mad_par("which city is larger?", agents=3, rounds=2,
+                                 sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.0, timeout: float = 120.0,
+                             recover_within_s: float = 120.0, max_tokens: int = 24,
+                             metadata=(("application", "braid"),)) -> dict:
+    """`graphs` debates at once; one Worker replica of the Serve app in this process's Ray killed `after_s` in.
+    Each debate's outcome is its status (DEADLINE_EXCEEDED: it hung past `timeout`)."""
+    import ray
+
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    request = debate(max_tokens)
+
+    def one():
+        try:
+            with grpc.insecure_channel(address) as channel:
+                events = list(agent_pb2_grpc.AgentServiceStub(channel).RunGraph(request, metadata=metadata,
+                                                                                   timeout=timeout))
+            code = "OK" if events and events[-1].HasField("done") else "INCOMPLETE"
+        except grpc.RpcError as e:
+            code = e.code().name
+        with lock:
+            outcomes.append(code)
+
+    threads = [threading.Thread(target=one, daemon=True, name="chaos-graph") for _ in range(graphs)]
+    for t in threads:
+        t.start()
+    time.sleep(after_s)
+    workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Worker" in a["name"]]
+    if not workers:
+        raise RuntimeError("no Worker replica to kill: is the cluster colocated?")
+    with lock:
+        in_flight = graphs - len(outcomes)
+    ray.kill(ray.get_actor(workers[0]["name"], namespace=workers[0]["namespace"]), no_restart=False)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(timeout + 60)
+    back = recovers(address, recover_within_s, metadata)
+    graph_back = None
+    if back is not None:  # and a new debate, whose waves need the Worker replicas again
+        with grpc.insecure_channel(address) as channel:
+            try:
+                events = list(agent_pb2_grpc.AgentServiceStub(channel).RunGraph(request, metadata=metadata,
+                                                                                   timeout=timeout))
+                graph_back = time.monotonic() - killed_at if events[-1].HasField("done") else None
+            except grpc.RpcError:
+                pass
+    codes = Counter(outcomes)
+    result = {"workflows": graphs, "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"] + sum(
+        t.is_alive() for t in threads), "in_flight_at_fault": in_flight, "replicas_before": len(workers),
+        "after_s": after_s, "completed_with_lost_branches": 0, "lost_branches": 0,
+        "recovered_s": None if back is None else time.monotonic() - killed_at, "graph_recovered_s": graph_back}
+    other = {k: n for k, n in codes.items() if k not in ("OK", "UNAVAILABLE")}
+    result["passed"] = not result["hung"] and not other and graph_back is not None
+    return result
+
+
 LEAVES = ("cancel", "grpc-deadline", "metadata-deadline")
 
 
@@ -208,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--down", type=float, default=1.0, help="redis-restart: seconds Redis stays down (default: 1)")
     p.add_argument("--staircase", choices=["reprefill", "append"], default=None,
                    help="kill-worker: staircase workflows (KV over gRPC), which answer on without a lost branch")
+    p.add_argument("--graphs", action="store_true",
+                   help="kill-worker: RunGraph debates (their waves on the Worker replicas) instead of workflows")
     p.add_argument("--grace", type=float, default=3.0,
                    help="client-leaves: seconds the replicas have to become idle (default: 3)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
@@ -217,8 +286,10 @@ def main(argv=None) -> int:
     after = args.after if args.after is not None else (2.0 if args.fault == "redis-restart" else 3.0)
     if workflows < 1 or concurrency < 1 or after < 0 or args.down < 0:
         p.error("--workflows and --concurrency must be >= 1, --after and --down >= 0")
-    if args.staircase and args.fault != "kill-worker":
-        p.error("--staircase goes with kill-worker")
+    if (args.staircase or args.graphs) and args.fault != "kill-worker":
+        p.error("--staircase and --graphs go with kill-worker")
+    if args.staircase and args.graphs:
+        p.error("--staircase is for workflows; --graphs sends debates")
     if args.grace <= 0:
         p.error(f"--grace must be > 0, got {args.grace}")
     if args.fault == "client-leaves":
@@ -247,7 +318,8 @@ def main(argv=None) -> int:
         config = ClusterConfig(args.model, worker_replicas=2, grpc_port=free_port(), kv_wait_timeout_s=30)
         local = start_local_cluster(config)
         try:
-            result = kill_worker_under_load(local.address, workflows, concurrency, after, workload=workload)
+            result = (kill_worker_under_graphs(local.address, workflows, after) if args.graphs else
+                      kill_worker_under_load(local.address, workflows, concurrency, after, workload=workload))
         finally:
             local.stop()
     back = "never" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s later"
@@ -255,7 +327,8 @@ def main(argv=None) -> int:
           f"fault), outcomes {result['outcomes']} ({result['completed_with_lost_branches']} answered without a lost "
           f"branch; {result['lost_branches']} branches lost), hung {result['hung']}; a new workflow completed: {back}")
     print("PASS" if result["passed"] else "FAIL")
-    name = f"chaos_{args.fault.replace('-', '_')}{'_staircase' if args.staircase else ''}_cpu"
+    suffix = "_staircase" if args.staircase else "_graphs" if args.graphs else ""
+    name = f"chaos_{args.fault.replace('-', '_')}{suffix}_cpu"
     stem = write_json(args.out, name, {**result, "config": vars(args)})
     print(f"wrote {stem}.json")
     return 0 if result["passed"] else 1

@@ -41,7 +41,7 @@ class Synthesizer:
         if workers is not None and config.graph_worker_calls:  # RunGraph's waves decode on the Worker replicas
             on_workers = WaveWorkers(lambda req: workers.options(stream=True).run_nodes.remote(req),
                                      config.graph_worker_calls, config.graph_transport, service.fetch_timeout_s,
-                                     config.kv_wait_timeout_s)
+                                     config.kv_wait_timeout_s, config.kv_queue_timeout_s)
             self.agent.waves = lambda sid: WorkerWaves(self.engine, receiver, exports, on_workers, sid,
                                                        self.agent.lend)
         self.metrics = metrics()

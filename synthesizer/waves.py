@@ -22,7 +22,7 @@ from typing import Protocol
 
 from braid.api.messages import BranchDone, BranchToken, NodesRequest
 from braid.engine import DecodeCall, Engine
-from braid.engine.errors import BraidError
+from braid.engine.errors import BraidError, UnknownMessageError
 from braid.engine.scheduler import TokenEvent
 from braid.kv.connector import TransferError, stream_name
 from braid.kv.receiver import KVReceiver
@@ -47,11 +47,14 @@ class WaveWorkers:
     calls: int  # worker calls per wave at most (the Worker replicas)
     transport: str = "grpc"  # how outputs come back: grpc or collective
     fetch_timeout_s: float = 60.0  # a worker fetching one parent from here
-    wait_timeout_s: float = 120.0  # an output's KV stream going this long without a chunk
+    wait_timeout_s: float = 120.0  # a started wave going this long without word from its workers
+    queue_timeout_s: float = 3600.0  # a wave waiting this long for any worker to start on it
 
     def __post_init__(self):
         if self.calls < 1:
             raise ValueError(f"calls must be >= 1, got {self.calls}")
+        if not (self.fetch_timeout_s > 0 and self.wait_timeout_s > 0 and self.queue_timeout_s > 0):
+            raise ValueError("fetch_timeout_s, wait_timeout_s and queue_timeout_s must be positive")
         if self.transport not in ("grpc", "collective"):
             raise ValueError(f"transport must be grpc or collective, got {self.transport!r}")
 
@@ -71,8 +74,10 @@ class WorkerWaves:
 class WorkerWave:
     """One wave on the workers, read as a DecodeStream (engine.dag.WaveStream). The worker calls start when it
     is made; iterating yields their tokens as they come (`call` is the index in `calls`) and, once every worker
-    call has ended, stores the outputs here (`ids`). A failed worker call fails the wave with UNAVAILABLE, and
-    `close()` (always called) stops the others and keeps nothing the wave had not finished."""
+    call has ended, stores the outputs here (`ids`; held from eviction until `close()`). A failed worker call
+    fails the wave (with the worker's own status, or UNAVAILABLE), as does a wave whose workers say nothing for
+    `wait_timeout_s` once started (`queue_timeout_s` before). `close()` (always called) stops the others and
+    keeps nothing the wave had not finished."""
 
     def __init__(self, owner: WorkerWaves, calls: list[DecodeCall]):
         self.owner, self.calls = owner, calls
@@ -84,6 +89,7 @@ class WorkerWave:
         self.name = f"wave-{secrets.token_hex(8)}"
         self._events: queue.Queue = queue.Queue()
         self._done: dict[int, BranchDone] = {}  # wave call -> its worker's receipt
+        self._held: list[str] = []  # the outputs stored here, kept from eviction until close()
         self._lent = owner.lend(owner.session, {p for c in calls for p in c.parents})
         self._lent.__enter__()
         self._handles: list[WorkerCall] = []
@@ -113,9 +119,15 @@ class WorkerWave:
         self._events.put((g, error if error is not None else StopIteration()))
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        pending = len(self.groups)
+        pending, started, w = len(self.groups), False, self.owner.workers
         while pending:
-            g, item = self._events.get()
+            wait = w.wait_timeout_s if started else w.queue_timeout_s
+            try:
+                g, item = self._events.get(timeout=wait)
+            except queue.Empty:
+                raise TransferError(f"graph wave {self.name}: no word from its workers for {wait:.0f} s "
+                                    f"({'after they started' if started else 'none started'})") from None
+            started = True
             if isinstance(item, StopIteration):
                 pending -= 1
             elif isinstance(item, BaseException):
@@ -151,9 +163,13 @@ class WorkerWave:
                     call = self.calls[c]
                     ids.append(eng.import_message(got.token_ids, got.kv, got.offset, eng.fingerprint,
                                                   call.parents, call.offsets or ()))
+                    self._held += eng.hold(ids[-1:])
         except BaseException:
             for mid in ids:
-                eng.free(mid, when_unpinned=True)
+                try:
+                    eng.free(mid, when_unpinned=True)
+                except UnknownMessageError:  # (evicted: the error that brought us here is what counts)
+                    pass
             raise
         order = [c for members in self.groups for c in members]
         return [ids[order.index(c)] for c in range(len(self.calls))]
@@ -171,5 +187,6 @@ class WorkerWave:
         if self.ids is None:
             self.owner.receiver.forget([self._stream(g, i) for g, members in enumerate(self.groups)
                                         for i in range(len(members))])
+        self.owner.engine.release(self._held)  # (the graph's run holds what it keeps)
         self._lent.__exit__(None, None, None)
 

@@ -430,6 +430,17 @@ def test_a_worker_killed_under_load_hangs_nothing_and_the_cluster_recovers(clust
     assert set(result["outcomes"]) <= {"OK", "UNAVAILABLE"}
 
 
+def test_a_worker_killed_under_graphs_hangs_nothing_and_graphs_run_again(cluster):
+    """The same with RunGraph debates, whose waves decode on the Worker replica: each debate completes or fails
+    with UNAVAILABLE, none hangs, and a new debate completes once Serve has replaced the replica."""
+    from braid.loadtest.chaos import kill_worker_under_graphs
+
+    _, _, _, _, local = cluster
+    result = kill_worker_under_graphs(local.address, graphs=4, after_s=1.0, max_tokens=400)
+    assert result["passed"] and result["hung"] == 0 and result["in_flight_at_fault"] >= 1, result
+    assert set(result["outcomes"]) <= {"OK", "UNAVAILABLE"}
+
+
 def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
     """A cancelled RunWorkflow (the client went away, or its deadline passed) ends the workers' decoding on
     their replica within seconds, instead of running to max_tokens: a bare cancel (also once the answer

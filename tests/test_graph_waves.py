@@ -30,7 +30,8 @@ class InThreadCall:
     `cancel()`, from any thread, ends it at its next item."""
 
     def __init__(self, items, fail_after: int | None = None):
-        self.items, self.fail_after, self.cancelled = items, fail_after, threading.Event()
+        self.items, self.fail_after = items, fail_after
+        self.cancelled, self.closed = threading.Event(), threading.Event()
 
     def __iter__(self):
         try:
@@ -41,7 +42,8 @@ class InThreadCall:
                     raise ConnectionError("the worker's replica died")
                 yield item
         finally:
-            self.items.close()
+            self.items.close()  # (the worker's call has ended, and freed what it made)
+            self.closed.set()
 
     def cancel(self):
         self.cancelled.set()
@@ -140,8 +142,8 @@ def test_waves_on_workers_answer_as_the_holder_does(cluster, monkeypatch):
         assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
         assert len(new_messages(w.engine, old)) == len(w.copies) > 0
     assert len(fetched) == len(set(fetched)) == sum(len(w.copies) for w in workers)
-    assert not logic._lent
-    # what was lent for the waves is no longer served: the holder's outputs only to their own session
+    assert not logic._lent  # (nothing stays lent: the workers can fetch only the session's own messages)
+    # and a session's outputs are served to that session only
     with pytest.raises(UnknownMessageError):
         fetch(logic.exporter.address, sid_here, there["judge"].message_id, logic.engine.fingerprint)
     for s in (sid, sid_here):
@@ -166,10 +168,8 @@ def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
         if e.HasField("token"):
             break
     events.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(w.engine.scheduler.load["running"] for w in workers):
-        time.sleep(0.05)
     assert len(calls) - made == 2 and all(c.cancelled.is_set() for c in calls[made:])
+    assert all(c.closed.wait(10) for c in calls)  # (every worker call has ended)
     for w, old in zip(workers, before):
         assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
     assert new_messages(logic.engine, stored) == [] and not logic._lent

@@ -324,11 +324,14 @@ def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
         assert [e.token.token.token_id for e in on_b if e.HasField("token")] == \
             [e.token.token.token_id for e in dense if e.HasField("token")]
         assert sid in logic_b.kvcomm.scopes()
-        other = list(a.RunAgents(agents_request()))[-1].done.session_id
+        other_done = list(a.RunAgents(agents_request()))[-1].done
+        other = other_done.session_id
+        assert other_done.reused == 0  # (another session: none of sid's anchors, wherever they are)
         with pytest.raises(UnknownMessageError):  # A holds no anchors of sid any more
             fetch_anchors(logic_a.exporter.address, sid)
         b.CloseSession(pb.CloseSessionRequest(session_id=sid))
-        with pytest.raises(UnknownMessageError):  # closed: B let go of them, and serves none
+        assert sid not in logic_b.kvcomm.scopes()  # closed: B let go of them, and serves none
+        with pytest.raises(UnknownMessageError):
             fetch_anchors(logic_b.exporter.address, sid)
         assert other in logic_a.kvcomm.scopes()
     finally:
