@@ -165,6 +165,7 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
     for t in threads:
         t.join(timeout + 60)
     back = recovers(address, recover_within_s, metadata)
+    recovered = None if back is None else time.monotonic() - killed_at  # (from the kill)
     graph_back = None
     if back is not None:  # and a new debate, whose waves need the Worker replicas again
         with grpc.insecure_channel(address) as channel:
@@ -178,7 +179,7 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
     result = {"workflows": graphs, "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"] + sum(
         t.is_alive() for t in threads), "in_flight_at_fault": in_flight, "replicas_before": len(workers),
         "after_s": after_s, "completed_with_lost_branches": 0, "lost_branches": 0,
-        "recovered_s": None if back is None else time.monotonic() - killed_at, "graph_recovered_s": graph_back}
+        "recovered_s": recovered, "graph_recovered_s": graph_back}
     other = {k: n for k, n in codes.items() if k not in ("OK", "UNAVAILABLE")}
     result["passed"] = not result["hung"] and not other and graph_back is not None
     return result
@@ -323,7 +324,10 @@ def main(argv=None) -> int:
         finally:
             local.stop()
     back = "never" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s later"
-    print(f"{args.fault}: {result['workflows']} workflows ({result['in_flight_at_fault']} in flight at the "
+    if args.graphs:
+        back += ("; a new debate: never" if result["graph_recovered_s"] is None else
+                 f"; a new debate: {result['graph_recovered_s']:.1f} s later")
+    print(f"{args.fault}: {result['workflows']} {'debates' if args.graphs else 'workflows'} ({result['in_flight_at_fault']} in flight at the "
           f"fault), outcomes {result['outcomes']} ({result['completed_with_lost_branches']} answered without a lost "
           f"branch; {result['lost_branches']} branches lost), hung {result['hung']}; a new workflow completed: {back}")
     print("PASS" if result["passed"] else "FAIL")
