@@ -37,6 +37,8 @@ class NodesRequest:
     kv_address: str  # the holder's KV receiver
     transport: str  # "grpc" or "collective"
     fetch_timeout_s: float = 60.0
+    ship: tuple[int, ...] = ()  # ship each output in chunks of these sizes as it decodes (the last repeats); ():
+    # whole, when the calls end
 
 
 @dataclass

@@ -234,23 +234,29 @@ class NodeDone:
 class WaveStream(Protocol):
     """A wave's decoding calls running elsewhere, read as `Engine.decode_stream`'s stream is: iterate for
     TokenEvents (`call`, `token_id`, `text`, `finish_reason`); `ids` once iteration ends, each call's output
-    stored in the run's engine; `close()` from the iterating thread, always; `replicas[c]`: where call c ran."""
+    stored in the run's engine; `close()` from the iterating thread, always; `interrupt()` from any other, to
+    end the iteration with an error; `replicas[c]`: where call c ran. Asked to ship as they decode,
+    `arrivals[c]` is call c's message as it arrives (a BranchFeed source that reports through `listen`)."""
 
     ids: list[str] | None
     replicas: list[str]
+    arrivals: list | None
 
     def __iter__(self) -> Iterator: ...
 
     def close(self) -> None: ...
 
+    def interrupt(self) -> None: ...
+
 
 class WaveExecutor(Protocol):
     """Where a graph's waves decode, when not on the run's engine: other replicas (synthesizer.waves runs them
-    on Worker replicas). Called by DagRun._run_wave, from the run's thread, for each wave's decoding nodes that
-    read whole parents only and no calibration (staircase waves and calibrated nodes stay on the engine,
-    whose receiver and LoRA they need). The calls' parents are messages of the run's engine."""
+    on Worker replicas). Called by DagRun, from the run's thread, for each wave's decoding nodes except those
+    read through the calibration (they need the engine's LoRA). The calls' parents are messages of the run's
+    engine. With `ship` (chunk sizes in tokens, the last repeating), each call's message also comes back in
+    chunks as it decodes, for the staircase nodes that stream the wave."""
 
-    def decode_stream(self, calls: list[DecodeCall]) -> WaveStream: ...
+    def decode_stream(self, calls: list[DecodeCall], ship: Sequence[int] = ()) -> WaveStream: ...
 
 
 @dataclass
@@ -369,11 +375,22 @@ class DagRun:
         missing = [p for parts in sources.values() for p, a, c in parts if a is None and c is None]
         if missing:
             raise BraidError(f"staircase: {missing[0]!r} is not decoded in this wave")
-        stream = eng.decode_stream([self._call(n) for n in decode])
-        wave = _WaveSource(stream, offsets, headers)
-        feeds = {name: BranchFeed([], pump=False, branches=[(a, 0) if a is not None else (wave, c)
+        remote = self.executor is not None and bool(decode)  # (the wave decodes elsewhere, shipping chunks back)
+        if remote:
+            stream = self.executor.decode_stream([self._call(n) for n in decode], ship=self.graph.stair.proposer)
+            wave, branch = None, lambda c: (stream.arrivals[c], 0)
+        else:
+            stream = eng.decode_stream([self._call(n) for n in decode])
+            wave = _WaveSource(stream, offsets, headers)
+            branch = lambda c: (wave, c)  # noqa: E731
+        feeds = {name: BranchFeed([], pump=False, branches=[(a, 0) if a is not None else branch(c)
                                                             for _, a, c in parts])
                  for name, parts in sources.items()}
+        if remote:  # (arrivals report to the feeds reading them: what came, its end, its failure)
+            for feed in feeds.values():
+                for source, _ in feed.where:
+                    if source in stream.arrivals:
+                        source.listen(lambda feed=feed, source=source: feed.arrived(source))
         readers = {n: [feeds[s.name] for s in attached if n in self.graph.streamed(s)] for n in [*calls, *answers]}
         events: queue.Queue = queue.Queue()
         stop = threading.Event()
@@ -384,7 +401,7 @@ class DagRun:
             try:
                 for ev in stream:
                     name = decode[ev.call].name
-                    for feed in readers[name]:
+                    for feed in readers[name] if not remote else ():  # (remote: the arrivals report)
                         feed.record(wave, ev.call, ev.finish_reason is not None)
                     events.put((name, NodeToken(name, ev.token_id, ev.text, ev.finish_reason)))
                     if stop.is_set():
@@ -478,8 +495,9 @@ class DagRun:
                 eng.release(wave_held)
         for n in attached:  # (in dependency order: a nested staircase node reads the outputs before it)
             self._encode_output(n, self._staircase_results.pop(n.name).answer)
-        for n in decode:
-            yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
+        where = stream.replicas if remote else [""] * len(decode)
+        for c, n in enumerate(decode):
+            yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name], where[c])
         for n in attached:
             yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name])
 

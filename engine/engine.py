@@ -112,6 +112,10 @@ class DecodeStream:
         which may be ahead of the events read so far: read it once per use."""
         return self._reused(call) + len(self._group.slots[call])
 
+    def offset(self, call: int) -> int:
+        """Where the call's message starts (the position of its first token, a reused cached start included)."""
+        return self._group.offsets[call] - self._reused(call)
+
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes, or
         from the stored message once it has ended."""

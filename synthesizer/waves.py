@@ -15,14 +15,14 @@ import logging
 import queue
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from braid.api.messages import BranchDone, BranchToken, NodesRequest
 from braid.engine import DecodeCall, Engine
-from braid.engine.errors import BraidError, UnknownMessageError
+from braid.engine.errors import BraidError, StoppedError, UnknownMessageError
 from braid.engine.scheduler import TokenEvent
 from braid.kv.connector import TransferError, stream_name
 from braid.kv.receiver import KVReceiver
@@ -67,8 +67,8 @@ class WorkerWaves:
         self.engine, self.receiver, self.export_address, self.workers = engine, receiver, export_address, workers
         self.session, self.lend = session, lend
 
-    def decode_stream(self, calls: list[DecodeCall]) -> "WorkerWave":
-        return WorkerWave(self, calls)
+    def decode_stream(self, calls: list[DecodeCall], ship: Sequence[int] = ()) -> "WorkerWave":
+        return WorkerWave(self, calls, tuple(ship))
 
 
 class WorkerWave:
@@ -77,9 +77,11 @@ class WorkerWave:
     call has ended, stores the outputs here (`ids`; held from eviction until `close()`). A failed worker call
     fails the wave (with the worker's own status, or UNAVAILABLE), as does a wave whose workers say nothing for
     `wait_timeout_s` once started (`queue_timeout_s` before). `close()` (always called) stops the others and
-    keeps nothing the wave had not finished."""
+    keeps nothing the wave had not finished. With `ship`, the workers ship each call's message in chunks of
+    those sizes as it decodes, and `arrivals[c]` reads call c's as it comes (for the staircase nodes streaming
+    the wave); the outputs stored are the same."""
 
-    def __init__(self, owner: WorkerWaves, calls: list[DecodeCall]):
+    def __init__(self, owner: WorkerWaves, calls: list[DecodeCall], ship: tuple[int, ...] = ()):
         self.owner, self.calls = owner, calls
         self.ids: list[str] | None = None
         self.replicas = [""] * len(calls)
@@ -94,11 +96,13 @@ class WorkerWave:
         self._lent.__enter__()
         self._handles: list[WorkerCall] = []
         self._closed = False
+        where = {c: (g, i) for g, members in enumerate(self.groups) for i, c in enumerate(members)}
+        self.arrivals = [owner.receiver.watch(self._stream(*where[c])) for c in range(len(calls))] if ship else None
         try:
             for g, members in enumerate(self.groups):
                 req = NodesRequest(f"{self.name}:{g}", owner.session, owner.export_address, owner.engine.fingerprint,
                                    [calls[c] for c in members], owner.receiver.address, w.transport,
-                                   w.fetch_timeout_s)
+                                   w.fetch_timeout_s, ship)
                 self._handles.append(w.call(req))
             for g, handle in enumerate(self._handles):
                 threading.Thread(target=self._pump, args=(g, handle), daemon=True, name="graph-wave").start()
@@ -142,6 +146,10 @@ class WorkerWave:
         if missing:
             raise TransferError(f"graph wave {self.name}: worker calls ended without call {missing[0]}'s output")
         self.ids = self._store()
+
+    def interrupt(self) -> None:
+        """From any thread: the iteration ends at once with CANCELLED (`close` still stops the workers)."""
+        self._events.put((-1, StoppedError(f"graph wave {self.name} was interrupted")))
 
     def _failed(self, g: int, error: BaseException) -> BaseException:
         error = getattr(error, "cause", None) or error  # (out of Ray's wrapper)

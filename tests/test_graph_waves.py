@@ -180,3 +180,94 @@ def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
     assert done["judge"].replica.startswith("worker-") and len(workers[0].copies) == 2
     assert all(copy in workers[0].engine.store for copy in workers[0].copies.values())
     logic.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+# ---- staircase waves: the workers ship each reply in chunks as it decodes ------------------------------------
+def executor(cluster, session="s"):
+    logic, _, on_workers, _, _ = cluster
+    on_workers(True)
+    return logic.waves(session)
+
+
+@pytest.mark.parametrize("output", ["kv", "text"])
+def test_a_staircase_node_streams_the_workers_replies_as_the_holder_does(cluster, output):
+    """Chunks larger than any reply: the staircase node on the holder takes the workers' whole replies, as it does
+    from its own engine's decode, and gives the same greedy tokens, node for node."""
+    from test_dag_staircase import WHOLE, moa, tokens_of
+
+    from braid.engine.dag import DagRun, NodeRound
+
+    logic = cluster[0]
+    here = DagRun(logic.engine, moa(True, output, schedule=WHOLE))
+    h_events = list(here)
+    there = DagRun(logic.engine, moa(True, output, schedule=WHOLE), executor(cluster))
+    t_events = list(there)
+    for name in ("p0", "p1", "p2", "agg"):
+        assert tokens_of(t_events, name) == tokens_of(h_events, name), name
+    rounds = [e for e in t_events if isinstance(e, NodeRound)]
+    assert len(rounds) == 1 and all(rounds[0].chunks[p] == (0, logic.engine.message(there.outputs[p]).num_tokens)
+                                    for p in ("p0", "p1", "p2"))
+    done = {e.node: e for e in t_events if hasattr(e, "replica")}
+    assert {done[p].replica for p in ("p0", "p1", "p2")} == {"worker-0", "worker-1"} and done["agg"].replica == ""
+    here.free()
+    there.free()
+
+
+def test_a_staircase_node_answers_from_the_workers_first_chunks(cluster):
+    """Small chunks: the staircase node's answer starts before the workers' replies end, from chunks they ship
+    as they decode; the replies' outputs still arrive whole on the holder."""
+    from test_dag_staircase import moa
+
+    from braid.engine import SamplingParams
+    from braid.engine.dag import DagRun, NodeRound, NodeToken
+    from braid.engine.staircase import StaircaseSchedule
+
+    logic = cluster[0]
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    graph = moa(True, sampling=long, schedule=StaircaseSchedule(proposer=(4, 8), aggregator=(2, 4)))
+    run = DagRun(logic.engine, graph, executor(cluster))
+    events = list(run)
+    first_answer = next(i for i, e in enumerate(events) if isinstance(e, NodeToken) and e.node == "agg")
+    last_reply = max(i for i, e in enumerate(events) if isinstance(e, NodeToken) and e.node.startswith("p"))
+    assert first_answer < last_reply  # (it answered while they decoded)
+    rounds = [e for e in events if isinstance(e, NodeRound)]
+    assert rounds[0].chunks and all(end < logic.engine.message(run.outputs[p]).num_tokens
+                                    for p, (_, end) in rounds[0].chunks.items())
+    for p in ("p0", "p1", "p2"):
+        assert len(logic.engine.message(run.outputs[p]).token_ids) > 60
+    run.free()
+
+
+def test_a_failed_worker_fails_a_staircase_wave_and_keeps_nothing(cluster):
+    """A worker call that dies while a staircase node streams its wave fails the run (the staircase stops too),
+    and neither the holder nor the workers keep anything of it; so does a run left midway."""
+    from test_dag_staircase import moa
+
+    from braid.engine import SamplingParams
+    from braid.engine.dag import DagRun, NodeToken
+    from braid.engine.staircase import StaircaseSchedule
+
+    logic, workers, _, calls, plan = cluster
+    graph = moa(True, sampling=SamplingParams(max_tokens=60, ignore_eos=True),
+                schedule=StaircaseSchedule(proposer=(4, 8), aggregator=(2, 4)))
+    stored = set(logic.engine.store.ids())
+    before = [set(w.engine.store.ids()) for w in workers]
+    plan["fail_after"] = 20
+    try:
+        run = DagRun(logic.engine, graph, executor(cluster))
+        with pytest.raises(TransferError, match="the worker's replica died"):
+            list(run)
+        run.free(keep=())
+    finally:
+        plan["fail_after"] = None
+    run = DagRun(logic.engine, graph, executor(cluster))
+    events = iter(run)
+    for e in events:
+        if isinstance(e, NodeToken) and e.node == "agg":
+            break  # (the client leaves once the answer streams)
+    events.close()
+    run.free(keep=())
+    assert all(c.closed.wait(10) for c in calls)
+    for w, old in zip(workers, before):
+        assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
+    assert new_messages(logic.engine, stored) == [] and not logic._lent

@@ -38,7 +38,12 @@ class WorkerConfig:
 
     def ship_after(self, shipped_chunks: int) -> int:
         """Tokens to accumulate before the next KV chunk (the last step repeats)."""
-        return self.kv_schedule[min(shipped_chunks, len(self.kv_schedule) - 1)]
+        return ship_after(self.kv_schedule, shipped_chunks)
+
+
+def ship_after(schedule: tuple[int, ...], shipped_chunks: int) -> int:
+    """Tokens to accumulate before a stream's next KV chunk, by `schedule` (its last step repeats)."""
+    return schedule[min(shipped_chunks, len(schedule) - 1)]
 
 
 class BranchRunner:
@@ -123,12 +128,20 @@ class BranchRunner:
             sender.open(names)
             here = self._parents(req, held, spare)
             stream = eng.decode_stream([replace(c, parents=[here[p] for p in c.parents]) for c in req.calls])
+            shipped, chunks = [0] * len(names), [0] * len(names)
             for ev in stream:
                 yield BranchToken(ev.call, ev.token_id, ev.text, ev.finish_reason or "")
+                c = ev.call
+                # (as run() does: the last encoded token waits for the closing chunk, which is never empty)
+                end = stream.encoded(c) - 1 if req.ship else 0
+                if req.ship and end - shipped[c] >= ship_after(req.ship, chunks[c]):
+                    tokens, kv = stream.partial_kv(c, shipped[c], end)
+                    sender.send(BranchChunk(names[c], names[c], stream.offset(c), shipped[c], tokens, kv))
+                    shipped[c], chunks[c] = end, chunks[c] + 1
             outputs = [eng.message(mid) for mid in stream.ids]
-            for c, msg in enumerate(outputs):  # (a message never changes: its KV is sent as it is)
-                sender.send(BranchChunk(names[c], names[c], msg.offset, 0, list(msg.token_ids), msg.kv,
-                                        msg.num_tokens))
+            for c, msg in enumerate(outputs):  # the rest (a message never changes: its KV is sent as it is)
+                sender.send(BranchChunk(names[c], names[c], msg.offset, shipped[c], list(msg.token_ids[shipped[c]:]),
+                                        msg.kv[:, :, :, shipped[c]:].contiguous(), msg.num_tokens))
             sent, sender = sender.finish(), None
             for c, msg in enumerate(outputs):
                 yield BranchDone(c, list(msg.token_ids), msg.nbytes, sent[names[c]].digest, self.name)
