@@ -160,6 +160,17 @@ def test_run_graph_decodes_on_the_worker_replicas(cluster):
     while worker.load.remote().result()["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert worker.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    # a staircase judge on the synthesizer streams the debaters' chunks as the worker ships them
+    nodes[-1].staircase = True
+    for n in nodes[2:4]:
+        n.sampling.CopyFrom(pb.Sampling(max_tokens=40, ignore_eos=True))
+    events = list(stub.RunGraph(pb.GraphRequest(nodes=nodes, staircase=pb.StaircaseOptions(
+        proposer_chunks=[4, 8], aggregator_chunks=[2, 4])), metadata=METADATA, timeout=120))
+    done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
+    rounds = [e.round for e in events if e.HasField("round")]
+    assert done["w0"].replica.startswith("worker-") and done["judge"].replica == "" and done["judge"].text
+    assert rounds and any(c.end < 40 for c in rounds[0].chunks)  # (its first round took part of the replies)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=events[-1].done.session_id), metadata=METADATA)
 
 
 def test_session_calls_and_bad_requests_through_the_proxy(cluster):
