@@ -194,7 +194,8 @@ def run_preset(stub, args, metadata) -> None:
                 outputs[d.node] = d
                 if d.text:
                     note = f" (read re-encoded: {', '.join(d.reencoded)})" if d.reencoded else ""
-                    print(f"[{d.node}]{note} {d.text.strip()}")
+                    where = f" on {d.replica}" if d.replica and args.show_branches else ""
+                    print(f"[{d.node}{where}]{note} {d.text.strip()}")
             elif kind == "done":
                 session = event.done.session_id
                 print(f"[done] session {session} in {event.done.seconds:.2f} s")
