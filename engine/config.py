@@ -41,6 +41,9 @@ class EngineConfig:
     kv_budget_bytes: int = 0
     kv_block_tokens: int = 16  # the work KV's page size: a call holds whole blocks of the pool
     max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
+    # a parent placed where it was encoded is read in place: one copy in the work KV for every running call
+    # that reads it so (false: each call copies its parents into its own blocks)
+    share_parents: bool = True
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
@@ -65,6 +68,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
+        if not isinstance(self.share_parents, bool):
+            raise ValueError(f"share_parents must be true or false, got {self.share_parents!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)

@@ -326,13 +326,22 @@ class Engine:
         if plan is None:
             release()
             return None, ready
-        capacity = sum(m.num_tokens for m, _ in plan.entries) + sum(map(len, plan.tokens)) + sum(extra)
+        # parents placed where they were encoded, untransformed, are read in place (one copy in the pool for
+        # every running call that reads them so); the rest are copied into the call's own blocks
+        in_place = [self.config.share_parents and transform is None and off == m.offset for m, off in plan.entries]
+        own = sum(map(len, plan.tokens)) + sum(extra)
+        pool = self.scheduler.pool
+        if pool.blocks_for(own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)) + sum(
+                pool.blocks_for(m.num_tokens) for (m, _), yes in zip(plan.entries, in_place) if yes) > pool.blocks:
+            in_place = [False] * len(plan.entries)  # (whole blocks per run would not fit the pool: copies do)
+        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, in_place) if yes]
+        capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)
         try:
             group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
-                          lambda blocks: self._assemble(plan, sum(extra), transform, blocks),
+                          lambda blocks, runs: self._assemble(plan, sum(extra), transform, blocks, in_place, runs),
                           lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                              cache_prefill=params is None),
-                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter)
+                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared)
             group.prefix = plan.prefix or group.prefix
             self.scheduler.submit(group)
         except BaseException:
@@ -446,12 +455,17 @@ class Engine:
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
                      [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls])
 
-    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None,
-                  blocks: list[int]) -> WorkCache:
-        """A work cache (over `blocks` of the pool) holding copies of every parent, re-rotated to its offset."""
+    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
+                  in_place: list[bool], runs: list) -> WorkCache:
+        """A work cache (over `blocks` of the pool) reading each parent in place (`runs`, in order, for the
+        entries `in_place`) or holding a copy of it, re-rotated to its offset."""
         context = sum(m.num_tokens for m, _ in plan.entries)
         cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
+        runs = iter(runs)
         for e, (msg, off) in enumerate(plan.entries):
+            if in_place[e]:
+                cache.reference(next(runs), segment=e)
+                continue
             placed = msg.kv
             if off != msg.offset:
                 delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=placed.device)

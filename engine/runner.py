@@ -1,8 +1,10 @@
 """Forward passes over transformers' modules with paged, segment-tagged KV caches.
 
 One engine call gets one WorkCache (a block table in the engine's KVPool): the placed
-context entries (copies of parent messages, re-rotated to their offsets) first, then the
-tokens of every parallel call, appended as they are encoded. Each slot carries a segment
+context entries first, then the tokens of every parallel call, appended as they are encoded.
+An entry placed where its message was encoded is read in place from a SharedRun, the message's
+KV copied into the pool once for every running call that places it so; any other entry is a
+copy of its message in the call's own blocks, re-rotated to its offset. Each slot carries a segment
 id: context entry e has segment e, call c's own tokens have segment E + c. A query of call
 c may attend slot s iff visible[c, segment[s]] and s <= its own slot, which gives the
 choreography masks of parallel prefill (each message contiguous) and parallel decode
@@ -17,11 +19,24 @@ from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
 
 
+@dataclass(eq=False)
+class SharedRun:
+    """A parent message's KV in the pool, at the positions it was encoded at, read in place by every running call
+    that places it there. Made by the first such call, freed when the last one ends."""
+
+    key: tuple[int, int, int]  # (its KV's address, its length, its offset)
+    blocks: list[int]
+    index: torch.Tensor  # [T]: its tokens' slots in the pool
+    source: torch.Tensor  # the message's KV: kept alive, so that its address (the key) is not reused meanwhile
+    refs: int = 0
+
+
 class KVPool:
     """An engine's work KV, paged: one tensor [L, 2, H, blocks * block_tokens, D] cut into fixed-size blocks.
     Every running call's WorkCache holds a block table; one forward writes and reads the KV of all its calls
     with one indexed op per layer. Any free blocks serve any call (no fragmentation); the memory is touched
-    only as it is used."""
+    only as it is used. Parents placed where they were encoded are kept once, as SharedRuns, whatever the
+    number of running calls that read them."""
 
     def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16):
         s = lm.spec
@@ -29,6 +44,40 @@ class KVPool:
         self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, blocks * block_tokens, s.head_dim, dtype=lm.dtype,
                               device=lm.device)
         self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
+        self.shared: dict[tuple[int, int, int], SharedRun] = {}
+
+    @staticmethod
+    def share_key(kv: torch.Tensor, offset: int) -> tuple[int, int, int]:
+        """What identifies a parent's placed KV: a message's KV never changes, and while a run holds it its
+        address is its own."""
+        return kv.data_ptr(), kv.shape[3], offset
+
+    def blocks_to_share(self, parents: list[tuple[torch.Tensor, int]]) -> int:
+        """Blocks that sharing these (KV, offset) parents would take: those not in the pool already."""
+        keys = {self.share_key(kv, off): kv.shape[3] for kv, off in parents}
+        return sum(self.blocks_for(n) for key, n in keys.items() if key not in self.shared)
+
+    def share(self, kv: torch.Tensor, offset: int) -> SharedRun:
+        """The parent's run, copied into the pool if no running call has it (its blocks must be free: see
+        `blocks_to_share`); one more reader until `unshare`."""
+        key = self.share_key(kv, offset)
+        run = self.shared.get(key)
+        if run is None:
+            blocks = self.allocate(kv.shape[3])
+            if blocks is None:
+                raise RuntimeError(f"no room in the KV pool to share a {kv.shape[3]}-token parent")
+            index = _slots(blocks, self.block_tokens, kv.device)[:kv.shape[3]]
+            self.kv.index_copy_(3, index, kv.to(self.kv.dtype))
+            run = self.shared[key] = SharedRun(key, blocks, index, kv)
+        run.refs += 1
+        return run
+
+    def unshare(self, run: SharedRun) -> None:
+        """One reader fewer; the last one hands its blocks back."""
+        run.refs -= 1
+        if run.refs == 0:
+            del self.shared[run.key]
+            self.release(run.blocks)
 
     @property
     def blocks(self) -> int:
@@ -41,10 +90,10 @@ class KVPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
-    def allocate(self, tokens: int) -> list[int] | None:
-        """Blocks enough for `tokens`, or None when fewer are free."""
+    def allocate(self, tokens: int, also: int = 0) -> list[int] | None:
+        """Blocks enough for `tokens`, or None when fewer are free (and `also` more must stay free)."""
         n = self.blocks_for(tokens)
-        if n > len(self.free):
+        if n + also > len(self.free):
             return None
         taken, self.free = self.free[len(self.free) - n:][::-1], self.free[:len(self.free) - n]
         return taken
@@ -53,30 +102,59 @@ class KVPool:
         self.free.extend(reversed(blocks))
 
 
+def _slots(blocks: list[int], block_tokens: int, device) -> torch.Tensor:
+    """The pool slots of `blocks`, in order: [len(blocks) * block_tokens]."""
+    table = torch.tensor(blocks, dtype=torch.long, device=device)
+    return (table[:, None] * block_tokens + torch.arange(block_tokens, device=device)[None, :]).flatten()
+
+
 class WorkCache:
-    """KV for one engine call: logical slots 0..capacity-1 over the blocks of its table in the engine's pool."""
+    """KV for one engine call: logical slots 0..capacity-1, each a slot of the engine's pool: in its own blocks,
+    or, for a parent it reads in place, in that parent's SharedRun."""
 
     def __init__(self, lm: LoadedModel, capacity: int, pool: KVPool, blocks: list[int]):
         self.pool, self.blocks, self.capacity = pool, blocks, capacity
         b = pool.block_tokens
-        table = torch.tensor(blocks, dtype=torch.long, device=lm.device)
-        # each logical slot's place in the pool: [capacity]
-        self.index = (table[:, None] * b + torch.arange(b, device=lm.device)[None, :]).flatten()[:capacity]
-        # blocks in one ascending run (the usual case) are read as a view, without a gather
-        self.run_start = blocks[0] * b if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
+        self._own = _slots(blocks, b, lm.device)  # its own blocks' slots, claimed in order
+        self._claimed = 0
+        self.index = torch.empty(capacity, dtype=torch.long, device=lm.device)  # each logical slot's place in the pool
+        # own blocks in one ascending run, and no parent read in place (the usual case): read as a view, no gather
+        ascending = bool(blocks) and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        self.run_start = blocks[0] * b if ascending else None
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
+
+    def _claim(self, start: int, end: int) -> torch.Tensor:
+        """Logical slots [start, end) onto the next of its own slots."""
+        own = self._own[self._claimed:self._claimed + end - start]
+        if own.numel() < end - start:
+            raise RuntimeError(f"work cache overflow: {end - start} more slots, {self._own.numel() - self._claimed} "
+                               "of its own left")
+        self.index[start:end] = own
+        self._claimed += end - start
+        if self.run_start is not None and int(own[0]) != self.run_start + start:
+            self.run_start = None  # (its own slots no longer line up with its logical ones)
+        return own
 
     def append(self, kv: torch.Tensor, segment: int) -> None:
         """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
         start, end = self.length, self.length + kv.shape[3]
-        self.pool.kv.index_copy_(3, self.index[start:end], kv.to(self.pool.kv.dtype))
+        self.pool.kv.index_copy_(3, self._claim(start, end), kv.to(self.pool.kv.dtype))
         self.segment[start:end] = segment
         self.length = end
+
+    def reference(self, run: SharedRun, segment: int) -> None:
+        """A parent read in place (its run in the pool) as one segment: nothing copied."""
+        start, end = self.length, self.length + run.index.numel()
+        self.index[start:end] = run.index
+        self.segment[start:end] = segment
+        self.length = end
+        self.run_start = None
 
     def reserve(self, segments: torch.Tensor) -> slice:
         """Claim slots for the next forward's tokens; returns their (logical, contiguous) range."""
         start, end = self.length, self.length + segments.numel()
+        self._claim(start, end)
         self.segment[start:end] = segments
         self.length = end
         return slice(start, end)

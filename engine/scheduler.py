@@ -53,13 +53,16 @@ class Group:
     call); a decode group samples a call's next token from the logits of the call's last encoded row."""
 
     def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
-                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[[list[int]], WorkCache],
+                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[..., WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
-                 adapter: Callable[[], AbstractContextManager] | None = None):
+                 adapter: Callable[[], AbstractContextManager] | None = None,
+                 shared: list[tuple[torch.Tensor, int]] | None = None):
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
-        self.capacity = capacity  # its work cache's size in tokens: blocks of the pool while it runs
+        self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
         self.blocks: list[int] = []
+        self.shared = shared or []  # (KV, offset) of the parents it reads in place, as SharedRuns of the pool
+        self.runs: list = []  # their runs while it runs
         self._assemble, self._commit, self._release = assemble, commit, release
         self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
         self.prefix: list = [None] * len(tokens)  # per call, a cached start (a Message) its tokens follow
@@ -100,7 +103,7 @@ class Group:
         begin = time.perf_counter()
         self.timings["queued"] = begin - self.submitted
         self.blocks = blocks
-        self.cache = self._assemble(blocks)
+        self.cache = self._assemble(blocks, self.runs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = time.perf_counter() - begin
@@ -239,10 +242,12 @@ class Scheduler:
 
     def submit(self, group: Group) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
-        if self.pool.blocks_for(group.capacity) > self.pool.blocks:
+        shared = sum(self.pool.blocks_for(kv.shape[3]) for kv, _ in group.shared)  # (at most: none in the pool)
+        if self.pool.blocks_for(group.capacity) + shared > self.pool.blocks:
             total = self.pool.blocks * self.pool.block_tokens * self.slot_bytes
+            need = group.capacity + sum(kv.shape[3] for kv, _ in group.shared)
             raise StoreFullError(
-                f"this call needs {group.capacity * self.slot_bytes} bytes of work KV (context, tokens and "
+                f"this call needs {need * self.slot_bytes} bytes of work KV (context, tokens and "
                 f"max_tokens), more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
         group.wake = self._wake
         group.on_end = lambda: self._retire(group)
@@ -281,7 +286,9 @@ class Scheduler:
                 continue
             blocks = None
             if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
-                blocks = self.pool.allocate(g.capacity)
+                blocks = self.pool.allocate(g.capacity, also=self.pool.blocks_to_share(g.shared))
+                if blocks is not None:  # (at once, in this thread: the next group sees what these took)
+                    g.runs = [self.pool.share(kv, off) for kv, off in g.shared]
             if blocks is None:  # first come, first served: the rest wait behind it
                 rest = waiting[i:]
                 for w in rest[1:]:
@@ -346,6 +353,9 @@ class Scheduler:
         if g.blocks:
             self.pool.release(g.blocks)
             g.blocks = []
+        for run in g.runs:
+            self.pool.unshare(run)
+        g.runs = []
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:

@@ -218,22 +218,17 @@ class BranchFeed:
             if self.cancelled:
                 raise StoppedError("staircase: cancelled (its consumer has gone)")
 
-    def readable(self, branch: int, end: int) -> bool:
-        """Whether tokens up to `end` can still be read (a call failing just now stored nothing): if not, the
-        branch is failed from here on."""
+    def read(self, branch: int, start: int, end: int) -> tuple[list[int], torch.Tensor | None, int] | None:
+        """Tokens [start, end) of the branch message, their KV and the position the first was encoded at; None
+        if they can no longer be read (a call that failed just now stored nothing), and the branch is failed
+        from here on. Read once, when a round takes them in: the call may end at any moment after."""
         stream, j = self.where[branch]
         try:
-            stream.partial_kv(j, end - 1, end)
-            return True
+            tokens, kv = stream.partial_kv(j, start, end)
         except BraidError as e:
             with self.cv:
                 self.failed.setdefault(branch, str(e))
-            return False
-
-    def chunk(self, branch: int, start: int, end: int) -> tuple[list[int], torch.Tensor, int]:
-        """Tokens [start, end) of the branch message, their KV and the position the first was encoded at."""
-        stream, j = self.where[branch]
-        tokens, kv = stream.partial_kv(j, start, end)
+            return None
         return tokens, kv, stream.offsets[j] + start
 
 
@@ -281,11 +276,12 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
                 if len(feed.failed) == m:
                     raise UnavailableError(f"staircase: every branch failed mid-answer "
                                            f"({'; '.join(sorted(set(feed.failed.values())))})")
-            new = {}
+            new, read = {}, {}  # branch -> (from, to) taken in this round, and what was read of it
             for j in range(m):
                 b = target(j)
-                if b > taken[j] and feed.readable(j, b):
-                    new[j] = (taken[j], b)
+                got = feed.read(j, 0 if variant is Variant.REPREFILL else taken[j], b) if b > taken[j] else None
+                if got is not None:  # (re-prefill reads each branch whole so far; append only what is new)
+                    new[j], read[j] = (taken[j], b), got
             result.failed.update(feed.failed)
             seen = RoundTaken(round_, new)
             result.rounds.append(seen)
@@ -296,9 +292,9 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
             params = dataclasses.replace(sampling, max_tokens=budget)
             header = prompt_ids + result.answer  # (re-encoded each round)
             if variant is Variant.REPREFILL:
-                stream = _reprefill_round(engine, feed, new, slots, header, prefix, mode, params, held)
+                stream = _reprefill_round(engine, read, slots, header, prefix, mode, params, held)
             else:
-                stream, end = _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch, taken,
+                stream, end = _append_round(engine, read, new, header, parents, offsets, end, chunk_branch, taken,
                                             m, mode, params, held)
             finished = False
             for event in stream:
@@ -327,32 +323,33 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
         engine.release(held)  # (the imported chunks' holds; releasing what was never held is a no-op)
 
 
-def _import(engine: Engine, feed: BranchFeed, j: int, start: int, end: int, held: list[str]) -> str:
-    """A chunk of branch j as a message, kept from eviction between rounds (freed, and released, at the end)."""
-    tokens, kv, at = feed.chunk(j, start, end)
+def _import(engine: Engine, chunk: tuple[list[int], torch.Tensor, int], held: list[str]) -> str:
+    """A chunk read from a branch (BranchFeed.read) as a message, kept from eviction between rounds (freed, and
+    released, at the end)."""
+    tokens, kv, at = chunk
     mid = engine.import_message(tokens, kv.to(engine.lm.dtype), at, engine.fingerprint)
     engine.hold([mid])
     held.append(mid)
     return mid
 
 
-def _reprefill_round(engine, feed, new, slots, header, prefix, mode: SynthesisMode, params, held):
+def _reprefill_round(engine, read, slots, header, prefix, mode: SynthesisMode, params, held):
     """Every branch's tokens so far in its slot, the prompt and the answer so far after them, recomputed. A
-    branch that grew is read again whole (text) or imported again whole (KV); one that failed keeps what was
-    taken from it."""
-    for j, (_, b) in new.items():
+    branch that grew (`read`: each such branch whole so far) is read again whole (text) or imported again whole
+    (KV); one that failed keeps what was taken from it."""
+    for j, chunk in read.items():
         if mode.text:
-            slots[j] = feed.chunk(j, 0, b)[0]
+            slots[j] = chunk[0]
         else:
             if j in slots:
                 held.remove(slots[j])
                 engine.release([slots[j]])
                 engine.free(slots[j])
-            slots[j] = _import(engine, feed, j, 0, b, held)
+            slots[j] = _import(engine, chunk, held)
     return synthesis_stream(engine, [slots[j] for j in sorted(slots)], header, prefix, mode, params)
 
 
-def _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch, taken, m, mode: SynthesisMode,
+def _append_round(engine, read, new, header, parents, offsets, end, chunk_branch, taken, m, mode: SynthesisMode,
                   params, held):
     """The new chunks one after another after the chunks so far (KV: each imported and re-rotated there, its
     boundary tokens refreshed when the mode says so; text: prefilled there as one message), then the prompt and
@@ -360,7 +357,7 @@ def _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch
     length so far (`taken`), the nearest this round knows of the whole branch's length it was trained with."""
     at = end
     if mode.text:
-        tokens = [t for j, (a, b) in sorted(new.items()) for t in feed.chunk(j, a, b)[0]]
+        tokens = [t for j in sorted(new) for t in read[j][0]]
         if tokens:
             mid, = engine.prefill([PrefillCall(tokens, parents=list(parents), offsets=list(offsets), new_offset=at)])
             engine.hold([mid])
@@ -371,7 +368,7 @@ def _append_round(engine, feed, new, header, parents, offsets, end, chunk_branch
     else:
         chunks, starts = [], []
         for j, (a, b) in sorted(new.items()):
-            chunks.append((_import(engine, feed, j, a, b, held), j))
+            chunks.append((_import(engine, read[j], held), j))
             starts.append(at)
             at += b - a
         parts = [(mid, start, k) for k, ((mid, _), start) in enumerate(zip(chunks, starts))]

@@ -177,3 +177,48 @@ def test_closing_a_stream_that_has_just_ended_keeps_its_messages_known(llama_eng
     assert eng.scheduler.load["reserved_bytes"] == 0  # its blocks were back before the end was told
     eng.free(stream.ids[0])
     eng.free(p[0])
+
+
+def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
+    """share_parents: a parent placed where it was encoded is read in place from one run in the pool, however many
+    running calls read it. Tokens are exactly those of calls that copy their parents (fp32), the run goes with
+    its last reader, and a parent placed elsewhere is still copied (re-rotated)."""
+    path = checkpoint("llama")
+    eng, copying = Engine(EngineConfig(path)), Engine(EngineConfig(path, share_parents=False))
+    want = [workflow(copying, task, contexts) for task, contexts in REQUESTS]
+    assert concurrently(lambda t, c: workflow(eng, t, c), REQUESTS * 2) == want * 2
+    pool = eng.scheduler.pool
+    assert not pool.shared and pool.free_blocks == pool.blocks
+    # four calls at once read one 200-token parent: one run of it in the pool, four readers
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    reserved = {}
+    for e in (eng, copying):
+        prefix = e.prefill([PrefillCall(" ".join(f"w{i % 40}" for i in range(200)))])
+        streams = [e.decode_stream([DecodeCall(f"Agent {i}:", parents=prefix, sampling=long)]) for i in range(4)]
+        events = [iter(s) for s in streams]
+        for ev in events:
+            next(ev)  # (all four admitted and decoding)
+        reserved[e is eng] = e.scheduler.load["reserved_bytes"]
+        n, h = e.message(prefix[0]).num_tokens, len(e.tokenize("Agent 0:"))
+        if e is eng:
+            (run,) = pool.shared.values()
+            assert run.refs == 4 and run.index.numel() == n
+        for s in streams:
+            s.close()
+        e.free(prefix[0])
+    blocks, block_bytes = pool.blocks_for, pool.block_tokens * eng.scheduler.slot_bytes
+    assert reserved[False] == 4 * blocks(n + h + 400) * block_bytes  # each call: its copy, header, max_tokens
+    assert reserved[True] == (4 * blocks(h + 400) + blocks(n)) * block_bytes  # the parent once
+    assert not pool.shared and pool.free_blocks == pool.blocks
+    # a parent placed elsewhere is copied (nothing shared while it runs), and answers as the copying engine's does
+    answers = {}
+    for e in (eng, copying):
+        p = e.prefill([PrefillCall("User: a parent placed further on.")])
+        stream = e.decode_stream([DecodeCall("A:", parents=p, offsets=[7], sampling=GREEDY)])
+        got = []
+        for ev in stream:
+            got.append(ev.token_id)
+            if e is eng and len(got) == 1:
+                assert not pool.shared and eng.scheduler.load["running"] == 1  # (running, its parent copied)
+        answers[e is eng] = got
+    assert answers[True] == answers[False]
