@@ -326,11 +326,13 @@ class Engine:
         if plan is None:
             release()
             return None, ready
-        # parents placed where they were encoded, untransformed, are read in place (one copy in the pool for
-        # every running call that reads them so); the rest are copied into the call's own blocks
-        in_place = [self.config.share_parents and transform is None and off == m.offset for m, off in plan.entries]
-        own = sum(map(len, plan.tokens)) + sum(extra)
+        # parents placed where they were encoded, untransformed and a block long at least (a run takes whole
+        # blocks), are read in place: one copy in the pool for every running call that reads them so; the rest
+        # are copied into the call's own blocks
         pool = self.scheduler.pool
+        in_place = [self.config.share_parents and transform is None and off == m.offset
+                    and m.num_tokens >= pool.block_tokens for m, off in plan.entries]
+        own = sum(map(len, plan.tokens)) + sum(extra)
         if pool.blocks_for(own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)) + sum(
                 pool.blocks_for(m.num_tokens) for (m, _), yes in zip(plan.entries, in_place) if yes) > pool.blocks:
             in_place = [False] * len(plan.entries)  # (whole blocks per run would not fit the pool: copies do)

@@ -24,7 +24,7 @@ class SharedRun:
     """A parent message's KV in the pool, at the positions it was encoded at, read in place by every running call
     that places it there. Made by the first such call, freed when the last one ends."""
 
-    key: tuple[int, int, int]  # (its KV's address, its length, its offset)
+    key: tuple  # KVPool.share_key: its KV's address, shape, strides, type, device, and its offset
     blocks: list[int]
     index: torch.Tensor  # [T]: its tokens' slots in the pool
     source: torch.Tensor  # the message's KV: kept alive, so that its address (the key) is not reused meanwhile
@@ -44,13 +44,13 @@ class KVPool:
         self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, blocks * block_tokens, s.head_dim, dtype=lm.dtype,
                               device=lm.device)
         self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
-        self.shared: dict[tuple[int, int, int], SharedRun] = {}
+        self.shared: dict[tuple, SharedRun] = {}
 
     @staticmethod
-    def share_key(kv: torch.Tensor, offset: int) -> tuple[int, int, int]:
+    def share_key(kv: torch.Tensor, offset: int) -> tuple:
         """What identifies a parent's placed KV: a message's KV never changes, and while a run holds it its
-        address is its own."""
-        return kv.data_ptr(), kv.shape[3], offset
+        memory is its own (its address, layout and type say which KV it is)."""
+        return kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, kv.device, offset
 
     def blocks_to_share(self, parents: list[tuple[torch.Tensor, int]]) -> int:
         """Blocks that sharing these (KV, offset) parents would take: those not in the pool already."""
@@ -66,7 +66,7 @@ class KVPool:
             blocks = self.allocate(kv.shape[3])
             if blocks is None:
                 raise RuntimeError(f"no room in the KV pool to share a {kv.shape[3]}-token parent")
-            index = _slots(blocks, self.block_tokens, kv.device)[:kv.shape[3]]
+            index = _slots(blocks, self.block_tokens, self.kv.device)[:kv.shape[3]]
             self.kv.index_copy_(3, index, kv.to(self.kv.dtype))
             run = self.shared[key] = SharedRun(key, blocks, index, kv)
         run.refs += 1
@@ -131,9 +131,9 @@ class WorkCache:
             raise RuntimeError(f"work cache overflow: {end - start} more slots, {self._own.numel() - self._claimed} "
                                "of its own left")
         self.index[start:end] = own
+        if self._claimed != start:  # (its own slots, one run from run_start, no longer line up with its logical ones)
+            self.run_start = None
         self._claimed += end - start
-        if self.run_start is not None and int(own[0]) != self.run_start + start:
-            self.run_start = None  # (its own slots no longer line up with its logical ones)
         return own
 
     def append(self, kv: torch.Tensor, segment: int) -> None:

@@ -288,7 +288,13 @@ class Scheduler:
             if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
                 blocks = self.pool.allocate(g.capacity, also=self.pool.blocks_to_share(g.shared))
                 if blocks is not None:  # (at once, in this thread: the next group sees what these took)
-                    g.runs = [self.pool.share(kv, off) for kv, off in g.shared]
+                    try:
+                        for kv, off in g.shared:
+                            g.runs.append(self.pool.share(kv, off))
+                    except Exception as e:  # (e.g. out of device memory copying a run in): it fails alone
+                        g.blocks = blocks
+                        g.fail(e)  # (its blocks and runs go back with it)
+                        continue
             if blocks is None:  # first come, first served: the rest wait behind it
                 rest = waiting[i:]
                 for w in rest[1:]:

@@ -180,8 +180,8 @@ def test_closing_a_stream_that_has_just_ended_keeps_its_messages_known(llama_eng
 
 
 def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
-    """share_parents: a parent placed where it was encoded is read in place from one run in the pool, however many
-    running calls read it. Tokens are exactly those of calls that copy their parents (fp32), the run goes with
+    """share_parents: a parent placed where it was encoded (a block long at least) is read in place from one run
+    in the pool, however many running calls read it. Tokens are exactly those of calls that copy their parents (fp32), the run goes with
     its last reader, and a parent placed elsewhere is still copied (re-rotated)."""
     path = checkpoint("llama")
     eng, copying = Engine(EngineConfig(path)), Engine(EngineConfig(path, share_parents=False))
@@ -190,7 +190,7 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
     pool = eng.scheduler.pool
     assert not pool.shared and pool.free_blocks == pool.blocks
     # four calls at once read one 200-token parent: one run of it in the pool, four readers
-    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    long = SamplingParams(max_tokens=1000, ignore_eos=True)  # (far longer than the checks below take)
     reserved = {}
     for e in (eng, copying):
         prefix = e.prefill([PrefillCall(" ".join(f"w{i % 40}" for i in range(200)))])
@@ -198,7 +198,9 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
         events = [iter(s) for s in streams]
         for ev in events:
             next(ev)  # (all four admitted and decoding)
-        reserved[e is eng] = e.scheduler.load["reserved_bytes"]
+        load = e.scheduler.load
+        assert load["running"] == 4
+        reserved[e is eng] = load["reserved_bytes"]
         n, h = e.message(prefix[0]).num_tokens, len(e.tokenize("Agent 0:"))
         if e is eng:
             (run,) = pool.shared.values()
@@ -207,8 +209,8 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
             s.close()
         e.free(prefix[0])
     blocks, block_bytes = pool.blocks_for, pool.block_tokens * eng.scheduler.slot_bytes
-    assert reserved[False] == 4 * blocks(n + h + 400) * block_bytes  # each call: its copy, header, max_tokens
-    assert reserved[True] == (4 * blocks(h + 400) + blocks(n)) * block_bytes  # the parent once
+    assert reserved[False] == 4 * blocks(n + h + 1000) * block_bytes  # each call: its copy, header, max_tokens
+    assert reserved[True] == (4 * blocks(h + 1000) + blocks(n)) * block_bytes  # the parent once
     assert not pool.shared and pool.free_blocks == pool.blocks
     # a parent placed elsewhere is copied (nothing shared while it runs), and answers as the copying engine's does
     answers = {}
@@ -222,3 +224,23 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
                 assert not pool.shared and eng.scheduler.load["running"] == 1  # (running, its parent copied)
         answers[e is eng] = got
     assert answers[True] == answers[False]
+
+
+def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeypatch):
+    """Copying a shared run into the pool can fail (a device out of memory): that call fails with the error and
+    hands back what it took; the scheduler goes on serving."""
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    prefix = eng.prefill([PrefillCall(" ".join(f"w{i % 40}" for i in range(60)))])
+    pool, real, tries = eng.scheduler.pool, eng.scheduler.pool.share, []
+
+    def share(kv, offset):  # (the first copy-in fails, as a device out of memory would)
+        tries.append(offset)
+        if len(tries) == 1:
+            raise RuntimeError("out of device memory")
+        return real(kv, offset)
+
+    monkeypatch.setattr(pool, "share", share)
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and not pool.shared
+    assert len(eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])) == 1 and len(tries) == 2
