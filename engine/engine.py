@@ -333,8 +333,14 @@ class Engine:
         in_place = [self.config.share_parents and transform is None and off == m.offset
                     and m.num_tokens >= pool.block_tokens for m, off in plan.entries]
         own = sum(map(len, plan.tokens)) + sum(extra)
-        if pool.blocks_for(own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)) + sum(
-                pool.blocks_for(m.num_tokens) for (m, _), yes in zip(plan.entries, in_place) if yes) > pool.blocks:
+        read_in_place = sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if yes)
+        copied = sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)
+        if read_in_place < copied:
+            # mostly copied anyway: the call's own blocks, one run in the pool, are read as a view each forward,
+            # where any parent read in place would make every forward gather the whole cache
+            in_place = [False] * len(plan.entries)
+        elif pool.blocks_for(own + copied) + sum(pool.blocks_for(m.num_tokens) for (m, _), yes
+                                                 in zip(plan.entries, in_place) if yes) > pool.blocks:
             in_place = [False] * len(plan.entries)  # (whole blocks per run would not fit the pool: copies do)
         shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, in_place) if yes]
         capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)

@@ -224,6 +224,14 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
                 assert not pool.shared and eng.scheduler.load["running"] == 1  # (running, its parent copied)
         answers[e is eng] = got
     assert answers[True] == answers[False]
+    # a call whose parents are mostly copied anyway copies them all (its own blocks then read as one view)
+    small = eng.prefill([PrefillCall(" ".join(f"s{i}" for i in range(12)))])
+    big = eng.prefill([PrefillCall(" ".join(f"b{i % 30}" for i in range(150)))])
+    n_small = eng.message(small[0]).num_tokens
+    stream = eng.decode_stream([DecodeCall("A:", parents=[*small, *big], offsets=[0, n_small + 5], sampling=GREEDY)])
+    for i, _ in enumerate(stream):
+        if i == 0:
+            assert eng.message(small[0]).num_tokens >= pool.block_tokens and not pool.shared
 
 
 def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeypatch):
