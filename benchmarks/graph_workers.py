@@ -32,7 +32,7 @@ from braid.engine.presets import mad_iter, mad_par, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.results import pyplot, write_json
+from braid.results import grouped_bars, write_json
 
 APPS = {"workers": "braid", "synthesizer": "braid-here"}
 
@@ -128,21 +128,11 @@ def main(argv=None) -> int:
               f"{r['workers']['ttft_mean_ms']:>11.1f}ms {r['ttft_ratio']:>5.2f}x  {r['workers']['nodes_by_replica']}")
     stem = write_json(args.out, f"graph_workers_{device.split(':')[0]}", {
         "rows": rows, "config": vars(args), "device": device, "torch": torch.__version__})
-    plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
-        x = range(len(rows))
-        for ax, key, label in zip(axes, ("e2e_s", "ttft_mean_ms"), ("E2E (s)", "mean node TTFT (ms)")):
-            ax.bar([i - 0.2 for i in x], [r["synthesizer"][key] for r in rows], 0.4, label="on the synthesizer")
-            ax.bar([i + 0.2 for i in x], [r["workers"][key] for r in rows], 0.4,
-                   label=f"on {args.workers} Worker replica(s)")
-            ax.set_xticks(list(x), [r["workflow"] for r in rows])
-            ax.set(ylabel=label)
-        axes[0].legend(fontsize=8)
-        model = "checkpoint" if args.checkpoint else args.shape
-        fig.suptitle(f"RunGraph waves: where they decode ({device}, {model})")
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
+    model = "checkpoint" if args.checkpoint else args.shape
+    grouped_bars(stem, f"RunGraph waves: where they decode ({device}, {model})", [r["workflow"] for r in rows],
+                 [(label, {"on the synthesizer": [r["synthesizer"][key] for r in rows],
+                           f"on {args.workers} Worker replica(s)": [r["workers"][key] for r in rows]})
+                  for key, label in (("e2e_s", "E2E (s)"), ("ttft_mean_ms", "mean node TTFT (ms)"))])
     print(f"wrote {stem}.json and its plot")
     return 0
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import pyplot, write_json
+from braid.results import grouped_bars, write_json
 
 
 def request(eng: Engine, task: str, context: str, sampling: SamplingParams) -> float:
@@ -120,20 +120,10 @@ def main(argv=None) -> int:
               f"{c['most_running']:>6.0f} / {i['most_running']:<6.0f}")
     stem = write_json(args.out, f"shared_parents_{device.split(':')[0]}", {
         "rows": rows, "config": vars(args), "budget_bytes": budget, "device": device, "torch": torch.__version__})
-    plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
-        x = range(len(rows))
-        for ax, key, label in zip(axes, ("requests_per_s", "peak_work_kv_bytes"),
-                                  ("requests per second", "peak work KV (bytes)")):
-            for k, mode in enumerate(("copied", "in place")):
-                ax.bar([i + (k - 0.5) * 0.4 for i in x], [r[mode][key] for r in rows], 0.4, label=f"parents {mode}")
-            ax.set_xticks(list(x), [str(r["concurrency"]) for r in rows])
-            ax.set(xlabel="concurrent requests", ylabel=label)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"parents read in place vs copied ({device})")
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
+    grouped_bars(stem, f"parents read in place vs copied ({device})", [str(r["concurrency"]) for r in rows],
+                 [(label, {f"parents {mode}": [r[mode][key] for r in rows] for mode in ("copied", "in place")})
+                  for key, label in (("requests_per_s", "requests per second"),
+                                     ("peak_work_kv_bytes", "peak work KV (bytes)"))], xlabel="concurrent requests")
     print(f"wrote {stem}.json and its plot")
     return 0
 

@@ -24,3 +24,24 @@ def pyplot():
         print("matplotlib not installed: no plot", file=sys.stderr)
         return None
     return plt
+
+
+def grouped_bars(stem: str, title: str, groups: list[str], panels: list[tuple[str, dict[str, list[float]]]],
+                 xlabel: str = "") -> None:
+    """stem.png: panels side by side, each (its y label, {series: one value per group}) drawn as bars grouped by
+    `groups`, the series side by side in each group (the first panel carries the legend). Nothing without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels):
+        width = 0.8 / len(series)
+        for k, (name, values) in enumerate(series.items()):
+            ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))], values, width, label=name)
+        ax.set_xticks(list(range(len(groups))), groups)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)

@@ -267,7 +267,7 @@ class DagRun:
 
     engine: Engine
     graph: Graph
-    executor: WaveExecutor | None = None  # where plain decoding waves run (None: on `engine`)
+    executor: WaveExecutor | None = None  # where decoding waves run, calibrated nodes aside (None: on `engine`)
     outputs: dict[str, str] = field(default_factory=dict)
     temporary: list[str] = field(default_factory=list)
     _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
@@ -699,6 +699,6 @@ class _AnswerSource:
 
 
 def run_dag(engine: Engine, graph: Graph, executor: WaveExecutor | None = None) -> DagRun:
-    """The graph's run; iterate it for events (see DagRun). With `executor`, its plain decoding waves run
-    there (on other replicas), and their outputs come back to `engine`."""
+    """The graph's run; iterate it for events (see DagRun). With `executor`, its decoding waves run there (on
+    other replicas; calibrated nodes aside), and their outputs come back to `engine`."""
     return DagRun(engine, graph, executor)

@@ -326,22 +326,8 @@ class Engine:
         if plan is None:
             release()
             return None, ready
-        # parents placed where they were encoded, untransformed and a block long at least (a run takes whole
-        # blocks), are read in place: one copy in the pool for every running call that reads them so; the rest
-        # are copied into the call's own blocks
-        pool = self.scheduler.pool
-        in_place = [self.config.share_parents and transform is None and off == m.offset
-                    and m.num_tokens >= pool.block_tokens for m, off in plan.entries]
         own = sum(map(len, plan.tokens)) + sum(extra)
-        read_in_place = sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if yes)
-        copied = sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)
-        if read_in_place < copied:
-            # mostly copied anyway: the call's own blocks, one run in the pool, are read as a view each forward,
-            # where any parent read in place would make every forward gather the whole cache
-            in_place = [False] * len(plan.entries)
-        elif pool.blocks_for(own + copied) + sum(pool.blocks_for(m.num_tokens) for (m, _), yes
-                                                 in zip(plan.entries, in_place) if yes) > pool.blocks:
-            in_place = [False] * len(plan.entries)  # (whole blocks per run would not fit the pool: copies do)
+        in_place = self._in_place(plan, transform, own)
         shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, in_place) if yes]
         capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)
         try:
@@ -357,6 +343,21 @@ class Engine:
             self._drop(list(ready.values()))
             raise
         return group, ready
+
+    def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
+        """Which of the call's parents it reads in place (runs of the KV pool, one copy for every running call
+        that reads them so) rather than copying into its own blocks: those placed where they were encoded,
+        untransformed and a block long at least (a run takes whole blocks). None when they are mostly copied
+        anyway (a cache of the call's own blocks is read as a view each forward, where reading any parent in
+        place gathers the whole cache each forward), nor when their runs would not fit the pool."""
+        pool, none = self.scheduler.pool, [False] * len(plan.entries)
+        if not self.config.share_parents or transform is not None:
+            return none
+        yes = [off == m.offset and m.num_tokens >= pool.block_tokens for m, off in plan.entries]
+        shared = [m.num_tokens for (m, _), y in zip(plan.entries, yes) if y]
+        copied = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if not y)
+        fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.blocks
+        return yes if fits and sum(shared) >= copied else none
 
     def _drop(self, message_ids: list[str]) -> None:
         with self._store_lock:
