@@ -36,14 +36,18 @@ def metrics() -> dict:
         "waiting": Gauge("braid_scheduler_waiting", "Engine calls queued for KV room (the queue depth)."),
         "running": Gauge("braid_scheduler_running", "Engine calls in the running batch."),
         "work_kv_bytes": Gauge("braid_work_kv_bytes", "Paged work-KV bytes held by running calls."),
+        "preemptions": Counter("braid_scheduler_preemptions", "Calls preempted for work-KV room (encoded again "
+                               "later)."),
         "prefix_hits": Gauge("braid_prefix_cache_hits", "Calls that reused cached KV, since the replica started."),
         "prefix_misses": Gauge("braid_prefix_cache_misses", "Cacheable calls that found nothing, since start."),
     }
 
 
 def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
-    """Keep this replica's engine gauges (scheduler queue and batch, work KV, store, prefix cache) current."""
+    """Keep this replica's engine gauges (scheduler queue, batch and preemptions, work KV, store, prefix cache)
+    current."""
     m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
+    counted = {"preemptions": 0}
 
     def loop():
         while (engine := ref()) is not None:
@@ -52,6 +56,10 @@ def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
                 m["waiting"].set(load["waiting"])
                 m["running"].set(load["running"])
                 m["work_kv_bytes"].set(load["reserved_bytes"])
+                preemptions = engine.scheduler.preemptions
+                if preemptions > counted["preemptions"]:
+                    m["preemptions"].inc(preemptions - counted["preemptions"])
+                    counted["preemptions"] = preemptions
                 m["store_bytes"].set(engine.store.used_bytes)
                 if engine.prefix_cache is not None:
                     m["prefix_hits"].set(engine.prefix_cache.hits)

@@ -41,6 +41,10 @@ class EngineConfig:
     kv_budget_bytes: int = 0
     kv_block_tokens: int = 16  # the work KV's page size: a call holds whole blocks of the pool
     max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
+    # when the work KV is short, a decode call is admitted with blocks for what it holds and takes more as it
+    # decodes (preempted, and encoded again later, when none are left); false: every call waits until its whole
+    # max_tokens fits (engine.scheduler)
+    kv_on_demand: bool = True
     # a parent placed where it was encoded is read in place: one copy in the work KV for every running call
     # that reads it so (false: each call copies its parents into its own blocks)
     share_parents: bool = True
@@ -68,8 +72,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
-        if not isinstance(self.share_parents, bool):
-            raise ValueError(f"share_parents must be true or false, got {self.share_parents!r}")
+        for name in ("share_parents", "kv_on_demand"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)

@@ -380,7 +380,7 @@ class DagRun:
             stream = self.executor.decode_stream([self._call(n) for n in decode], ship=self.graph.stair.proposer)
             wave, branch = None, lambda c: (stream.arrivals[c], 0)
         else:
-            stream = eng.decode_stream([self._call(n) for n in decode])
+            stream = eng.decode_stream([self._call(n) for n in decode], readable=True)  # (read as it decodes)
             wave = _WaveSource(stream, offsets, headers)
             branch = lambda c: (wave, c)  # noqa: E731
         feeds = {name: BranchFeed([], pump=False, branches=[(a, 0) if a is not None else branch(c)

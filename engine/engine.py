@@ -109,8 +109,15 @@ class DecodeStream:
 
     def encoded(self, call: int) -> int:
         """How many of the call's tokens (header included) already have KV. It grows as the scheduler runs,
-        which may be ahead of the events read so far: read it once per use."""
+        which may be ahead of the events read so far: read it once per use. Only for a stream made with
+        `readable=True` (a preempted call would have less)."""
+        self._readable()
         return self._reused(call) + len(self._group.slots[call])
+
+    def _readable(self) -> None:
+        if self._group.grows and not self._group.committed:
+            raise BraidError("this decode stream's work KV is not readable while it runs (it may be preempted); "
+                             "make it with Engine.decode_stream(..., readable=True)")
 
     def offset(self, call: int) -> int:
         """Where the call's message starts (the position of its first token, a reused cached start included)."""
@@ -126,6 +133,7 @@ class DecodeStream:
                 return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
             if g.ended:
                 raise BraidError(f"call {call} ended without storing its message")
+            self._readable()
             if not 0 <= start <= end <= self.encoded(call):
                 raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
             n, prefix = self._reused(call), g.prefix[call]
@@ -277,17 +285,19 @@ class Engine:
 
     def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
                       adapter: Callable[[], AbstractContextManager] | None = None,
-                      tag: str | None = None) -> DecodeStream:
+                      tag: str | None = None, readable: bool = False) -> DecodeStream:
         """Decode all calls together, one row per call per step, masked so calls never see each other.
 
         Validation happens here, before the first event; `transform` and `adapter` are the
         seams for a cache mapper and a LoRA adapter (see engine.synthesis). `tag`: the new messages were
         encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
-        model refuses as a parent.
+        model refuses as a parent. `readable`: its KV is read while it decodes (`DecodeStream.partial_kv`),
+        so it holds work KV for all its `max_tokens` from the start and is never preempted; otherwise (with
+        `kv_on_demand`) it may take its blocks as it decodes.
         """
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
         group, _ = self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform, adapter,
-                                fingerprint)
+                                fingerprint, grows=self.config.kv_on_demand and not readable)
         return DecodeStream(group, self.store)
 
     # ---- internals ------------------------------------------------------------------------------
@@ -302,7 +312,8 @@ class Engine:
         return tokens
 
     def _submit(self, values: Sequence[Tokens], calls, params: list[SamplingParams] | None,
-                transform: KVTransform | None, adapter, fingerprint: str) -> tuple[Group | None, dict[int, str]]:
+                transform: KVTransform | None, adapter, fingerprint: str,
+                grows: bool = False) -> tuple[Group | None, dict[int, str]]:
         """Validate and plan in the caller's thread (errors surface here), reuse what the prefix cache holds,
         pin the parents, hand the rest to the scheduler. Returns the group (None: nothing left to encode)
         and the ids of prefill calls found whole in the cache, by call index."""
@@ -335,7 +346,7 @@ class Engine:
                           lambda blocks, runs: self._assemble(plan, sum(extra), transform, blocks, in_place, runs),
                           lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                              cache_prefill=params is None),
-                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared)
+                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared, grows)
             group.prefix = plan.prefix or group.prefix
             self.scheduler.submit(group)
         except BaseException:

@@ -124,6 +124,19 @@ class WorkCache:
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
 
+    @property
+    def free_slots(self) -> int:
+        """Slots of its own blocks not claimed yet."""
+        return self._own.numel() - self._claimed
+
+    def grow(self, blocks: list[int]) -> None:
+        """More blocks of its own, claimed after the ones it has (still one run if they extend it)."""
+        b = self.pool.block_tokens
+        if self.run_start is not None and blocks[0] * b != self.run_start + self._own.numel() or any(
+                y != x + 1 for x, y in zip(blocks, blocks[1:])):
+            self.run_start = None
+        self._own = torch.cat([self._own, _slots(blocks, b, self._own.device)])
+
     def _claim(self, start: int, end: int) -> torch.Tensor:
         """Logical slots [start, end) onto the next of its own slots."""
         own = self._own[self._claimed:self._claimed + end - start]

@@ -7,6 +7,12 @@ otherwise, first come first served), every running group contributes rows (decod
 live call, groups still encoding their messages or headers a chunk, under a per-step token budget),
 and one forward encodes them all, attention staying within each group (engine.runner). A cancelled
 group leaves at the next step; a failed one stores nothing.
+
+Work KV on demand: a group that may grow (`Group.grows`) is admitted with blocks for what it holds now
+and takes more, a block at a time, as it decodes; any other group is admitted with blocks for all it
+may write. When no block is free, the group admitted last that may grow is preempted: its blocks go
+back, and it waits at the head of the queue to encode again what it had (recompute, as vLLM's
+default), then goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
 """
 
 import logging
@@ -56,10 +62,14 @@ class Group:
                  params: list[SamplingParams] | None, capacity: int, assemble: Callable[..., WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
                  adapter: Callable[[], AbstractContextManager] | None = None,
-                 shared: list[tuple[torch.Tensor, int]] | None = None):
+                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False):
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
         self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
+        # it may run on fewer blocks than `capacity`, taking more as it decodes, and be preempted (a decode call
+        # whose work KV nobody reads while it runs: see DecodeStream.partial_kv)
+        self.grows = grows and params is not None
+        self.preempted = 0  # times it was preempted
         self.blocks: list[int] = []
         self.shared = shared or []  # (KV, offset) of the parents it reads in place, as SharedRuns of the pool
         self.runs: list = []  # their runs while it runs
@@ -92,8 +102,17 @@ class Group:
 
     @property
     def decoding(self) -> bool:
-        """Past its headers: it feeds one sampled token per live call each step."""
-        return self.params is not None and self.timings.get("first_token") is not None
+        """Past its headers: it feeds one sampled token per live call each step (not encoding again after a
+        preemption)."""
+        return (self.params is not None and self.timings.get("first_token") is not None
+                and len(self.pending) <= len(self.tokens))
+
+    def needed(self) -> int:
+        """Tokens of its own blocks it must hold to run now: all but what its calls may still generate (all of
+        `capacity` unless it grows)."""
+        if not self.grows:
+            return self.capacity
+        return self.capacity - sum(p.max_tokens - len(gen) for p, gen in zip(self.params, self.generated))
 
     def all_tokens(self, call: int) -> list[int]:
         return self.tokens[call] + (self.generated[call] if self.params is not None else [])
@@ -107,6 +126,20 @@ class Group:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = time.perf_counter() - begin
+
+    def grow(self, blocks: list[int]) -> None:
+        """More blocks for the rows it writes next."""
+        self.blocks += blocks
+        self.cache.grow(blocks)
+
+    def restart(self) -> None:
+        """(preempted: its blocks already handed back) forget its work cache; every token it has, generated ones
+        included, is encoded again when it is admitted next. What it sampled stays: it samples on from there."""
+        self.cache = None
+        self.slots = [[] for _ in self.tokens]
+        self.pending = deque((t, off + i, c) for c, off in enumerate(self.offsets)
+                             for i, t in enumerate(self.all_tokens(c)))
+        self.preempted += 1
 
     def take(self, budget: int) -> GroupInput:
         """Up to `budget` pending rows as this step's input."""
@@ -229,6 +262,7 @@ class Scheduler:
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []
         self.steps = 0  # forwards run
+        self.preemptions = 0  # groups preempted (their KV dropped, encoded again later) for lack of blocks
         self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
         self.busy_s = 0.0  # time spent in steps (against wall time: how loaded the model is)
         self.rows_stepped = 0  # tokens encoded over all forwards
@@ -264,6 +298,44 @@ class Scheduler:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "reserved_bytes": (self.pool.blocks - self.pool.free_blocks) * self.pool.block_tokens * self.slot_bytes}
 
+    def _admit(self, g: Group) -> list[int] | None:
+        """Its blocks: what it needs now if it grows (leaving a block per call free to decode into), else all it
+        may write; None: it waits."""
+        also = self.pool.blocks_to_share(g.shared)
+        if g.grows:
+            return self.pool.allocate(g.needed(), also=also + len(g.tokens))
+        return self.pool.allocate(g.capacity, also=also)
+
+    def _room(self, g: Group, rows: int, taken: list[tuple[Group, GroupInput]]) -> bool:
+        """Blocks for `rows` more of g's rows, preempting the groups admitted last that grow (never one already
+        in this step's batch) while the pool is short. False: g was preempted itself, and skips this step."""
+        short = rows - g.cache.free_slots
+        if short <= 0:
+            return True
+        while (blocks := self.pool.allocate(short)) is None:
+            victim = next((v for v in reversed(self.running)
+                           if v is not g and v.grows and all(v is not t for t, _ in taken)), None)
+            self._preempt(victim or g)
+            if victim is None:
+                return False
+        g.grow(blocks)
+        return True
+
+    def _preempt(self, g: Group) -> None:
+        """Hand g's blocks and runs back and queue it first, to encode again what it had."""
+        log.debug("preempting a call of %d calls: %d blocks back to the pool", len(g.tokens), len(g.blocks))
+        self.running.remove(g)
+        with g.lock:  # (nobody reads the work cache of a group that grows; the lock keeps that true meanwhile)
+            self.pool.release(g.blocks)
+            g.blocks = []
+            for run in g.runs:
+                self.pool.unshare(run)
+            g.runs = []
+            g.restart()
+        self.preemptions += 1
+        with self._cv:
+            self.waiting.appendleft(g)
+
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
         start = time.perf_counter()
@@ -286,7 +358,7 @@ class Scheduler:
                 continue
             blocks = None
             if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
-                blocks = self.pool.allocate(g.capacity, also=self.pool.blocks_to_share(g.shared))
+                blocks = self._admit(g)
                 if blocks is not None:  # (at once, in this thread: the next group sees what these took)
                     try:
                         for kv, off in g.shared:
@@ -323,6 +395,8 @@ class Scheduler:
         for g in ready:
             if budget <= 0:
                 break
+            if g.cache is None or not self._room(g, min(budget, len(g.pending)), batch):
+                continue  # (preempted in this loop)
             inp = g.take(budget)
             budget -= len(inp.input_ids)
             batch.append((g, inp))

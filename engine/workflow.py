@@ -47,7 +47,8 @@ class BranchStream:
         self._held += eng.hold(self.contexts)
         self.offsets = [eng.message(c).end for c in self.contexts]
         self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
-                                                    sampling=self.sampling) for c in self.contexts])
+                                                    sampling=self.sampling) for c in self.contexts],
+                                        readable=True)  # (branches ship their KV while they decode)
         try:
             yield from self.decode
             self._held += eng.hold(self.decode.ids)

@@ -145,7 +145,8 @@ def test_partial_kv_while_decoding_equals_final_and_import_round_trips(llama_eng
     eng = llama_engine
     p, = eng.prefill([PrefillCall("User: hi")])
     stream = eng.decode_stream([DecodeCall("Assistant:", parents=[p], sampling=GREEDY),
-                                DecodeCall("Sum:", sampling=SamplingParams(max_tokens=4, ignore_eos=True))])
+                                DecodeCall("Sum:", sampling=SamplingParams(max_tokens=4, ignore_eos=True))],
+                               readable=True)
     pieces, shipped = [], 0
     for event in stream:
         if event.call == 0 and stream.encoded(0) - shipped >= 3:  # ship every 3 encoded tokens

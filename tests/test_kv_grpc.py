@@ -19,7 +19,7 @@ def ship_two_branches(eng, receiver, sender):
     """Decode two branches in parallel, shipping every 4 encoded tokens; returns their messages."""
     p, = eng.prefill([PrefillCall("User: add these.")])
     stream = eng.decode_stream([DecodeCall(WORKER_HEADER, parents=[p], sampling=SamplingParams(
-        max_tokens=n, ignore_eos=True)) for n in (20, 13)])
+        max_tokens=n, ignore_eos=True)) for n in (20, 13)], readable=True)
     offset = eng.message(p).end
     shipped = [0, 0]
     sender.open(["wf:0", "wf:1"])

@@ -103,7 +103,7 @@ def test_a_failed_call_leaves_no_cached_message_and_mapped_calls_are_not_cached(
         small.prefill([PrefillCall(TASK), PrefillCall(" ".join(["word"] * 400))])
     assert set(small.store.ids()) == kept
     # a header whose start is cached, decoded while its KV is read as it grows, as a worker ships it
-    stream = cached.decode_stream([DecodeCall(TASK + " Assistant:", sampling=GREEDY)])
+    stream = cached.decode_stream([DecodeCall(TASK + " Assistant:", sampling=GREEDY)], readable=True)
     events = iter(stream)
     next(events)
     n = stream.encoded(0)

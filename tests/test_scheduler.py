@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.errors import StoreFullError
+from braid.engine.errors import BraidError, StoreFullError
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 REQUESTS = [  # (task, branch contexts): different lengths, different branch counts
@@ -138,7 +138,7 @@ def test_a_cancelled_waiting_call_ends_and_unpins(checkpoint):
     path = checkpoint("llama")
     probe = Engine(EngineConfig(path))
     per_token = probe.spec.num_layers * 2 * probe.spec.num_kv_heads * probe.spec.head_dim * 4
-    eng = Engine(EngineConfig(path, kv_budget_bytes=300 * per_token))
+    eng = Engine(EngineConfig(path, kv_budget_bytes=300 * per_token, kv_on_demand=False))  # (waits for all)
     a, b = eng.prefill([PrefillCall("User: first."), PrefillCall("User: second.")])
     long = SamplingParams(max_tokens=250, ignore_eos=True)
     running = eng.decode_stream([DecodeCall("Assistant:", parents=[a], sampling=long)])
@@ -184,7 +184,9 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
     in the pool, however many running calls read it. Tokens are exactly those of calls that copy their parents (fp32), the run goes with
     its last reader, and a parent placed elsewhere is still copied (re-rotated)."""
     path = checkpoint("llama")
-    eng, copying = Engine(EngineConfig(path)), Engine(EngineConfig(path, share_parents=False))
+    # (calls reserve their max_tokens up front here, so what they hold is known)
+    eng, copying = (Engine(EngineConfig(path, kv_on_demand=False)),
+                    Engine(EngineConfig(path, share_parents=False, kv_on_demand=False)))
     want = [workflow(copying, task, contexts) for task, contexts in REQUESTS]
     assert concurrently(lambda t, c: workflow(eng, t, c), REQUESTS * 2) == want * 2
     pool = eng.scheduler.pool
@@ -252,3 +254,59 @@ def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeyp
         eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and not pool.shared
     assert len(eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])) == 1 and len(tries) == 2
+
+
+def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
+    """kv_on_demand: with a pool for about two calls' max_tokens, six calls run at once on the blocks they hold,
+    growing as they decode; when the pool runs dry the call admitted last is preempted and encoded again later.
+    Every call's tokens (greedy and seeded sampling, fp32) are those it gives alone on an engine that reserves
+    up front, its stored KV matches within fp32 noise, and everything is handed back at the end."""
+    path = checkpoint("llama")
+    spec = Engine(EngineConfig(path)).spec
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    upfront = Engine(EngineConfig(path, kv_on_demand=False))
+    tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4))
+    calls = [(f"User: request {i}, {'with more words ' * (i % 3)}go.",
+              SamplingParams(max_tokens=48, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, seed=i)) for i in range(6)]
+
+    def run(eng: Engine, text: str, sampling: SamplingParams):
+        prefix = eng.prefill([PrefillCall(text)])
+        (mid,) = eng.decode([DecodeCall("Assistant:", parents=prefix, sampling=sampling)])
+        msg = eng.message(mid)
+        return list(msg.token_ids), msg.kv
+
+    alone = [run(upfront, *c) for c in calls]
+    assert upfront.scheduler.preemptions == 0
+    together = concurrently(lambda t, s: run(tight, t, s), calls)
+    assert tight.scheduler.preemptions > 0
+    for (want_tokens, want_kv), (tokens, kv) in zip(alone, together):
+        assert tokens == want_tokens
+        torch.testing.assert_close(kv, want_kv, rtol=1e-4, atol=1e-4)
+    pool = tight.scheduler.pool
+    assert tight.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and pool.free_blocks == pool.blocks
+    # the same calls, reserving up front on the same pool: nobody is preempted, and fewer run at once
+    fixed = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_on_demand=False))
+    assert [t for t, _ in concurrently(lambda t, s: run(fixed, t, s), calls)] == [t for t, _ in alone]
+    assert fixed.scheduler.preemptions == 0
+    assert fixed.scheduler.groups_stepped / fixed.scheduler.steps < tight.scheduler.groups_stepped / tight.scheduler.steps
+
+
+def test_a_stream_that_may_be_preempted_refuses_to_be_read_while_it_runs(llama_engine):
+    """Only a stream made readable (it reserves its max_tokens and is never preempted) gives its KV while it decodes;
+    any stream gives it from the store once it has ended."""
+    eng = llama_engine
+    p = eng.prefill([PrefillCall("User: hi there")])
+    stream = eng.decode_stream([DecodeCall("Assistant:", parents=p, sampling=SamplingParams(max_tokens=400,
+                                                                                            ignore_eos=True))])
+    events = iter(stream)
+    next(events)
+    with pytest.raises(BraidError, match="readable=True"):
+        stream.partial_kv(0, 0, 1)
+    stream.close()
+    readable = eng.decode_stream([DecodeCall("Assistant:", parents=p, sampling=GREEDY)], readable=True)
+    events = iter(readable)
+    next(events)
+    assert len(readable.partial_kv(0, 0, 2)[0]) == 2
+    list(events)
+    eng.free(p[0])

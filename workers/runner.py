@@ -127,7 +127,8 @@ class BranchRunner:
         try:
             sender.open(names)
             here = self._parents(req, held, spare)
-            stream = eng.decode_stream([replace(c, parents=[here[p] for p in c.parents]) for c in req.calls])
+            stream = eng.decode_stream([replace(c, parents=[here[p] for p in c.parents]) for c in req.calls],
+                                       readable=bool(req.ship))  # (shipped in chunks as it decodes)
             shipped, chunks = [0] * len(names), [0] * len(names)
             for ev in stream:
                 yield BranchToken(ev.call, ev.token_id, ev.text, ev.finish_reason or "")
