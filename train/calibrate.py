@@ -62,32 +62,32 @@ HELD_OUT_BRANCHES = (4, 5, 8)  # the teacher-forced held-out set during training
 
 @dataclass
 class CalibrateConfig:
-    model: str = "models/braid-reference"
+    model: str = "models/braid-reference"  # the frozen base model the calibration is for
     out: str = ""  # default: <model>/calibration
-    seed: int = 0
-    steps: int = 1500
-    tasks_per_step: int = 8
-    lr: float = 2e-3  # LoRA
-    mapper_lr: float = 5e-3
-    warmup: int = 50
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    seed: int = 0  # every step's tasks depend on it and the step alone
+    steps: int = 1500  # optimizer steps (the schedule's length)
+    tasks_per_step: int = 8  # tasks drawn per step, each one training example
+    lr: float = 2e-3  # LoRA's peak learning rate (AdamW; linear warmup, then cosine)
+    mapper_lr: float = 5e-3  # the cache mapper's peak learning rate
+    warmup: int = 50  # warmup steps
+    lora_rank: int = 16  # the synthesizer LoRA's rank
+    lora_alpha: int = 32  # its scale numerator (peft's lora_alpha)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the attention projections it adapts
     mapper_rank: int = 0  # a low-rank residual in the mapper as well as the affine terms (0: affine only)
-    mapper_conditioned: bool = True
+    mapper_conditioned: bool = True  # the mapper's affine terms also depend on the branch's length and the count
     mapper_branch_slots: int = 16  # a learned K/V shift per branch index (0: none)
-    kl_weight: float = 1.0
+    kl_weight: float = 1.0  # weight of the KL term to the text pipeline's logits (distill examples)
     sources: str = "parallel=1,synthesis=2,distill=1"  # source=weight: how often each is drawn
     branches: str = "2,3,4,6,7,9,10,12"  # branch counts trained on (5, 8 and 11 held out by default)
     max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)
-    placements: str = "branch_point,sequential"
-    tasks: str = ",".join(TASKS)
+    placements: str = "branch_point,sequential"  # where branches are re-encoded to, drawn uniformly
+    tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_max_tokens: int = 48  # as braid eval decodes workers
-    answer_max_tokens: int = 160
-    eval_every: int = 100
+    answer_max_tokens: int = 160  # the text pipeline's answers (the distillation targets)
+    eval_every: int = 100  # steps between held-out evaluations (each saves the calibration and resume.pt)
     held_out_per_cell: int = 24  # held-out tasks per (task, branch count) in the training-time check
-    device: str = "auto"
-    threads: int = 0
+    device: str = "auto"  # cpu, cuda or auto
+    threads: int = 0  # torch threads (0: torch's default)
     resume: bool = True  # continue from <out>/resume.pt when it is there
     # start from this calibration's LoRA and mapper weights (a fresh optimizer and schedule; mapper parts it
     # lacks start at their init)

@@ -18,11 +18,13 @@ and held-out accuracy over steps) and `loss.png`.
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import math
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -47,33 +49,33 @@ TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses 
 
 @dataclass
 class TrainConfig:
-    out: str = "models/braid-reference"
-    seed: int = 0
-    steps: int = 2400
+    out: str = "models/braid-reference"  # where the checkpoint, training.json and loss.png go
+    seed: int = 0  # the tokenizer, the initial weights and every step's batch depend on it alone
+    steps: int = 2400  # optimizer steps (the schedule's length)
     tasks_per_step: int = 16  # tasks drawn per step, each with its traces (and its drills)
     row_tokens: int = 512  # width of the packed rows
-    lr: float = 2e-3
-    warmup: int = 100
+    lr: float = 2e-3  # peak learning rate (AdamW), after a linear warmup, then cosine
+    warmup: int = 100  # warmup steps
     weight_decay: float = 0.05
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    intermediate_size: int = 768
-    vocab_size: int = 1024
+    hidden_size: int = 256  # model shape (Llama): hidden size
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 8  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 768  # MLP width
+    vocab_size: int = 1024  # the byte-level BPE tokenizer's target vocabulary (it may learn fewer)
     max_length: int = 12  # largest per-branch length drawn in training (evaluation's default is 2-6)
     min_branches: int = 2  # tasks draw min_branches..12 branches
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_traces: int = 2  # worker turns trained per task (of its 2-12 branches), beside the synthesizer's
     lookup_drills: int = 0  # drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
-    eval_every: int = 250
+    eval_every: int = 250  # steps between held-out evaluations (each saves the checkpoint)
     packing: str = "graph"  # graph: a task's traces share their prefixes; flat: each trace its own sequence
     attention: str = "auto"  # how packed rows attend (train.graph.attention_backend): auto, sdpa or flex
     checkpointing: bool = False  # recompute each layer's activations in the backward (less memory)
     # bf16: autocast matmuls to bfloat16 (weights and optimizer stay fp32); auto: bf16 on CUDA, fp32 elsewhere
     # (on AVX2-only CPUs bf16 is emulated and measured 10x slower than fp32: 20 s vs 1.8 s a step)
     precision: str = "auto"
-    device: str = "auto"
+    device: str = "auto"  # cpu, cuda or auto
     loader_workers: int = 0  # processes building batches ahead of the model (on a GPU, data is the bottleneck)
     threads: int = 0  # 0: torch's default
     # continue from this checkpoint's weights and tokenizer (a fresh warmup and schedule; the model
@@ -400,13 +402,32 @@ def plot(report: dict, path: str) -> None:
 
 
 def config_parser(config_class, prog: str, doc: str) -> argparse.ArgumentParser:
-    """A parser with one --flag per field of a config dataclass, typed by its default (bools take true/false)."""
+    """A parser with one --flag per field of a config dataclass, typed by its default (bools take true/false),
+    its help the field's comments in the class (those above it and the one after it)."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    notes = field_comments(config_class)
     for f in dataclasses.fields(config_class):
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                       help=notes.get(f.name, "").replace("%", "%%"))
     return p
+
+
+def field_comments(config_class) -> dict[str, str]:
+    """Each field's comments in the class's source: the comment lines right above it, then the one after it."""
+    notes, above = {}, []
+    for line in inspect.getsource(config_class).splitlines()[1:]:
+        code, _, comment = line.partition("  # ")
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# ").strip())
+            continue
+        name = re.match(r"\s+(\w+)\s*:", code)
+        if name and "(" not in name.group(1):
+            notes[name.group(1)] = " ".join([*above, comment.strip()]).strip()
+        above = []
+    return notes
 
 
 def main(argv=None) -> int:
