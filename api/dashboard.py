@@ -32,7 +32,8 @@ PANELS = (
     Panel("Scheduler queue depth and batch", "short",
           (("sum by (deployment) (ray_braid_scheduler_waiting)", "waiting {{deployment}}"),
            ("sum by (deployment) (ray_braid_scheduler_running)", "running {{deployment}}"),
-           (f"sum by (deployment) (rate(ray_braid_scheduler_preemptions_total[{RATE}]))", "preempted/s {{deployment}}"))),
+           (f"sum by (deployment) (rate(ray_braid_scheduler_preemptions_total[{RATE}]))",
+            "preempted/s {{deployment}}"))),
     Panel("Paged work KV", "bytes", (("sum by (deployment) (ray_braid_work_kv_bytes)", "{{deployment}}"),)),
     Panel("Prefix cache hit ratio since each replica started", "percentunit",
           (("sum by (deployment) (ray_braid_prefix_cache_hits) / clamp_min(sum by (deployment) "

@@ -120,12 +120,12 @@ class Group:
     # ---- called by the scheduler ----------------------------------------------------------------
     def start(self, device: torch.device, blocks: list[int]) -> None:
         begin = time.perf_counter()
-        self.timings["queued"] = begin - self.submitted
+        self.timings.setdefault("queued", begin - self.submitted)  # (before it first ran)
         self.blocks = blocks
         self.cache = self._assemble(blocks, self.runs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self.timings["assemble"] = time.perf_counter() - begin
+        self.timings["assemble"] = self.timings.get("assemble", 0.0) + time.perf_counter() - begin
 
     def grow(self, blocks: list[int]) -> None:
         """More blocks for the rows it writes next."""
@@ -302,21 +302,23 @@ class Scheduler:
         """Its blocks: what it needs now if it grows (leaving a block per call free to decode into), else all it
         may write; None: it waits."""
         also = self.pool.blocks_to_share(g.shared)
-        if g.grows:
-            return self.pool.allocate(g.needed(), also=also + len(g.tokens))
+        if g.grows:  # (the spare blocks never more than it could grow by: what fits the pool is admitted)
+            spare = min(len(g.tokens), self.pool.blocks_for(g.capacity) - self.pool.blocks_for(g.needed()))
+            return self.pool.allocate(g.needed(), also=also + spare)
         return self.pool.allocate(g.capacity, also=also)
 
     def _room(self, g: Group, rows: int, taken: list[tuple[Group, GroupInput]]) -> bool:
-        """Blocks for `rows` more of g's rows, preempting the groups admitted last that grow (never one already
-        in this step's batch) while the pool is short. False: g was preempted itself, and skips this step."""
+        """Blocks for `rows` more of g's rows. While the pool is short, the newest request that grows (by when it
+        was made, g included; never one already in this step's batch) is preempted, so the oldest go on.
+        False: that was g, which skips this step."""
         short = rows - g.cache.free_slots
         if short <= 0:
             return True
         while (blocks := self.pool.allocate(short)) is None:
-            victim = next((v for v in reversed(self.running)
-                           if v is not g and v.grows and all(v is not t for t, _ in taken)), None)
-            self._preempt(victim or g)
-            if victim is None:
+            victim = max((v for v in self.running if v.grows and all(v is not t for t, _ in taken)),
+                         key=lambda v: v.submitted)  # (g is among them)
+            self._preempt(victim)
+            if victim is g:
                 return False
         g.grow(blocks)
         return True

@@ -24,9 +24,11 @@ class BranchStream:
     """
 
     def __init__(self, engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens,
-                 sampling: SamplingParams, on_start: Callable[["BranchStream"], None] | None = None):
+                 sampling: SamplingParams, on_start: Callable[["BranchStream"], None] | None = None,
+                 readable: bool = True):
         self.engine, self.task, self.context_texts = engine, task, list(contexts)
         self.header, self.sampling, self.on_start = header, sampling, on_start
+        self.readable = readable  # the branches' KV is read while they decode (shipped, or a staircase's)
         self.prefix: list[str] = []
         self.contexts: list[str] = []
         self.offsets: list[int] = []
@@ -48,7 +50,7 @@ class BranchStream:
         self.offsets = [eng.message(c).end for c in self.contexts]
         self.decode = eng.decode_stream([DecodeCall(self.header, parents=[*self.prefix, c],
                                                     sampling=self.sampling) for c in self.contexts],
-                                        readable=True)  # (branches ship their KV while they decode)
+                                        readable=self.readable)
         try:
             yield from self.decode
             self._held += eng.hold(self.decode.ids)
@@ -82,6 +84,7 @@ class BranchStream:
 
 
 def fan_out(engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens, sampling: SamplingParams,
-            on_start: Callable[[BranchStream], None] | None = None) -> BranchStream:
-    """Branches for `contexts` after `task`, each answering after `header`; iterate the result to run them."""
-    return BranchStream(engine, task, contexts, header, sampling, on_start)
+            on_start: Callable[[BranchStream], None] | None = None, readable: bool = True) -> BranchStream:
+    """Branches for `contexts` after `task`, each answering after `header`; iterate the result to run them.
+    `readable=False`: nobody reads their KV before they end, so they may take work KV as they decode."""
+    return BranchStream(engine, task, contexts, header, sampling, on_start, readable)

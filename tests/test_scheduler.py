@@ -289,7 +289,14 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
     fixed = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_on_demand=False))
     assert [t for t, _ in concurrently(lambda t, s: run(fixed, t, s), calls)] == [t for t, _ in alone]
     assert fixed.scheduler.preemptions == 0
-    assert fixed.scheduler.groups_stepped / fixed.scheduler.steps < tight.scheduler.groups_stepped / tight.scheduler.steps
+    mean_batch = lambda e: e.scheduler.groups_stepped / e.scheduler.steps  # noqa: E731
+    assert mean_batch(fixed) < mean_batch(tight)
+    # a call that fills the whole pool is admitted (the blocks kept spare never exceed what it could grow by)
+    exact = Engine(EngineConfig(path, kv_budget_bytes=40 * per_token, kv_block_tokens=4))
+    assert exact.scheduler.pool.blocks == 10
+    headers = [list(range(5 + 12 * c, 17 + 12 * c)) for c in range(3)]  # 3 x 12 tokens, 1 more each: 39 of 40
+    done = exact.decode([DecodeCall(h, sampling=SamplingParams(max_tokens=1, ignore_eos=True)) for h in headers])
+    assert [exact.message(m).num_tokens for m in done] == [13, 13, 13]
 
 
 def test_a_stream_that_may_be_preempted_refuses_to_be_read_while_it_runs(llama_engine):

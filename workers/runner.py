@@ -78,7 +78,8 @@ class BranchRunner:
         names = [stream_name(req.workflow, j) for j in req.indices]
         shipped, chunks = [0] * len(names), [0] * len(names)
         branches = fan_out(eng, req.task, req.prompts, self.config.header, req.sampling,
-                           on_start=lambda _: sender.open(names) if sender else None)
+                           on_start=lambda _: sender.open(names) if sender else None,
+                           readable=sender is not None and sender.copies)  # (shipped in chunks as they decode)
 
         def ship(c: int, end: int, total: int = 0) -> None:
             tokens, kv = branches.partial_kv(c, shipped[c], end) if sender.copies else ([], None)
