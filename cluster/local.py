@@ -11,6 +11,7 @@ from ray.serve.config import gRPCOptions
 from braid.cluster.app import APP, SERVICER, build_app
 from braid.cluster.config import ClusterConfig
 from braid.api.directory import EmbeddedRedis
+from braid.kv.peer_auth import ensure_cluster_token
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dash
                         metrics_port: int | None = None, temp_dir: str | None = None) -> LocalCluster:
     redis_server = None if config.redis_url else EmbeddedRedis()
     redis_url = config.redis_url or redis_server.url
+    ensure_cluster_token()  # (before Ray starts: its processes, the replicas among them, inherit it)
     for attempt in range(2):  # a start can time out on a loaded 2-core machine: retry once
         try:
             ctx = ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",

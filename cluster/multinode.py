@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import requests
 from ray.cluster_utils import Cluster
 
+from braid.kv.peer_auth import ensure_cluster_token
+
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +44,7 @@ def start_multinode(head: NodeGroup, others: list[NodeGroup], dashboard_port: in
                     temp_dir: str | None = None) -> MultiNode:
     """A head node (with the dashboard, which `serve deploy` talks to) and one node per other group, all on
     this machine's address (Ray turns a loopback address into it when processes connect)."""
+    ensure_cluster_token()  # (before the nodes start: their replicas inherit it)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head.num_cpus, "resources": head.resources, "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port,

@@ -2,11 +2,11 @@
 
 from datetime import timedelta
 
-import grpc
 import torch
 import torch.distributed as dist
 
 from braid.kv.grpc_transport import GrpcSender
+from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 
@@ -43,7 +43,7 @@ class CollectiveLink:
 
 def open_link(address: str, link_id: str, backend: str) -> CollectiveLink:
     """Ask a KVReceiver for a collective link and join it as the sender."""
-    with grpc.insecure_channel(address) as channel:
+    with peer_channel(address) as channel:
         info = kv_pb2_grpc.KVTransferStub(channel).OpenLink(kv_pb2.LinkRequest(link_id=link_id, backend=backend),
                                                             timeout=60)
     return CollectiveLink.connect(info.host, info.port, backend)

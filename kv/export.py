@@ -23,6 +23,7 @@ from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv.chunks import KVAssembler, iter_chunks
 from braid.kv.connector import TransferError
 from braid.kv.grpc_transport import GRPC_LIMITS
+from braid.kv.peer_auth import peer_channel, peer_check
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
         """`anchors(session_id)`: the session's KVComm pools as `KVComm.export` gives them, leaving this replica;
         it raises UnknownMessageError (NOT_FOUND) unless the session is open and has anchors here."""
         self.engine, self.check, self.max_chunk_bytes, self.anchors = engine, check, max_chunk_bytes, anchors
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS,
+                                   interceptors=peer_check())
         kv_pb2_grpc.add_KVExportServicer_to_server(self, self._server)
         self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
         self._server.start()
@@ -98,7 +100,7 @@ def fetch_anchors(address: str, session_id: str, timeout: float = 60.0) -> dict:
     a chunk arrives corrupt."""
     pieces, total = [], None
     try:
-        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
+        with peer_channel(address, options=GRPC_LIMITS) as channel:
             stub = kv_pb2_grpc.KVExportStub(channel)
             for chunk in stub.FetchAnchors(kv_pb2.FetchAnchorsRequest(session_id=session_id), timeout=timeout):
                 if zlib.crc32(chunk.payload) != chunk.crc32:
@@ -123,7 +125,7 @@ def fetch(address: str, session_id: str, message_id: str, fingerprint: str, time
     UnknownMessageError (NOT_FOUND) if the holder no longer has it, TransferError (UNAVAILABLE) if the holder
     cannot be reached, a BraidError for a corrupt or foreign chunk."""
     if channel is None:
-        with grpc.insecure_channel(address, options=GRPC_LIMITS) as channel:
+        with peer_channel(address, options=GRPC_LIMITS) as channel:
             return fetch(address, session_id, message_id, fingerprint, timeout, channel)
     assembler = KVAssembler(fingerprint)
     parents: list[str] = []

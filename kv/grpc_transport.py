@@ -8,6 +8,7 @@ import grpc
 
 from braid.kv.chunks import iter_chunks
 from braid.kv.connector import BranchChunk, KVSender, SentStream, TransferError, chain_digest
+from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class GrpcSender(KVSender):
         self.link_id = ""
         self.sent: dict[str, SentStream] = {}
         self._queue: queue.Queue = queue.Queue()  # chunks, as the gRPC stream consumes them
-        self._channel = grpc.insecure_channel(address, options=GRPC_LIMITS)
+        self._channel = peer_channel(address, options=GRPC_LIMITS)
         self._future = kv_pb2_grpc.KVTransferStub(self._channel).Push.future(iter(self._queue.get, None))
         self._work: queue.Queue = queue.Queue()  # open/send arguments, in order
         self._error: Exception | None = None
@@ -88,7 +89,7 @@ class GrpcSender(KVSender):
 def abandon(address: str, stream_ids: list[str], reason: str, timeout: float = 10) -> None:
     """Tell a KVReceiver to stop waiting for these streams (best effort: logged if it cannot be reached)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with peer_channel(address) as channel:
             kv_pb2_grpc.KVTransferStub(channel).Abandon(kv_pb2.AbandonRequest(stream_ids=stream_ids, reason=reason),
                                                        timeout=timeout)
     except grpc.RpcError as e:

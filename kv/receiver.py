@@ -28,6 +28,7 @@ from braid.kv.chunks import ChunkError, KVAssembler
 from braid.kv.collective import CollectiveLink
 from braid.kv.connector import ReceivedStream, TransferError
 from braid.kv.grpc_transport import GRPC_LIMITS
+from braid.kv.peer_auth import peer_check
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         self._gone: dict[str, tuple[str, float]] = {}
         self._links: dict[str, _PendingLink] = {}
         self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS,
+                                   interceptors=peer_check())
         kv_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
         self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
         self._server.start()

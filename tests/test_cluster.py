@@ -13,7 +13,9 @@ from braid.engine.calibration import Calibration
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.synthesis import Refresh, synthesize, synthesize_text
 from braid.protos import agent_pb2 as pb
-from braid.protos import agent_pb2_grpc
+from braid.protos import agent_pb2_grpc, kv_pb2, kv_pb2_grpc
+from braid.api.directory import Directory
+from braid.kv.export import fetch
 from braid.models.chat import WORKER_HEADER
 from braid.train.calibrate import write_untrained
 
@@ -199,6 +201,24 @@ def test_session_calls_and_bad_requests_through_the_proxy(cluster):
     assert stub.Health(pb.HealthRequest(), metadata=METADATA).status == "SERVING"
     closed = stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id), metadata=METADATA)
     assert closed.freed_messages == 2
+
+
+def test_replicas_internal_kv_ports_take_only_the_clusters_calls(cluster):
+    """`braid serve`'s replicas share a cluster token: a replica's KVExport serves a session's message to a caller
+    with the token (this process started the cluster, so it has it) and refuses anyone else."""
+    stub, _, redis_server, *_ = cluster
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: hi")]), metadata=METADATA)
+    directory = Directory.connect(redis_server.url)
+    rec = directory.lookup(r.session_id, r.message_ids[0])
+    address = directory.replica_address(rec.replica)
+    got = fetch(address, r.session_id, r.message_ids[0], rec.fingerprint)
+    assert len(got.token_ids) == rec.tokens
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(kv_pb2_grpc.KVExportStub(channel).Fetch(kv_pb2.FetchRequest(
+                session_id=r.session_id, message_id=r.message_ids[0]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id), metadata=METADATA)
 
 
 def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):

@@ -227,3 +227,24 @@ def test_image_and_chart_match_the_package():
     assert dockerfile.count(f"torch=={pins['torch']}") == 2
     with open(os.path.join(CHART, "values.yaml")) as f:
         assert yaml.safe_load(f)["rayVersion"] == pins["ray[serve]"]
+
+
+def test_every_pod_reads_the_cluster_token_from_one_secret():
+    """The replicas' shared secret for their internal KV ports: the chart's own Secret (48 random characters)
+    unless values name one, read into $BRAID_CLUSTER_TOKEN on every Ray pod."""
+    import base64
+
+    from braid.kv.peer_auth import ENV
+
+    for values, secret, key in (({}, "braid-cluster-token", "token"),
+                                ({"clusterToken": {"secretName": "mine", "secretKey": "t"}}, "mine", "t")):
+        docs = render(values)
+        made = [d for d in docs if d["kind"] == "Secret"]
+        if values:
+            assert not made
+        else:
+            (own,) = made
+            assert own["metadata"]["name"] == secret and len(base64.b64decode(own["data"][key])) == 48
+        for template in pod_templates(one(docs, "RayService")):
+            env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+            assert env[ENV]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}

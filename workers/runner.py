@@ -17,6 +17,7 @@ from braid.kv.collective import CollectiveSender, collective_backend, open_link
 from braid.kv.connector import BranchChunk, KVSender, stream_name
 from braid.kv.export import fetch_many
 from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
+from braid.kv.peer_auth import peer_channel
 from braid.models.chat import WORKER_HEADER
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class BranchRunner:
         missing = [mid for mid in wanted if mid not in here]
         with self._copies_lock:
             channel = self.channels.get(req.holder) or self.channels.setdefault(
-                req.holder, grpc.insecure_channel(req.holder, options=GRPC_LIMITS))
+                req.holder, peer_channel(req.holder, options=GRPC_LIMITS))
         for got in fetch_many(channel, req.holder, req.session, missing, req.fingerprint, req.fetch_timeout_s):
             copy = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
             held += eng.hold([copy])

@@ -111,6 +111,9 @@ spec:
     - {containerPort: 8080, name: metrics}
     env:
     - {name: BRAID_MODEL, value: {{ $root.Values.model.path | quote }}}
+    - name: BRAID_CLUSTER_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ include "braid.clusterTokenSecret" $root }}, key: {{ $root.Values.clusterToken.secretKey }}}
     {{- if $root.Values.redis.password.secretName }}
     - name: BRAID_REDIS_PASSWORD
       valueFrom:
@@ -155,3 +158,8 @@ spec:
 {{- if hasKey .root.Values.config .key -}}{{ $set }}
 {{- else -}}{{ ternary 1 0 (gt (int (index .root.Values.workerGroups .group).gpus) 0) }}{{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the cluster token: the one named in values, else the chart's own. */}}
+{{- define "braid.clusterTokenSecret" -}}
+{{- .Values.clusterToken.secretName | default (printf "%s-cluster-token" (include "braid.fullname" .)) -}}
+{{- end }}
