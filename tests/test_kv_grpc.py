@@ -187,3 +187,44 @@ def test_a_given_up_stream_is_not_started_over_by_late_chunks(llama_engine):
         assert receiver._streams == {} and "wf:never" in receiver._gone
     finally:
         receiver.stop()
+
+
+def test_concurrent_worker_calls_each_take_their_own_collective_link(checkpoint):
+    """A worker's calls to one synthesizer run at once (the scheduler batches them); over the collective
+    transport each takes a link no other call is using (payloads on a link are matched to receives in order),
+    opened the first time and reused after. Every branch arrives bit-identical to what the worker stored."""
+    from braid.api.messages import BranchDone, BranchRequest
+    from braid.engine import Engine, EngineConfig
+    from braid.workers.runner import BranchRunner, WorkerConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    receiver = KVReceiver(eng.fingerprint)
+    runner = BranchRunner(eng, WorkerConfig(kv_schedule=(2, 3)), "w")
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def call(wf: str) -> list[BranchDone]:
+        req = BranchRequest(wf, "User: a task.", [0, 1], ["First part.", "Second, longer part."], greedy,
+                            "collective", receiver.address)
+        return [ev for ev in runner.run(req) if isinstance(ev, BranchDone)]
+
+    try:
+        for round_ in range(2):
+            results = {}
+            threads = [threading.Thread(target=lambda w=w: results.__setitem__(w, call(w)))
+                       for w in (f"a{round_}", f"b{round_}", f"c{round_}")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert sorted(results) == sorted(f"{x}{round_}" for x in "abc")
+            for wf, done in results.items():
+                assert len(done) == 2
+                for d in done:
+                    got = receiver.wait(f"{wf}:{d.branch}", idle_timeout=10)
+                    assert got.transport == "collective" and got.token_ids == d.token_ids
+                    assert got.digest == d.digest != 0
+            idle = runner.links[receiver.address]
+            assert len(idle) == len({link_id for link_id, _ in idle}) <= 3  # one per call at once, none shared
+        assert runner._links_opened == len(runner.links[receiver.address])  # the second round opened none
+    finally:
+        receiver.stop()

@@ -13,7 +13,7 @@ from braid.api.messages import BranchDone, BranchRequest, BranchToken, NodesRequ
 from braid.engine import Engine, fan_out
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
-from braid.kv.collective import CollectiveSender, collective_backend, open_link
+from braid.kv.collective import CollectiveLink, CollectiveSender, collective_backend, open_link
 from braid.kv.connector import BranchChunk, KVSender, stream_name
 from braid.kv.export import fetch_many
 from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
@@ -54,7 +54,12 @@ class BranchRunner:
 
     def __init__(self, engine: Engine, config: WorkerConfig, name: str = "worker"):
         self.engine, self.config, self.name = engine, config, name
-        self.links = {}  # receiver address -> CollectiveLink, set up once per pair
+        # receiver address -> collective links (id, link) no call is using: a call takes one (or opens one) and
+        # gives it back when its KV is through, so concurrent calls never share a link (its sends and receives
+        # are matched in order, one call at a time); a link that failed is dropped
+        self.links: dict[str, list[tuple[str, CollectiveLink]]] = {}
+        self._links_opened = 0
+        self._links_lock = threading.Lock()
         # (holder, session, message) -> its copy here: a graph's later waves read the same parents again
         # (its question, its system prompts); the copies are the store's to evict, and the oldest go past COPIES
         self.copies: OrderedDict[tuple[str, str, str], str] = OrderedDict()
@@ -67,11 +72,25 @@ class BranchRunner:
         if transport == "local" and local.receiver_here(address) is not None:
             return local.LocalSender(address, fp)
         if transport == "collective":
-            link_id = f"{self.name}->{address}"
-            if address not in self.links:
-                self.links[address] = open_link(address, link_id, collective_backend())
-            return CollectiveSender(address, fp, self.links[address], link_id, size)
+            with self._links_lock:
+                idle = self.links.setdefault(address, [])
+                if idle:
+                    link_id, link = idle.pop()
+                else:
+                    self._links_opened += 1
+                    link_id, link = f"{self.name}->{address}#{self._links_opened}", None
+            if link is None:  # (opened outside the lock: it waits for the receiver)
+                link = open_link(address, link_id, collective_backend())
+            return CollectiveSender(address, fp, link, link_id, size)
         return GrpcSender(address, fp, size)  # grpc, or "local" to a synthesizer on another replica
+
+    def _finish(self, sender: KVSender, address: str) -> dict:
+        """The sender's streams, all through; its collective link (if any) goes back for the next call."""
+        sent = sender.finish()
+        if isinstance(sender, CollectiveSender):
+            with self._links_lock:
+                self.links.setdefault(address, []).append((sender.link_id, sender.link))
+        return sent
 
     def run(self, req: BranchRequest) -> Iterator[BranchToken | BranchDone]:
         eng = self.engine
@@ -104,14 +123,13 @@ class BranchRunner:
                 for c, msg in enumerate(messages):
                     ship(c, msg.num_tokens, total=msg.num_tokens)
                 handed_over = not sender.copies  # local: the synthesizer now owns the branch messages
-                sent, sender = sender.finish(), None
+                sent, sender = self._finish(sender, req.kv_address), None
             for c, msg in enumerate(messages):
                 s = sent.get(names[c])
                 yield BranchDone(req.indices[c], list(msg.token_ids), msg.nbytes, s.digest if s else 0)
         finally:
             if sender is not None:  # only left here when the call failed midway
-                sender.abort("the worker's call failed")
-                self.links.pop(req.kv_address, None)  # a broken pair is set up afresh next time
+                sender.abort("the worker's call failed")  # (its link, if any, is dropped: the next call opens one)
             # The branches now live at the synthesizer: copied there, or (local) handed over in this store.
             branches.free(keep_branches=handed_over)
 
@@ -145,13 +163,12 @@ class BranchRunner:
             for c, msg in enumerate(outputs):  # the rest (a message never changes: its KV is sent as it is)
                 sender.send(BranchChunk(names[c], names[c], msg.offset, shipped[c], list(msg.token_ids[shipped[c]:]),
                                         msg.kv[:, :, :, shipped[c]:].contiguous(), msg.num_tokens))
-            sent, sender = sender.finish(), None
+            sent, sender = self._finish(sender, req.kv_address), None
             for c, msg in enumerate(outputs):
                 yield BranchDone(c, list(msg.token_ids), msg.nbytes, sent[names[c]].digest, self.name)
         finally:
             if sender is not None:  # only left here when the call failed midway
                 sender.abort("the worker's wave failed")
-                self.links.pop(req.kv_address, None)
             if stream is not None:
                 stream.close()
             eng.release(held)
