@@ -286,7 +286,8 @@ def mode_name(refresh: Refresh | None) -> str:
     """The evaluation's name for the calibrated cache path with this boundary refresh (braid eval --modes)."""
     if refresh is None or not (refresh.head or refresh.tail):
         return "calibrated"
-    return "calibrated+refresh" + ("" if refresh == Refresh() else f"{refresh.head},{refresh.tail}")
+    # (no comma: `--modes` and `--verify-mode` take comma-separated names)
+    return "calibrated+refresh" + ("" if refresh == Refresh() else f"{refresh.head}-{refresh.tail}")
 
 
 @dataclass
