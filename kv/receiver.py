@@ -250,6 +250,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
 
     def Push(self, request_iterator, context):
         touched: dict[str, _Stream] = {}
+        links: set[str] = set()  # the collective links this call's payloads came on
         chunks = 0
         try:
             for chunk in request_iterator:
@@ -259,6 +260,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                 stream.active = time.monotonic()
                 if chunk.open:
                     continue
+                if chunk.link_id:
+                    links.add(chunk.link_id)
                 piece = self._link(chunk.link_id).recv(chunk.shape, DTYPES[chunk.dtype]) if chunk.link_id else None
                 stream.transport = "collective" if chunk.link_id else "grpc"
                 with stream.lock:
@@ -278,8 +281,16 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         except BraidError as e:
             for s in touched.values():
                 s.fail(e)
+            self._drop_links(links)
             context.abort(grpc.StatusCode[e.code], str(e))
         except Exception as e:  # noqa: BLE001 - the sender went away (its process died, it cancelled)
             for s in touched.values():
                 s.fail(TransferError(f"the worker's KV stream broke: {type(e).__name__}: {e}"))
+            self._drop_links(links)
             raise
+
+    def _drop_links(self, link_ids: set[str]) -> None:
+        """A failed call's links: its sender drops them (a link may be mid-payload), so they go here too."""
+        with self._lock:
+            for link_id in link_ids:
+                self._links.pop(link_id, None)

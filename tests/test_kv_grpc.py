@@ -84,6 +84,12 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
         with pytest.raises(TransferError, match="no worker started"):
             receiver.wait("never", idle_timeout=0.1, queue_timeout=0.1)
         assert "never" not in receiver._streams  # a timed-out stream is not kept
+        # a call that fails on a collective link: the link goes on both sides (its sender drops it)
+        linked = CollectiveSender(receiver.address, eng.fingerprint, open_link(receiver.address, "l1", "gloo"), "l1")
+        linked.send(BranchChunk("s4", "m", 0, 0, [1, 2], kv[:, :, :, :2]))  # total never announced
+        with pytest.raises(TransferError, match="DATA_LOSS.*incomplete"):
+            linked.finish()
+        assert "l1" not in receiver._links
     finally:
         receiver.stop()
 
