@@ -1,13 +1,17 @@
 """The collective sending side: chunk headers on the gRPC stream, payloads on a two-rank NCCL or gloo link."""
 
+import logging
 from datetime import timedelta
 
+import grpc
 import torch
 import torch.distributed as dist
 
 from braid.kv.grpc_transport import GrpcSender
 from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def collective_backend() -> str:
@@ -39,6 +43,15 @@ class CollectiveLink:
         piece = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         self.pg.recv([piece], self.peer, 0).wait()
         return piece
+
+
+def close_link(address: str, link_id: str, timeout: float = 10) -> None:
+    """Tell the receiver to let go of a link this side has dropped (best effort: logged if it cannot be reached)."""
+    try:
+        with peer_channel(address) as channel:
+            kv_pb2_grpc.KVTransferStub(channel).CloseLink(kv_pb2.LinkRequest(link_id=link_id), timeout=timeout)
+    except grpc.RpcError as e:
+        log.warning("could not close KV link %s at %s: %s", link_id, address, e.code().name)
 
 
 def open_link(address: str, link_id: str, backend: str) -> CollectiveLink:

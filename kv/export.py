@@ -54,7 +54,7 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
         it raises UnknownMessageError (NOT_FOUND) unless the session is open and has anchors here."""
         self.engine, self.check, self.max_chunk_bytes, self.anchors = engine, check, max_chunk_bytes, anchors
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS,
-                                   interceptors=peer_check())
+                                   interceptors=peer_check(host))
         kv_pb2_grpc.add_KVExportServicer_to_server(self, self._server)
         self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
         self._server.start()

@@ -43,7 +43,8 @@ class GrpcSender(KVSender):
         try:
             for item in iter(self._work.get, None):
                 if isinstance(item, str):
-                    self._queue.put(kv_pb2.KVChunk(stream_id=item, fingerprint=self.fingerprint, open=True))
+                    self._queue.put(kv_pb2.KVChunk(stream_id=item, fingerprint=self.fingerprint, open=True,
+                                                   link_id=self.link_id))
                     continue
                 c: BranchChunk = item
                 stats = self.sent.setdefault(c.stream_id, SentStream(c.stream_id))
@@ -76,6 +77,8 @@ class GrpcSender(KVSender):
         self._thread.join(timeout)
         self._queue.put(None)
         try:
+            if self._thread.is_alive():  # (still sending: its link, if any, may be mid-payload)
+                raise TransferError(f"KV send did not finish within {timeout:.0f} s")
             if self._error is not None:
                 raise TransferError(f"KV send failed: {type(self._error).__name__}: {self._error}")
             self._future.result(timeout=timeout)

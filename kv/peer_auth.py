@@ -7,17 +7,23 @@ no secret set (a process of its own, the tests' in-process servers), nothing is 
 """
 
 import hmac
+import logging
 import os
 import secrets
 
 import grpc
 
+log = logging.getLogger(__name__)
 ENV = "BRAID_CLUSTER_TOKEN"
 HEADER = "braid-cluster-token"
 
 
 def cluster_token() -> str | None:
-    return os.environ.get(ENV) or None
+    """The secret, if set (surrounding whitespace dropped: a Secret made from a file often ends in a newline)."""
+    token = os.environ.get(ENV, "").strip()
+    if token and not (token.isascii() and token.isprintable()):
+        raise ValueError(f"${ENV} must be printable ASCII (it travels as gRPC metadata)")
+    return token or None
 
 
 def ensure_cluster_token() -> str:
@@ -57,9 +63,12 @@ class _PeerCheck(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def peer_check() -> list[grpc.ServerInterceptor]:
-    """Interceptors for an internal server (`grpc.server(..., interceptors=peer_check())`): none without a secret."""
+def peer_check(host: str) -> list[grpc.ServerInterceptor]:
+    """Interceptors for an internal server on `host` (`grpc.server(..., interceptors=peer_check(host))`): none
+    without a secret, which is logged unless the server is on loopback only."""
     token = cluster_token()
+    if token is None and not host.startswith("127."):
+        log.warning("an internal KV port on %s takes calls from anyone: $%s is not set", host, ENV)
     return [_PeerCheck(token)] if token else []
 
 

@@ -118,7 +118,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         self._links: dict[str, _PendingLink] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_LIMITS,
-                                   interceptors=peer_check())
+                                   interceptors=peer_check(host))
         kv_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
         self.address = f"{host}:{self._server.add_insecure_port(f'{host}:{port}')}"
         self._server.start()
@@ -244,6 +244,10 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             raise TransferError(f"collective link {link_id!r} did not come up: {pending.error or 'timeout'}")
         return pending.link
 
+    def CloseLink(self, request, context):
+        self._drop_links({request.link_id})
+        return kv_pb2.PushAck()
+
     def Abandon(self, request, context):
         self.abandon(list(request.stream_ids), request.reason or "the workflow was given up")
         return kv_pb2.PushAck()
@@ -254,14 +258,14 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         chunks = 0
         try:
             for chunk in request_iterator:
+                if chunk.link_id:  # (open chunks name it too, so a call that fails before any payload drops it)
+                    links.add(chunk.link_id)
                 stream = touched.setdefault(chunk.stream_id, self._stream(chunk.stream_id))
                 if stream.error is not None:  # given up here (abandoned, or its reader left): stop sending
                     raise stream.error
                 stream.active = time.monotonic()
                 if chunk.open:
                     continue
-                if chunk.link_id:
-                    links.add(chunk.link_id)
                 piece = self._link(chunk.link_id).recv(chunk.shape, DTYPES[chunk.dtype]) if chunk.link_id else None
                 stream.transport = "collective" if chunk.link_id else "grpc"
                 with stream.lock:
@@ -290,7 +294,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             raise
 
     def _drop_links(self, link_ids: set[str]) -> None:
-        """A failed call's links: its sender drops them (a link may be mid-payload), so they go here too."""
+        """Links their sender has let go of: a failed call's (it may be mid-payload), or ones it closed."""
         with self._lock:
             for link_id in link_ids:
                 self._links.pop(link_id, None)

@@ -45,6 +45,11 @@ class KVTransferStub:
                 request_serializer=braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
                 _registered_method=True)
+        self.CloseLink = channel.unary_unary(
+                '/braid.v1.KVTransfer/CloseLink',
+                request_serializer=braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.PushAck.FromString,
+                _registered_method=True)
         self.Abandon = channel.unary_unary(
                 '/braid.v1.KVTransfer/Abandon',
                 request_serializer=braid_dot_protos_dot_kv__pb2.AbandonRequest.SerializeToString,
@@ -69,6 +74,13 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseLink(self, request, context):
+        """The sender is done with a link (it failed, or the sender keeps fewer idle): the receiver lets it go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abandon(self, request, context):
         """The workflow these streams belong to was given up (a worker failed, the client left): stop waiting.
         """
@@ -88,6 +100,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.OpenLink,
                     request_deserializer=braid_dot_protos_dot_kv__pb2.LinkRequest.FromString,
                     response_serializer=braid_dot_protos_dot_kv__pb2.LinkInfo.SerializeToString,
+            ),
+            'CloseLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseLink,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.LinkRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.PushAck.SerializeToString,
             ),
             'Abandon': grpc.unary_unary_rpc_method_handler(
                     servicer.Abandon,
@@ -150,6 +167,33 @@ class KVTransfer:
             '/braid.v1.KVTransfer/OpenLink',
             braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
             braid_dot_protos_dot_kv__pb2.LinkInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/braid.v1.KVTransfer/CloseLink',
+            braid_dot_protos_dot_kv__pb2.LinkRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,5 +66,10 @@ def test_internal_ports_refuse_calls_without_the_cluster_token(llama_engine, mon
 
 def test_without_a_token_nothing_is_checked(monkeypatch):
     monkeypatch.setenv(peer_auth.ENV, "")  # (unset, and put back as it was after the test)
-    assert peer_auth.peer_check() == []
+    assert peer_auth.peer_check("127.0.0.1") == []
     assert peer_auth.ensure_cluster_token() == peer_auth.cluster_token() and len(peer_auth.cluster_token()) >= 32
+    monkeypatch.setenv(peer_auth.ENV, "from-a-file\n")  # (a Secret made with --from-file ends in a newline)
+    assert peer_auth.cluster_token() == "from-a-file"
+    monkeypatch.setenv(peer_auth.ENV, "tab\tinside")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        peer_auth.cluster_token()

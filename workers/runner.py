@@ -13,7 +13,7 @@ from braid.api.messages import BranchDone, BranchRequest, BranchToken, NodesRequ
 from braid.engine import Engine, fan_out
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
-from braid.kv.collective import CollectiveLink, CollectiveSender, collective_backend, open_link
+from braid.kv.collective import CollectiveLink, CollectiveSender, close_link, collective_backend, open_link
 from braid.kv.connector import BranchChunk, KVSender, stream_name
 from braid.kv.export import fetch_many
 from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
@@ -51,12 +51,13 @@ class BranchRunner:
     """Runs BranchRequests on `engine`; the Worker deployment (and a colocated Synthesizer) host one."""
 
     COPIES = 256  # graph parents kept here after their wave (the holder's message -> the copy here), at most
+    IDLE_LINKS = 4  # collective links kept idle per receiver, at most (more are closed: each is a process group)
 
     def __init__(self, engine: Engine, config: WorkerConfig, name: str = "worker"):
         self.engine, self.config, self.name = engine, config, name
         # receiver address -> collective links (id, link) no call is using: a call takes one (or opens one) and
         # gives it back when its KV is through, so concurrent calls never share a link (its sends and receives
-        # are matched in order, one call at a time); a link that failed is dropped
+        # are matched in order, one call at a time); a link that failed is dropped (its receiver drops it too)
         self.links: dict[str, list[tuple[str, CollectiveLink]]] = {}
         self._links_opened = 0
         self._links_lock = threading.Lock()
@@ -89,7 +90,12 @@ class BranchRunner:
         sent = sender.finish()
         if isinstance(sender, CollectiveSender):
             with self._links_lock:
-                self.links.setdefault(address, []).append((sender.link_id, sender.link))
+                idle = self.links.setdefault(address, [])
+                keep = len(idle) < self.IDLE_LINKS
+                if keep:
+                    idle.append((sender.link_id, sender.link))
+            if not keep:
+                close_link(address, sender.link_id)
         return sent
 
     def run(self, req: BranchRequest) -> Iterator[BranchToken | BranchDone]:

@@ -113,7 +113,7 @@ spec:
     - {name: BRAID_MODEL, value: {{ $root.Values.model.path | quote }}}
     - name: BRAID_CLUSTER_TOKEN
       valueFrom:
-        secretKeyRef: {name: {{ include "braid.clusterTokenSecret" $root }}, key: {{ $root.Values.clusterToken.secretKey }}}
+        secretKeyRef: {name: {{ include "braid.clusterTokenSecret" $root }}, key: {{ $root.Values.clusterToken.secretKey | quote }}}
     {{- if $root.Values.redis.password.secretName }}
     - name: BRAID_REDIS_PASSWORD
       valueFrom:
