@@ -317,3 +317,34 @@ def test_a_stream_that_may_be_preempted_refuses_to_be_read_while_it_runs(llama_e
     assert len(readable.partial_kv(0, 0, 2)[0]) == 2
     list(events)
     eng.free(p[0])
+
+
+def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back(checkpoint):
+    """Once a call has been preempted for KV room (it waits at the head of the queue to be encoded again), closing
+    every call ends them all: nothing stored of those stopped midway, nothing pinned, the whole pool free."""
+    path = checkpoint("llama")
+    spec = Engine(EngineConfig(path)).spec
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    probe = Engine(EngineConfig(path))
+    n, h = len(probe.tokenize("User: go on for a while.")), len(probe.tokenize("Agent 0:"))
+    # room for the prefix and two calls' headers and max_tokens: each fits alone, three do not fit together
+    eng = Engine(EngineConfig(path, kv_budget_bytes=(n + 2 * (h + 30) + 8) * per_token, kv_block_tokens=4))
+    prefix = eng.prefill([PrefillCall("User: go on for a while.")])
+    before = set(eng.store.ids())
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    streams = [eng.decode_stream([DecodeCall(f"Agent {i}:", parents=prefix, sampling=long)]) for i in range(3)]
+    events = [iter(s) for s in streams]
+    deadline = time.monotonic() + 60
+    while eng.scheduler.preemptions == 0 and time.monotonic() < deadline:
+        for ev in events:
+            next(ev, None)
+    assert eng.scheduler.preemptions > 0
+    for s in streams:
+        s.close()
+        for mid in s.ids or []:  # (a call that had ended already, stored)
+            eng.free(mid)
+    assert any(s.ids is None for s in streams)  # (at least one was stopped midway)
+    eng.free(prefix[0])  # (unpinned by every call: no MessageInUseError)
+    pool = eng.scheduler.pool
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and pool.free_blocks == pool.blocks
+    assert set(eng.store.ids()) == before - {prefix[0]}
