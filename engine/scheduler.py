@@ -10,9 +10,9 @@ group leaves at the next step; a failed one stores nothing.
 
 Work KV on demand: a group that may grow (`Group.grows`) is admitted with blocks for what it holds now
 and takes more, a block at a time, as it decodes; any other group is admitted with blocks for all it
-may write. When no block is free, the group admitted last that may grow is preempted: its blocks go
-back, and it waits at the head of the queue to encode again what it had (recompute, as vLLM's
-default), then goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
+may write. When no block is free, the newest request that may grow is preempted: its blocks go back,
+and it waits at the head of the queue to encode again what it had (recompute, as vLLM's default), then
+goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
 """
 
 import logging
