@@ -2,8 +2,9 @@
 
 `python -m braid.loadtest.soak --minutes 30` serves the reference model (one engine, colocated) with
 a small store budget, so the prefix cache and the store must keep evicting, and sends workflows at a
-fixed concurrency until the time is up. Every second it samples the process's resident memory, the
-store's bytes and the scheduler's work KV. It passes when every request succeeded, the store stayed
+fixed concurrency until the time is up (`--kv-mib` shrinks the work KV, so that calls are preempted and
+encoded again all along). Every second it samples the process's resident memory, the store's bytes and
+the scheduler's work KV. It passes when every request succeeded, the store stayed
 within its budget, and resident memory after the first tenth of the run grew by less than --max-growth-mib.
 Writes JSON and a plot.
 """
@@ -30,9 +31,10 @@ def rss_bytes() -> int:
 
 
 def soak(model: str, seconds: float, concurrency: int, store_budget_bytes: int, workload: Workload,
-         progress: bool = False) -> dict:
+         progress: bool = False, kv_budget_bytes: int = 0) -> dict:
     redis = EmbeddedRedis()
-    engine = Engine(EngineConfig(model, device="cpu", store_budget_bytes=store_budget_bytes))
+    engine = Engine(EngineConfig(model, device="cpu", store_budget_bytes=store_budget_bytes,
+                                 kv_budget_bytes=kv_budget_bytes))
     server = start_in_process(engine, Directory.connect(redis.url))
     samples, stop = [], threading.Event()
     start = time.perf_counter()
@@ -60,7 +62,7 @@ def soak(model: str, seconds: float, concurrency: int, store_budget_bytes: int, 
         server.stop()
         redis.stop()
     return {"summary": summarize(records, duration, {}), "samples": samples, "store_budget_bytes": store_budget_bytes,
-            "evictions": engine.store.evictions}
+            "evictions": engine.store.evictions, "preemptions": engine.scheduler.preemptions}
 
 
 def verdict(result: dict, max_growth_mib: float) -> tuple[bool, str]:
@@ -72,7 +74,8 @@ def verdict(result: dict, max_growth_mib: float) -> tuple[bool, str]:
           and growth < max_growth_mib)
     return ok, (f"{result['summary']['completed']} workflows, {result['summary']['failed']} failed; store at most "
                 f"{store_max / 2**20:.1f} of {result['store_budget_bytes'] / 2**20:.1f} MiB "
-                f"({result['evictions']} evictions); resident memory grew {growth:.1f} MiB after warm-up "
+                f"({result['evictions']} evictions); {result['preemptions']} calls preempted; resident memory grew "
+                f"{growth:.1f} MiB after warm-up "
                 f"(limit {max_growth_mib} MiB)")
 
 
@@ -98,12 +101,16 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=30.0, help="how long to run (default: 30)")
     p.add_argument("--concurrency", type=int, default=8, help="workflows in flight (default: 8)")
     p.add_argument("--store-mib", type=float, default=8.0, help="store budget, MiB (default: 8, to force eviction)")
+    p.add_argument("--kv-mib", type=float, default=0.0,
+                   help="work-KV budget, MiB (default: 0, the engine's own; small: calls are preempted all along)")
     p.add_argument("--max-growth-mib", type=float, default=256.0,
                    help="resident memory growth allowed after the first tenth of the run (default: 256)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
     args = p.parse_args(argv)
+    if args.kv_mib < 0:
+        p.error(f"--kv-mib must be >= 0, got {args.kv_mib}")
     result = soak(args.model, 60 * args.minutes, args.concurrency, int(args.store_mib * 2**20), Workload(),
-                  progress=False)
+                  progress=False, kv_budget_bytes=int(args.kv_mib * 2**20))
     ok, line = verdict(result, args.max_growth_mib)
     print(format_summary(result["summary"]))
     print(("PASS: " if ok else "FAIL: ") + line)

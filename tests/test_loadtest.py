@@ -56,11 +56,13 @@ def test_loadtest_drives_a_server_and_writes_its_report(tmp_path, capsys):
 
 def test_short_soak_stays_within_its_memory_bounds():
     """The soak script's short version: a 4 MiB store (the working set of 4 workflows, and little more) keeps
-    evicting the prefix cache and finished sessions' messages all along; nothing fails."""
-    result = soak(REFERENCE_MODEL, 8.0, 4, 4 << 20, Workload(worker_max_tokens=8, answer_max_tokens=8))
+    evicting the prefix cache and finished sessions' messages all along, and 1 MiB of work KV (256 tokens of
+    this model) keeps preempting calls; nothing fails."""
+    result = soak(REFERENCE_MODEL, 8.0, 4, 4 << 20, Workload(worker_max_tokens=8, answer_max_tokens=8),
+                  kv_budget_bytes=1 << 20)
     ok, line = verdict(result, max_growth_mib=128)
     assert ok, line
-    assert result["evictions"] > 0 and len(result["samples"]) >= 5
+    assert result["evictions"] > 0 and result["preemptions"] > 0 and len(result["samples"]) >= 5
 
 
 def test_fuzzed_requests_get_meant_statuses_and_lose_nothing(checkpoint, tmp_path):
