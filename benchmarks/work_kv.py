@@ -6,17 +6,16 @@ Two engines of the same model alternate, on the same work-KV budget, sized to ho
 copy their parents and reserve their whole `--max-tokens`. `--compare`:
 - `parents`: `share_parents` on (a parent placed where it was encoded is one run in the pool for every call that
   reads it) and off (each call copies its parents into its own blocks); past the budget, calls wait;
-- `on-demand`: `kv_on_demand` on (a call takes blocks as it decodes; when none are left the call admitted last
-  is preempted and encoded again later) and off (a call waits until its whole max_tokens fits). Replies end
+- `on-demand`: `kv_on_demand` on (a call takes blocks as it decodes; when none are left the newest request is
+  preempted and encoded again later) and off (a call waits until its whole max_tokens fits). Replies end
   early, as real ones do: sampled (seeded per request, so both engines give the same tokens), they stop at any
   of `--stop-share` of the vocabulary.
 Per concurrency: the work KV's peak, the most engine calls running at once, requests and reply tokens per
 second, mean time to the first reply token, and preemptions. Writes JSON and a plot.
 """
 
-import random
-
 import argparse
+import random
 import statistics
 import tempfile
 import threading
@@ -28,7 +27,6 @@ from tqdm import tqdm
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import grouped_bars, write_json
-
 
 MODES = {"parents": ("in place", "copied"), "on-demand": ("on demand", "up front")}
 

@@ -133,8 +133,7 @@ class DecodeStream:
                 return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
             if g.ended:
                 raise BraidError(f"call {call} ended without storing its message")
-            self._readable()
-            if not 0 <= start <= end <= self.encoded(call):
+            if not 0 <= start <= end <= self.encoded(call):  # (encoded refuses a stream that may be preempted)
                 raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
             n, prefix = self._reused(call), g.prefix[call]
             tokens, parts = [], []
