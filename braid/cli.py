@@ -37,6 +37,7 @@ def eval_cmd(args) -> int:
     import json
 
     from braid.engine import Engine, EngineConfig
+    from braid.engine.calibration import mode_name
     from braid.evals.harness import (EvalConfig, engine_modes, evaluate, format_table, hooked_modes, load_hooks,
                                      plot_accuracy, report, verify)
 
@@ -54,8 +55,12 @@ def eval_cmd(args) -> int:
     modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
+    if args.verify and args.verify_mode is None and engine.calibration is not None:
+        # the mode the synthesizer serves this calibration with by default: with the refresh it was trained with
+        args.verify_mode = mode_name(engine.calibration.calibration.refresh)
     if args.verify and (engine.calibration is None or not {"text", args.verify_mode} <= set(names)):
-        raise ValueError(f"--verify compares {args.verify_mode} with text: load a calibration and run both modes")
+        raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
+                         "calibration and run both modes")
     results = evaluate(engine, config, modes)
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
@@ -382,9 +387,10 @@ def main(argv=None) -> int:
     p.add_argument("--verify", action="store_true",
                    help="record in the calibration up to which branch count its answers match text's; `auto` "
                         "transport ships KV only up to there")
-    p.add_argument("--verify-mode", default="calibrated+refresh",
-                   help="the mode --verify checks: the one the synthesizer serves, calibrated+refresh with "
-                        "refresh_tokens=1 (the default), calibrated with 0 (default: calibrated+refresh)")
+    p.add_argument("--verify-mode", default=None,
+                   help="the mode --verify checks: the one the synthesizer serves (default: the calibration with "
+                        "the boundary refresh it was trained with, as an unset refresh_tokens serves it: "
+                        "calibrated+refresh for a token at each end, calibrated for none)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")

@@ -79,8 +79,9 @@ class ClusterConfig:
     # as KV); false, or colocated: on the session's Synthesizer replica, each wave in one batch
     graph_on_workers: bool = True
     # the cache path re-encodes this many tokens at each end of every shipped branch, with the earlier branches
-    # in view (engine.synthesis.Refresh); 0: off
-    refresh_tokens: int = 1
+    # in view (engine.synthesis.Refresh); 0: off; unset: as the loaded calibration was trained (its manifest),
+    # one without a calibration
+    refresh_tokens: int | None = None
     default_max_tokens: int = 128
     max_branches: int = 16
     redis_url: str | None = None  # None: the embedded server
@@ -113,8 +114,8 @@ class ClusterConfig:
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
         self.key_limits()  # (validates)
-        if self.refresh_tokens < 0:
-            raise ValueError(f"refresh_tokens must be >= 0 (0: off), got {self.refresh_tokens}")
+        if self.refresh_tokens is not None and self.refresh_tokens < 0:
+            raise ValueError(f"refresh_tokens must be >= 0 (0: off) or unset, got {self.refresh_tokens}")
         for name in ("gpus_per_worker", "gpus_per_synthesizer"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (or unset: 1 when CUDA is visible), got {getattr(self, name)}")
@@ -159,7 +160,7 @@ class ClusterConfig:
             scaling = props[name]["anyOf"][0]["properties"]
             scaling["min_replicas"]["minimum"] = scaling["max_replicas"]["minimum"] = 1
             scaling["target_ongoing_requests"]["exclusiveMinimum"] = 0
-        for name in ("gpus_per_worker", "gpus_per_synthesizer"):
+        for name in ("gpus_per_worker", "gpus_per_synthesizer", "refresh_tokens"):
             props[name]["anyOf"][0]["minimum"] = 0
         props["grpc_port"].update(minimum=1, maximum=65535)
         props["kv_transport"]["enum"] = list(TRANSPORTS)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.errors import BraidError, FingerprintMismatchError
-from braid.engine.synthesis import Placement, Refresh, SynthesisHooks
+from braid.engine.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
 
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
@@ -186,6 +186,16 @@ class Calibration:
         """verified_branches, where the verification checked the mode served with this boundary refresh
         (mode_name(refresh)); else 0: a check of another mode says nothing about this one."""
         return self.verified_branches if (self.verification or {}).get("mode") == mode_name(refresh) else 0
+
+    @property
+    def refresh(self) -> Refresh | None:
+        """The boundary refresh it was trained to read (`braid calibrate --refresh`, `--refresh-tail`; None: none),
+        which the cache path serves it with unless the cluster config names another. One written untrained, with
+        no training record, is served with the default refresh, a token at each end."""
+        config = (self.record or {}).get("config")
+        if config is None:
+            return Refresh()
+        return refresh_of(int(config.get("refresh", 0)), int(config.get("refresh_tail", -1)))
 
     @property
     def placement(self) -> Placement:

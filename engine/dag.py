@@ -44,7 +44,7 @@ from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, PreconditionError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
 
 MAX_NODES = 64
 OUTPUTS = ("kv", "text")
@@ -552,8 +552,7 @@ class DagRun:
                     for e in edges]
         notes[n.name] += [f"{e.node}:private" for e in leaky]
         attached = self.engine.calibration  # (its placement, and the refresh it was trained with)
-        k = (attached.calibration.record or {}).get("config", {}).get("refresh", 0)
-        mode = SynthesisMode(attached.calibration.placement, attached.hooks, Refresh(k, k) if k else None)
+        mode = SynthesisMode(attached.calibration.placement, attached.hooks, attached.calibration.refresh)
         stream = synthesis_stream(self.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
         answer, text = [], []
         try:

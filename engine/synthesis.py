@@ -82,6 +82,13 @@ class Refresh:
         return [r for r in ((0, head), (tail, length)) if r[0] < r[1]]
 
 
+def refresh_of(head: int, tail: int = -1) -> Refresh | None:
+    """The refresh of `head` tokens at the start and `tail` at the end of every branch (tail -1: as many as head);
+    None when that is no token at all."""
+    tail = head if tail == -1 else tail
+    return Refresh(head, tail) if head or tail else None
+
+
 @dataclass(frozen=True)
 class Runs:
     """Tokens a caller chose to re-encode (refresh_branches' other selection, beside Refresh's two ends), as

@@ -63,15 +63,18 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
     and `calibrated:<placement>` for the other re-encoding placement; `calibrated+refresh` adds the boundary
-    refresh; `staircase-reprefill:calibrated+refresh` and `staircase-append:calibrated+refresh` stream it."""
+    refresh it was trained with (mode_name: `calibrated+refresh<head>-<tail>` other than a token at each end; a
+    token at each end when it was trained without one); `staircase-reprefill:calibrated+refresh` and
+    `staircase-append:calibrated+refresh` stream it."""
     full, placement = attached.hooks, attached.calibration.placement
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
+    refresh = attached.calibration.refresh or REFRESH  # (the one it was trained with, else the default)
     return [Mode("calibrated", SynthesisMode(placement, full)),
-            Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH)),
+            Mode(mode_name(refresh), SynthesisMode(placement, full, refresh)),
             # the staircase as a cluster serves it with this calibration
-            Mode(f"staircase-reprefill:{mode_name(REFRESH)}", SynthesisMode(placement, full, REFRESH),
+            Mode(f"staircase-reprefill:{mode_name(refresh)}", SynthesisMode(placement, full, refresh),
                  Variant.REPREFILL),
-            Mode(f"staircase-append:{mode_name(REFRESH)}", SynthesisMode(Placement.SEQUENTIAL, full, REFRESH),
+            Mode(f"staircase-append:{mode_name(refresh)}", SynthesisMode(Placement.SEQUENTIAL, full, refresh),
                  Variant.APPEND),
             Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),

@@ -11,7 +11,7 @@ from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
 from braid.engine.errors import BraidError
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
-from braid.engine.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
+from braid.engine.synthesis import Placement, Refresh, SynthesisMode, refresh_of, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
 
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 class SynthesizerConfig:
     kv_wait_timeout_s: float = 120.0  # a started branch stream may go this long without a chunk
     kv_queue_timeout_s: float = 3600.0  # how long a branch may wait for a worker to start on it
-    refresh_tokens: int = 1  # the cache path re-encodes this many tokens at each end of every branch (0: off)
+    # the cache path re-encodes this many tokens at each end of every branch (0: off); None: as many as the loaded
+    # calibration was trained with (Calibration.refresh), one without a calibration
+    refresh_tokens: int | None = None
     # RunGraph: each plain decoding wave is dealt over at most this many Worker calls (synthesizer.waves), its
     # outputs shipped back over `graph_transport`; 0: graphs decode on this replica
     graph_worker_calls: int = 0
@@ -32,8 +34,8 @@ class SynthesizerConfig:
         for name in ("kv_wait_timeout_s", "kv_queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not isinstance(self.refresh_tokens, int) or self.refresh_tokens < 0:
-            raise ValueError(f"refresh_tokens must be an int >= 0, got {self.refresh_tokens!r}")
+        if self.refresh_tokens is not None and (not isinstance(self.refresh_tokens, int) or self.refresh_tokens < 0):
+            raise ValueError(f"refresh_tokens must be an int >= 0 or unset, got {self.refresh_tokens!r}")
         if self.graph_worker_calls < 0:
             raise ValueError(f"graph_worker_calls must be >= 0 (0: graphs decode here), got {self.graph_worker_calls}")
         if self.graph_transport not in ("grpc", "collective"):
@@ -70,9 +72,12 @@ class SynthesisRunner:
 
     @property
     def refresh(self) -> Refresh | None:
-        """The boundary refresh the cache path is served with (None: off)."""
-        n = self.config.refresh_tokens
-        return Refresh(n, n) if n else None
+        """The boundary refresh the cache path is served with (None: off): the config's, else the one the
+        calibration was trained to read, else a token at each end."""
+        n, attached = self.config.refresh_tokens, self.engine.calibration
+        if n is not None:
+            return refresh_of(n)
+        return attached.calibration.refresh if attached is not None else Refresh()
 
     @property
     def calibration_name(self) -> str:

@@ -254,15 +254,19 @@ def test_trainer_sees_what_the_cache_path_sees(checkpoint):
     workers.free()
 
 
-def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint):
+@pytest.mark.parametrize("tail", [-1, 2])
+def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, tail):
     """With refresh, the trainer's re-encoded boundary tokens are the engine's refreshed runs (same KV), the
-    rest of each branch stays as shipped, and its synthesizer forward gives the engine's refreshed answer."""
+    rest of each branch stays as shipped, and its synthesizer forward gives the engine's refreshed answer; also
+    with more tokens refreshed at the end than at the start (--refresh-tail)."""
     from braid.engine.synthesis import place_branches, refresh_branches
 
     ckpt = checkpoint("llama", initializer_range=0.3)  # (wide weights: the context visibly matters)
     engine = Engine(EngineConfig(ckpt, calibration="none"))
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
-    cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1)
+    cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1, refresh_tail=tail)
+    spec = Refresh(1, 1 if tail == -1 else tail)
+    assert cfg.refresh_spec == spec
     encoder = Encoder(model, AutoTokenizer.from_pretrained(ckpt), model.model.rotary_emb.inv_freq.float(), cfg)
     task = generate("chain", 11, 3)
     workers = run_workers(engine, task)
@@ -270,9 +274,9 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint):
     msgs = [engine.message(m) for m in workers.ids]
     n = engine.message(workers.prefix[0]).num_tokens
     offsets, _ = place_branches(n, [m.num_tokens for m in msgs], Placement.SEQUENTIAL)
-    parts, made = refresh_branches(engine, workers.prefix, msgs, offsets, Refresh(1, 1))
+    parts, made = refresh_branches(engine, workers.prefix, msgs, offsets, spec)
     for j, (msg, (where, fixed)) in enumerate(zip(msgs, example.refreshed)):
-        assert where.nonzero().flatten().tolist() == [0, msg.num_tokens - 1]
+        assert where.nonzero().flatten().tolist() == [t for a, b in spec.runs(msg.num_tokens) for t in range(a, b)]
         runs = [engine.message(p) for p, off, b in parts
                 if b is None and offsets[j] <= off < offsets[j] + msg.num_tokens]
         got = torch.cat([r.kv for r in runs], dim=3)
@@ -281,12 +285,57 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint):
         assert (fixed[:, :, :, 0] - example.branches[j][:, :, :, 0]).abs().max() > 1e-3 or j == 0
     for mid in made:
         engine.free(mid)
-    tokens, _ = answer(engine, workers, task, Placement.SEQUENTIAL, None, Refresh(1, 1))
+    tokens, _ = answer(engine, workers, task, Placement.SEQUENTIAL, None, spec)
     prompt = engine.tokenize(task.prompt())
     target = list(tokens[len(prompt):])
     logits = synthesizer_logits(model, None, [dataclasses.replace(example, target=target)])[0]
     assert logits[len(prompt) - 1:len(prompt) - 1 + len(target)].argmax(-1).tolist() == target
     workers.free()
+
+
+def _trained_with(path: str, **config) -> None:
+    """Record in the calibration's manifest that it was trained with these CalibrateConfig fields."""
+    manifest = json.load(open(os.path.join(path, "calibration.json")))
+    manifest["record"] = {"config": config}
+    json.dump(manifest, open(os.path.join(path, "calibration.json"), "w"))
+
+
+def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint, tmp_path):
+    """The synthesizer serves a calibration with the boundary refresh it was trained to read (unless the config
+    names one), and reports it verified only for that mode, so `auto` ships KV only where the check applies;
+    `braid eval --verify` checks that mode by default."""
+    from braid.kv.receiver import KVReceiver
+    from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+
+    ckpt = checkpoint("llama")
+    path = make_calibration(ckpt, tmp_path / "cal", random=False)
+    assert Calibration.load(path).refresh == Refresh(1, 1)  # (written untrained: the default)
+    for config, expected in [({"refresh": 0}, None), ({"refresh": 2}, Refresh(2, 2)),
+                             ({"refresh": 1, "refresh_tail": 5}, Refresh(1, 5)), ({"refresh": 0, "refresh_tail": 3},
+                                                                                  Refresh(0, 3))]:
+        _trained_with(path, **config)
+        assert Calibration.load(path).refresh == expected, config
+    Calibration.load(path).record_verification({"mode": "calibrated+refresh0-3", "max_branches": 3})
+    engine = Engine(EngineConfig(ckpt, calibration=path))
+    receiver = KVReceiver(engine.fingerprint, host="127.0.0.1")
+    try:
+        served = SynthesisRunner(engine, receiver, None, SynthesizerConfig())
+        assert served.refresh == Refresh(0, 3) and served.info().verified_branches == 3
+        pinned = SynthesisRunner(engine, receiver, None, SynthesizerConfig(refresh_tokens=1))
+        assert pinned.refresh == Refresh(1, 1) and pinned.info().verified_branches == 0  # (a check of another mode)
+        off = SynthesisRunner(engine, receiver, None, SynthesizerConfig(refresh_tokens=0))
+        assert off.refresh is None
+        bare = Engine(EngineConfig(ckpt, calibration="none"))
+        assert SynthesisRunner(bare, receiver, None, SynthesizerConfig()).refresh == Refresh(1, 1)
+    finally:
+        receiver.stop()
+    with pytest.raises(ValueError, match="refresh_tokens"):
+        SynthesizerConfig(refresh_tokens=-1)
+    # braid eval: the calibrated modes read with that refresh, and --verify checks it unless told otherwise
+    assert main(["eval", "--model", ckpt, "--calibration", path, "--tasks", "vote", "--branches", "2",
+                 "--samples", "1", "--worker-max-tokens", "3", "--answer-max-tokens", "3",
+                 "--modes", "text,calibrated+refresh0-3", "--verify"]) == 0
+    assert Calibration.load(path).verification["mode"] == "calibrated+refresh0-3"
 
 
 def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
@@ -435,7 +484,8 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
         events = list(dag)
         voter = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "voter"]
-        mode = SynthesisMode(engine.calibration.calibration.placement, engine.calibration.hooks)
+        calibration = engine.calibration.calibration
+        mode = SynthesisMode(calibration.placement, engine.calibration.hooks, calibration.refresh)
         by_hand = synthesis_stream(engine, [dag.outputs[f"s{j}"] for j in range(3)], "Best:", [dag.outputs["system"]],
                                    mode, greedy)
         expected = [e.token_id for e in by_hand]

@@ -47,7 +47,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from braid.engine import attention
 from braid.engine.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, Refresh, place_branches
+from braid.engine.synthesis import Placement, Refresh, place_branches, refresh_of
 from braid.kernels import rerotate_keys_torch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
@@ -95,6 +95,8 @@ class CalibrateConfig:
     # tokens at each end of every branch re-encoded with the earlier branches in view, as the served cache path
     # does with refresh_tokens (engine.synthesis.Refresh): the synthesizer trains on what it will read
     refresh: int = 0
+    # tokens re-encoded at the end of every branch, when that differs from refresh (-1: as many as refresh)
+    refresh_tail: int = -1
 
     def __post_init__(self):
         if not self.out:
@@ -112,8 +114,9 @@ class CalibrateConfig:
         bad = [m for m in self.branch_counts if not 2 <= m <= MAX_BRANCHES]
         if bad or not self.branch_counts:
             raise ValueError(f"branches must be counts in 2..{MAX_BRANCHES}, got {self.branches!r}")
-        if self.refresh < 0:
-            raise ValueError(f"refresh must be >= 0 (0: none), got {self.refresh}")
+        if self.refresh < 0 or self.refresh_tail < -1:
+            raise ValueError(f"refresh must be >= 0 (0: none) and refresh_tail >= -1 (-1: as refresh), got "
+                             f"{self.refresh} and {self.refresh_tail}")
         if not 1 <= self.max_length <= 12:
             raise ValueError(f"max_length must be in 1..12, got {self.max_length}")
         try:
@@ -142,6 +145,11 @@ class CalibrateConfig:
             raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), "
                              f"got {self.sources!r}")
         return out
+
+    @property
+    def refresh_spec(self) -> Refresh | None:
+        """The boundary refresh the synthesizer is trained to read (None: none)."""
+        return refresh_of(self.refresh, self.refresh_tail)
 
     @property
     def branch_counts(self) -> tuple[int, ...]:
@@ -257,7 +265,8 @@ class Encoder:
             keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
                                        self.inv_freq)
             branches.append(torch.stack([keys, block[:, 1]], dim=1))
-        refreshed = self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets) if cfg.refresh else None
+        refreshed = (self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets)
+                     if cfg.refresh_spec is not None else None)
         prompt = self.ids(task.prompt())
         target = self.ids(task.answer + END)
         teacher = None
@@ -278,7 +287,7 @@ class Encoder:
         """What engine.synthesis.refresh_branches computes, in one forward: each branch's boundary runs
         re-encoded at their placed positions, a run starting at token a of branch j seeing the prefix, branches
         0..j-1 and branch j's tokens before a (as shipped), and its own run causally."""
-        spec = Refresh(self.cfg.refresh, self.cfg.refresh)
+        spec = self.cfg.refresh_spec
         n = prefix_kv.shape[3]
         ctx = torch.cat([prefix_kv, *branches], dim=3)  # [L, 2, H, C, D]
         owner = torch.cat([torch.full((n,), -1), *(torch.full((b.shape[3],), j) for j, b in enumerate(branches))])
