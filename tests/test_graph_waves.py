@@ -271,3 +271,26 @@ def test_a_failed_worker_fails_a_staircase_wave_and_keeps_nothing(cluster):
     for w, old in zip(workers, before):
         assert new_messages(w.engine, old, w.copies.values()) == [] and w.engine.scheduler.load["running"] == 0
     assert new_messages(logic.engine, stored) == [] and not logic._lent
+
+
+def test_a_worker_keeps_few_channels_to_holders_and_never_closes_one_in_use(cluster, monkeypatch):
+    """Holder replicas come and go over a long life: a worker keeps at most CHANNELS channels to them, closing the
+    least recently used idle one past that, never one a fetch is reading from."""
+    import grpc
+
+    logic, workers, *_ = cluster
+    worker = BranchRunner(logic.engine, WorkerConfig(), "channels")
+    monkeypatch.setattr(BranchRunner, "CHANNELS", 3)
+    busy = worker._channel("127.0.0.1:1")  # a fetch from this holder is still running
+    opened = {}
+    for port in range(2, 8):
+        opened[port] = worker._channel(f"127.0.0.1:{port}")
+        worker._fetching[f"127.0.0.1:{port}"] -= 1  # (its fetch ended)
+    assert list(worker.channels) == ["127.0.0.1:1", "127.0.0.1:6", "127.0.0.1:7"]
+    assert worker._channel("127.0.0.1:7") is opened[7]  # kept and reused
+    for port in range(2, 6):  # the ones let go are closed
+        with pytest.raises(ValueError, match="closed channel"):
+            opened[port].unary_unary("/braid.Test/Ping")(b"", timeout=1)
+    with pytest.raises(grpc.RpcError) as err:  # the busy one is open (nothing listens there: UNAVAILABLE)
+        busy.unary_unary("/braid.Test/Ping")(b"", timeout=1)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

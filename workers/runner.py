@@ -52,6 +52,7 @@ class BranchRunner:
 
     COPIES = 256  # graph parents kept here after their wave (the holder's message -> the copy here), at most
     IDLE_LINKS = 4  # collective links kept idle per receiver, at most (more are closed: each is a process group)
+    CHANNELS = 16  # channels to holders' KVExport kept, at most: the least recently used idle ones are closed
 
     def __init__(self, engine: Engine, config: WorkerConfig, name: str = "worker"):
         self.engine, self.config, self.name = engine, config, name
@@ -66,7 +67,10 @@ class BranchRunner:
         self.copies: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._using: Counter[str] = Counter()  # copy -> the calls reading it now (never freed while read)
         self._copies_lock = threading.Lock()
-        self.channels: dict[str, grpc.Channel] = {}  # holder's KVExport address -> a channel to it, kept
+        # holder's KVExport address -> a channel to it, kept for the next fetch (least recently used first); a
+        # holder replica that went away is never called again, so past CHANNELS the idle ones are closed
+        self.channels: OrderedDict[str, grpc.Channel] = OrderedDict()
+        self._fetching: Counter[str] = Counter()  # holder -> the fetches on its channel now (never closed under them)
 
     def _sender(self, address: str, transport: str) -> KVSender:
         fp, size = self.engine.fingerprint, self.config.kv_chunk_bytes
@@ -203,21 +207,40 @@ class BranchRunner:
                     self._using[here[mid]] += 1
                     self.copies.move_to_end(key)
         missing = [mid for mid in wanted if mid not in here]
-        with self._copies_lock:
-            channel = self.channels.get(req.holder) or self.channels.setdefault(
-                req.holder, peer_channel(req.holder, options=GRPC_LIMITS))
-        for got in fetch_many(channel, req.holder, req.session, missing, req.fingerprint, req.fetch_timeout_s):
-            copy = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
-            held += eng.hold([copy])
-            here[got.message_id] = copy
+        if not missing:
+            return here
+        channel = self._channel(req.holder)
+        try:
+            for got in fetch_many(channel, req.holder, req.session, missing, req.fingerprint, req.fetch_timeout_s):
+                copy = eng.import_message(got.token_ids, got.kv, got.offset, got.fingerprint)
+                held += eng.hold([copy])
+                here[got.message_id] = copy
+                with self._copies_lock:
+                    key = (req.holder, req.session, got.message_id)
+                    if key in self.copies:
+                        spare.append(copy)
+                        continue
+                    self.copies[key] = copy
+                    self._using[copy] += 1
+        finally:
             with self._copies_lock:
-                key = (req.holder, req.session, got.message_id)
-                if key in self.copies:
-                    spare.append(copy)
-                    continue
-                self.copies[key] = copy
-                self._using[copy] += 1
+                self._fetching[req.holder] -= 1
         return here
+
+    def _channel(self, holder: str) -> grpc.Channel:
+        """The kept channel to `holder` (opened if none), marked in use until the caller's fetch ends; idle
+        channels past CHANNELS are closed, the least recently used first."""
+        with self._copies_lock:
+            channel = self.channels.get(holder)
+            if channel is None:
+                channel = self.channels[holder] = peer_channel(holder, options=GRPC_LIMITS)
+            self.channels.move_to_end(holder)
+            self._fetching[holder] += 1
+            idle = [h for h in self.channels if not self._fetching[h]]
+            for old in idle[:max(0, len(self.channels) - self.CHANNELS)]:
+                self.channels.pop(old).close()
+                del self._fetching[old]
+        return channel
 
     def _trim(self, used: list[str]) -> None:
         """A call is done with the copies `used`; the oldest copies no call reads go, down to COPIES."""
