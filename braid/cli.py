@@ -85,6 +85,7 @@ def eval_cmd(args) -> int:
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
     from braid.engine import Engine, EngineConfig
+    from braid.engine.calibration import mode_name
     from braid.evals.harness import EvalConfig, engine_modes, run_task
     from braid.models.tasks import generate
 
@@ -92,16 +93,21 @@ def demo(args) -> int:
     task = generate(args.task, args.seed, args.branches, length)
     engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device,
                                  calibration=args.calibration))
-    modes = [m for m in engine_modes(engine) if m.name == "calibrated" or not m.name.startswith("calibrated")]
+    # the calibrated cache path as served (with the refresh it was trained with), and without the refresh; the
+    # ablations and the other placement are braid eval's
+    served = mode_name(engine.calibration.calibration.refresh) if engine.calibration is not None else None
+    modes = [m for m in engine_modes(engine) if m.name in ("calibrated", served) or not m.name.startswith("calibrated")]
     result = run_task(engine, task, modes, EvalConfig(tasks=(task.name,), branches=(args.branches,),
                                                            length=length))
     print(f"task {task.name} (seed {task.seed}): {task.system}")
     for j, (branch, said) in enumerate(zip(task.branches, result.worker_outputs)):
         print(f"  branch {j}: {branch.context}" + (f"\n     worker: {said.strip()}" if branch.output else ""))
     print(f"question: {task.question}  expected: {task.answer}\n")
+    width = max(len(m.name) for m in modes)
     for mode in modes:
-        print(f"  {mode.name:<20} {'right' if result.correct[mode.name] else 'wrong':<6} "
-              f"TTFT {1e3 * result.ttft[mode.name]:6.1f} ms   {result.answers[mode.name].strip()!r}")
+        print(f"  {mode.name:<{width}} {'right' if result.correct[mode.name] else 'wrong':<6} "
+              f"TTFT {1e3 * result.ttft[mode.name]:6.1f} ms   {result.answers[mode.name].strip()!r}"
+              + ("   (served)" if mode.name == served else ""))
     return 0
 
 

@@ -30,6 +30,18 @@ def test_demo_runs_a_task_in_every_mode(checkpoint, capsys):
     out = capsys.readouterr().out
     assert "task trail" in out and out.count("branch ") == 3 and "expected:" in out
     assert all(mode in out for mode in ("text", "cache:none", "cache:branch_point", "cache:sequential"))
+    assert "calibrated" not in out  # (this model has no calibration)
+
+
+def test_demo_shows_the_calibrated_mode_as_served(checkpoint, tmp_path, capsys):
+    from braid.train.calibrate import write_untrained
+
+    ckpt = checkpoint("llama")
+    cal = write_untrained(ckpt, str(tmp_path / "cal"))  # (untrained: served with a token refreshed at each end)
+    assert main(["demo", "--model", ckpt, "--calibration", cal, "--task", "vote", "--branches", "2"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert lines["calibrated+refresh"].endswith("(served)") and "(served)" not in lines["calibrated"]
+    assert "calibrated-no-mapper" not in lines  # (the ablations are braid eval's)
 
 
 def test_benchmark_writes_json_and_plot(checkpoint, tmp_path):
