@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.calibration import served_refresh
 from braid.engine.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import pyplot, write_json
@@ -93,6 +94,10 @@ def main(argv=None):
         eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
                                   calibration=calibration))
     hooks = eng.calibration.hooks
+    # the served cache path: a trained calibration's placement and refresh; for a random one, the committed
+    # calibration's (sequential, a token refreshed at each end)
+    served = ((eng.calibration.calibration.placement, served_refresh(eng.calibration)) if trained
+              else (Placement.SEQUENTIAL, Refresh(1, 1)))
     lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -110,9 +115,8 @@ def main(argv=None):
             "cache_refresh": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
                                                        placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN,
                                                        refresh=Refresh(1, 1)),
-            "cache_served": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix,
-                                                      placement=Placement.SEQUENTIAL, sampling=FIRST_TOKEN,
-                                                      hooks=hooks, refresh=Refresh(1, 1)),
+            "cache_served": lambda: synthesize_stream(eng, branches, prompt, prefix=prefix, placement=served[0],
+                                                      sampling=FIRST_TOKEN, hooks=hooks, refresh=served[1]),
         }
         row = {"branch_tokens": length, "branches": args.branches}
         for name, make in modes.items():

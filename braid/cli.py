@@ -37,7 +37,7 @@ def eval_cmd(args) -> int:
     import json
 
     from braid.engine import Engine, EngineConfig
-    from braid.engine.calibration import mode_name
+    from braid.engine.calibration import mode_name, served_refresh
     from braid.evals.harness import (EvalConfig, engine_modes, evaluate, format_table, hooked_modes, load_hooks,
                                      plot_accuracy, report, verify)
 
@@ -57,7 +57,7 @@ def eval_cmd(args) -> int:
         modes += hooked_modes(*load_hooks(spec, engine))
     if args.verify and args.verify_mode is None and engine.calibration is not None:
         # the mode the synthesizer serves this calibration with by default: with the refresh it was trained with
-        args.verify_mode = mode_name(engine.calibration.calibration.refresh)
+        args.verify_mode = mode_name(served_refresh(engine.calibration))
     if args.verify and (engine.calibration is None or not {"text", args.verify_mode} <= set(names)):
         raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
                          "calibration and run both modes")
@@ -85,7 +85,7 @@ def eval_cmd(args) -> int:
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
     from braid.engine import Engine, EngineConfig
-    from braid.engine.calibration import mode_name
+    from braid.engine.calibration import mode_name, served_refresh
     from braid.evals.harness import EvalConfig, engine_modes, run_task
     from braid.models.tasks import generate
 
@@ -95,7 +95,7 @@ def demo(args) -> int:
                                  calibration=args.calibration))
     # the calibrated cache path as served (with the refresh it was trained with), and without the refresh; the
     # ablations and the other placement are braid eval's
-    served = mode_name(engine.calibration.calibration.refresh) if engine.calibration is not None else None
+    served = mode_name(served_refresh(engine.calibration)) if engine.calibration is not None else None
     modes = [m for m in engine_modes(engine) if m.name in ("calibrated", served) or not m.name.startswith("calibrated")]
     result = run_task(engine, task, modes, EvalConfig(tasks=(task.name,), branches=(args.branches,),
                                                            length=length))
@@ -384,7 +384,8 @@ def main(argv=None) -> int:
                         "branches in view), "
                         "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
                         "staircase-append:kv, staircase-reprefill:kv+refresh, staircase-append:kv+refresh and, with a "
-                        "calibration, calibrated, calibrated+refresh, "
+                        "calibration, calibrated, calibrated+refresh (or calibrated+refresh<head>-<tail>: the "
+                        "refresh it was trained with, when that is not a token at each end), "
                         "staircase-reprefill:calibrated+refresh, staircase-append:calibrated+refresh, "
                         "calibrated:sequential and the ablations calibrated-no-reencode, calibrated-no-mapper, "
                         "calibrated-no-lora (default: all)")

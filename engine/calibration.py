@@ -292,6 +292,14 @@ class MergedLora:
                 base.weight = original
 
 
+def served_refresh(attached: "Attached | None", refresh_tokens: int | None = None) -> Refresh | None:
+    """The boundary refresh the cache path reads with: `refresh_tokens` at each end when it is set (0: none), else
+    the one the attached calibration was trained with, else a token at each end (the uncalibrated default)."""
+    if refresh_tokens is not None:
+        return refresh_of(refresh_tokens)
+    return attached.calibration.refresh if attached is not None else Refresh()
+
+
 def mode_name(refresh: Refresh | None) -> str:
     """The evaluation's name for the calibrated cache path with this boundary refresh (braid eval --modes)."""
     if refresh is None or not (refresh.head or refresh.tail):

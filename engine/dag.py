@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from braid.engine.calibration import served_refresh
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, PreconditionError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
@@ -552,7 +553,7 @@ class DagRun:
                     for e in edges]
         notes[n.name] += [f"{e.node}:private" for e in leaky]
         attached = self.engine.calibration  # (its placement, and the refresh it was trained with)
-        mode = SynthesisMode(attached.calibration.placement, attached.hooks, attached.calibration.refresh)
+        mode = SynthesisMode(attached.calibration.placement, attached.hooks, served_refresh(attached))
         stream = synthesis_stream(self.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
         answer, text = [], []
         try:

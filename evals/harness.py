@@ -42,7 +42,7 @@ class Mode:
 
 
 TEXT = Mode("text")
-REFRESH = Refresh(head=1, tail=1)  # the boundary refresh the `+refresh` modes use
+REFRESH = Refresh(head=1, tail=1)  # the default boundary refresh: the uncalibrated `+refresh` modes use it
 BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
                       for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)),
               Mode("cache:sequential+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH)))
@@ -64,13 +64,15 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
     and `calibrated:<placement>` for the other re-encoding placement; `calibrated+refresh` adds the boundary
     refresh it was trained with (mode_name: `calibrated+refresh<head>-<tail>` other than a token at each end; a
-    token at each end when it was trained without one); `staircase-reprefill:calibrated+refresh` and
-    `staircase-append:calibrated+refresh` stream it."""
+    token at each end when it was trained without one), and `calibrated+refresh` as well when that differs;
+    `staircase-reprefill:calibrated+refresh` and `staircase-append:calibrated+refresh` stream the first."""
     full, placement = attached.hooks, attached.calibration.placement
     other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
     refresh = attached.calibration.refresh or REFRESH  # (the one it was trained with, else the default)
+    # (and the default as well, which a deployment may serve it with: refresh_tokens 1)
+    others = [Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH))] if refresh != REFRESH else []
     return [Mode("calibrated", SynthesisMode(placement, full)),
-            Mode(mode_name(refresh), SynthesisMode(placement, full, refresh)),
+            Mode(mode_name(refresh), SynthesisMode(placement, full, refresh)), *others,
             # the staircase as a cluster serves it with this calibration
             Mode(f"staircase-reprefill:{mode_name(refresh)}", SynthesisMode(placement, full, refresh),
                  Variant.REPREFILL),

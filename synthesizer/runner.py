@@ -9,9 +9,10 @@ from braid.api.messages import (AnswerToken, KVArrived, SynthesisDone, Synthesis
                                 SynthesizerInfo)
 from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
+from braid.engine.calibration import served_refresh
 from braid.engine.errors import BraidError
 from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
-from braid.engine.synthesis import Placement, Refresh, SynthesisMode, refresh_of, synthesis_stream
+from braid.engine.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
 
@@ -74,10 +75,7 @@ class SynthesisRunner:
     def refresh(self) -> Refresh | None:
         """The boundary refresh the cache path is served with (None: off): the config's, else the one the
         calibration was trained to read, else a token at each end."""
-        n, attached = self.config.refresh_tokens, self.engine.calibration
-        if n is not None:
-            return refresh_of(n)
-        return attached.calibration.refresh if attached is not None else Refresh()
+        return served_refresh(self.engine.calibration, self.config.refresh_tokens)
 
     @property
     def calibration_name(self) -> str:

@@ -295,9 +295,11 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
 
 def _trained_with(path: str, **config) -> None:
     """Record in the calibration's manifest that it was trained with these CalibrateConfig fields."""
-    manifest = json.load(open(os.path.join(path, "calibration.json")))
+    with open(os.path.join(path, "calibration.json")) as f:
+        manifest = json.load(f)
     manifest["record"] = {"config": config}
-    json.dump(manifest, open(os.path.join(path, "calibration.json"), "w"))
+    with open(os.path.join(path, "calibration.json"), "w") as f:
+        json.dump(manifest, f)
 
 
 def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint, tmp_path):
@@ -317,6 +319,10 @@ def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint
         assert Calibration.load(path).refresh == expected, config
     Calibration.load(path).record_verification({"mode": "calibrated+refresh0-3", "max_branches": 3})
     engine = Engine(EngineConfig(ckpt, calibration=path))
+    from braid.evals.harness import engine_modes
+
+    names = [m.name for m in engine_modes(engine)]  # the trained refresh, and the default a deployment may pin
+    assert "calibrated+refresh0-3" in names and "calibrated+refresh" in names
     receiver = KVReceiver(engine.fingerprint, host="127.0.0.1")
     try:
         served = SynthesisRunner(engine, receiver, None, SynthesizerConfig())
@@ -354,6 +360,7 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     # a run to resume that did not start from --init-from is not silently resumed in its place
     assert main([*args, "--steps", "4", "--init-from", str(out)]) == 2
     assert main([*args, "--steps", "3", "--lora-rank", "4"]) == 2  # nor one of another shape
+    assert main([*args, "--steps", "3", "--refresh", "1"]) == 2  # nor one reading another refresh
 
 
 
@@ -484,8 +491,8 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
         events = list(dag)
         voter = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "voter"]
-        calibration = engine.calibration.calibration
-        mode = SynthesisMode(calibration.placement, engine.calibration.hooks, calibration.refresh)
+        # (written untrained, it is read as served by default: a token refreshed at each end)
+        mode = SynthesisMode(engine.calibration.calibration.placement, engine.calibration.hooks, Refresh(1, 1))
         by_hand = synthesis_stream(engine, [dag.outputs[f"s{j}"] for j in range(3)], "Best:", [dag.outputs["system"]],
                                    mode, greedy)
         expected = [e.token_id for e in by_hand]

@@ -52,7 +52,8 @@ def in_process(path, task, prompts, text_mode):
     if text_mode:
         answer = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy)
     else:
-        # the served cache path: each branch's first and last token refreshed (refresh_tokens=1)
+        # the served cache path: each branch's first and last token refreshed (refresh_tokens unset, no
+        # calibration: a token at each end)
         answer = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=greedy, refresh=Refresh(1, 1))
     return list(eng.message(answer).token_ids[-6:])
 

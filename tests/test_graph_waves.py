@@ -294,3 +294,22 @@ def test_a_worker_keeps_few_channels_to_holders_and_never_closes_one_in_use(clus
     with pytest.raises(grpc.RpcError) as err:  # the busy one is open (nothing listens there: UNAVAILABLE)
         busy.unary_unary("/braid.Test/Ping")(b"", timeout=1)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    # a fetch that fails leaves its channel idle (closable), and nothing opens one when no parent is missing
+    from braid.api.messages import NodesRequest
+    from braid.engine import DecodeCall
+
+    def fail(*args, **kwargs):
+        raise TransferError("the holder went away")
+
+    monkeypatch.setattr(runner, "fetch_many", fail)
+    req = NodesRequest("s", "sess", "127.0.0.1:9", logic.engine.fingerprint, [DecodeCall("x", parents=["m"])],
+                       "127.0.0.1:9", "grpc")
+    with pytest.raises(TransferError):
+        worker._parents(req, [], [])
+    assert worker._fetching["127.0.0.1:9"] == 0 and "127.0.0.1:9" in worker.channels
+    before = dict(worker.channels)
+    assert worker._parents(NodesRequest("s", "sess", "127.0.0.1:10", logic.engine.fingerprint,
+                                        [DecodeCall("x")], "127.0.0.1:10", "grpc"), [], []) == {}
+    assert worker.channels == before
+    for channel in worker.channels.values():
+        channel.close()

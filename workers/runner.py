@@ -225,6 +225,7 @@ class BranchRunner:
         finally:
             with self._copies_lock:
                 self._fetching[req.holder] -= 1
+                self._close_idle_channels()
         return here
 
     def _channel(self, holder: str) -> grpc.Channel:
@@ -235,12 +236,17 @@ class BranchRunner:
             if channel is None:
                 channel = self.channels[holder] = peer_channel(holder, options=GRPC_LIMITS)
             self.channels.move_to_end(holder)
+            self._close_idle_channels(keep=holder)
             self._fetching[holder] += 1
-            idle = [h for h in self.channels if not self._fetching[h]]
-            for old in idle[:max(0, len(self.channels) - self.CHANNELS)]:
-                self.channels.pop(old).close()
-                del self._fetching[old]
         return channel
+
+    def _close_idle_channels(self, keep: str = "") -> None:
+        """Past CHANNELS, close the least recently used channels no fetch reads from (and not `keep`'s); the
+        caller holds _copies_lock."""
+        idle = [h for h in self.channels if not self._fetching[h] and h != keep]
+        for holder in idle[:max(0, len(self.channels) - self.CHANNELS)]:
+            del self._fetching[holder]
+            self.channels.pop(holder).close()
 
     def _trim(self, used: list[str]) -> None:
         """A call is done with the copies `used`; the oldest copies no call reads go, down to COPIES."""
