@@ -511,12 +511,11 @@ def calibrate(cfg: CalibrateConfig) -> dict:
             None, cfg.lora_rank):
         raise ValueError(f"{resume} was trained with LoRA rank {state['record']['config']['lora_rank']}, "
                          f"not {cfg.lora_rank}; pass the same settings, or --resume false")
-    trained = state["record"]["config"] if state is not None else {}
-    if state is not None and (trained.get("refresh", 0), trained.get("refresh_tail", -1)) != (cfg.refresh,
-                                                                                            cfg.refresh_tail):
-        raise ValueError(f"{resume} was trained with refresh {trained.get('refresh', 0)} and refresh_tail "
-                         f"{trained.get('refresh_tail', -1)}, not {cfg.refresh} and {cfg.refresh_tail}; pass the "
-                         "same settings, or --resume false")
+    if state is not None:
+        was = (state["record"]["config"].get("refresh", 0), state["record"]["config"].get("refresh_tail", -1))
+        if was != (cfg.refresh, cfg.refresh_tail):
+            raise ValueError(f"{resume} was trained with refresh {was[0]} and refresh_tail {was[1]}, not "
+                             f"{cfg.refresh} and {cfg.refresh_tail}; pass the same settings, or --resume false")
     if cfg.init_from and not resuming:
         start = Calibration.load(cfg.init_from)
         if start.fingerprint != fingerprint:
