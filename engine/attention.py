@@ -65,7 +65,17 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     out = query.new_empty(n, h, d)
     for part in step.large:
         k, v = part.layer_kv(layer)
-        out[part.rows] = attention_forward(module, query[:, :, part.rows], k, v, part.mask, scaling, dropout)[0][0]
+        rows, mask = part.rows, part.mask
+        if part.side is not None:  # scratch rows first: they also attend their side context
+            kv, side_mask, r = part.side
+            first = slice(rows.start, rows.start + r)
+            out[first] = attention_forward(module, query[:, :, first], torch.cat([k, kv[layer, 0][None]], dim=2),
+                                           torch.cat([v, kv[layer, 1][None]], dim=2),
+                                           torch.cat([mask[:, :, :r], side_mask], dim=3), scaling, dropout)[0][0]
+            rows, mask = slice(first.stop, rows.stop), mask[:, :, r:]
+            if rows.start == rows.stop:
+                continue
+        out[rows] = attention_forward(module, query[:, :, rows], k, v, mask, scaling, dropout)[0][0]
     if step.small:
         g, r, _ = step.shape
         q = query[0].index_select(1, step.row_index).view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]

@@ -21,8 +21,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from braid.engine.config import CALIBRATION_MANIFEST
@@ -268,13 +270,19 @@ class MergedLora:
         from peft.tuners.lora import Linear as LoraLinear
 
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.factors: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (A [r, in], B [out, r], scale), per swap
         with torch.no_grad():
             for module in peft_model.modules():
                 if isinstance(module, LoraLinear):
+                    name = module.active_adapters[0]
                     base = module.get_base_layer()
-                    delta = module.get_delta_weight(module.active_adapters[0]).float()
+                    delta = module.get_delta_weight(name).float()
                     merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
                     self.swaps.append((base, base.weight, torch.nn.Parameter(merged, requires_grad=False)))
+                    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                    if getattr(module, "fan_in_fan_out", False):
+                        a, b = a.T, b.T
+                    self.factors.append((a.to(base.weight.dtype), b.to(base.weight.dtype), module.scaling[name]))
         peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
 
     @property
@@ -282,7 +290,21 @@ class MergedLora:
         return sum(m.numel() * m.element_size() for _, _, m in self.swaps)
 
     @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, rows: torch.Tensor | None = None) -> Iterator[None]:
+        """The synthesizer's weights for a forward's rows: all of them (the merged copies swapped in), or those
+        `rows` (bool [rows]) marks, the others running the base weights (scratch calls in the synthesizer's own
+        prefill): each adapted Linear then runs its base weight over every row and adds the LoRA's low-rank
+        product to the marked ones, so no weight is read twice."""
+        if rows is not None:
+            adapted = rows.nonzero().squeeze(1)
+            try:
+                for (module, _, _), factors in zip(self.swaps, self.factors):
+                    module.forward = partial(_linear_on_rows, module, factors, adapted)
+                yield
+            finally:
+                for module, _, _ in self.swaps:
+                    module.__dict__.pop("forward", None)
+            return
         try:
             for base, _, merged in self.swaps:
                 base.weight = merged
@@ -290,6 +312,15 @@ class MergedLora:
         finally:
             for base, original, _ in self.swaps:
                 base.weight = original
+
+
+def _linear_on_rows(module: torch.nn.Linear, factors: tuple[torch.Tensor, torch.Tensor, float],
+                    adapted: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [B, rows, in] -> [B, rows, out]: the base Linear, plus scale * B A x on the `adapted` rows."""
+    a, b, scale = factors
+    out = F.linear(x, module.weight, module.bias)
+    out[:, adapted] += scale * F.linear(F.linear(x[:, adapted], a), b)
+    return out
 
 
 def served_refresh(attached: "Attached | None", refresh_tokens: int | None = None) -> Refresh | None:

@@ -24,18 +24,35 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.runner import KVPool, ModelRunner, WorkCache
+from braid.engine.runner import KVPool, ModelRunner, SideContext, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
 from braid.kernels import rerotate_keys
 
 log = logging.getLogger(__name__)
+_SCRATCH = SamplingParams(max_tokens=1)  # a scratch call's place in a decode group's params: never sampled
 CACHED_PREFIX = "~cached-"  # ids of the prefix cache's own messages (never given to callers)
 
 Tokens = str | Sequence[int]
-# Applied to each placed parent's KV copy [L, 2, H, T, D] before attention: the cache-mapper seam.
-KVTransform = Callable[[Message, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KVTransform:
+    """The cache-mapper seam: `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of each parent in `ids`
+    (it may work in place: the copy is the engine's own) before a decode call attends to it. Scratch calls
+    (Engine.decode_stream) read the same parents unmapped."""
+
+    ids: frozenset[str]
+    apply: Callable[[Message, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A decode call's parent that is not a stored message: scratch call `index` of the same decode_stream,
+    encoded in the same forwards before the decode calls, at its own new_offset, and never stored."""
+
+    index: int
 
 
 @dataclass
@@ -66,10 +83,13 @@ class _Plan:
     new_ids: list[str]
     seeds: list[bytes | None] = field(default_factory=list)  # (engine.prefix_cache) per call, when cacheable
     prefix: list[Message | None] = field(default_factory=list)  # a cached start of the call's tokens, reused
+    scratch: int = 0  # the first calls are scratch calls: encoded, read by the others, never stored
+    side: list[tuple[Message, int]] = field(default_factory=list)  # what scratch calls read unmapped (runner.SideContext)
+    side_visible: torch.Tensor | None = None  # bool [scratch, side entries]
 
     @property
     def parent_ids(self) -> set[str]:
-        return {m.id for m, _ in self.entries}
+        return {m.id for m, _ in self.entries + self.side}
 
 
 class DecodeStream:
@@ -104,7 +124,7 @@ class DecodeStream:
         self._group.wake()
 
     def _reused(self, call: int) -> int:
-        prefix = self._group.prefix[call]
+        prefix = self._group.prefix[self._group.scratch + call]
         return prefix.num_tokens if prefix is not None else 0
 
     def encoded(self, call: int) -> int:
@@ -112,7 +132,7 @@ class DecodeStream:
         which may be ahead of the events read so far: read it once per use. Only for a stream made with
         `readable=True` (a preempted call would have less)."""
         self._readable()
-        return self._reused(call) + len(self._group.slots[call])
+        return self._reused(call) + len(self._group.slots[self._group.scratch + call])
 
     def _readable(self) -> None:
         if self._group.grows and not self._group.committed:
@@ -121,7 +141,7 @@ class DecodeStream:
 
     def offset(self, call: int) -> int:
         """Where the call's message starts (the position of its first token, a reused cached start included)."""
-        return self._group.offsets[call] - self._reused(call)
+        return self._group.offsets[self._group.scratch + call] - self._reused(call)
 
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes, or
@@ -129,21 +149,21 @@ class DecodeStream:
         g = self._group
         with g.lock:  # (the work cache is not handed to another call while this reads it)
             if g.committed:
-                msg = self._store.get(g.message_ids[call])
+                msg = self._store.get(g.message_ids[g.scratch + call])
                 return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
             if g.ended:
                 raise BraidError(f"call {call} ended without storing its message")
             if not 0 <= start <= end <= self.encoded(call):  # (encoded refuses a stream that may be preempted)
                 raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
-            n, prefix = self._reused(call), g.prefix[call]
+            n, prefix, c = self._reused(call), g.prefix[g.scratch + call], g.scratch + call
             tokens, parts = [], []
             if start < n:  # the cached start it reused
                 tokens += prefix.token_ids[start:min(end, n)]
                 parts.append(prefix.kv[:, :, :, start:min(end, n)])
             if end > n:
                 lo = max(start, n) - n
-                slots = torch.tensor(g.slots[call][lo:end - n], dtype=torch.long, device=g.cache.index.device)
-                tokens += g.all_tokens(call)[lo:end - n]
+                slots = torch.tensor(g.slots[c][lo:end - n], dtype=torch.long, device=g.cache.index.device)
+                tokens += g.all_tokens(c)[lo:end - n]
                 parts.append(g.cache.gather(slots))
             return list(tokens), parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3)
 
@@ -283,8 +303,9 @@ class Engine:
         return stream.ids
 
     def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
-                      adapter: Callable[[], AbstractContextManager] | None = None,
-                      tag: str | None = None, readable: bool = False) -> DecodeStream:
+                      adapter: Callable[..., AbstractContextManager] | None = None,
+                      tag: str | None = None, readable: bool = False,
+                      scratch: Sequence[PrefillCall] = ()) -> DecodeStream:
         """Decode all calls together, one row per call per step, masked so calls never see each other.
 
         Validation happens here, before the first event; `transform` and `adapter` are the
@@ -293,10 +314,16 @@ class Engine:
         model refuses as a parent. `readable`: its KV is read while it decodes (`DecodeStream.partial_kv`),
         so it holds work KV for all its `max_tokens` from the start and is never preempted; otherwise (with
         `kv_on_demand`) it may take its blocks as it decodes.
+        `scratch`: prefill calls encoded in the same forwards, before the decode calls' headers, that a decode
+        call reads by naming `Scratch(i)` among its parents (at scratch call i's new_offset): no call of their
+        own, no message stored, and base weights whatever the adapter (engine.synthesis's boundary refresh, in
+        the synthesizer's own prefill). They read parents unmapped, and count against max_parallel_calls.
         """
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
-        group, _ = self._submit([c.header for c in calls], calls, [c.sampling for c in calls], transform, adapter,
-                                fingerprint, grows=self.config.kv_on_demand and not readable)
+        values = [c.message for c in scratch] + [c.header for c in calls]
+        params = [_SCRATCH] * len(scratch) + [c.sampling for c in calls]  # (a scratch call samples nothing)
+        group, _ = self._submit(values, [*scratch, *calls], params, transform, adapter, fingerprint,
+                                grows=self.config.kv_on_demand and not readable, scratch=len(scratch))
         return DecodeStream(group, self.store)
 
     # ---- internals ------------------------------------------------------------------------------
@@ -312,18 +339,19 @@ class Engine:
 
     def _submit(self, values: Sequence[Tokens], calls, params: list[SamplingParams] | None,
                 transform: KVTransform | None, adapter, fingerprint: str,
-                grows: bool = False) -> tuple[Group | None, dict[int, str]]:
+                grows: bool = False, scratch: int = 0) -> tuple[Group | None, dict[int, str]]:
         """Validate and plan in the caller's thread (errors surface here), reuse what the prefix cache holds,
         pin the parents, hand the rest to the scheduler. Returns the group (None: nothing left to encode)
         and the ids of prefill calls found whole in the cache, by call index."""
-        extra = [p.max_tokens for p in params] if params is not None else [0] * len(calls)
+        extra = [0] * len(calls) if params is None else [0] * scratch + [p.max_tokens for p in params[scratch:]]
         what = "header" if params is not None else "message"
         with self._store_lock:
-            plan = self._plan(values, calls, extra, what)
+            plan = self._plan(values, calls, extra, what, scratch, transform.ids if transform is not None else ())
             ready: dict[int, str] = {}
             views: list[str] = []
-            # A mapped or adapted call's KV is not what the base model gives for the same content: not cached.
-            if self.prefix_cache is not None and transform is None and adapter is None:
+            # A mapped or adapted call's KV is not what the base model gives for the same content: not cached;
+            # nor is a call that reads scratch calls (no stored content to key it by).
+            if self.prefix_cache is not None and transform is None and adapter is None and not scratch:
                 plan, ready, views, extra = self._reuse(plan, calls, extra, what, fingerprint)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
 
@@ -345,7 +373,8 @@ class Engine:
                           lambda blocks, runs: self._assemble(plan, sum(extra), transform, blocks, in_place, runs),
                           lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
                                                              cache_prefill=params is None),
-                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared, grows)
+                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared, grows,
+                          scratch)
             group.prefix = plan.prefix or group.prefix
             self.scheduler.submit(group)
         except BaseException:
@@ -423,7 +452,11 @@ class Engine:
         rest.seeds, rest.prefix = [seeds[c] for c in keep], prefixes
         return rest, ready, views, [extra[c] for c in keep]
 
-    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str) -> _Plan:
+    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str, scratch: int = 0,
+              mapped_ids=()) -> _Plan:
+        """Validate the calls and place their parents. The first `scratch` calls are scratch calls, which the
+        others may name as `Scratch(i)` parents; the parents in `mapped_ids` are read mapped by the decode calls
+        (work cache entries) and unmapped by scratch calls (side entries, outside the work cache)."""
         n = len(calls)
         if n == 0:
             raise BraidError("no calls given")
@@ -432,15 +465,29 @@ class Engine:
         limit = self.spec.max_positions
         index: dict[tuple[str, int], int] = {}
         entries: list[tuple[Message, int]] = []
-        call_entries, tokens, new_offsets, parent_offsets = [], [], [], []
+        side_index: dict[tuple[str, int], int] = {}
+        side: list[tuple[Message, int]] = []
+        side_visible = torch.zeros(scratch, 0, dtype=torch.bool)
+        call_entries, call_scratch, tokens, new_offsets, parent_offsets = [], [], [], [], []
         for c, call in enumerate(calls):
             toks = self._as_tokens(values[c], what, c)
             parents = list(call.parents)
             offsets = call.offsets
             if offsets is not None and len(offsets) != len(parents):
                 raise InvalidOffsetError(f"call {c}: {len(offsets)} offsets given for {len(parents)} parents")
-            end, mine, placed = 0, [], []
+            end, mine, reads, sides, placed = 0, [], [], [], []
             for i, pid in enumerate(parents):
+                if isinstance(pid, Scratch):
+                    if c < scratch or not 0 <= pid.index < scratch:
+                        raise BraidError(f"call {c}: {pid} is not a scratch call this call can read")
+                    off = new_offsets[pid.index]
+                    if offsets is not None and offsets[i] not in (None, off):
+                        raise InvalidOffsetError(f"call {c}: scratch call {pid.index} is encoded at offset {off}, "
+                                                 f"not {offsets[i]}")
+                    reads.append(pid.index)
+                    placed.append(off)
+                    end = off + len(tokens[pid.index])
+                    continue
                 msg = self.store.get(pid)
                 if msg.fingerprint != self.fingerprint:
                     raise FingerprintMismatchError(
@@ -451,9 +498,14 @@ class Engine:
                     raise InvalidOffsetError(
                         f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
                         f"it must be an int with 0 <= offset and offset + length <= {limit}")
-                mine.append(index.setdefault((pid, off), len(entries)))
-                if mine[-1] == len(entries):
-                    entries.append((msg, off))
+                if c < scratch and pid in mapped_ids:  # the decode calls read it mapped: a side entry
+                    sides.append(side_index.setdefault((pid, off), len(side)))
+                    if sides[-1] == len(side):
+                        side.append((msg, off))
+                else:
+                    mine.append(index.setdefault((pid, off), len(entries)))
+                    if mine[-1] == len(entries):
+                        entries.append((msg, off))
                 placed.append(off)
                 end = off + msg.num_tokens
             new_off = end if call.new_offset is None else call.new_offset
@@ -464,6 +516,10 @@ class Engine:
                     f"call {c}: new_offset {new_off} + {len(toks)} {what} tokens + {extra_positions[c]} max new "
                     f"tokens = {new_off + len(toks) + extra_positions[c]} exceeds the context of {limit} positions")
             call_entries.append(mine)
+            call_scratch.append(reads)
+            if c < scratch:
+                side_visible = torch.nn.functional.pad(side_visible, (0, len(side) - side_visible.shape[1]))
+                side_visible[c, sides] = True
             tokens.append(toks)
             new_offsets.append(new_off)
             parent_offsets.append(tuple(placed))
@@ -471,29 +527,44 @@ class Engine:
         for c, mine in enumerate(call_entries):
             visible[c, mine] = True
             visible[c, len(entries) + c] = True
+            visible[c, [len(entries) + i for i in call_scratch[c]]] = True
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
-                     [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls])
+                     [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls],
+                     scratch=scratch, side=side, side_visible=side_visible.to(self.lm.device))
 
     def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
                   in_place: list[bool], runs: list) -> WorkCache:
         """A work cache (over `blocks` of the pool) reading each parent in place (`runs`, in order, for the
-        entries `in_place`) or holding a copy of it, re-rotated to its offset."""
+        entries `in_place`) or holding a copy of it, re-rotated to its offset, and mapped for the parents the
+        transform maps (from the side context's copy, when scratch calls read them unmapped)."""
         context = sum(m.num_tokens for m, _ in plan.entries)
         cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
+        side = {(m.id, off): self._placed(m, off) for m, off in plan.side}
+        if side:
+            kv = torch.cat(list(side.values()), dim=3)
+            segment = torch.repeat_interleave(torch.arange(len(side), device=kv.device),
+                                              torch.tensor([m.num_tokens for m, _ in plan.side], device=kv.device))
+            cache.side = SideContext(kv, segment, plan.side_visible)  # (a copy: the placed copies are free now)
         runs = iter(runs)
         for e, (msg, off) in enumerate(plan.entries):
             if in_place[e]:
                 cache.reference(next(runs), segment=e)
                 continue
-            placed = msg.kv
-            if off != msg.offset:
-                delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=placed.device)
-                placed = torch.stack([rerotate_keys(placed[:, 0], delta, self.lm.inv_freq), placed[:, 1]], dim=1)
-            if transform is not None:
+            placed = side.pop((msg.id, off), None)
+            if placed is None:
+                placed = self._placed(msg, off)
+            if transform is not None and msg.id in transform.ids:
                 placed = placed.clone() if placed is msg.kv else placed  # (a transform may work in place)
-                placed = transform(msg, placed)
+                placed = transform.apply(msg, placed)
             cache.append(placed, segment=e)
         return cache
+
+    def _placed(self, msg: Message, off: int) -> torch.Tensor:
+        """The message's KV [L, 2, H, T, D] at offset `off`: its own (not a copy) where it was encoded there."""
+        if off == msg.offset:
+            return msg.kv
+        delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=msg.kv.device)
+        return torch.stack([rerotate_keys(msg.kv[:, 0], delta, self.lm.inv_freq), msg.kv[:, 1]], dim=1)
 
     def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],
                 fingerprint: str | None = None, cache_prefill: bool = False) -> list[str]:
@@ -501,7 +572,7 @@ class Engine:
         its content key, and prefills also a hidden twin over the same KV that the cache keeps after the
         caller frees its message, until the store evicts it."""
         messages, twins = [], []
-        for c in range(len(tokens)):
+        for c in range(plan.scratch, len(tokens)):  # (scratch calls store nothing)
             kv = cache.gather(torch.tensor(slots[c], dtype=torch.long, device=self.lm.device))
             toks, offset = tokens[c], plan.new_offsets[c]
             prefix = plan.prefix[c] if plan.prefix else None
@@ -509,8 +580,10 @@ class Engine:
                 kv, toks, offset = torch.cat([prefix.kv, kv], dim=3), [*prefix.token_ids, *toks], prefix.offset
             seed = plan.seeds[c] if plan.seeds else None
             keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once, used twice)
-            messages.append(Message(plan.new_ids[c], tuple(toks), kv, offset, plan.parents[c], plan.parent_offsets[c],
-                                    fingerprint or self.fingerprint, keys[-1][1] if keys else None))
+            read = [(p, o) for p, o in zip(plan.parents[c], plan.parent_offsets[c]) if not isinstance(p, Scratch)]
+            messages.append(Message(plan.new_ids[c], tuple(toks), kv, offset, tuple(p for p, _ in read),
+                                    tuple(o for _, o in read), fingerprint or self.fingerprint,
+                                    keys[-1][1] if keys else None))
             if cache_prefill and keys:
                 twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:

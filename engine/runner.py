@@ -123,6 +123,7 @@ class WorkCache:
         self.run_start = blocks[0] * b if ascending else None
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
+        self.side: SideContext | None = None  # what its scratch calls also read, until they are encoded
 
     @property
     def free_slots(self) -> int:
@@ -184,6 +185,20 @@ class WorkCache:
 
 
 @dataclass
+class SideContext:
+    """Parents that only a group's scratch calls read (engine.Engine.decode_stream), kept out of its work cache:
+    the unmapped copies of the branches whose mapped copies the group's decode calls read. Their rows attend the
+    work cache and these; the decode calls' rows, and every row once the scratch rows are encoded, never
+    pay for them.
+
+    kv [L, 2, H, T, D], placed; segment [T]: each slot's side entry; visible: bool [scratch calls, side entries]."""
+
+    kv: torch.Tensor
+    segment: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass
 class GroupInput:
     """One engine call's rows in a forward: its own work cache, masks and tokens.
 
@@ -196,6 +211,7 @@ class GroupInput:
     positions: torch.Tensor  # [rows]
     call_of_row: torch.Tensor  # [rows]
     logit_rows: torch.Tensor | None
+    side: SideContext | None = None  # with scratch calls' rows among these (they come first): what they also read
 
 
 @dataclass
@@ -206,6 +222,7 @@ class _Part:
     rows: slice  # its rows among the forward's
     slots: slice  # where its rows' KV go in its cache
     mask: torch.Tensor | None  # bool [1, 1, rows, cache.length]; None: plain causal, flash-attn
+    side: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (side kv, its mask [1, 1, r, T], r): first r rows
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values of the group's whole cache, new rows included: [1, H, T, D] each."""
@@ -227,7 +244,8 @@ class _Step:
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
         self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])  # where each row's KV goes: [rows]
-        small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None]
+        small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None
+                 and p.side is None]
         self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         if not self.small:
@@ -290,7 +308,11 @@ class ModelRunner:
                 mask = g.visible[g.call_of_row][:, g.cache.segment[: g.cache.length]] & (keys[None, :] <= own[:, None])
                 mask = mask[None, None]
             rows = slice(start, start + len(g.input_ids))
-            parts.append(_Part(g.cache, rows, slots, mask))
+            side = None
+            if g.side is not None:  # (its scratch rows come first)
+                r = int((g.call_of_row < g.side.visible.shape[0]).sum())
+                side = (g.side.kv, g.side.visible[g.call_of_row[:r]][:, g.side.segment][None, None], r)
+            parts.append(_Part(g.cache, rows, slots, mask, side))
             start = rows.stop
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]

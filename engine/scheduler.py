@@ -62,8 +62,9 @@ class Group:
                  params: list[SamplingParams] | None, capacity: int, assemble: Callable[..., WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
                  adapter: Callable[[], AbstractContextManager] | None = None,
-                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False):
+                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False, scratch: int = 0):
         self.tokens, self.offsets, self.params = tokens, offsets, params
+        self.scratch = scratch
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
         self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
         # it may run on fewer blocks than `capacity`, taking more as it decodes, and be preempted (a decode call
@@ -98,7 +99,7 @@ class Group:
             self.generators = [make_generator(p, device) for p in params]
             self.detok = [Detokenizer(tokenizer, p.stop) for p in params]
             self.generated = [d.tokens for d in self.detok]
-            self.running = set(range(len(tokens)))
+            self.running = set(range(scratch, len(tokens)))
 
     @property
     def decoding(self) -> bool:
@@ -112,7 +113,8 @@ class Group:
         `capacity` unless it grows)."""
         if not self.grows:
             return self.capacity
-        return self.capacity - sum(p.max_tokens - len(gen) for p, gen in zip(self.params, self.generated))
+        s = self.scratch  # (scratch calls generate nothing)
+        return self.capacity - sum(p.max_tokens - len(gen) for p, gen in zip(self.params[s:], self.generated[s:]))
 
     def all_tokens(self, call: int) -> list[int]:
         return self.tokens[call] + (self.generated[call] if self.params is not None else [])
@@ -155,13 +157,16 @@ class Group:
             self._logit_calls = [rows[i][2] for i in sorted(ends)]
             logit_rows = torch.tensor(sorted(ends), device=device) if ends else None
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        side = self.cache.side if rows and rows[0][2] < self.scratch else None  # (scratch rows come first)
         return GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]), as_tensor([r[1] for r in rows]),
-                          as_tensor([r[2] for r in rows]), logit_rows)
+                          as_tensor([r[2] for r in rows]), logit_rows, side)
 
     def advance(self, logits: torch.Tensor | None) -> bool:
         """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
         for i, (_, _, c) in enumerate(self._taken):
             self.slots[c].append(self._base + i)
+        if self.cache.side is not None and not (self.pending and self.pending[0][2] < self.scratch):
+            self.cache.side = None  # (every scratch row is encoded: nothing reads it any more)
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = self._logit_calls
@@ -186,7 +191,7 @@ class Group:
             self.running.discard(c)
         position = self.offsets[c] + len(self.tokens[c]) + len(self.generated[c]) - 1
         self.pending.append((token, position, c))  # every sampled token is fed once, so it gets KV
-        return TokenEvent(c, token, delta, reason, self.message_ids[c] if reason else None)
+        return TokenEvent(c - self.scratch, token, delta, reason, self.message_ids[c] if reason else None)
 
     def finish(self) -> None:
         """Store its messages; its parents are unpinned before the consumer hears it is done."""
@@ -409,7 +414,7 @@ class Scheduler:
         self.groups_stepped += len(batch)
         self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
         try:
-            with adapter() if adapter is not None else nullcontext():
+            with _adapted(adapter, batch):
                 return self.runner.step([inp for _, inp in batch])
         except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
             log.exception("forward failed for %d group(s)", len(batch))
@@ -438,6 +443,17 @@ class Scheduler:
         for run in g.runs:
             self.pool.unshare(run)
         g.runs = []
+
+
+def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextManager:
+    """The adapter's context for one forward: over every row, or, when scratch calls' rows are among them (they
+    run base weights), over the others only: `adapter(rows=bool [rows of the forward])`."""
+    if adapter is None:
+        return nullcontext()
+    if not any(g.scratch for g, _ in batch):
+        return adapter()
+    rows = torch.cat([inp.call_of_row >= g.scratch for g, inp in batch])
+    return adapter() if bool(rows.all()) else adapter(rows=rows)
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, KVTransform, PrefillCall, Scratch, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.engine.store import Message
@@ -131,25 +131,34 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
                       placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
                       hooks: SynthesisHooks | None = None, refresh: Refresh | None = None) -> DecodeStream:
     """Cache path: re-encoded branch KV (its boundary tokens refreshed, with `refresh`) + prefilled prompt,
-    then decode."""
+    then decode. The refreshed runs are encoded in the synthesizer's own prefill, as scratch calls of its
+    call (base weights, the branches unmapped), so refreshing costs no forward of its own; with more runs
+    than one call takes (max_parallel_calls), they are prefilled first instead, a prefill's worth at a time."""
     _check_branches(branches)
     prefix_msgs = [engine.message(m) for m in prefix]
     branch_msgs = [engine.message(m) for m in branches]
     branch_point = sum(m.num_tokens for m in prefix_msgs)
     offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement,
                                             [m.offset for m in branch_msgs])
+    scratch: list[PrefillCall] = []
     if refresh is None or not (refresh.head or refresh.tail):
         parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]
         temporary: list[str] = []
     else:
-        parts, temporary = refresh_branches(engine, prefix, branch_msgs, offsets, refresh)
+        calls, layout, temporary = _refresh_calls(engine, prefix, branch_msgs, offsets, refresh)
+        if len(calls) < engine.config.max_parallel_calls:
+            scratch = calls
+            parts = [(Scratch(p) if isinstance(p, int) else p, off, j) for p, off, j in layout]
+        else:
+            parts, runs = _prefill_runs(engine, calls, layout, temporary)
+            temporary += runs
     try:
         call = DecodeCall(prompt, parents=[*prefix, *(p for p, _, _ in parts)],
                           offsets=[None] * len(prefix) + [off for _, off, _ in parts], new_offset=prompt_offset,
                           sampling=sampling)
         index = {p: j for p, _, j in reversed(parts) if j is not None}
         lengths = {p: branch_msgs[j].num_tokens for p, j in index.items()}
-        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths)
+        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths, scratch)
     finally:
         for mid in temporary:  # the call pins what it reads: they go when it ends (now, if it failed to start)
             engine.free(mid, when_unpinned=True)
@@ -157,60 +166,83 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
 
 def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],
                      refresh: "Refresh | Runs") -> tuple[list[tuple[str, int, int | None]], list[str]]:
-    """Re-encode each branch's runs (its two ends, or the runs given) in parallel prefills (as many calls at once
-    as the engine takes): a run starting at token a of branch j is
-    encoded at offset_j + a after the prefix, branches 0..j-1 at their offsets and branch j's tokens [0, a).
-    Each branch is cut at its runs' ends into pieces (views, no copy) that every call reading them shares, so
-    a prefill places each piece once however many runs read it.
+    """Re-encode each branch's runs (its two ends, or the runs given) in parallel prefills of their own (as many
+    calls at once as the engine takes; synthesize_stream encodes them in the synthesizer's prefill instead).
     Returns the synthesizer's branch parents in order, as (message id, offset, branch index or None for a
     refreshed run, which the mapper leaves alone), and the temporary messages (views and runs) to free."""
+    calls, layout, views = _refresh_calls(engine, prefix, branches, offsets, refresh)
+    parts, runs = _prefill_runs(engine, calls, layout, views)
+    return parts, views + runs
+
+
+def _refresh_calls(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],
+                   refresh: "Refresh | Runs") -> tuple[list[PrefillCall], list[tuple[str | int, int, int | None]],
+                                                       list[str]]:
+    """The prefill calls that re-encode each branch's runs, and what the synthesizer reads in their place.
+
+    Each branch is cut at its runs' ends into pieces (views of its shipped KV, no copy). A run starting at token
+    a of branch j is encoded at offset_j + a after the prefix, the pieces of branches 0..j-1 and branch j's
+    pieces before a, all at their placements: every call reads the same pieces, so one placement of each serves
+    them all. Returns the calls, the synthesizer's branch parents in order as (view id, or the index of the call
+    that re-encodes that run; its offset; the branch index, None for a run), and the views to free."""
     views: list[str] = []
-    runs: list[str] = []
+    calls: list[PrefillCall] = []
+    layout: list[tuple[str | int, int, int | None]] = []
+    before: list[tuple[str, int]] = []  # (view, offset) of every piece of the branches so far
     try:
-        calls, layout = [], []
         for j, (msg, off) in enumerate(zip(branches, offsets)):
             spans = dict(refresh.runs(msg.num_tokens))  # run start -> its end
             cuts = sorted({0, msg.num_tokens, *spans, *spans.values()})
-            pieces = []  # (start, view over [start, next cut) as shipped)
             for a, b in zip(cuts, cuts[1:]):
                 if a in spans:  # a run, encoded after the pieces before it
-                    calls.append(PrefillCall(list(msg.token_ids[a:b]),
-                                             parents=[*prefix, *(m.id for m in branches[:j]), *(v for _, v in pieces)],
-                                             offsets=[None] * len(prefix) + list(offsets[:j])
-                                             + [off + s for s, _ in pieces], new_offset=off + a))
+                    calls.append(PrefillCall(list(msg.token_ids[a:b]), parents=[*prefix, *(v for v, _ in before)],
+                                             offsets=[None] * len(prefix) + [o for _, o in before],
+                                             new_offset=off + a))
                     layout.append((len(calls) - 1, off + a, None))
-                if a not in spans or b < msg.num_tokens:  # read as shipped, or by the runs after it
-                    views.append(engine.view(msg.id, a, b))
-                    pieces.append((a, views[-1]))
-                    if a not in spans:
-                        layout.append((views[-1], off + a, j))
+                views.append(engine.view(msg.id, a, b))
+                before.append((views[-1], off + a))
+                if a not in spans:
+                    layout.append((views[-1], off + a, j))
+    except BaseException:
+        for mid in views:
+            engine.free(mid, when_unpinned=True)
+        raise
+    return calls, layout, views
+
+
+def _prefill_runs(engine: Engine, calls: list[PrefillCall], layout, views: list[str]
+                  ) -> tuple[list[tuple[str, int, int | None]], list[str]]:
+    """Prefill the run calls, a prefill's worth (max_parallel_calls) at a time; the layout with their message ids
+    in place of their indices, and those ids. On failure the views and runs made so far are freed."""
+    runs: list[str] = []
+    try:
         step = engine.config.max_parallel_calls
-        for i in range(0, len(calls), step):  # (as many calls as a prefill takes at once, in turn)
+        for i in range(0, len(calls), step):
             runs += engine.prefill(calls[i:i + step])
     except BaseException:
         for mid in views + runs:
             engine.free(mid, when_unpinned=True)
         raise
-    parts = [(runs[p] if isinstance(p, int) else p, off, j) for p, off, j in layout]
-    return parts, views + runs
+    return [(runs[p] if isinstance(p, int) else p, off, j) for p, off, j in layout], runs
 
 
 def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | None, branch_of: dict[str, int],
-                      num_branches: int, lengths: dict[str, int] | None = None) -> DecodeStream:
+                      num_branches: int, lengths: dict[str, int] | None = None,
+                      scratch: Sequence[PrefillCall] = ()) -> DecodeStream:
     """One synthesizer call through the hooks: the mapper on the branch messages (`branch_of`: id -> branch;
     `lengths`: id -> its whole branch's length, where a message is a part of one), never on the rest (the
-    shared prefix, the synthesizer's own context); the adapter around its forwards."""
+    shared prefix, the synthesizer's own context, scratch calls); the adapter around its forwards (scratch
+    calls run base weights)."""
     hooks = hooks or SynthesisHooks()
     transform = None
     if hooks.mapper is not None:
-        def transform(msg: Message, kv: torch.Tensor) -> torch.Tensor:
-            j = branch_of.get(msg.id)
-            if j is None:
-                return kv
-            return hooks.mapper(kv, branch=j, num_branches=num_branches, length=(lengths or {}).get(msg.id))
+        def apply(msg: Message, kv: torch.Tensor) -> torch.Tensor:
+            return hooks.mapper(kv, branch=branch_of[msg.id], num_branches=num_branches,
+                                length=(lengths or {}).get(msg.id))
 
+        transform = KVTransform(frozenset(branch_of), apply)
     return engine.decode_stream([call], transform=transform, adapter=hooks.adapter,
-                                tag=hooks.tag if hooks.adapter is not None else None)
+                                tag=hooks.tag if hooks.adapter is not None else None, scratch=scratch)
 
 
 def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,

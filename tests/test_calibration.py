@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from braid.cli import main
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams, fan_out
 from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig, mode_name
+from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
 from braid.engine.synthesis import Placement, Refresh, synthesize
@@ -290,6 +291,38 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
     target = list(tokens[len(prompt):])
     logits = synthesizer_logits(model, None, [dataclasses.replace(example, target=target)])[0]
     assert logits[len(prompt) - 1:len(prompt) - 1 + len(target)].argmax(-1).tolist() == target
+    workers.free()
+
+
+@pytest.mark.parametrize("refresh", [Refresh(1, 1), Refresh(1, 2)])
+def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_first(checkpoint, tmp_path, refresh):
+    """The served path encodes the refreshed runs as scratch calls of the synthesizer's own call (base weights,
+    the branches unmapped, in the same forward as the prompt under the LoRA); an engine that takes fewer
+    parallel calls than that prefills them first, in calls of their own, as before. With a random mapper and
+    LoRA (so a run read mapped, or encoded adapted, would show: their KV then differs by 1 or more), both give
+    the same answer and KV, and leave nothing behind. (Three layers: in two, the runs' context reaches only their last layer's KV, which the
+    answer's stored KV never reads.)"""
+    ckpt = checkpoint("llama", initializer_range=0.3, num_hidden_layers=3)
+    cal = make_calibration(ckpt, tmp_path / "cal", random=True)
+    fused = Engine(EngineConfig(ckpt, calibration=cal))
+    task = generate("chain", 5, 3)
+    workers = run_workers(fused, task)
+    runs = sum(len(refresh.runs(fused.message(m).num_tokens)) for m in workers.ids)
+    apart = Engine(EngineConfig(ckpt, calibration=cal, max_parallel_calls=runs))  # (runs + the synthesizer's)
+    moved = [apart.import_message(m.token_ids, m.kv, m.offset, m.fingerprint)
+             for m in (fused.message(i) for i in [*workers.prefix, *workers.ids])]
+    prefix, branches = moved[:len(workers.prefix)], moved[len(workers.prefix):]
+    for hooks in (None, fused.calibration.hooks):
+        before = set(fused.store.ids())
+        tokens, kv = answer(fused, workers, task, Placement.SEQUENTIAL, hooks, refresh)
+        mid = synthesize(apart, branches, task.prompt(), prefix, Placement.SEQUENTIAL, SamplingParams(max_tokens=6),
+                         apart.calibration.hooks if hooks is not None else None, refresh=refresh)
+        assert apart.message(mid).token_ids == tokens
+        # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
+        torch.testing.assert_close(apart.message(mid).kv, kv, rtol=1e-4, atol=1e-4)
+        assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
+    _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, fused.calibration.hooks)
+    assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)
     workers.free()
 
 

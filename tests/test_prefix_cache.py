@@ -5,6 +5,7 @@ import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import StoreFullError
+from braid.engine.engine import KVTransform
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 TASK = ("System: you are one of several workers. Read the records, find the one asked for, and answer "
@@ -117,7 +118,7 @@ def test_a_failed_call_leaves_no_cached_message_and_mapped_calls_are_not_cached(
     hits, entries = cached.prefix_cache.hits, len(cached.prefix_cache)
     task, = cached.prefill([PrefillCall(TASK)])
     mapped = cached.decode_stream([DecodeCall(" Assistant:", parents=[task], sampling=GREEDY)],
-                                  transform=lambda msg, kv: kv)
+                                  transform=KVTransform(frozenset([task]), lambda msg, kv: kv))
     list(mapped)
     assert cached.prefix_cache.hits == hits + 1  # (the prefill above; the mapped decode itself looks nothing up)
     assert cached.message(mapped.ids[0]).content_key is None and len(cached.prefix_cache) == entries

@@ -208,3 +208,31 @@ def test_refresh_runs_beyond_one_prefills_worth_of_calls_go_in_turn(checkpoint):
     assert len(parts[2]) > 5 and [p[:3] for p in parts[2]] == [p[:3] for p in parts[64]]
     for a, b in zip(parts[2], parts[64]):
         torch.testing.assert_close(a[3], b[3], rtol=0, atol=1e-6)
+
+
+def test_scratch_calls_are_checked_and_store_nothing(llama_engine):
+    """A decode call may read only its own stream's scratch calls, where they are encoded; they store nothing."""
+    from braid.engine.engine import Scratch
+
+    eng = llama_engine
+    ctx, = eng.prefill([PrefillCall("Some context.")])
+    n = eng.message(ctx).num_tokens
+    scratch = [PrefillCall("a b", parents=[ctx], new_offset=n)]
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    with pytest.raises(BraidError, match="offset"):
+        eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], offsets=[0, n + 1], sampling=greedy)],
+                          scratch=scratch)
+    with pytest.raises(BraidError, match="scratch call"):
+        eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(1)], sampling=greedy)], scratch=scratch)
+    before = set(eng.store.ids())
+    stream = eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], sampling=greedy)], scratch=scratch)
+    events = list(stream)
+    assert {e.call for e in events} == {0} and len(events) == 3
+    assert set(eng.store.ids()) - before == {stream.ids[0]}
+    msg = eng.message(stream.ids[0])
+    assert msg.parents == (ctx,) and msg.offset == n + len(eng.tokenize("a b"))
+    # the same as reading the scratch call's message, prefilled first
+    part, = eng.prefill(scratch)
+    again = eng.decode([DecodeCall("Q:", parents=[ctx, part], sampling=greedy)])
+    assert eng.message(again[0]).token_ids == msg.token_ids
+    torch.testing.assert_close(eng.message(again[0]).kv, msg.kv, rtol=0, atol=1e-5)
