@@ -66,12 +66,11 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     for part in step.large:
         k, v = part.layer_kv(layer)
         rows, mask = part.rows, part.mask
-        if part.side is not None:  # scratch rows first: they also attend their side context
-            kv, side_mask, r = part.side
-            first = slice(rows.start, rows.start + r)
-            out[first] = attention_forward(module, query[:, :, first], torch.cat([k, kv[layer, 0][None]], dim=2),
-                                           torch.cat([v, kv[layer, 1][None]], dim=2),
-                                           torch.cat([mask[:, :, :r], side_mask], dim=3), scaling, dropout)[0][0]
+        if part.side is not None:  # scratch rows first: they attend their side context alone
+            side, side_mask, r = part.side
+            first, kv = slice(rows.start, rows.start + r), side.kv[layer, :, :, :side_mask.shape[3]]
+            out[first] = attention_forward(module, query[:, :, first], kv[0][None], kv[1][None], side_mask, scaling,
+                                           dropout)[0][0]
             rows, mask = slice(first.stop, rows.stop), mask[:, :, r:]
             if rows.start == rows.stop:
                 continue

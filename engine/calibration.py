@@ -296,7 +296,10 @@ class MergedLora:
         prefill): each adapted Linear then runs its base weight over every row and adds the LoRA's low-rank
         product to the marked ones, so no weight is read twice."""
         if rows is not None:
-            adapted = rows.nonzero().squeeze(1)
+            # the adapted rows as runs [start, end) (usually one: a group's scratch rows come first)
+            edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
+                               append=rows.new_zeros(1, dtype=torch.int8)).nonzero().squeeze(1).tolist()
+            adapted = list(zip(edges[::2], edges[1::2]))
             try:
                 for (module, _, _), factors in zip(self.swaps, self.factors):
                     module.forward = partial(_linear_on_rows, module, factors, adapted)
@@ -315,11 +318,12 @@ class MergedLora:
 
 
 def _linear_on_rows(module: torch.nn.Linear, factors: tuple[torch.Tensor, torch.Tensor, float],
-                    adapted: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [B, rows, in] -> [B, rows, out]: the base Linear, plus scale * B A x on the `adapted` rows."""
+                    adapted: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
+    """x [1, rows, in] -> [1, rows, out]: the base Linear, plus scale * B A x on the `adapted` runs of rows."""
     a, b, scale = factors
     out = F.linear(x, module.weight, module.bias)
-    out[:, adapted] += scale * F.linear(F.linear(x[:, adapted], a), b)
+    for start, end in adapted:
+        out[0, start:end].addmm_(F.linear(x[0, start:end], a), b.T, alpha=scale)
     return out
 
 

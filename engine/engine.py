@@ -455,8 +455,9 @@ class Engine:
     def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str, scratch: int = 0,
               mapped_ids=()) -> _Plan:
         """Validate the calls and place their parents. The first `scratch` calls are scratch calls, which the
-        others may name as `Scratch(i)` parents; the parents in `mapped_ids` are read mapped by the decode calls
-        (work cache entries) and unmapped by scratch calls (side entries, outside the work cache)."""
+        others may name as `Scratch(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls;
+        when there are any, scratch calls read all their parents unmapped from side entries, outside the work
+        cache (runner.SideContext)."""
         n = len(calls)
         if n == 0:
             raise BraidError("no calls given")
@@ -498,7 +499,7 @@ class Engine:
                     raise InvalidOffsetError(
                         f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
                         f"it must be an int with 0 <= offset and offset + length <= {limit}")
-                if c < scratch and pid in mapped_ids:  # the decode calls read it mapped: a side entry
+                if c < scratch and mapped_ids:  # the decode calls read some parents mapped: a side entry
                     sides.append(side_index.setdefault((pid, off), len(side)))
                     if sides[-1] == len(side):
                         side.append((msg, off))
@@ -541,10 +542,18 @@ class Engine:
         cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
         side = {(m.id, off): self._placed(m, off) for m, off in plan.side}
         if side:
-            kv = torch.cat(list(side.values()), dim=3)
-            segment = torch.repeat_interleave(torch.arange(len(side), device=kv.device),
-                                              torch.tensor([m.num_tokens for m, _ in plan.side], device=kv.device))
-            cache.side = SideContext(kv, segment, plan.side_visible)  # (a copy: the placed copies are free now)
+            scratch = [len(t) for t in plan.tokens[:plan.scratch]]
+            sizes = [m.num_tokens for m, _ in plan.side]
+            kv = cache.pool.kv.new_empty(*cache.pool.kv.shape[:3], sum(sizes) + sum(scratch), cache.pool.kv.shape[4])
+            at = 0
+            for placed in side.values():  # (copied: the placed copies are free now)
+                kv[:, :, :, at:at + placed.shape[3]] = placed
+                at += placed.shape[3]
+            device = kv.device
+            cache.side = SideContext(kv, torch.repeat_interleave(torch.arange(len(sizes), device=device),
+                                                                 torch.tensor(sizes, device=device)),
+                                     plan.side_visible, torch.repeat_interleave(torch.arange(len(scratch), device=device),
+                                                                                torch.tensor(scratch, device=device)))
         runs = iter(runs)
         for e, (msg, off) in enumerate(plan.entries):
             if in_place[e]:

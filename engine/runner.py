@@ -186,16 +186,29 @@ class WorkCache:
 
 @dataclass
 class SideContext:
-    """Parents that only a group's scratch calls read (engine.Engine.decode_stream), kept out of its work cache:
-    the unmapped copies of the branches whose mapped copies the group's decode calls read. Their rows attend the
-    work cache and these; the decode calls' rows, and every row once the scratch rows are encoded, never
-    pay for them.
+    """What a group's scratch calls (engine.Engine.decode_stream) read, kept apart from its work cache when its
+    decode calls read some of the same parents mapped: every scratch parent, placed and unmapped, then room
+    for the scratch calls' own tokens, whose K/V each forward also writes here. Scratch rows attend only this;
+    the decode calls' rows, and every row once the scratch rows are encoded, never pay for it.
 
-    kv [L, 2, H, T, D], placed; segment [T]: each slot's side entry; visible: bool [scratch calls, side entries]."""
+    kv [L, 2, H, T + S, D]: T context slots, then S scratch tokens in the order they are encoded; segment [T]:
+    each context slot's side entry; visible: bool [scratch calls, side entries]; call [S]: each scratch token's
+    call; filled: scratch tokens encoded so far."""
 
     kv: torch.Tensor
     segment: torch.Tensor
     visible: torch.Tensor
+    call: torch.Tensor
+    filled: int = 0
+
+    def mask(self, calls: torch.Tensor) -> torch.Tensor:
+        """bool [1, 1, r, T + filled + r] for the next r scratch rows (of `calls` [r]): their side entries, and
+        their own call's tokens up to themselves."""
+        r, context = len(calls), len(self.segment)
+        tokens = torch.arange(self.filled + r, device=calls.device)
+        own = (self.call[:self.filled + r][None, :] == calls[:, None]) & (
+            tokens[None, :] <= self.filled + torch.arange(r, device=calls.device)[:, None])
+        return torch.cat([self.visible[calls][:, self.segment], own], dim=1)[None, None]
 
 
 @dataclass
@@ -222,7 +235,7 @@ class _Part:
     rows: slice  # its rows among the forward's
     slots: slice  # where its rows' KV go in its cache
     mask: torch.Tensor | None  # bool [1, 1, rows, cache.length]; None: plain causal, flash-attn
-    side: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (side kv, its mask [1, 1, r, T], r): first r rows
+    side: tuple[SideContext, torch.Tensor, int] | None = None  # (its scratch calls' context, their mask, r): first r rows
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values of the group's whole cache, new rows included: [1, H, T, D] each."""
@@ -244,6 +257,7 @@ class _Step:
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
         self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])  # where each row's KV goes: [rows]
+        self.sided = [p for p in parts if p.side is not None]
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None
                  and p.side is None]
         self.small = small if len(small) > 1 else []
@@ -276,6 +290,11 @@ class _Step:
         caches; attention then reads each group's own cache (engine.attention)."""
         self.pool.kv[layer_idx, 0].index_copy_(1, self.write_index, key_states[0])
         self.pool.kv[layer_idx, 1].index_copy_(1, self.write_index, value_states[0])
+        for p in self.sided:  # scratch rows: into their side context too
+            side, _, r = p.side
+            at = len(side.segment) + side.filled
+            side.kv[layer_idx, 0, :, at:at + r] = key_states[0, :, p.rows.start:p.rows.start + r]
+            side.kv[layer_idx, 1, :, at:at + r] = value_states[0, :, p.rows.start:p.rows.start + r]
         return key_states, value_states
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +330,7 @@ class ModelRunner:
             side = None
             if g.side is not None:  # (its scratch rows come first)
                 r = int((g.call_of_row < g.side.visible.shape[0]).sum())
-                side = (g.side.kv, g.side.visible[g.call_of_row[:r]][:, g.side.segment][None, None], r)
+                side = (g.side, g.side.mask(g.call_of_row[:r]), r)
             parts.append(_Part(g.cache, rows, slots, mask, side))
             start = rows.stop
         input_ids = torch.cat([g.input_ids for g in groups])[None]

@@ -165,8 +165,10 @@ class Group:
         """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
         for i, (_, _, c) in enumerate(self._taken):
             self.slots[c].append(self._base + i)
-        if self.cache.side is not None and not (self.pending and self.pending[0][2] < self.scratch):
-            self.cache.side = None  # (every scratch row is encoded: nothing reads it any more)
+        if self.cache.side is not None:
+            self.cache.side.filled += sum(c < self.scratch for _, _, c in self._taken)
+            if not (self.pending and self.pending[0][2] < self.scratch):
+                self.cache.side = None  # (every scratch row is encoded: nothing reads it any more)
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = self._logit_calls
