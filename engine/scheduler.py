@@ -61,7 +61,7 @@ class Group:
     def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
                  params: list[SamplingParams] | None, capacity: int, assemble: Callable[..., WorkCache],
                  commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
-                 adapter: Callable[[], AbstractContextManager] | None = None,
+                 adapter: Callable[..., AbstractContextManager] | None = None,
                  shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False, scratch: int = 0):
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.scratch = scratch

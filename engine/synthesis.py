@@ -115,7 +115,9 @@ class SynthesisHooks:
     """Where a trained cache mapper and a synthesizer LoRA adapter plug in."""
 
     mapper: CacheMapper | None = None
-    adapter: Callable[[], AbstractContextManager] | None = None  # entered around the synthesizer's forwards
+    # entered around the synthesizer's forwards; `adapter(rows=bool [rows])` for a forward whose other rows run
+    # the base weights (the refresh runs in the synthesizer's prefill: see engine.calibration.MergedLora.active)
+    adapter: Callable[..., AbstractContextManager] | None = None
     # With an adapter: what the synthesized message is marked as encoded by, since its KV came from adapted
     # weights. The engine stores it under "<model fingerprint>+<tag>", so no base-model call takes it as a
     # parent (FAILED_PRECONDITION: re-encode its text).

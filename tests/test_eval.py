@@ -27,7 +27,7 @@ def test_hooks_plug_into_every_cached_mode(llama_engine):
         return kv
 
     @contextlib.contextmanager
-    def adapter():
+    def adapter(rows=None):  # (rows: a forward that also holds the refresh runs' base-weight rows)
         entered.append(True)
         yield
 
