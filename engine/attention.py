@@ -64,16 +64,17 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     layer = module.layer_idx
     out = query.new_empty(n, h, d)
     for part in step.large:
-        k, v = part.layer_kv(layer)
-        rows, mask = part.rows, part.mask
-        if part.side is not None:  # scratch rows first: they attend their side context alone
-            side, side_mask, r = part.side
-            first, kv = slice(rows.start, rows.start + r), side.kv[layer, :, :, :side_mask.shape[3]]
-            out[first] = attention_forward(module, query[:, :, first], kv[0][None], kv[1][None], side_mask, scaling,
+        rows, mask, r = part.rows, part.mask, part.scratch
+        if r:  # scratch calls' rows first: they attend [0, their tokens' end), the rest [start, length)
+            end = part.cache.scratch.stop
+            first = slice(rows.start, rows.start + r)
+            k, v = part.layer_kv(layer, 0, end)
+            out[first] = attention_forward(module, query[:, :, first], k, v, mask[:, :, :r, :end], scaling,
                                            dropout)[0][0]
-            rows, mask = slice(first.stop, rows.stop), mask[:, :, r:]
+            rows, mask = slice(first.stop, rows.stop), mask[:, :, r:, part.start:]
             if rows.start == rows.stop:
                 continue
+        k, v = part.layer_kv(layer, part.start, part.cache.length)
         out[rows] = attention_forward(module, query[:, :, rows], k, v, mask, scaling, dropout)[0][0]
     if step.small:
         g, r, _ = step.shape

@@ -24,7 +24,7 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.runner import KVPool, ModelRunner, SideContext, WorkCache
+from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
@@ -84,12 +84,15 @@ class _Plan:
     seeds: list[bytes | None] = field(default_factory=list)  # (engine.prefix_cache) per call, when cacheable
     prefix: list[Message | None] = field(default_factory=list)  # a cached start of the call's tokens, reused
     scratch: int = 0  # the first calls are scratch calls: encoded, read by the others, never stored
-    side: list[tuple[Message, int]] = field(default_factory=list)  # what scratch calls read unmapped (runner.SideContext)
-    side_visible: torch.Tensor | None = None  # bool [scratch, side entries]
+    # With scratch calls, entries are ordered: those only scratch calls read (`scratch_only` of them), those both
+    # sides read, then (after the scratch tokens' slots) those only decode calls read: each side's one run.
+    scratch_only: int = 0
+    scratch_at: int = 0  # the entry before which the scratch tokens' slots go
+    mapped: list[bool] = field(default_factory=list)  # per entry: a decode call's copy through the transform
 
     @property
     def parent_ids(self) -> set[str]:
-        return {m.id for m, _ in self.entries + self.side}
+        return {m.id for m, _ in self.entries}
 
 
 class DecodeStream:
@@ -455,20 +458,17 @@ class Engine:
     def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str, scratch: int = 0,
               mapped_ids=()) -> _Plan:
         """Validate the calls and place their parents. The first `scratch` calls are scratch calls, which the
-        others may name as `Scratch(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls;
-        when there are any, scratch calls read all their parents unmapped from side entries, outside the work
-        cache (runner.SideContext)."""
+        others may name as `Scratch(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls
+        and unmapped by scratch calls: an entry for each."""
         n = len(calls)
         if n == 0:
             raise BraidError("no calls given")
         if n > self.config.max_parallel_calls:
             raise BraidError(f"{n} parallel calls exceed max_parallel_calls={self.config.max_parallel_calls}")
         limit = self.spec.max_positions
-        index: dict[tuple[str, int], int] = {}
+        index: dict[tuple[str, int, bool], int] = {}
         entries: list[tuple[Message, int]] = []
-        side_index: dict[tuple[str, int], int] = {}
-        side: list[tuple[Message, int]] = []
-        side_visible = torch.zeros(scratch, 0, dtype=torch.bool)
+        mapped: list[bool] = []
         call_entries, call_scratch, tokens, new_offsets, parent_offsets = [], [], [], [], []
         for c, call in enumerate(calls):
             toks = self._as_tokens(values[c], what, c)
@@ -476,7 +476,7 @@ class Engine:
             offsets = call.offsets
             if offsets is not None and len(offsets) != len(parents):
                 raise InvalidOffsetError(f"call {c}: {len(offsets)} offsets given for {len(parents)} parents")
-            end, mine, reads, sides, placed = 0, [], [], [], []
+            end, mine, reads, placed = 0, [], [], []
             for i, pid in enumerate(parents):
                 if isinstance(pid, Scratch):
                     if c < scratch or not 0 <= pid.index < scratch:
@@ -499,14 +499,11 @@ class Engine:
                     raise InvalidOffsetError(
                         f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
                         f"it must be an int with 0 <= offset and offset + length <= {limit}")
-                if c < scratch and mapped_ids:  # the decode calls read some parents mapped: a side entry
-                    sides.append(side_index.setdefault((pid, off), len(side)))
-                    if sides[-1] == len(side):
-                        side.append((msg, off))
-                else:
-                    mine.append(index.setdefault((pid, off), len(entries)))
-                    if mine[-1] == len(entries):
-                        entries.append((msg, off))
+                key = (pid, off, c >= scratch and pid in mapped_ids)  # (mapped: an entry of its own)
+                mine.append(index.setdefault(key, len(entries)))
+                if mine[-1] == len(entries):
+                    entries.append((msg, off))
+                    mapped.append(key[2])
                 placed.append(off)
                 end = off + msg.num_tokens
             new_off = end if call.new_offset is None else call.new_offset
@@ -518,9 +515,6 @@ class Engine:
                     f"tokens = {new_off + len(toks) + extra_positions[c]} exceeds the context of {limit} positions")
             call_entries.append(mine)
             call_scratch.append(reads)
-            if c < scratch:
-                side_visible = torch.nn.functional.pad(side_visible, (0, len(side) - side_visible.shape[1]))
-                side_visible[c, sides] = True
             tokens.append(toks)
             new_offsets.append(new_off)
             parent_offsets.append(tuple(placed))
@@ -529,42 +523,53 @@ class Engine:
             visible[c, mine] = True
             visible[c, len(entries) + c] = True
             visible[c, [len(entries) + i for i in call_scratch[c]]] = True
+        side = [0] * len(entries)  # 0: only scratch calls read it, 1: both sides, 2: only decode calls
+        if scratch:
+            by_scratch, by_decode = visible[:scratch, :len(entries)].any(0), visible[scratch:, :len(entries)].any(0)
+            side = (by_decode.long() + (~by_scratch).long()).tolist()
+            order = sorted(range(len(entries)), key=side.__getitem__)
+            entries, mapped = [entries[e] for e in order], [mapped[e] for e in order]
+            visible = torch.cat([visible[:, order], visible[:, len(entries):]], dim=1)
+            side = sorted(side)
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
                      [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls],
-                     scratch=scratch, side=side, side_visible=side_visible.to(self.lm.device))
+                     scratch=scratch, mapped=mapped, scratch_only=side.count(0) if scratch else 0,
+                     scratch_at=side.count(0) + side.count(1) if scratch else 0)
 
     def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
                   in_place: list[bool], runs: list) -> WorkCache:
         """A work cache (over `blocks` of the pool) reading each parent in place (`runs`, in order, for the
-        entries `in_place`) or holding a copy of it, re-rotated to its offset, and mapped for the parents the
-        transform maps (from the side context's copy, when scratch calls read them unmapped)."""
+        entries `in_place`) or holding a copy of it, re-rotated to its offset, and mapped for the decode calls'
+        entries of the parents the transform maps (from the unmapped copy placed for scratch calls, if any).
+        With scratch calls, their tokens' slots are claimed between the entries they read and the others."""
         context = sum(m.num_tokens for m, _ in plan.entries)
         cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
-        side = {(m.id, off): self._placed(m, off) for m, off in plan.side}
-        if side:
-            scratch = [len(t) for t in plan.tokens[:plan.scratch]]
-            sizes = [m.num_tokens for m, _ in plan.side]
-            kv = cache.pool.kv.new_empty(*cache.pool.kv.shape[:3], sum(sizes) + sum(scratch), cache.pool.kv.shape[4])
-            at = 0
-            for placed in side.values():  # (copied: the placed copies are free now)
-                kv[:, :, :, at:at + placed.shape[3]] = placed
-                at += placed.shape[3]
-            device = kv.device
-            cache.side = SideContext(kv, torch.repeat_interleave(torch.arange(len(sizes), device=device),
-                                                                 torch.tensor(sizes, device=device)),
-                                     plan.side_visible, torch.repeat_interleave(torch.arange(len(scratch), device=device),
-                                                                                torch.tensor(scratch, device=device)))
+        cache.start = sum(m.num_tokens for m, _ in plan.entries[:plan.scratch_only])
+        unmapped: dict[tuple[str, int], torch.Tensor] = {}  # the slots of unmapped copies a mapped entry may take
         runs = iter(runs)
-        for e, (msg, off) in enumerate(plan.entries):
+        for e, entry in enumerate(plan.entries + [None]):
+            if plan.scratch and e == plan.scratch_only:
+                cache.front = cache.claimed
+            if plan.scratch and e == plan.scratch_at:
+                cache.reserve_scratch(torch.tensor([len(plan.entries) + c for c in range(plan.scratch)
+                                                    for _ in plan.tokens[c]], device=cache.index.device))
+            if entry is None:
+                break
+            msg, off = entry
             if in_place[e]:
                 cache.reference(next(runs), segment=e)
                 continue
-            placed = side.pop((msg.id, off), None)
-            if placed is None:
-                placed = self._placed(msg, off)
-            if transform is not None and msg.id in transform.ids:
+            mapped = plan.mapped[e]
+            slots = unmapped.pop((msg.id, off), None) if mapped else None
+            # (one copy at a time, read back from the pool rather than kept: no more memory held at once than
+            # one message's copy, which the allocator then reuses)
+            placed = cache.gather(slots) if slots is not None else self._placed(msg, off)
+            if mapped:
                 placed = placed.clone() if placed is msg.kv else placed  # (a transform may work in place)
                 placed = transform.apply(msg, placed)
+            elif transform is not None and msg.id in transform.ids:
+                unmapped[(msg.id, off)] = torch.arange(cache.length, cache.length + msg.num_tokens,
+                                                       device=cache.index.device)
             cache.append(placed, segment=e)
         return cache
 

@@ -9,6 +9,12 @@ id: context entry e has segment e, call c's own tokens have segment E + c. A que
 c may attend slot s iff visible[c, segment[s]] and s <= its own slot, which gives the
 choreography masks of parallel prefill (each message contiguous) and parallel decode
 (tokens interleaved) from one rule.
+
+A decode with scratch calls (Engine.decode_stream) orders its cache so that each side reads one run of
+slots: the entries only the scratch calls read, those both read, the scratch calls' tokens (their slots
+claimed ahead), then the entries only the decode calls read and the decode calls' tokens. Scratch rows
+attend [0, end of their tokens); the other rows [start, length), so they never pay for the first part,
+whose blocks go back to the pool once the scratch rows are encoded.
 """
 
 from dataclasses import dataclass
@@ -123,7 +129,17 @@ class WorkCache:
         self.run_start = blocks[0] * b if ascending else None
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
-        self.side: SideContext | None = None  # what its scratch calls also read, until they are encoded
+        # With scratch calls (engine.Engine.decode_stream): the context only they read comes first, slots
+        # [0, start), which no other row attends; their own tokens' slots are claimed ahead, as `scratch`.
+        self.start = 0
+        self.scratch = slice(0, 0)
+        self._scratch_next = 0
+        self.front = 0  # slots of its own blocks that hold context only scratch calls read (the first ones)
+
+    @property
+    def claimed(self) -> int:
+        """Slots of its own blocks claimed so far."""
+        return self._claimed
 
     @property
     def free_slots(self) -> int:
@@ -173,42 +189,30 @@ class WorkCache:
         self.length = end
         return slice(start, end)
 
+    def reserve_scratch(self, segments: torch.Tensor) -> None:
+        """Claim the slots of the scratch calls' tokens (in the order they are encoded) here, ahead of the
+        entries that only the decode calls read, so that each side attends one run of slots."""
+        start = self.length
+        self.reserve(segments)
+        self.scratch = slice(start, self.length)
+        self._scratch_next = start
+
+    def next_scratch(self, n: int) -> torch.Tensor:
+        """The claimed slots of the next `n` scratch tokens."""
+        at, self._scratch_next = self._scratch_next, self._scratch_next + n
+        if self._scratch_next > self.scratch.stop:
+            raise RuntimeError(f"{n} scratch tokens past the {self.scratch.stop - self.scratch.start} claimed")
+        return torch.arange(at, at + n, device=self.index.device)
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The KV of the given logical slots as a contiguous block [L, 2, H, T, D]."""
         return self.pool.kv.index_select(3, self.index[slots])
 
-    def layer_kv(self, layer: int, end: int) -> torch.Tensor:
-        """Keys and values of slots [0, end) in one layer: [2, H, end, D]."""
+    def layer_kv(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Keys and values of slots [start, end) in one layer: [2, H, end - start, D]."""
         if self.run_start is not None:
-            return self.pool.kv[layer, :, :, self.run_start:self.run_start + end]
-        return self.pool.kv[layer].index_select(2, self.index[:end])
-
-
-@dataclass
-class SideContext:
-    """What a group's scratch calls (engine.Engine.decode_stream) read, kept apart from its work cache when its
-    decode calls read some of the same parents mapped: every scratch parent, placed and unmapped, then room
-    for the scratch calls' own tokens, whose K/V each forward also writes here. Scratch rows attend only this;
-    the decode calls' rows, and every row once the scratch rows are encoded, never pay for it.
-
-    kv [L, 2, H, T + S, D]: T context slots, then S scratch tokens in the order they are encoded; segment [T]:
-    each context slot's side entry; visible: bool [scratch calls, side entries]; call [S]: each scratch token's
-    call; filled: scratch tokens encoded so far."""
-
-    kv: torch.Tensor
-    segment: torch.Tensor
-    visible: torch.Tensor
-    call: torch.Tensor
-    filled: int = 0
-
-    def mask(self, calls: torch.Tensor) -> torch.Tensor:
-        """bool [1, 1, r, T + filled + r] for the next r scratch rows (of `calls` [r]): their side entries, and
-        their own call's tokens up to themselves."""
-        r, context = len(calls), len(self.segment)
-        tokens = torch.arange(self.filled + r, device=calls.device)
-        own = (self.call[:self.filled + r][None, :] == calls[:, None]) & (
-            tokens[None, :] <= self.filled + torch.arange(r, device=calls.device)[:, None])
-        return torch.cat([self.visible[calls][:, self.segment], own], dim=1)[None, None]
+            return self.pool.kv[layer, :, :, self.run_start + start:self.run_start + end]
+        return self.pool.kv[layer].index_select(2, self.index[start:end])
 
 
 @dataclass
@@ -224,22 +228,28 @@ class GroupInput:
     positions: torch.Tensor  # [rows]
     call_of_row: torch.Tensor  # [rows]
     logit_rows: torch.Tensor | None
-    side: SideContext | None = None  # with scratch calls' rows among these (they come first): what they also read
+    scratch_rows: int = 0  # how many of the rows (the first) are scratch calls' tokens
+    slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
 
 
 @dataclass
 class _Part:
-    """A group's place in one forward, for the cache writes and the attention (engine.attention)."""
+    """A group's place in one forward, for the cache writes and the attention (engine.attention). Its first
+    `scratch` rows (scratch calls' tokens) attend slots [0, cache.scratch.stop); the others [start, length)."""
 
     cache: WorkCache
     rows: slice  # its rows among the forward's
-    slots: slice  # where its rows' KV go in its cache
-    mask: torch.Tensor | None  # bool [1, 1, rows, cache.length]; None: plain causal, flash-attn
-    side: tuple[SideContext, torch.Tensor, int] | None = None  # (its scratch calls' context, their mask, r): first r rows
+    slots: torch.Tensor  # where its rows' KV go in its cache: [rows]
+    mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with scratch rows, else [start, length)
+    scratch: int = 0  # its first rows that are scratch calls' tokens
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys and values of the group's whole cache, new rows included: [1, H, T, D] each."""
-        kv = self.cache.layer_kv(layer, self.cache.length)
+    @property
+    def start(self) -> int:
+        return self.cache.start
+
+    def layer_kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values of its cache's slots [start, end), new rows included: [1, H, T, D] each."""
+        kv = self.cache.layer_kv(layer, start, end)
         return kv[0][None], kv[1][None]
 
 
@@ -257,25 +267,25 @@ class _Step:
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
         self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])  # where each row's KV goes: [rows]
-        self.sided = [p for p in parts if p.side is not None]
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None
-                 and p.side is None]
+                 and not p.scratch]
         self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         if not self.small:
             return
-        g, r, t = len(small), max(p.rows.stop - p.rows.start for p in small), max(p.cache.length for p in small)
+        g, r, t = len(small), max(p.rows.stop - p.rows.start for p in small), max(p.cache.length - p.start
+                                                                                    for p in small)
         row_index = torch.zeros(g, r, dtype=torch.long)
         valid = torch.zeros(g, r, dtype=torch.bool)
         read_index = torch.zeros(g, t, dtype=torch.long, device=device)
         mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # (padding rows see one key, so they stay finite; they are dropped)
         for i, p in enumerate(small):
-            n, length = p.rows.stop - p.rows.start, p.cache.length
+            n, length = p.rows.stop - p.rows.start, p.cache.length - p.start
             row_index[i, :n] = torch.arange(p.rows.start, p.rows.stop)
             valid[i, :n] = True
-            read_index[i] = p.cache.index[0]  # (padding keys: the group's first slot, masked out)
-            read_index[i, :length] = p.cache.index[:length]
+            read_index[i] = p.cache.index[p.start]  # (padding keys: the group's first slot, masked out)
+            read_index[i, :length] = p.cache.index[p.start:p.cache.length]
             mask[i, 0, :n] = False
             mask[i, 0, :n, :length] = p.mask[0, 0]
         self.shape = (g, r, t)
@@ -290,11 +300,6 @@ class _Step:
         caches; attention then reads each group's own cache (engine.attention)."""
         self.pool.kv[layer_idx, 0].index_copy_(1, self.write_index, key_states[0])
         self.pool.kv[layer_idx, 1].index_copy_(1, self.write_index, value_states[0])
-        for p in self.sided:  # scratch rows: into their side context too
-            side, _, r = p.side
-            at = len(side.segment) + side.filled
-            side.kv[layer_idx, 0, :, at:at + r] = key_states[0, :, p.rows.start:p.rows.start + r]
-            side.kv[layer_idx, 1, :, at:at + r] = value_states[0, :, p.rows.start:p.rows.start + r]
         return key_states, value_states
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,20 +323,18 @@ class ModelRunner:
         parts, start = [], 0
         for g in groups:
             num_entries = g.visible.shape[1] - g.visible.shape[0]
-            slots = g.cache.reserve(g.call_of_row + num_entries)  # a contiguous range
+            r, cache = g.scratch_rows, g.cache
+            rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
+            g.slots = torch.cat([cache.next_scratch(r), torch.arange(rest.start, rest.stop, device=cache.index.device)])
             plain_causal = g.visible.shape[0] == 1 and bool(g.visible.all())
             mask = None
             if len(groups) > 1 or mask_needed(self.lm.device, plain_causal, self.lm.dtype):
-                keys = torch.arange(g.cache.length, device=g.visible.device)
-                own = torch.arange(slots.start, slots.stop, device=g.visible.device)
-                mask = g.visible[g.call_of_row][:, g.cache.segment[: g.cache.length]] & (keys[None, :] <= own[:, None])
+                lo = 0 if r else cache.start
+                keys = torch.arange(lo, cache.length, device=g.visible.device)
+                mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
                 mask = mask[None, None]
             rows = slice(start, start + len(g.input_ids))
-            side = None
-            if g.side is not None:  # (its scratch rows come first)
-                r = int((g.call_of_row < g.side.visible.shape[0]).sum())
-                side = (g.side, g.side.mask(g.call_of_row[:r]), r)
-            parts.append(_Part(g.cache, rows, slots, mask, side))
+            parts.append(_Part(cache, rows, g.slots, mask, r))
             start = rows.stop
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]

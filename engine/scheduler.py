@@ -147,7 +147,6 @@ class Group:
         """Up to `budget` pending rows as this step's input."""
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
         self._taken = rows
-        self._base = self.cache.length
         device = self.cache.index.device
         logit_rows = None
         if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
@@ -157,18 +156,20 @@ class Group:
             self._logit_calls = [rows[i][2] for i in sorted(ends)]
             logit_rows = torch.tensor(sorted(ends), device=device) if ends else None
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        side = self.cache.side if rows and rows[0][2] < self.scratch else None  # (scratch rows come first)
-        return GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]), as_tensor([r[1] for r in rows]),
-                          as_tensor([r[2] for r in rows]), logit_rows, side)
+        self._input = GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]),
+                                 as_tensor([r[1] for r in rows]), as_tensor([r[2] for r in rows]), logit_rows,
+                                 sum(c < self.scratch for _, _, c in rows))  # (scratch rows come first)
+        return self._input
 
     def advance(self, logits: torch.Tensor | None) -> bool:
         """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
-        for i, (_, _, c) in enumerate(self._taken):
-            self.slots[c].append(self._base + i)
-        if self.cache.side is not None:
-            self.cache.side.filled += sum(c < self.scratch for _, _, c in self._taken)
-            if not (self.pending and self.pending[0][2] < self.scratch):
-                self.cache.side = None  # (every scratch row is encoded: nothing reads it any more)
+        for (_, _, c), slot in zip(self._taken, self._input.slots.tolist()):
+            self.slots[c].append(slot)
+        if self.cache.front and not (self.pending and self.pending[0][2] < self.scratch):
+            # every scratch row is encoded: the blocks holding only what they read go back to the pool
+            k, self.cache.front = self.cache.front // self.cache.pool.block_tokens, 0
+            self.cache.pool.release(self.blocks[:k])
+            self.blocks = self.blocks[k:]
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = self._logit_calls

@@ -17,7 +17,7 @@ from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, Map
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, Refresh, synthesize
+from braid.engine.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.kernels import rerotate_keys_torch
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER, turn
@@ -304,7 +304,7 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
     answer's stored KV never reads.)"""
     ckpt = checkpoint("llama", initializer_range=0.3, num_hidden_layers=3)
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
-    fused = Engine(EngineConfig(ckpt, calibration=cal))
+    fused = Engine(EngineConfig(ckpt, calibration=cal, kv_block_tokens=4))  # (small blocks: some are freed early)
     task = generate("chain", 5, 3)
     workers = run_workers(fused, task)
     runs = sum(len(refresh.runs(fused.message(m).num_tokens)) for m in workers.ids)
@@ -323,6 +323,17 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
         assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
     _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, fused.calibration.hooks)
     assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)
+    # once the runs are encoded, the blocks holding what only they read (the unmapped branches) go back
+    stream = synthesize_stream(fused, workers.ids, task.prompt(), workers.prefix, Placement.SEQUENTIAL,
+                               SamplingParams(max_tokens=6, ignore_eos=True), fused.calibration.hooks, refresh)
+    events = iter(stream)
+    next(events)
+    group, pool = stream._group, fused.scheduler.pool
+    unmapped = sum(fused.message(m).num_tokens for m in workers.ids)  # (about: less the runs' own ends)
+    assert group.cache.start >= unmapped - 2 * len(workers.ids) and group.cache.front == 0
+    freed = group.cache.start // pool.block_tokens  # (a block more may have been taken for the next token)
+    assert freed >= 8 and len(group.blocks) <= pool.blocks_for(group.capacity) - freed + 1
+    list(events)
     workers.free()
 
 

@@ -114,7 +114,7 @@ def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
     kv = torch.randn(*pool.kv.shape[:3], 20, pool.kv.shape[4])
     cache.append(kv, segment=0)
     assert torch.equal(cache.gather(torch.arange(20)), kv)  # logical order, whatever the blocks
-    assert torch.equal(cache.layer_kv(1, 20), kv[1])
+    assert torch.equal(cache.layer_kv(1, 0, 20), kv[1]) and torch.equal(cache.layer_kv(1, 5, 20), kv[1, :, :, 5:])
 
 
 def test_a_dropped_engine_is_freed_and_its_scheduler_thread_ends(checkpoint):
