@@ -65,8 +65,8 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     out = query.new_empty(n, h, d)
     for part in step.large:
         rows, mask, r = part.rows, part.mask, part.scratch
-        if r:  # scratch calls' rows first: they attend [0, their tokens' end), the rest [start, length)
-            end = part.cache.scratch.stop
+        if r:  # scratch calls' rows first: they attend [0, their last token), the rest [start, length)
+            end = part.scratch_end  # (not the slots claimed for scratch tokens of later forwards: not written yet)
             first = slice(rows.start, rows.start + r)
             k, v = part.layer_kv(layer, 0, end)
             out[first] = attention_forward(module, query[:, :, first], k, v, mask[:, :, :r, :end], scaling,

@@ -279,9 +279,7 @@ class MergedLora:
                     delta = module.get_delta_weight(name).float()
                     merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
                     self.swaps.append((base, base.weight, torch.nn.Parameter(merged, requires_grad=False)))
-                    a, b = module.lora_A[name].weight, module.lora_B[name].weight
-                    if getattr(module, "fan_in_fan_out", False):
-                        a, b = a.T, b.T
+                    a, b = module.lora_A[name].weight, module.lora_B[name].weight  # [r, in], [out, r]
                     self.factors.append((a.to(base.weight.dtype), b.to(base.weight.dtype), module.scaling[name]))
         peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
 
@@ -317,11 +315,14 @@ class MergedLora:
                 base.weight = original
 
 
-def _linear_on_rows(module: torch.nn.Linear, factors: tuple[torch.Tensor, torch.Tensor, float],
+def _linear_on_rows(module: torch.nn.Module, factors: tuple[torch.Tensor, torch.Tensor, float],
                     adapted: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
-    """x [1, rows, in] -> [1, rows, out]: the base Linear, plus scale * B A x on the `adapted` runs of rows."""
+    """x [1, rows, in] -> [1, rows, out]: the base layer, plus scale * B A x on the `adapted` runs of rows."""
+    if x.dim() != 3 or x.shape[0] != 1:  # (a layer outside the decoder's forward, e.g. lm_head as a target)
+        raise BraidError(f"the synthesizer LoRA on {type(module).__name__} got input of shape {tuple(x.shape)} in "
+                         "a forward shared with base-weight rows; only the decoder's layers may be LoRA targets")
     a, b, scale = factors
-    out = F.linear(x, module.weight, module.bias)
+    out = type(module).forward(module, x)  # (the base layer's own forward: this one is the instance's)
     for start, end in adapted:
         out[0, start:end].addmm_(F.linear(x[0, start:end], a), b.T, alpha=scale)
     return out

@@ -242,6 +242,7 @@ class _Part:
     slots: torch.Tensor  # where its rows' KV go in its cache: [rows]
     mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with scratch rows, else [start, length)
     scratch: int = 0  # its first rows that are scratch calls' tokens
+    scratch_end: int = 0  # one past the last of those rows' slots: they attend [0, scratch_end), all written
 
     @property
     def start(self) -> int:
@@ -334,7 +335,7 @@ class ModelRunner:
                 mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
                 mask = mask[None, None]
             rows = slice(start, start + len(g.input_ids))
-            parts.append(_Part(cache, rows, g.slots, mask, r))
+            parts.append(_Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0))
             start = rows.stop
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]

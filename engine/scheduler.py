@@ -116,6 +116,16 @@ class Group:
         s = self.scratch  # (scratch calls generate nothing)
         return self.capacity - sum(p.max_tokens - len(gen) for p, gen in zip(self.params[s:], self.generated[s:]))
 
+    def new_slots(self, rows: int) -> int:
+        """Slots its next `rows` pending rows claim: all but scratch calls' tokens, whose slots were claimed with
+        its work cache (they come first)."""
+        scratch = 0
+        for _, _, c in self.pending:
+            if c >= self.scratch or scratch == rows:
+                break
+            scratch += 1
+        return rows - scratch
+
     def all_tokens(self, call: int) -> list[int]:
         return self.tokens[call] + (self.generated[call] if self.params is not None else [])
 
@@ -324,7 +334,9 @@ class Scheduler:
             return True
         while (blocks := self.pool.allocate(short)) is None:
             victim = max((v for v in self.running if v.grows and all(v is not t for t, _ in taken)),
-                         key=lambda v: v.submitted)  # (g is among them)
+                         key=lambda v: v.submitted, default=None)  # (g is among them, if it grows)
+            if victim is None:  # (a group that holds all it may write is never short: nothing to take back)
+                raise RuntimeError(f"a call needs {short} more work-KV slots and no running call can give them")
             self._preempt(victim)
             if victim is g:
                 return False
@@ -405,7 +417,7 @@ class Scheduler:
         for g in ready:
             if budget <= 0:
                 break
-            if g.cache is None or not self._room(g, min(budget, len(g.pending)), batch):
+            if g.cache is None or not self._room(g, g.new_slots(min(budget, len(g.pending))), batch):
                 continue  # (preempted in this loop)
             inp = g.take(budget)
             budget -= len(inp.input_ids)

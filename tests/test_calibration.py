@@ -312,14 +312,22 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
     moved = [apart.import_message(m.token_ids, m.kv, m.offset, m.fingerprint)
              for m in (fused.message(i) for i in [*workers.prefix, *workers.ids])]
     prefix, branches = moved[:len(workers.prefix)], moved[len(workers.prefix):]
+    # and in forwards of 3 rows (the runs split over several), over a pool whose unwritten slots are NaN
+    chunked = Engine(EngineConfig(ckpt, calibration=cal, max_batched_tokens=3))
+    chunked.scheduler.pool.kv.fill_(float("nan"))
+    for mid in [*prefix, *branches]:
+        chunked.import_message(apart.message(mid).token_ids, apart.message(mid).kv, apart.message(mid).offset,
+                               apart.fingerprint, message_id=mid)
     for hooks in (None, fused.calibration.hooks):
         before = set(fused.store.ids())
         tokens, kv = answer(fused, workers, task, Placement.SEQUENTIAL, hooks, refresh)
-        mid = synthesize(apart, branches, task.prompt(), prefix, Placement.SEQUENTIAL, SamplingParams(max_tokens=6),
-                         apart.calibration.hooks if hooks is not None else None, refresh=refresh)
-        assert apart.message(mid).token_ids == tokens
-        # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
-        torch.testing.assert_close(apart.message(mid).kv, kv, rtol=1e-4, atol=1e-4)
+        for other in (apart, chunked):
+            mid = synthesize(other, branches, task.prompt(), prefix, Placement.SEQUENTIAL,
+                             SamplingParams(max_tokens=6), other.calibration.hooks if hooks is not None else None,
+                             refresh=refresh)
+            assert other.message(mid).token_ids == tokens
+            # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
+            torch.testing.assert_close(other.message(mid).kv, kv, rtol=1e-4, atol=1e-4)
         assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
     _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, fused.calibration.hooks)
     assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)
