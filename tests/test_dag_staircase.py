@@ -364,17 +364,24 @@ def test_a_worker_lost_mid_stream_leaves_the_staircase_answer_to_the_others(chec
     setup = Separate(checkpoint, workers=2)
     lost_engine = setup.worker_engines[1]
 
-    def fail_soon(engine=lost_engine):
+    def round_runs(synth=setup.synth_engine) -> bool:
+        """The aggregator's first round runs: it has taken every branch's first chunk."""
+        return any(g.params is not None for g in list(synth.scheduler.running))
+
+    def fail_soon(engine=lost_engine, ready=None):
         while not engine.scheduler.running or not engine.scheduler.running[0].decoding:
             time.sleep(0.005)
         time.sleep(0.05)  # (a few tokens in)
-        group = engine.scheduler.running[0]
+        while ready is not None and not ready():  # (a fixed delay alone lost that race on a slow machine)
+            time.sleep(0.002)
+        group = engine.scheduler.running[0]  # (mid-stream: it has 300 tokens to decode)
         group.cancelled = True
         group.wake()
 
     try:
         before = set(setup.synth_engine.store.ids())
-        threading.Thread(target=fail_soon, daemon=True).start()
+        threading.Thread(target=fail_soon, kwargs={"ready": round_runs}, daemon=True).start()  # (after branch 1's
+        # first chunk was taken, so that the answer read some of it)
         events = list(setup.run(workflow_request(("a", "b b", "c c c"), pb.StaircaseOptions(aggregator_chunks=[2]),
                                                  max_tokens=300, answer_tokens=8)))
         kinds = [e.WhichOneof("event") for e in events]
