@@ -235,7 +235,7 @@ class GroupInput:
 @dataclass
 class _Part:
     """A group's place in one forward, for the cache writes and the attention (engine.attention). Its first
-    `scratch` rows (scratch calls' tokens) attend slots [0, cache.scratch.stop); the others [start, length)."""
+    `scratch` rows (scratch calls' tokens) attend slots [0, scratch_end); the others [start, length)."""
 
     cache: WorkCache
     rows: slice  # its rows among the forward's
@@ -326,7 +326,9 @@ class ModelRunner:
             num_entries = g.visible.shape[1] - g.visible.shape[0]
             r, cache = g.scratch_rows, g.cache
             rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
-            g.slots = torch.cat([cache.next_scratch(r), torch.arange(rest.start, rest.stop, device=cache.index.device)])
+            g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
+            if r:
+                g.slots = torch.cat([cache.next_scratch(r), g.slots])
             plain_causal = g.visible.shape[0] == 1 and bool(g.visible.all())
             mask = None
             if len(groups) > 1 or mask_needed(self.lm.device, plain_causal, self.lm.dtype):

@@ -168,7 +168,7 @@ class Group:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         self._input = GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]),
                                  as_tensor([r[1] for r in rows]), as_tensor([r[2] for r in rows]), logit_rows,
-                                 sum(c < self.scratch for _, _, c in rows))  # (scratch rows come first)
+                                 sum(c < self.scratch for _, _, c in rows) if self.scratch else 0)  # (first)
         return self._input
 
     def advance(self, logits: torch.Tensor | None) -> bool:
