@@ -2,11 +2,13 @@
 
 For G calls (each 3 parallel branches decoding over a context of --context tokens, in the engine's
 paged KV pool), times G separate single-call forwards and one forward carrying all G, side by side,
-on the reference model. Prints the ratio and writes JSON and a plot.
+on the reference model (fp32 on CPU), or with --shape a random-weight model of that shape (--device cuda:
+bf16). Prints the ratio and writes JSON and a plot.
 """
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -14,12 +16,15 @@ import torch
 from braid.engine import Engine, EngineConfig
 from braid.engine.runner import GroupInput, WorkCache
 from braid.models import REFERENCE_MODEL
+from braid.models.checkpoints import SHAPES, benchmark_model
 from braid.results import pyplot, write_json
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=REFERENCE_MODEL)
+    p.add_argument("--model", default=None, help="checkpoint (default: the reference model, or --shape's)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--context", type=int, default=150, help="tokens already in each call's cache")
     p.add_argument("--repeats", type=int, default=10)
@@ -29,7 +34,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    eng = Engine(EngineConfig(args.model, device="cpu", dtype="float32"))
+    args.checkpoint = args.model or (None if args.shape else REFERENCE_MODEL)  # (benchmark_model's name for it)
+    path, device = benchmark_model(args, tempfile.mkdtemp(prefix="braid-batched-"))
+    eng = Engine(EngineConfig(path, device=device))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     lm, pool, calls = eng.lm, eng.scheduler.pool, 3
     rows = []
     for g in args.groups:
@@ -37,25 +45,30 @@ def main(argv=None) -> int:
         for _ in range(g):
             cache = WorkCache(lm, args.context + 4 * args.repeats * 2 + 8, pool,
                               pool.allocate(args.context + 4 * args.repeats * 2 + 8))
-            cache.append(torch.randn(*pool.kv.shape[:3], args.context, pool.kv.shape[4]), segment=0)
+            cache.append(torch.randn(*pool.kv.shape[:3], args.context, pool.kv.shape[4], dtype=pool.kv.dtype,
+                                     device=pool.kv.device), segment=0)
             caches.append(cache)
         visible = torch.ones(calls, 1 + calls, dtype=torch.bool)
 
         def inputs(step):
-            return [GroupInput(c, visible, torch.randint(3, lm.spec.vocab_size, (calls,)),
-                               torch.full((calls,), args.context + step), torch.arange(calls), torch.arange(calls))
-                    for c in caches]
+            dev = pool.kv.device
+            return [GroupInput(c, visible.to(dev), torch.randint(3, lm.spec.vocab_size, (calls,), device=dev),
+                               torch.full((calls,), args.context + step, device=dev),
+                               torch.arange(calls, device=dev), torch.arange(calls, device=dev)) for c in caches]
 
         alone, together = [], []
         for step in range(args.repeats):  # alternating, so both see the same machine
             batch = inputs(2 * step)
+            sync()
             start = time.perf_counter()
             for one in batch:
                 eng.runner.step([one])
+            sync()
             alone.append(time.perf_counter() - start)
             batch = inputs(2 * step + 1)
             start = time.perf_counter()
             eng.runner.step(batch)
+            sync()
             together.append(time.perf_counter() - start)
         for c in caches:
             pool.release(c.blocks)
@@ -64,8 +77,11 @@ def main(argv=None) -> int:
                      "speedup": a / t})
         print(f"{g:>3} calls ({g * calls:>3} tokens): separate forwards {1e3 * a:7.1f} ms, one forward "
               f"{1e3 * t:6.1f} ms: {a / t:.2f}x", flush=True)
-    stem = write_json(args.out, "batched_forward_cpu", {"model": args.model, "config": vars(args), "rows": rows,
-                                                         "torch_threads": torch.get_num_threads()})
+    on = "cpu" if device == "cpu" else "cuda"
+    stem = write_json(args.out, f"batched_forward_{on}", {
+        "model": args.checkpoint or f"random {args.shape}-shape llama", "config": vars(args), "rows": rows,
+        "device": device if on == "cpu" else torch.cuda.get_device_name(), "dtype": eng.config.dtype,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))

@@ -8,7 +8,7 @@ from a warmed anchor pool (--anchors earlier texts, each measured under every ag
 agent's call to its first token (one token is decoded: the output length does not enter TTFT). The
 measured texts are new to the pool; gamma=1, so the reuse path is always the one timed: how often it is
 taken, and at what accuracy, is evals/kvcomm.py's business. Default model: a random-weight 100M-shape
-Llama (the CPU proxy); pass --model for another checkpoint.
+Llama (the CPU proxy); --shape llama-3.1-8b is the seed's scale (bf16 on CUDA), --model another checkpoint.
 """
 
 import argparse
@@ -17,11 +17,12 @@ import statistics
 import tempfile
 import time
 
+import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.kvcomm import AgentPrompt, KVComm, KVCommConfig
-from braid.models.checkpoints import make_random_checkpoint
+from braid.models.checkpoints import SHAPES, benchmark_model
 from braid.results import pyplot, write_json
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -61,7 +62,9 @@ def kvcomm_ttft(comm: KVComm, p: AgentPrompt) -> tuple[float, bool]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint (default: a random-weight 100M-shape Llama)")
+    ap.add_argument("--model", default=None, help="checkpoint (default: a random-weight Llama of --shape)")
+    ap.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ap.add_argument("--agents", type=int, default=5)
     ap.add_argument("--input-tokens", type=int, default=1024, help="the shared text")
     ap.add_argument("--prefix-tokens", type=int, default=512, help="each agent's role prefix")
@@ -71,10 +74,11 @@ def main(argv=None) -> int:
                     help="comma-separated fractions of the reused text re-encoded (each timed; default: 0,0.1,0.2)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    model = args.model or make_random_checkpoint(tempfile.mkdtemp(prefix="braid-100m-"), "llama", "100m")
+    args.checkpoint = args.model  # (benchmark_model's name for it)
+    model, device = benchmark_model(args, tempfile.mkdtemp(prefix=f"braid-{args.shape}-"))
     budget = 24 << 30
-    engine = Engine(EngineConfig(model, store_budget_bytes=budget, max_batched_tokens=2048,
-                                 kv_budget_bytes=1 << 30))
+    engine = Engine(EngineConfig(model, device=device, store_budget_bytes=budget, max_batched_tokens=2048,
+                                 kv_budget_bytes=(1 if device == "cpu" else 8) << 30))
     vocab = engine.spec.vocab_size
     rng = random.Random(0)
     prefixes = [words(rng, vocab, args.prefix_tokens) for _ in range(args.agents)]
@@ -110,7 +114,9 @@ def main(argv=None) -> int:
                                        "speedup": statistics.median(dense[k]) / statistics.median(reuse[f][k])}
                               for f in fractions}} for k in range(args.agents)]
     stats = comm.stats()
-    result = {"model": args.model or "random 100m-shape llama", "input_tokens": args.input_tokens,
+    result = {"model": args.model or f"random {args.shape}-shape llama", "input_tokens": args.input_tokens,
+              "device": device if device == "cpu" else torch.cuda.get_device_name(), "dtype": engine.config.dtype,
+              "torch": torch.__version__,
               "recompute": fractions,
               "prefix_tokens": args.prefix_tokens, "anchors": stats["anchors"], "pool_bytes": stats["bytes"],
               "measured_reuse_rate": sum(reused) / len(reused), "requests": args.requests, "rows": rows}
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
             for f in fractions))
     print(f"anchors {stats['anchors']}, pool {stats['bytes'] / 2**20:.0f} MiB, reuse on measured prompts "
           f"{100 * result['measured_reuse_rate']:.0f}%")
-    stem = write_json(args.out, "kvcomm_cpu", result)
+    stem = write_json(args.out, f"kvcomm_{'cpu' if device == 'cpu' else 'cuda'}", result)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -59,13 +59,15 @@ def make_config(family: str = "llama", shape: str = "tiny", **overrides):
 
 
 def make_random_checkpoint(path: str, family: str = "llama", shape: str = "tiny", seed: int = 0,
-                           dtype: torch.dtype = torch.float32, **overrides) -> str:
-    """Save a random-weight model of `family` and `shape` (plus its tokenizer) to `path`."""
+                           dtype: torch.dtype = torch.float32, device: str = "cpu", **overrides) -> str:
+    """Save a random-weight model of `family` and `shape` (plus its tokenizer) to `path`. The weights are drawn
+    on `device` (an 8B model's init takes minutes on CPU cores, a second on a GPU)."""
     from transformers import AutoModelForCausalLM
 
     config = make_config(family, shape, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     build_tokenizer(min(512, config.vocab_size)).save_pretrained(path)
@@ -84,5 +86,5 @@ def benchmark_model(args, tmp: str) -> tuple[str, str]:
     --shape saved under `tmp` (bf16 on CUDA, fp32 on CPU); "auto" picks CUDA when it is visible."""
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     path = args.checkpoint or make_random_checkpoint(
-        tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, device=device)
     return path, device

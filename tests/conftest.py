@@ -1,4 +1,5 @@
 import os
+from dataclasses import replace
 
 import torch
 
@@ -13,6 +14,17 @@ from braid.engine import Engine, EngineConfig  # noqa: E402
 from braid.models.checkpoints import make_random_checkpoint  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+# BRAID_TEST_DEVICE=cuda runs every engine the tests build on that device, in fp32 so the exactness tests hold
+# (a lent GPU's check of the engine; CI runs on CPU and leaves this unset).
+if os.environ.get("BRAID_TEST_DEVICE"):
+    _resolved = EngineConfig.resolved
+
+    def _on_test_device(self):
+        return _resolved(replace(self, device=os.environ["BRAID_TEST_DEVICE"] if self.device == "auto" else self.device,
+                                 dtype="float32" if self.dtype == "auto" else self.dtype))
+
+    EngineConfig.resolved = _on_test_device
 
 
 @pytest.fixture(scope="session")

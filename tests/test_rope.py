@@ -59,9 +59,10 @@ def test_rotation_without_attention_scaling_error_is_large(checkpoint):
 def test_triton_rerotation_equals_torch(dtype, atol, rtol):
     torch.manual_seed(0)
     head_dim, tokens = 64, 100  # tokens not a multiple of the block: exercises the masks
-    keys = torch.randn(2, 3, tokens, head_dim).to(dtype)
-    delta = torch.randint(-5000, 5000, (tokens,))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (compiled on a GPU, interpreted on CPU)
+    keys = torch.randn(2, 3, tokens, head_dim).to(dtype).to(device)
+    delta = torch.randint(-5000, 5000, (tokens,)).to(device)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))).to(device)
     got = rerotate_keys_triton(keys, delta, inv_freq)
     want = rerotate_keys_torch(keys, delta, inv_freq)
     assert got.dtype == dtype and got.shape == keys.shape

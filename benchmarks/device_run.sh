@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A lent GPU's work in one call: the environment, the 8B-shape timings, then the engine's tests on CUDA.
+#
+#   device run: bash benchmarks/device_run.sh          (the tool sets OUT; results come back from it)
+#   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
+# Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
+set -u
+OUT=${OUT:-/tmp/braid-device}
+SHAPE=${SHAPE:-llama-3.1-8b}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/device.log") 2>&1
+log() { echo "== $(date +%T) $*"; }
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 secs=$2; shift 2
+  log "$name"
+  timeout "$secs" "$@" 2>&1 | grep -v -E "it/s\]|s/it\]|request/s\]|text/s\]" ; log "$name rc=${PIPESTATUS[0]}"
+}
+log "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+$PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
+if ! $PY -c "import braid" 2>/dev/null; then
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+fi
+MODEL=/tmp/braid-random-$SHAPE
+step checkpoint 240 $PY -c "
+import sys, time, torch
+from braid.models.checkpoints import make_random_checkpoint
+t = time.time()
+make_random_checkpoint('$MODEL', 'llama', '$SHAPE', dtype=torch.bfloat16 if '$DEVICE' != 'cpu' else torch.float32,
+                       device='$DEVICE')
+print(f'$SHAPE random checkpoint in {time.time() - t:.0f} s')"
+step synthesis_ttft 240 $PY benchmarks/synthesis_ttft.py --checkpoint "$MODEL" --device "$DEVICE" \
+  --repeats "${REPEATS:-5}" ${LENGTHS:+--lengths $LENGTHS} --out "$OUT"
+step kvcomm 150 $PY benchmarks/kvcomm.py --model "$MODEL" --device "$DEVICE" ${KV_ARGS:-} --out "$OUT"
+step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
+  --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
+rm -rf "$MODEL"
+[ "$DEVICE" = cpu ] && exit 0
+step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
+  -p no:warnings --timeout 60 tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
+  tests/test_prefix_cache.py tests/test_calibration.py
+log done
