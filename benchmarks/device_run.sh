@@ -11,6 +11,7 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
 exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
 step() {  # step NAME SECONDS COMMAND...
@@ -22,9 +23,7 @@ log "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
-if ! $PY -c "import braid" 2>/dev/null; then
-  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
-fi
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 MODEL=/tmp/braid-random-$SHAPE
 step checkpoint 240 $PY -c "
 import sys, time, torch
