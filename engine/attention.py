@@ -9,10 +9,16 @@ included, runs SDPA with a boolean [1, 1, Q, K] mask (True = attend).
 FlexAttention is not used: on CPU it only beats SDPA when compiled (seconds per
 new shape, and shapes change every decode step here), and no GPU measurement has
 yet shown it paying on these masks.
+
+On CUDA, SDPA never picks its cuDNN backend: cuDNN builds a graph for every new
+key length, and the key length changes every decode step. Measured on an H200
+(benchmarks/profile_decode.py, 8B shape cut to 8 layers): 44 ms per decode
+forward with cuDNN's graph builds, against a GPU time of 2 ms.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
@@ -33,6 +39,17 @@ def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) ->
     return not (plain_causal and use_flash(device, dtype))
 
 
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # (no cuDNN)
+
+
+def sdpa(query, key, value, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA without the cuDNN backend (module docstring)."""
+    if not query.is_cuda:
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    with sdpa_kernel(CUDA_BACKENDS):
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,
                       **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
@@ -47,9 +64,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     # A None mask here comes from transformers' own mask builder (plain `generate`), which
     # only omits it where SDPA's top-left causal flag is right.
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         is_causal=attention_mask is None and query.shape[2] > 1,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+    out = sdpa(query, key, value, attn_mask=attention_mask, scale=scaling,
+               is_causal=attention_mask is None and query.shape[2] > 1, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -80,6 +96,6 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
         g, r, _ = step.shape
         q = query[0].index_select(1, step.row_index).view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
         k, v = step.shared_kv(layer)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=h != k.shape[1])
+        o = sdpa(q, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=h != k.shape[1])
         out.index_copy_(0, step.rows, o.transpose(1, 2).reshape(g * r, h, d).index_select(0, step.valid))
     return out[None]
