@@ -4,6 +4,7 @@
 #   device run: bash benchmarks/device_run.sh          (the tool sets OUT; results come back from it)
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
+# STEPS picks some of: profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all).
 set -u
 OUT=${OUT:-/tmp/braid-device}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -14,8 +15,10 @@ export PYTHONUNBUFFERED=1
 export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
 exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
+STEPS=${STEPS:-profile_decode synthesis_ttft kvcomm batched_forward engine_tests}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
+  [ "$name" = checkpoint ] || [[ " $STEPS " == *" $name "* ]] || return 0
   log "$name"
   timeout "$secs" "$@" 2>&1 | grep -v -E "it/s\]|s/it\]|request/s\]|text/s\]" ; log "$name rc=${PIPESTATUS[0]}"
 }
@@ -24,6 +27,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+step profile_decode 120 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers 8 --device "$DEVICE" --rows 15 \
+  --out "$OUT"
 MODEL=/tmp/braid-random-$SHAPE
 step checkpoint 240 $PY -c "
 import sys, time, torch
@@ -38,7 +43,6 @@ step kvcomm 150 $PY benchmarks/kvcomm.py --model "$MODEL" --device "$DEVICE" ${K
 step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
   --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
 rm -rf "$MODEL"
-[ "$DEVICE" = cpu ] && exit 0
 step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
   -p no:warnings --timeout 60 tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
   tests/test_prefix_cache.py tests/test_calibration.py
