@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.attention import CUDA_BACKENDS
+from braid.engine.attention import DECODE_BACKENDS
 from braid.engine.runner import GroupInput, WorkCache
 from braid.models.checkpoints import SHAPES, benchmark_model
 from braid.results import write_json
@@ -100,8 +100,8 @@ def main(argv=None):
               "engine_ms_per_token": 1e3 * engine_decode(eng, ctx, args.tokens),
               "transformers_ms_per_token": 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync),
               "engine_forward_ms": 1e3 * runner_steps(eng, args.context, args.tokens, sync)}
-    if device != "cpu":  # transformers again, with the engine's SDPA backends (no cuDNN)
-        with torch.nn.attention.sdpa_kernel(CUDA_BACKENDS):
+    if device != "cpu":  # transformers again, with the engine's SDPA backends for decoding (no cuDNN)
+        with torch.nn.attention.sdpa_kernel(DECODE_BACKENDS):
             result["transformers_no_cudnn_ms_per_token"] = 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync)
         print(f"transformers without cuDNN attention: {result['transformers_no_cudnn_ms_per_token']:.1f} ms/token")
     print(f"{result['device']}, {args.shape} with {result['layers']} layers, context {args.context}: engine "

@@ -229,7 +229,7 @@ def test_trainer_sees_what_the_cache_path_sees(checkpoint):
     """The trainer's no-grad encodings (worker replies the model decodes itself, placed branch KV) and its
     synthesizer forward agree with the engine's workers and cache path."""
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration="none"))
+    engine = Engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
     cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6)
     encoder = Encoder(model, AutoTokenizer.from_pretrained(ckpt), model.model.rotary_emb.inv_freq.float(), cfg)
@@ -263,7 +263,7 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
     from braid.engine.synthesis import place_branches, refresh_branches
 
     ckpt = checkpoint("llama", initializer_range=0.3)  # (wide weights: the context visibly matters)
-    engine = Engine(EngineConfig(ckpt, calibration="none"))
+    engine = Engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
     cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1, refresh_tail=tail)
     spec = Refresh(1, 1 if tail == -1 else tail)

@@ -178,3 +178,25 @@ def test_import_rejects_foreign_or_misshapen_kv(llama_engine):
     with pytest.raises(BraidError, match="does not fit"):
         eng.import_message(m.token_ids, m.kv, eng.spec.max_positions, eng.fingerprint)
     assert eng.store.ids() == before
+
+
+def test_decode_sized_queries_on_cuda_skip_cudnn_and_attend_as_the_math_kernel():
+    """engine.attention.sdpa: queries of at most DECODE_ROWS rows on CUDA run without the cuDNN backend (it
+    rebuilds a graph per key length); longer ones and CPU ones run SDPA's own choice. Same result either way."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from braid.engine.attention import DECODE_ROWS, sdpa, skips_cudnn
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for rows in (1, DECODE_ROWS, DECODE_ROWS + 1):
+            g = torch.Generator().manual_seed(rows)
+            q = torch.randn(1, 8, rows, 16, generator=g).to(device)
+            k, v = (torch.randn(1, 2, 40, 16, generator=g).to(device) for _ in range(2))
+            mask = (torch.rand(1, 1, rows, 40, generator=g) > 0.3).to(device)
+            mask[..., 0] = True  # (every row attends something)
+            assert skips_cudnn(q) == (device == "cuda" and rows <= DECODE_ROWS)
+            with sdpa_kernel([SDPBackend.MATH]):
+                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

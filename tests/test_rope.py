@@ -32,7 +32,7 @@ def test_repositioned_keys_equal_encoding_at_target(rope_engine, p, q):
     at_p, at_q = eng.prefill([PrefillCall(text, new_offset=p), PrefillCall(text, new_offset=q)])
     src, ref = eng.message(at_p), eng.message(at_q)
     stored = src.kv.clone()
-    delta = torch.full((src.num_tokens,), q - p, dtype=torch.long)
+    delta = torch.full((src.num_tokens,), q - p, dtype=torch.long, device=src.kv.device)
     moved = rerotate_keys_torch(src.kv[:, 0], delta, eng.lm.inv_freq)
     assert (moved - ref.kv[:, 0]).abs().max() < 1e-4
     assert torch.equal(src.kv[:, 1], ref.kv[:, 1]) or (src.kv[:, 1] - ref.kv[:, 1]).abs().max() < 1e-5

@@ -60,7 +60,7 @@ def test_branch_point_reencodes_each_branch(llama_engine):
                      hooks=SynthesisHooks(mapper=mapper))
     for j, b in enumerate(branches):
         msg = eng.message(b)
-        delta = torch.full((msg.num_tokens,), n - msg.offset, dtype=torch.long)
+        delta = torch.full((msg.num_tokens,), n - msg.offset, dtype=torch.long, device=msg.kv.device)
         placed, m = seen[j]
         assert m == 2
         assert (placed[:, 0] - rerotate_keys_torch(msg.kv[:, 0], delta, eng.lm.inv_freq)).abs().max() < 1e-6
