@@ -2,8 +2,10 @@
 
 import glob
 import hashlib
+import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +46,34 @@ class LoadedModel:
     dtype: torch.dtype
 
 
+FINGERPRINT_CACHE_MIN_BYTES = 1 << 30  # checkpoints this large keep their fingerprint in the cache file
+
+
+def fingerprint_cache_path() -> str:
+    """Where fingerprints of large checkpoints are kept: $BRAID_CACHE_DIR, else $XDG_CACHE_HOME/braid, else
+    ~/.cache/braid; fingerprints.json in it."""
+    root = os.environ.get("BRAID_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "braid")
+    return os.path.join(root, "fingerprints.json")
+
+
 def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
-    """blake2b over config.json and every weight file, in name order."""
+    """blake2b over config.json and every weight file, in name order.
+
+    Hashing an 8B checkpoint reads 16 GB (30 s on the H200 machine), at every engine start. So for checkpoints
+    of FINGERPRINT_CACHE_MIN_BYTES or more the result is kept in fingerprint_cache_path(), keyed by each file's
+    absolute path, size and modification time (as git's index and rsync trust a file unchanged), and hashed
+    again once any of them differs. A cache that cannot be read or written is ignored."""
     files = [os.path.join(path, "config.json")]
     for pattern in WEIGHT_PATTERNS:
         files += sorted(glob.glob(os.path.join(path, pattern)))
+    stats = [os.stat(f) for f in files]
+    total = sum(st.st_size for st in stats)
+    key = json.dumps([[os.path.abspath(f), st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)])
+    cached = _cached_fingerprints() if total >= FINGERPRINT_CACHE_MIN_BYTES else {}
+    if key in cached:
+        return cached[key]
     h = hashlib.blake2b(digest_size=16)
-    total = sum(os.path.getsize(f) for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="fingerprint", disable=total < (1 << 30)) as bar:
         for f in files:
             h.update(os.path.basename(f).encode())
@@ -58,7 +81,42 @@ def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
                 while block := fh.read(chunk):
                     h.update(block)
                     bar.update(len(block))
+    if total >= FINGERPRINT_CACHE_MIN_BYTES:
+        _cache_fingerprint(key, h.hexdigest())
     return h.hexdigest()
+
+
+def _cached_fingerprints() -> dict[str, str]:
+    try:
+        with open(fingerprint_cache_path()) as f:
+            cached = json.load(f)
+        return cached if isinstance(cached, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _cache_fingerprint(key: str, value: str) -> None:
+    """Add one entry, replacing the file whole (a reader never sees half of it)."""
+    path = fingerprint_cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        mine = _config_of(key)  # (one entry per checkpoint: a rewritten one replaces its old entry)
+        cached = {k: v for k, v in _cached_fingerprints().items() if _config_of(k) != mine}
+        cached[key] = value
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fingerprints-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(cached, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not keep the checkpoint fingerprint in %s: %s", path, e)
+
+
+def _config_of(key: str) -> str | None:
+    """The config.json path a cache key starts with (None for an entry this code did not write)."""
+    try:
+        return json.loads(key)[0][0]
+    except (ValueError, IndexError, TypeError, KeyError):
+        return None
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:

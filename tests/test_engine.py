@@ -1,5 +1,6 @@
 """Exactness of the choreography API against plain transformers on the same checkpoint."""
 
+import os
 import time
 
 import pytest
@@ -200,3 +201,35 @@ def test_decode_sized_queries_on_cuda_skip_cudnn_and_attend_as_the_math_kernel()
                 want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_large_checkpoint_keeps_its_fingerprint_until_a_file_changes(checkpoint, tmp_path, monkeypatch):
+    """fingerprint_checkpoint: from FINGERPRINT_CACHE_MIN_BYTES on, the hash is kept in the cache file, keyed by
+    the files' paths, sizes and mtimes, and computed again when one changes; smaller checkpoints are not kept,
+    and a cache file that cannot be read changes nothing."""
+    import json
+    import shutil
+
+    from braid.engine import model as loading
+
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = shutil.copytree(checkpoint("llama"), tmp_path / "ckpt")
+    cache = loading.fingerprint_cache_path()
+    real = loading.fingerprint_checkpoint(ckpt)
+    assert not os.path.exists(cache)  # (a tiny checkpoint is hashed every time)
+    monkeypatch.setattr(loading, "FINGERPRINT_CACHE_MIN_BYTES", 0)
+    assert loading.fingerprint_checkpoint(ckpt) == real
+    read = lambda: json.loads(open(cache).read())  # noqa: E731
+    entries = read()
+    assert list(entries.values()) == [real]
+    with open(cache, "w") as f:  # what the cache says is what it returns, unhashed
+        json.dump({k: "kept" for k in entries}, f)
+    assert loading.fingerprint_checkpoint(ckpt) == "kept"
+    weights = os.path.join(ckpt, "model.safetensors")
+    st = os.stat(weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a rewritten file: hashed again
+    assert loading.fingerprint_checkpoint(ckpt) == real
+    assert list(read().values()) == [real]  # (its old entry replaced, not kept beside it)
+    with open(cache, "w") as f:
+        f.write("{not json")
+    assert loading.fingerprint_checkpoint(ckpt) == real and list(read().values()) == [real]
