@@ -45,5 +45,5 @@ step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --de
 rm -rf "$MODEL"
 step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
   -p no:warnings --timeout 60 tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
-  tests/test_prefix_cache.py tests/test_calibration.py
+  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py
 log done

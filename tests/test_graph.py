@@ -44,11 +44,12 @@ def random_tree(rng: random.Random, vocab: int, max_nodes: int = 20) -> PromptGr
 
 def flat_objective(model, sequences):
     """The flat objective by a plain causal forward per sequence: (ids, supervised) each, positions 0..L-1."""
-    total, count = 0.0, 0
+    total, count, device = 0.0, 0, model.device
     for ids, sup in sequences:
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
-        target = torch.tensor(sup[1:])
-        total = total + F.cross_entropy(logits[target], torch.tensor(ids[1:])[target], reduction="sum")
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+        target = torch.tensor(sup[1:], device=device)
+        total = total + F.cross_entropy(logits[target], torch.tensor(ids[1:], device=device)[target],
+                                        reduction="sum")
         count += int(target.sum())
     return total / count
 
@@ -76,15 +77,19 @@ def assert_same_gradients(packed, flat):
         torch.testing.assert_close(packed[name], flat[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # (CUDA: FlexAttention, backward included; CPU: SDPA)
 @pytest.mark.parametrize("build", [reference_model, qwen3_model], ids=["reference", "qwen3"])
-def test_packed_trees_give_the_flat_loss_and_gradients(build):
-    model, rng = build(), random.Random(7)
+def test_packed_trees_give_the_flat_loss_and_gradients(build, device):
+    model, rng = build().to(device), random.Random(7)
     vocab = model.config.vocab_size
     graphs = [random_tree(rng, vocab) for _ in range(4)]
     assert any(len(g.leaves()) >= 6 for g in graphs) and any(len(g) >= 10 for g in graphs)
     batch = pack(graphs, width=256, pad_id=0)
     assert batch.cached_token_ratio > 1.5  # shared prefixes really are shared
-    result = graph_loss(model, batch)
+    result = graph_loss(model, batch.to(device), attention_backend(device))
     packed = grads(model, result.loss)
     flat_loss = flat_objective(model, [s for g in graphs for s in path_sequences(g)])
     assert abs(result.loss.item() - flat_loss.item()) < 1e-5
