@@ -2,8 +2,7 @@
 
 For G calls (each 3 parallel branches decoding over a context of --context tokens, in the engine's
 paged KV pool), times G separate single-call forwards and one forward carrying all G, side by side,
-on the reference model (fp32 on CPU), or with --shape a random-weight model of that shape (--device cuda:
-bf16). Prints the ratio and writes JSON and a plot.
+on the reference model, or with --shape a random-weight model of that shape (bf16 on CUDA). Prints the ratio and writes JSON and a plot.
 """
 
 import argparse
@@ -16,15 +15,13 @@ import torch
 from braid.engine import Engine, EngineConfig
 from braid.engine.runner import GroupInput, WorkCache
 from braid.models import REFERENCE_MODEL
-from braid.models.checkpoints import SHAPES, benchmark_model
-from braid.results import pyplot, write_json
+from braid.models.checkpoints import add_model_arguments, benchmark_model
+from braid.results import device_name, pyplot, write_json
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint (default: the reference model, or --shape's)")
-    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    add_model_arguments(p, shape=None)  # (neither --shape nor --checkpoint: the reference model)
     p.add_argument("--groups", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--context", type=int, default=150, help="tokens already in each call's cache")
     p.add_argument("--repeats", type=int, default=10)
@@ -34,7 +31,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.checkpoint = args.model or (None if args.shape else REFERENCE_MODEL)  # (benchmark_model's name for it)
+    if not (args.checkpoint or args.shape):
+        args.checkpoint = REFERENCE_MODEL
     path, device = benchmark_model(args, tempfile.mkdtemp(prefix="braid-batched-"))
     eng = Engine(EngineConfig(path, device=device))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -66,6 +64,7 @@ def main(argv=None) -> int:
             sync()
             alone.append(time.perf_counter() - start)
             batch = inputs(2 * step + 1)
+            sync()
             start = time.perf_counter()
             eng.runner.step(batch)
             sync()
@@ -80,7 +79,7 @@ def main(argv=None) -> int:
     on = "cpu" if device == "cpu" else "cuda"
     stem = write_json(args.out, f"batched_forward_{on}", {
         "model": args.checkpoint or f"random {args.shape}-shape llama", "config": vars(args), "rows": rows,
-        "device": device if on == "cpu" else torch.cuda.get_device_name(), "dtype": eng.config.dtype,
+        "device": device_name(device), "dtype": eng.config.dtype,
         "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
     plt = pyplot()
     if plt is not None:

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.kvcomm import AgentPrompt, KVComm, KVCommConfig
-from braid.models.checkpoints import SHAPES, benchmark_model
-from braid.results import pyplot, write_json
+from braid.models.checkpoints import add_model_arguments, benchmark_model
+from braid.results import device_name, pyplot, write_json
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -62,9 +62,7 @@ def kvcomm_ttft(comm: KVComm, p: AgentPrompt) -> tuple[float, bool]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint (default: a random-weight Llama of --shape)")
-    ap.add_argument("--shape", default="100m", choices=sorted(SHAPES), help="model shape (random weights)")
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_model_arguments(ap)
     ap.add_argument("--agents", type=int, default=5)
     ap.add_argument("--input-tokens", type=int, default=1024, help="the shared text")
     ap.add_argument("--prefix-tokens", type=int, default=512, help="each agent's role prefix")
@@ -74,7 +72,6 @@ def main(argv=None) -> int:
                     help="comma-separated fractions of the reused text re-encoded (each timed; default: 0,0.1,0.2)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    args.checkpoint = args.model  # (benchmark_model's name for it)
     model, device = benchmark_model(args, tempfile.mkdtemp(prefix=f"braid-{args.shape}-"))
     budget = 24 << 30
     engine = Engine(EngineConfig(model, device=device, store_budget_bytes=budget, max_batched_tokens=2048,
@@ -114,8 +111,8 @@ def main(argv=None) -> int:
                                        "speedup": statistics.median(dense[k]) / statistics.median(reuse[f][k])}
                               for f in fractions}} for k in range(args.agents)]
     stats = comm.stats()
-    result = {"model": args.model or f"random {args.shape}-shape llama", "input_tokens": args.input_tokens,
-              "device": device if device == "cpu" else torch.cuda.get_device_name(), "dtype": engine.config.dtype,
+    result = {"model": args.checkpoint or f"random {args.shape}-shape llama", "input_tokens": args.input_tokens,
+              "device": device_name(device), "dtype": engine.config.dtype,
               "torch": torch.__version__,
               "recompute": fractions,
               "prefix_tokens": args.prefix_tokens, "anchors": stats["anchors"], "pool_bytes": stats["bytes"],

@@ -15,18 +15,15 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.attention import DECODE_BACKENDS
 from braid.engine.runner import GroupInput, WorkCache
-from braid.models.checkpoints import SHAPES, benchmark_model
-from braid.results import write_json
+from braid.models.checkpoints import add_model_arguments, benchmark_model
+from braid.results import device_name, write_json
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint (default: a random-weight model of --shape)")
-    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    add_model_arguments(p, shape="llama-3.1-8b")
     p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0: keep it)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rows", type=int, default=30, help="rows per profiler table")
@@ -81,27 +78,22 @@ def hf_decode(model, prompt, tokens, sync):
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.layers and not args.model:
-            from braid.models.checkpoints import make_random_checkpoint
-            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            path = make_random_checkpoint(tmp, "llama", args.shape, num_hidden_layers=args.layers, device=device,
-                                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
-        else:
-            args.checkpoint = args.model
-            path, device = benchmark_model(args, tmp)
+        path, device = benchmark_model(args, tmp, **({"num_hidden_layers": args.layers} if args.layers else {}))
         eng = Engine(EngineConfig(path, device=device))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompt = torch.randint(3, eng.spec.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     ctx = eng.prefill([PrefillCall(prompt[0].tolist())])
     engine_decode(eng, ctx, 4), hf_decode(hf, prompt.to(device), 4, sync), runner_steps(eng, args.context, 2, sync)
-    result = {"device": device if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"device": device_name(device), "torch": torch.__version__,
               "shape": args.shape, "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens,
               "engine_ms_per_token": 1e3 * engine_decode(eng, ctx, args.tokens),
               "transformers_ms_per_token": 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync),
               "engine_forward_ms": 1e3 * runner_steps(eng, args.context, args.tokens, sync)}
-    if device != "cpu":  # transformers again, with the engine's SDPA backends for decoding (no cuDNN)
-        with torch.nn.attention.sdpa_kernel(DECODE_BACKENDS):
+    if device != "cpu":  # transformers again, with SDPA's cuDNN backend off (a process-wide switch; one thread here)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             result["transformers_no_cudnn_ms_per_token"] = 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync)
         print(f"transformers without cuDNN attention: {result['transformers_no_cudnn_ms_per_token']:.1f} ms/token")
     print(f"{result['device']}, {args.shape} with {result['layers']} layers, context {args.context}: engine "
@@ -121,6 +113,12 @@ def main(argv=None):
     for e in syncs:
         print(f"  {e.key:<50} x{e.count:<6} self CPU {e.self_cpu_time_total / 1e3:8.2f} ms")
     result["syncs"] = {e.key: e.count for e in syncs}
+    if len(activities) > 1:  # per forward: kernel launches, and the time the device was busy
+        result["kernel_launches_per_forward"] = sum(
+            e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / 4
+        result["device_ms_per_forward"] = sum(e.self_device_time_total for e in table) / 1e3 / 4
+        print(f"per forward: {result['kernel_launches_per_forward']:.0f} kernel launches, device busy "
+              f"{result['device_ms_per_forward']:.2f} ms")
     write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result)
 
 

@@ -30,7 +30,7 @@ from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, Sampling
 from braid.engine.calibration import served_refresh
 from braid.engine.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import pyplot, write_json
+from braid.results import device_name, pyplot, write_json
 from braid.train.calibrate import write_untrained
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -164,7 +164,7 @@ def main(argv=None):
         for mid in [*prefix, *contexts, *branches]:
             eng.free(mid)
     result = {
-        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "device": device_name(device),
         "dtype": eng.config.dtype, "shape": args.shape if not args.checkpoint else args.checkpoint,
         "parameters": sum(p.numel() for p in eng.lm.model.parameters()),
         "calibration": calibration if trained else "random weights, trained shape",

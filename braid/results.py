@@ -5,6 +5,15 @@ import os
 import sys
 
 
+def device_name(device: str) -> str:
+    """A result's device: "cpu", or the GPU's name."""
+    if device == "cpu":
+        return device
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
 def write_json(out_dir: str, name: str, result: dict) -> str:
     """Writes out_dir/name.json; returns the path stem for the plot."""
     os.makedirs(out_dir, exist_ok=True)

@@ -10,20 +10,22 @@ FlexAttention is not used: on CPU it only beats SDPA when compiled (seconds per
 new shape, and shapes change every decode step here), and no GPU measurement has
 yet shown it paying on these masks.
 
-On CUDA, SDPA skips its cuDNN backend for queries of at most DECODE_ROWS rows
-(decode steps): cuDNN builds a graph for every new key length, and the key length
+On CUDA, masked queries of at most DECODE_ROWS rows (decode steps) skip SDPA's
+cuDNN backend, which builds a graph for every new key length, and the key length
 changes every decode step. Measured on an H200 (benchmarks/profile_decode.py, 8B
 shape cut to 8 layers, 1024-token context): 47 ms per decode token with cuDNN's
 graph builds, 12 ms without, the GPU busy 2-3 ms of it; 8B batch-1 decode went
-from 11.7 to 26.1 tokens/s. Longer queries (prefill chunks, prompts) keep it:
-without it, a 16K-token prefill of the 8B shape took 4694 ms against 972 (with GQA
-and a mask, flash takes no mask and the efficient kernel no GQA, so SDPA falls
-back to its math kernel).
+from 11.7 to 26.1 tokens/s. With GQA and a mask no other fused kernel applies
+(flash takes no mask, the efficient kernel no GQA), so those queries call SDPA's
+math kernel directly, which is where SDPA lands with cuDNN switched off (that was
+the measured setting), without touching the process-wide backend switches that
+another thread's attention would see. Longer queries keep SDPA's own choice:
+with cuDNN off for every forward, a 16K-token prefill of the 8B shape took 4694
+ms against 972.
 """
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
@@ -44,21 +46,26 @@ def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) ->
     return not (plain_causal and use_flash(device, dtype))
 
 
-DECODE_ROWS = 8  # queries of at most this many rows skip cuDNN on CUDA (module docstring)
-DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+DECODE_ROWS = 8  # masked queries of at most this many rows skip cuDNN on CUDA (module docstring)
 
 
-def skips_cudnn(query: torch.Tensor) -> bool:
-    """Whether this query [..., Q, D] runs SDPA without its cuDNN backend: decode-sized queries on CUDA."""
-    return query.is_cuda and query.shape[-2] <= DECODE_ROWS
+def skips_cudnn(device_type: str, rows: int, masked: bool) -> bool:
+    """Whether a query of `rows` rows on this device runs SDPA's math kernel directly (module docstring)."""
+    return device_type == "cuda" and masked and rows <= DECODE_ROWS
 
 
-def sdpa(query, key, value, **kwargs) -> torch.Tensor:
-    """F.scaled_dot_product_attention, with decode-sized queries on CUDA kept off cuDNN (module docstring)."""
-    if not skips_cudnn(query):
-        return F.scaled_dot_product_attention(query, key, value, **kwargs)
-    with sdpa_kernel(DECODE_BACKENDS):
-        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_gqa=False) -> torch.Tensor:
+    """F.scaled_dot_product_attention (no dropout), with decode-sized masked queries on CUDA run by the math
+    kernel, as SDPA runs them with cuDNN switched off. A boolean mask becomes additive first, as SDPA makes it
+    (the result is bit-identical to SDPA's math backend)."""
+    if not skips_cudnn(query.device.type, query.shape[-2], attn_mask is not None):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                              is_causal=is_causal, enable_gqa=enable_gqa)
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, 0.0, is_causal, None,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,

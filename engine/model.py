@@ -1,5 +1,6 @@
 """Loading a Hugging Face RoPE decoder-only checkpoint from a local directory."""
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -62,16 +63,19 @@ def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
 
     Hashing an 8B checkpoint reads 16 GB (30 s on the H200 machine), at every engine start. So for checkpoints
     of FINGERPRINT_CACHE_MIN_BYTES or more the result is kept in fingerprint_cache_path(), keyed by each file's
-    absolute path, size and modification time (as git's index and rsync trust a file unchanged), and hashed
-    again once any of them differs. A cache that cannot be read or written is ignored."""
+    absolute path, device, inode, size, and modification and change times (as git's index trusts a file
+    unchanged; the change time is set by the kernel, so even a copy that keeps the modification time is
+    hashed again). A cache that cannot be read or written is ignored. Two engines writing it at once may each
+    keep only their own entry: the other is hashed again at its next start."""
     files = [os.path.join(path, "config.json")]
     for pattern in WEIGHT_PATTERNS:
         files += sorted(glob.glob(os.path.join(path, pattern)))
     stats = [os.stat(f) for f in files]
     total = sum(st.st_size for st in stats)
-    key = json.dumps([[os.path.abspath(f), st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)])
+    key = json.dumps([[os.path.abspath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+                      for f, st in zip(files, stats)])
     cached = _cached_fingerprints() if total >= FINGERPRINT_CACHE_MIN_BYTES else {}
-    if key in cached:
+    if isinstance(cached.get(key), str):
         return cached[key]
     h = hashlib.blake2b(digest_size=16)
     with tqdm(total=total, unit="B", unit_scale=True, desc="fingerprint", disable=total < (1 << 30)) as bar:
@@ -97,26 +101,34 @@ def _cached_fingerprints() -> dict[str, str]:
 
 def _cache_fingerprint(key: str, value: str) -> None:
     """Add one entry, replacing the file whole (a reader never sees half of it)."""
-    path = fingerprint_cache_path()
+    path, tmp = fingerprint_cache_path(), None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        mine = _config_of(key)  # (one entry per checkpoint: a rewritten one replaces its old entry)
-        cached = {k: v for k, v in _cached_fingerprints().items() if _config_of(k) != mine}
+        mine = _config_of(key)  # (one entry per checkpoint: a rewritten one replaces its old entry, and entries
+        # of checkpoints that are gone are dropped)
+        cached = {k: v for k, v in _cached_fingerprints().items()
+                  if (c := _config_of(k)) is not None and c != mine and os.path.exists(c)}
         cached[key] = value
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fingerprints-")
         with os.fdopen(fd, "w") as f:
             json.dump(cached, f)
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:
         log.warning("could not keep the checkpoint fingerprint in %s: %s", path, e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _config_of(key: str) -> str | None:
     """The config.json path a cache key starts with (None for an entry this code did not write)."""
     try:
-        return json.loads(key)[0][0]
+        path = json.loads(key)[0][0]
     except (ValueError, IndexError, TypeError, KeyError):
         return None
+    return path if isinstance(path, str) else None
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -70,21 +70,28 @@ def make_random_checkpoint(path: str, family: str = "llama", shape: str = "tiny"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # (the caller's engine sizes its KV pool from the memory left free)
     build_tokenizer(min(512, config.vocab_size)).save_pretrained(path)
     return path
 
 
-def add_model_arguments(parser, shape: str = "100m") -> None:
-    """A benchmark's model: --shape (random weights), --checkpoint (a real one instead) and --device."""
+def add_model_arguments(parser, shape: str | None = "100m") -> None:
+    """A benchmark's model: --shape (random weights), --checkpoint or --model (a real one instead) and --device.
+    With shape None, the benchmark picks its default checkpoint when neither is given."""
     parser.add_argument("--shape", default=shape, choices=sorted(SHAPES), help="model shape (random weights)")
-    parser.add_argument("--checkpoint", help="use this checkpoint directory instead of a random one")
+    parser.add_argument("--checkpoint", "--model", dest="checkpoint",
+                        help="use this checkpoint directory instead of a random one")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
 
-def benchmark_model(args, tmp: str) -> tuple[str, str]:
+def benchmark_model(args, tmp: str, **overrides) -> tuple[str, str]:
     """(checkpoint path, device) for add_model_arguments' args: the --checkpoint given, or a random llama of
-    --shape saved under `tmp` (bf16 on CUDA, fp32 on CPU); "auto" picks CUDA when it is visible."""
+    --shape (its config changed by `overrides`) saved under `tmp`, drawn on the device (bf16 on CUDA, fp32 on
+    CPU); "auto" picks CUDA when it is visible."""
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     path = args.checkpoint or make_random_checkpoint(
-        tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, device=device)
+        tmp, "llama", args.shape, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, device=device,
+        **overrides)
     return path, device

@@ -181,13 +181,22 @@ def test_import_rejects_foreign_or_misshapen_kv(llama_engine):
     assert eng.store.ids() == before
 
 
-def test_decode_sized_queries_on_cuda_skip_cudnn_and_attend_as_the_math_kernel():
-    """engine.attention.sdpa: queries of at most DECODE_ROWS rows on CUDA run without the cuDNN backend (it
-    rebuilds a graph per key length); longer ones and CPU ones run SDPA's own choice. Same result either way."""
+def test_decode_sized_masked_queries_on_cuda_run_the_math_kernel_as_sdpa_would(monkeypatch):
+    """engine.attention.sdpa: masked queries of at most DECODE_ROWS rows on CUDA skip cuDNN (it rebuilds a graph
+    per key length) by calling SDPA's math kernel themselves, with SDPA's own boolean-mask conversion, so the
+    result is SDPA's math backend's, bit for bit; everything else goes to SDPA, untouched."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from braid.engine import attention
     from braid.engine.attention import DECODE_ROWS, sdpa, skips_cudnn
 
+    assert skips_cudnn("cuda", 1, True) and skips_cudnn("cuda", DECODE_ROWS, True)
+    assert not skips_cudnn("cuda", DECODE_ROWS + 1, True) and not skips_cudnn("cuda", 1, False)
+    assert not skips_cudnn("cpu", 1, True)
+    sdpa_calls = []
+    real = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa_calls.append(1) or real(*a, **k))
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for rows in (1, DECODE_ROWS, DECODE_ROWS + 1):
@@ -196,17 +205,25 @@ def test_decode_sized_queries_on_cuda_skip_cudnn_and_attend_as_the_math_kernel()
             k, v = (torch.randn(1, 2, 40, 16, generator=g).to(device) for _ in range(2))
             mask = (torch.rand(1, 1, rows, 40, generator=g) > 0.3).to(device)
             mask[..., 0] = True  # (every row attends something)
-            assert skips_cudnn(q) == (device == "cuda" and rows <= DECODE_ROWS)
             with sdpa_kernel([SDPBackend.MATH]):
-                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+                want = real(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+            sdpa_calls.clear()
+            got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+            assert sdpa_calls == ([] if skips_cudnn(device, rows, True) else [1])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            if device == "cpu":  # the CUDA branch itself, taken here on CPU tensors: SDPA's math backend exactly
+                with monkeypatch.context() as m:
+                    m.setattr(attention, "skips_cudnn", lambda *_: True)
+                    sdpa_calls.clear()
+                    assert torch.equal(sdpa(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3), want)
+                    assert sdpa_calls == []
 
 
 def test_a_large_checkpoint_keeps_its_fingerprint_until_a_file_changes(checkpoint, tmp_path, monkeypatch):
     """fingerprint_checkpoint: from FINGERPRINT_CACHE_MIN_BYTES on, the hash is kept in the cache file, keyed by
-    the files' paths, sizes and mtimes, and computed again when one changes; smaller checkpoints are not kept,
-    and a cache file that cannot be read changes nothing."""
+    the files' paths, inodes, sizes, mtimes and ctimes, and computed again when one changes (also a rewrite that
+    puts the mtime back); smaller checkpoints are not kept, a cache file that cannot be read changes nothing,
+    and entries of deleted checkpoints are dropped."""
     import json
     import shutil
 
@@ -233,3 +250,21 @@ def test_a_large_checkpoint_keeps_its_fingerprint_until_a_file_changes(checkpoin
     with open(cache, "w") as f:
         f.write("{not json")
     assert loading.fingerprint_checkpoint(ckpt) == real and list(read().values()) == [real]
+    gone = shutil.copytree(ckpt, tmp_path / "gone")  # an entry whose checkpoint was deleted is dropped
+    loading.fingerprint_checkpoint(gone)
+    assert len(read()) == 2
+    shutil.rmtree(gone)
+    entries = read()
+    with open(cache, "w") as f:
+        json.dump({k: "kept" for k in entries}, f)
+    st = os.stat(weights)
+    with open(weights, "rb") as f:
+        data = f.read()
+    time.sleep(0.01)
+    with open(weights, "r+b") as f:  # rewritten in place with its modification time put back (cp -p, rsync -a)
+        f.write(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(weights).st_mtime_ns == st.st_mtime_ns and os.stat(weights).st_size == st.st_size
+    assert loading.fingerprint_checkpoint(ckpt) == real  # (its change time moved: hashed again)
+    assert list(read().values()) == [real]  # (and the deleted checkpoint's entry went with that write)
+    assert not [n for n in os.listdir(os.path.dirname(cache)) if n.startswith(".fingerprints-")]
