@@ -20,6 +20,9 @@ from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, write_json
 
 
+PROFILED = 4  # decode forwards under the profiler
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(p, shape="llama-3.1-8b")
@@ -103,10 +106,10 @@ def main(argv=None):
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        runner_steps(eng, args.context, 4, sync)
+        runner_steps(eng, args.context, PROFILED, sync)
     table = prof.key_averages()
     for sort in ["self_cpu_time_total"] + (["self_device_time_total"] if len(activities) > 1 else []):
-        print(f"\nengine, 4 decode forwards, by {sort}:\n" + table.table(sort_by=sort, row_limit=args.rows),
+        print(f"\nengine, {PROFILED} decode forwards, by {sort}:\n" + table.table(sort_by=sort, row_limit=args.rows),
               flush=True)
     syncs = [e for e in table if any(k in e.key for k in ("Synchronize", "Memcpy", "item", "_local_scalar"))]
     print("\ncopies and synchronisations:")
@@ -115,8 +118,8 @@ def main(argv=None):
     result["syncs"] = {e.key: e.count for e in syncs}
     if len(activities) > 1:  # per forward: kernel launches, and the time the device was busy
         result["kernel_launches_per_forward"] = sum(
-            e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / 4
-        result["device_ms_per_forward"] = sum(e.self_device_time_total for e in table) / 1e3 / 4
+            e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / PROFILED
+        result["device_ms_per_forward"] = sum(e.self_device_time_total for e in table) / 1e3 / PROFILED
         print(f"per forward: {result['kernel_launches_per_forward']:.0f} kernel launches, device busy "
               f"{result['device_ms_per_forward']:.2f} ms")
     write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result)

@@ -74,7 +74,8 @@ def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
     total = sum(st.st_size for st in stats)
     key = json.dumps([[os.path.abspath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
                       for f, st in zip(files, stats)])
-    cached = _cached_fingerprints() if total >= FINGERPRINT_CACHE_MIN_BYTES else {}
+    kept = total >= FINGERPRINT_CACHE_MIN_BYTES
+    cached = _cached_fingerprints() if kept else {}
     if isinstance(cached.get(key), str):
         return cached[key]
     h = hashlib.blake2b(digest_size=16)
@@ -85,9 +86,10 @@ def fingerprint_checkpoint(path: str, chunk: int = 16 << 20) -> str:
                 while block := fh.read(chunk):
                     h.update(block)
                     bar.update(len(block))
-    if total >= FINGERPRINT_CACHE_MIN_BYTES:
-        _cache_fingerprint(key, h.hexdigest())
-    return h.hexdigest()
+    fingerprint = h.hexdigest()
+    if kept:
+        _cache_fingerprint(key, fingerprint)
+    return fingerprint
 
 
 def _cached_fingerprints() -> dict[str, str]:
