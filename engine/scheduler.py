@@ -157,6 +157,7 @@ class Group:
         """Up to `budget` pending rows as this step's input."""
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
         self._taken = rows
+        self._base = self.cache.length  # (rows other than scratch calls' take the slots from here on, in order)
         device = self.cache.index.device
         logit_rows = None
         if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
@@ -173,7 +174,8 @@ class Group:
 
     def advance(self, logits: torch.Tensor | None) -> bool:
         """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
-        for (_, _, c), slot in zip(self._taken, self._input.slots.tolist()):
+        slots = self._input.slots.tolist() if self._input.scratch_rows else range(self._base, self.cache.length)
+        for (_, _, c), slot in zip(self._taken, slots):  # (no device read on a plain decode step)
             self.slots[c].append(slot)
         if self.cache.front and not (self.pending and self.pending[0][2] < self.scratch):
             # every scratch row is encoded: the blocks holding only what they read go back to the pool
