@@ -292,11 +292,12 @@ def run_cmd(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["calibrate"]:  # the trainer's own parser (it imports torch; other commands stay light)
-        from braid.train.calibrate import main as calibrate_main
+    trainers = {"calibrate": "braid.train.calibrate", "calibrate-turns": "braid.train.turns"}
+    if argv[:1] and argv[0] in trainers:  # the trainer's own parser (it imports torch; other commands stay light)
+        import importlib
 
         try:
-            return calibrate_main(argv[1:], prog="braid calibrate")
+            return importlib.import_module(trainers[argv[0]]).main(argv[1:], prog=f"braid {argv[0]}")
         except ValueError as e:
             print(f"braid: error: {e}", file=sys.stderr)
             return 2
@@ -419,6 +420,9 @@ def main(argv=None) -> int:
     # (listed here for --help; its options live with the trainer, which `braid calibrate ...` runs directly)
     sub.add_parser("calibrate", help="train a cache mapper and synthesizer LoRA for a model (seed 004); "
                                      "braid calibrate --help lists its options", add_help=False)
+    sub.add_parser("calibrate-turns", help="train the calibration's turn LoRA: debaters that speak after other "
+                                           "agents' cached replies (seed 000's fine-tuning; --help lists its "
+                                           "options)", add_help=False)
     sub.add_parser("loadtest", help="drive a running agent API with a workflow mix; TTFT, TPOT, ITL, E2EL, "
                                     "throughput and goodput (braid loadtest --help)", add_help=False)
     args = parser.parse_args(argv)

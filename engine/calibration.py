@@ -6,6 +6,8 @@ A calibration is a directory:
                          and how it was trained
     mapper.safetensors   the cache mapper's parameters
     adapter/             the synthesizer LoRA in peft's adapter format
+    turns/               optional: the turn LoRA (peft's format, and turns.json, its own manifest), for agents
+                         that speak after other agents' cached replies (braid.train.turns)
 
 It is bound to one base model. `attach(engine, path)` refuses another model's calibration
 with FingerprintMismatchError (FAILED_PRECONDITION), injects the LoRA into the engine's model
@@ -34,6 +36,8 @@ from braid.engine.synthesis import Placement, Refresh, SynthesisHooks, refresh_o
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
 ADAPTER_DIR = "adapter"
+TURNS_DIR = "turns"
+TURNS_MANIFEST = "turns.json"
 FEATURES = 3  # [1, log1p(branch length) / 4, log1p(branch count) / 2]
 
 
@@ -163,6 +167,7 @@ class Calibration:
     path: str | None = None  # where it was loaded from (holds adapter/)
     record: dict | None = None  # how it was trained
     verification: dict | None = None  # how it compared with text answers (evals.harness.verify), when checked
+    turns: dict | None = None  # the turn LoRA's manifest (TURNS_DIR/TURNS_MANIFEST), when it has one
 
     @property
     def digest(self) -> str:
@@ -248,11 +253,25 @@ class Calibration:
         mapper = CacheMapper(MapperConfig(**manifest["mapper"]))
         mapper.load_state_dict(load_file(os.path.join(path, MAPPER_FILE)))
         lora = LoraSettings(**{**manifest["lora"], "targets": tuple(manifest["lora"]["targets"])})
+        turns = None
+        if os.path.isfile(os.path.join(path, TURNS_DIR, TURNS_MANIFEST)):
+            with open(os.path.join(path, TURNS_DIR, TURNS_MANIFEST)) as f:
+                turns = json.load(f)
         return cls(mapper.eval().requires_grad_(False), lora, manifest["base_fingerprint"], manifest["base_model"],
-                   path, manifest.get("record"), manifest.get("verification"))
+                   path, manifest.get("record"), manifest.get("verification"), turns)
+
+    @property
+    def turns_path(self) -> str | None:
+        """The turn LoRA's directory, when this calibration has one."""
+        return None if self.turns is None else os.path.join(self.path, TURNS_DIR)
 
     def check(self, fingerprint: str, model: str) -> None:
-        """Refuse a model other than the one this calibration was trained on."""
+        """Refuse a model other than the one this calibration (and its turn LoRA) was trained on."""
+        if self.turns is not None and self.turns.get("base_fingerprint") != self.fingerprint:
+            raise FingerprintMismatchError(
+                f"calibration {self.path}: its turn LoRA ({TURNS_DIR}/) was trained on model fingerprint "
+                f"{self.turns.get('base_fingerprint')}, the calibration on {self.fingerprint}; train the turn LoRA "
+                "again for this model with `braid calibrate-turns`, or remove it")
         if fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
                 f"calibration {self.path or '(unsaved)'} was trained on model {self.base_model} (fingerprint "
@@ -261,20 +280,21 @@ class Calibration:
 
 
 class MergedLora:
-    """The synthesizer LoRA switched by weight swaps: each adapted Linear gets a merged copy of its weight
-    (W + scale * B A, computed once at load), put in place for the synthesizer's forwards and the original
-    put back after, so those forwards cost what the base model's do and the base weights are never
-    touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights."""
+    """A LoRA (the synthesizer's, or the turn LoRA) switched by weight swaps: each adapted Linear gets a merged
+    copy of its weight (W + scale * B A, computed once at load), put in place for the adapted forwards and the
+    original put back after, so those forwards cost what the base model's do and the base weights are never
+    touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights.
+    `name`: which of the peft model's adapters (default: its active one)."""
 
-    def __init__(self, peft_model):
+    def __init__(self, peft_model, name: str | None = None):
         from peft.tuners.lora import Linear as LoraLinear
 
+        name = name or peft_model.active_adapter
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
         self.factors: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (A [r, in], B [out, r], scale), per swap
         with torch.no_grad():
             for module in peft_model.modules():
-                if isinstance(module, LoraLinear):
-                    name = module.active_adapters[0]
+                if isinstance(module, LoraLinear) and name in module.lora_A:
                     base = module.get_base_layer()
                     delta = module.get_delta_weight(name).float()
                     merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
@@ -351,6 +371,7 @@ class Attached:
     calibration: Calibration
     peft_model: object
     hooks: SynthesisHooks  # mapper and LoRA
+    turns: SynthesisHooks | None = None  # the turn LoRA (no mapper), when the calibration has one (engine.dag)
 
     def without(self, *, mapper: bool = False, lora: bool = False) -> SynthesisHooks:
         """The hooks with a part left out (for ablations)."""
@@ -359,8 +380,8 @@ class Attached:
 
 
 def attach(engine, path: str) -> Attached:
-    """Load the calibration at `path` onto `engine` (checked against its model); the LoRA stays off except
-    inside the returned hooks' adapter context."""
+    """Load the calibration at `path` onto `engine` (checked against its model); the LoRA (and the turn LoRA,
+    when it has one) stays off except inside the returned hooks' adapter contexts."""
     from peft import PeftModel
 
     calibration = Calibration.load(path)
@@ -368,7 +389,14 @@ def attach(engine, path: str) -> Attached:
     lm = engine.lm
     peft_model = PeftModel.from_pretrained(lm.model, calibration.adapter_path, is_trainable=False)
     peft_model.to(lm.device).eval()  # device only: a dtype cast would also round buffers such as RoPE's inv_freq
-    lora = MergedLora(peft_model)
+    turns = None
+    if calibration.turns_path is not None:
+        peft_model.load_adapter(calibration.turns_path, adapter_name=TURNS_DIR, is_trainable=False)
+        peft_model.to(lm.device)
+        with open(os.path.join(calibration.turns_path, "adapter_model.safetensors"), "rb") as f:
+            digest = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
+        turns = SynthesisHooks(None, MergedLora(peft_model, TURNS_DIR).active, f"turns:{digest}")
+    lora = MergedLora(peft_model, "default")
     mapper = calibration.mapper.to(lm.device)
     tag = f"calibrated:{calibration.digest}"
-    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active, tag))
+    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active, tag), turns)

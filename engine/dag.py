@@ -30,7 +30,11 @@ Calibrated reading. With `calibrated`, a node shaped as a synthesis (its decodin
 the parents it reads whole; not streamed by a staircase) reads those replies as the served cache path does,
 through the engine's calibration: the mapper on their KV, the boundary refresh, and the synthesizer LoRA in
 its own forwards. Its output is then encoded again with base weights, as a staircase node's is, so any
-reader may take it.
+reader may take it. When the calibration has a turn LoRA (braid.train.turns, Prompt Choreography's fine-tuning
+of the agents), a calibrated graph's turns also run with it: a turn is a decoding node that reads another
+decoding node's reply but is not shaped as a synthesis (a debater speaking after earlier replies, then its own
+notes). Its parents are read as usual (cached); the LoRA is on in its own forwards only, and its output is
+encoded again with base weights.
 """
 
 import queue
@@ -253,7 +257,7 @@ class WaveStream(Protocol):
 class WaveExecutor(Protocol):
     """Where a graph's waves decode, when not on the run's engine: other replicas (synthesizer.waves runs them
     on Worker replicas). Called by DagRun, from the run's thread, for each wave's decoding nodes except those
-    read through the calibration (they need the engine's LoRA). The calls' parents are messages of the run's
+    that run with the calibration's LoRAs (synthesis-shaped nodes and turns of a calibrated graph). The calls' parents are messages of the run's
     engine. With `ship` (chunk sizes in tokens, the last repeating), each call's message also comes back in
     chunks as it decodes, for the staircase nodes that stream the wave."""
 
@@ -268,7 +272,10 @@ class DagRun:
 
     engine: Engine
     graph: Graph
-    executor: WaveExecutor | None = None  # where decoding waves run, calibrated nodes aside (None: on `engine`)
+    executor: WaveExecutor | None = None  # where decoding waves run, adapted nodes aside (None: on `engine`)
+    # in a calibrated graph, run the turns with the calibration's turn LoRA when it has one (False: base weights,
+    # the ablation `braid.evals.workflows` compares with)
+    turns: bool = True
     outputs: dict[str, str] = field(default_factory=dict)
     temporary: list[str] = field(default_factory=list)
     _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
@@ -319,7 +326,8 @@ class DagRun:
                 yield NodeDone(n.name, self.outputs[n.name], "", notes[n.name])
         decode = [n for n in wave if n.sampling is not None]
         calibrated = [n for n in decode if self._calibrated(n)]
-        decode = [n for n in decode if n not in calibrated]
+        turns = [n for n in decode if n not in calibrated and self._turn(n)]
+        decode = [n for n in decode if n not in calibrated and n not in turns]
         if attached:
             yield from self._stream_wave(decode, attached, notes, start)
         elif decode:
@@ -339,6 +347,8 @@ class DagRun:
             where = getattr(stream, "replicas", None) or [""] * len(decode)
             for c, n in enumerate(decode):
                 yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(c, [])), notes[n.name], where[c])
+        if turns:
+            yield from self._adapted_turns(turns, notes, start)
         for n in calibrated:
             yield from self._synthesize(n, notes, start)
 
@@ -538,6 +548,41 @@ class DagRun:
         return bool(replies) and replies == list(range(replies[0], len(n.parents))) \
             and all(e.offset is None for e in n.parents) \
             and all(self.graph.node(n.parents[i].node).output == "kv" for i in replies)
+
+    def _turn(self, n: Node) -> bool:
+        """Whether node n runs with the calibration's turn LoRA: the graph is calibrated, the calibration has one
+        (and the run uses it), and n is a turn: it decodes, reads another decoding node's reply, and is neither
+        shaped as a synthesis (see _calibrated) nor a staircase node or one a staircase streams."""
+        attached = self.engine.calibration
+        if not (self.turns and self.graph.calibrated and attached is not None and attached.turns is not None
+                and n.sampling is not None and not n.staircase) \
+                or any(n.name in self.graph.streamed(s) for s in self.graph.nodes):
+            return False
+        return any(e.node and self.graph.node(e.node).sampling is not None for e in n.parents)
+
+    def _adapted_turns(self, wave: Sequence[Node], notes: dict[str, list[str]], start: float
+                       ) -> Iterator[NodeToken | NodeDone]:
+        """The wave's turns, decoded together on the run's engine with the turn LoRA on in their forwards; each
+        one's output is then encoded again with base weights (its adapted KV is dropped)."""
+        hooks = self.engine.calibration.turns
+        stream = self.engine.decode_stream([self._call(n) for n in wave], adapter=hooks.adapter, tag=hooks.tag)
+        answers: dict[int, list[int]] = {c: [] for c in range(len(wave))}
+        texts: dict[int, list[str]] = {c: [] for c in range(len(wave))}
+        try:
+            for ev in stream:
+                if not answers[ev.call]:
+                    self.ttft[wave[ev.call].name] = time.perf_counter() - start
+                answers[ev.call].append(ev.token_id)
+                texts[ev.call].append(ev.text)
+                yield NodeToken(wave[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
+        finally:
+            stream.close()
+            for mid in stream.ids or ():  # (adapted KV: only its tokens are kept)
+                if mid in self.engine.store:
+                    self.engine.free(mid, when_unpinned=True)
+        for c, n in enumerate(wave):
+            self._encode_output(n, answers[c])
+            yield NodeDone(n.name, self.outputs[n.name], "".join(texts[c]), notes[n.name])
 
     def _synthesize(self, n: Node, notes: dict[str, list[str]], start: float) -> Iterator[NodeToken | NodeDone]:
         """Calibrated node n: its whole parents read as usual (the prefix), its replies read as the served cache

@@ -266,6 +266,21 @@ class Engine:
             self.store.add([msg])
         return msg.id
 
+    def context_kv(self, message_id: str) -> torch.Tensor:
+        """What the call that encoded a message attended to before its own tokens: its parents' KV, each placed
+        at the offset the call read it at, concatenated [L, 2, H, C, D] (unmapped; in the order of its parents;
+        attention reads a context as a set, its positions carried by the rotated keys). For training on the
+        contexts the engine really builds (braid.train.turns)."""
+        with self._store_lock:
+            msg = self.store.get(message_id)
+            pairs = dict.fromkeys(zip(msg.parents, msg.parent_offsets))  # (deduplicated, as the call placed them)
+            parents = [(self.store.get(p), o) for p, o in pairs]
+        if not parents:
+            s = self.spec
+            return torch.empty(s.num_layers, 2, s.num_kv_heads, 0, s.head_dim, dtype=self.lm.dtype,
+                               device=self.lm.device)
+        return torch.cat([self._placed(p, o) for p, o in parents], dim=3)
+
     def view(self, message_id: str, start: int, end: int) -> str:
         """A new message over tokens [start, end) of a stored one, at their own positions, sharing its KV (no
         copy); freed like any other. Its content key is unknown, so nothing encoded after it is prefix-cached."""

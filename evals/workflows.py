@@ -16,7 +16,9 @@ together; MADpar's second round reads the first whole, since its own notes come 
 model's trained calibration ("calibrated": cache mapper, synthesizer LoRA and boundary refresh, the served
 cache path's reading; the fine-tune on baseline traces, done by `braid calibrate`). In MADiter and MADpar
 the earlier readers (later turns, the second round) read the same way as the final node (text in the
-baseline, cached encodings otherwise). Accuracy per mode, with
+baseline, cached encodings otherwise); "calibrated+turns" also runs those turns with the calibration's turn
+LoRA (the debaters fine-tuned, `braid calibrate-turns`), where "calibrated" runs them with base weights: the
+seed's before and after fine-tuning. Accuracy per mode, with
 a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used, and the
 share of worker turns that said their own lookup (where a debate loses it: in its turns or its final reading).
 
@@ -24,8 +26,10 @@ share of worker turns that said their own lookup (where a debate loses it: in it
 """
 
 import argparse
+import json
 import logging
 import os
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -37,7 +41,7 @@ from braid.models.chat import WORKER_HEADER, turn
 from braid.models.tasks import Task, strip_reply, sample
 from braid.results import pyplot, write_json
 
-MODES = ("text", "kv", "staircase", "calibrated")
+MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")
 SOLVER = SamplingParams(max_tokens=48)
 VOTER = SamplingParams(max_tokens=64)
 
@@ -57,7 +61,7 @@ def tot_graph(task: Task, mode: str) -> Graph:
     nodes += [n for j in range(m) for n in _turn(task, j, mode, f"solution{j}")]
     nodes.append(Node("final", task.prompt(), role="voter", sampling=VOTER, staircase=mode == "staircase",
                       parents=(Edge("system"), *(Edge(f"solution{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode == "calibrated")
+    return Graph(nodes, calibrated=mode.startswith("calibrated"))
 
 
 def mad_iter_graph(task: Task, mode: str) -> Graph:
@@ -69,7 +73,7 @@ def mad_iter_graph(task: Task, mode: str) -> Graph:
         nodes += _turn(task, j, mode, f"turn{j}", before=tuple(Edge(f"turn{i}") for i in range(j)))
     nodes.append(Node("final", task.prompt(), role="moderator", sampling=VOTER,
                       parents=(Edge("system"), *(Edge(f"turn{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode == "calibrated")
+    return Graph(nodes, calibrated=mode.startswith("calibrated"))
 
 
 def mad_par_graph(task: Task, mode: str) -> Graph:
@@ -82,17 +86,33 @@ def mad_par_graph(task: Task, mode: str) -> Graph:
     nodes += [n for j in range(m) for n in _turn(task, j, mode, f"round2:{j}", before=first)]
     nodes.append(Node("final", task.prompt(), role="aggregator", sampling=VOTER, staircase=mode == "staircase",
                       parents=(Edge("system"), *(Edge(f"round2:{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode == "calibrated")
+    return Graph(nodes, calibrated=mode.startswith("calibrated"))
 
 
 WORKFLOWS = {"tot": tot_graph, "mad-iter": mad_iter_graph, "mad-par": mad_par_graph}
 STREAMING = ("tot", "mad-par")  # whose readers decode together, so a staircase applies
 
 
-def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> tuple[bool, int, int]:
-    """Whether the final answer is right, and how many of the worker turns said their own lookup, of how many."""
+def runs(engine: Engine, mode: str, workflow: str) -> bool:
+    """Whether a mode applies: the calibrated ones need a calibration (and "calibrated+turns" its turn LoRA, and
+    turns: ToT has none), a staircase needs readers that decode together."""
+    attached = engine.calibration
+    if mode == "calibrated+turns":
+        return attached is not None and attached.turns is not None and workflow != "tot"
+    return (mode != "calibrated" or attached is not None) and (mode != "staircase" or workflow in STREAMING)
+
+
+class Answer(NamedTuple):
+    right: bool  # the final answer is right
+    said: int  # how many of the worker turns said their own lookup
+    of: int  # of how many
+    reply: str  # the final node's reply
+
+
+def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> Answer:
+    """One graph's final answer, and how many of its worker turns said their own lookup."""
     graph = WORKFLOWS[workflow](task, mode)
-    dag = DagRun(engine, graph)
+    dag = DagRun(engine, graph, turns=mode == "calibrated+turns")
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
@@ -101,7 +121,7 @@ def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> tupl
     right = sum(strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) == branch.output
                 for name, branch in turns)
     dag.free(keep=())
-    return task.correct(reply), right, len(turns)
+    return Answer(task.correct(reply), right, len(turns), reply)
 
 
 def main(argv=None) -> int:
@@ -112,9 +132,17 @@ def main(argv=None) -> int:
     p.add_argument("--branches", type=int, default=4, help="solvers per graph (default: 4)")
     p.add_argument("--samples", type=int, default=100, help="tasks per family (default: 100)")
     p.add_argument("--seed", type=int, default=6000, help="first task seed (default: 6000; held out)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES)
+                   + " (default: all; those the model cannot run are left out)")
     p.add_argument("--out", default="benchmarks/results/eval_workflows_cpu.json")
+    p.add_argument("--sample", default="", help="also write every answer here, with the model's fingerprint (a "
+                   "recorded sample that tests replay)")
     args = p.parse_args(argv)
     workflows = args.workflows.split(",")
+    wanted = args.modes.split(",")
+    if "text" not in wanted or any(m not in MODES for m in wanted):
+        p.error(f"--modes must name text (the baseline the others are paired with) and only {', '.join(MODES)}; "
+                f"got {args.modes!r}")
     unknown = [w for w in workflows if w not in WORKFLOWS]
     if unknown:
         p.error(f"unknown workflow {unknown[0]!r}: choose from {', '.join(WORKFLOWS)}")
@@ -122,18 +150,19 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(args.model))  # (with its calibration when it has one: "calibrated" reads through it)
     if engine.calibration is None:
         print(f"{args.model} has no calibration: the calibrated mode is left out")
-    rows = []
+    rows, sample = [], []
     for workflow in workflows:
-        modes = [m for m in MODES if (m != "calibrated" or engine.calibration is not None)
-                 and (m != "staircase" or workflow in STREAMING)]
+        modes = [m for m in wanted if runs(engine, m, workflow)]
         for name in args.tasks.split(","):
             tasks = sample(name, args.samples, args.seed, args.branches)
             got, turns = {mode: [] for mode in modes}, {mode: [0, 0] for mode in modes}
-            for task in tqdm(tasks, desc=f"{workflow} {name}", unit="task"):
+            for seed, task in enumerate(tqdm(tasks, desc=f"{workflow} {name}", unit="task"), args.seed):
                 for mode in modes:
-                    right, said, of = answer(engine, task, mode, workflow)
-                    got[mode].append(right)
-                    turns[mode] = [turns[mode][0] + said, turns[mode][1] + of]
+                    got_one = answer(engine, task, mode, workflow)
+                    got[mode].append(got_one.right)
+                    turns[mode] = [turns[mode][0] + got_one.said, turns[mode][1] + got_one.of]
+                    sample.append({"workflow": workflow, "task": name, "seed": seed, "branches": args.branches,
+                                   "mode": mode, "answer": list(got_one)})
             for mode in modes:
                 acc = accuracy_ci(got[mode])
                 row = {"workflow": workflow, "task": name, "mode": mode, "n": len(tasks), "accuracy": acc.value,
@@ -164,7 +193,7 @@ def main(argv=None) -> int:
                     and r["mode"] == mode]
             if not mine:
                 continue
-            ax.bar([i + (k - 1.5) * 0.2 for i, _ in mine], [100 * r["accuracy"] for _, r in mine], 0.2, label=mode,
+            ax.bar([i + (k - 2) * 0.16 for i, _ in mine], [100 * r["accuracy"] for _, r in mine], 0.16, label=mode,
                    yerr=[[100 * (r["accuracy"] - r["ci"][0]) for _, r in mine],
                          [100 * (r["ci"][1] - r["accuracy"]) for _, r in mine]], capsize=3)
         ax.set_xticks(range(len(groups)), [f"{w}\n{t}" for w, t in groups])
@@ -173,7 +202,10 @@ def main(argv=None) -> int:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {args.out} and its plot")
+    if args.sample:
+        with open(args.sample, "w") as f:
+            json.dump({"fingerprint": engine.fingerprint, "config": vars(args), "rows": sample}, f, indent=1)
+    print(f"wrote {args.out} and its plot" + (f", and {args.sample}" if args.sample else ""))
     return 0
 
 

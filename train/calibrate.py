@@ -595,7 +595,9 @@ def lineage(record: dict) -> list[dict]:
     return runs
 
 
-def plot(record: dict, path: str) -> None:
+def plot(record: dict, path: str, title: str = "calibration loss (LoRA synthesizer over mapped branch KV)",
+         held_title: str = f"held-out tasks at {', '.join(map(str, HELD_OUT_BRANCHES))} branches") -> None:
+    """The loss curve and the held-out accuracy of a training record (this trainer's, or braid.train.turns')."""
     from braid.results import pyplot
 
     plt = pyplot()
@@ -603,7 +605,7 @@ def plot(record: dict, path: str) -> None:
         return
     runs = lineage(record)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    series = {key: [x for run in runs for x in run[key]] for key in ("loss", "ce", "kl")}
+    series = {key: [x for run in runs for x in run[key]] for key in ("loss", "ce", "kl") if key in record}
     n = len(series["loss"])
     window = max(1, n // 50)
     for key, values in series.items():
@@ -617,15 +619,15 @@ def plot(record: dict, path: str) -> None:
         at += len(run["loss"])
     for start in starts[1:]:
         a.axvline(start, color="grey", ls=":")
-    a.set(yscale="log", xlabel="step", title="calibration loss (LoRA synthesizer over mapped branch KV)")
+    a.set(yscale="log", xlabel="step", title=title)
     a.legend()
     for name in dict.fromkeys(k for e in evals for k in e if k != "step"):
         b.plot([e["step"] for e in evals if name in e], [e[name] for e in evals if name in e], marker="o", label=name)
-    b.set(xlabel="step", ylabel="answers right (teacher-forced)", ylim=(0, 1.02),
-          title=f"held-out tasks at {', '.join(map(str, HELD_OUT_BRANCHES))} branches")
+    b.set(xlabel="step", ylabel="answers right (teacher-forced)", ylim=(0, 1.02), title=held_title)
     b.legend()
-    fig.suptitle(f"{record['trainable_parameters']['lora'] / 1e3:.0f}k LoRA + "
-                 f"{record['trainable_parameters']['mapper'] / 1e3:.1f}k mapper parameters, "
+    mapper = record["trainable_parameters"].get("mapper")
+    fig.suptitle(f"{record['trainable_parameters']['lora'] / 1e3:.0f}k LoRA"
+                 + (f" + {mapper / 1e3:.1f}k mapper" if mapper is not None else "") + " parameters, "
                  f"{sum(r['train_seconds'] for r in runs) / 60:.0f} min on {record['device']}"
                  + (f", {len(runs)} runs" if len(runs) > 1 else ""))
     fig.tight_layout()

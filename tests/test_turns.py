@@ -1,0 +1,163 @@
+"""The turn LoRA (braid.train.turns, engine.dag): its training contexts are the ones the engine builds, it runs
+only in a calibrated graph's turns and only in their own forwards, and it is saved, loaded and refused like the
+rest of a calibration."""
+
+import json
+import os
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+
+from braid.cli import main
+from braid.engine import Engine, EngineConfig, attention
+from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
+from braid.engine.dag import DagRun, NodeToken
+from braid.engine.errors import FingerprintMismatchError
+from braid.engine.model import fingerprint_checkpoint
+from braid.evals.workflows import mad_iter_graph, mad_par_graph
+from braid.models import REFERENCE_MODEL
+from braid.models.chat import WORKER_HEADER
+from braid.models.tasks import generate
+from braid.train.calibrate import Example, synthesizer_logits, write_untrained
+from braid.train.turns import TurnData, save_turns
+
+REFERENCE_TURNS = os.path.join(REFERENCE_MODEL, "calibration", TURNS_DIR)
+
+
+def make_calibration(ckpt: str, out, turns_scale: float | None, fingerprint: str | None = None) -> str:
+    """A calibration at its init for `ckpt`, with a turn LoRA (turns_scale 0: at its init, the identity; else
+    every LoRA weight drawn from N(0, scale^2)), or without one (None)."""
+    cal = write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), name="tiny-llama")
+    if turns_scale is not None:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        lora = LoraSettings(rank=4, alpha=8)
+        peft_model = get_peft_model(model, lora.peft_config())
+        if turns_scale:
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for name, p in peft_model.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(turns_scale * torch.randn(p.shape, generator=gen))
+        save_turns(os.path.join(cal, TURNS_DIR), peft_model, fingerprint or fingerprint_checkpoint(ckpt),
+                   "tiny-llama", lora, {})
+    return cal
+
+
+def turn_tokens(engine: Engine, graph, turns: bool = True) -> dict[str, list[int]]:
+    """Each decoding node's streamed tokens, and each output's stored tokens and fingerprint (checked here)."""
+    run = DagRun(engine, graph, turns=turns)
+    got: dict[str, list[int]] = {}
+    for ev in run:
+        if isinstance(ev, NodeToken):
+            got.setdefault(ev.node, []).append(ev.token_id)
+    for name, tokens in got.items():
+        msg = engine.message(run.outputs[name])
+        assert msg.fingerprint == engine.fingerprint  # (base KV: any reader may take it)
+        assert list(msg.token_ids[-len(tokens):]) == tokens
+    run.free(keep=())
+    return got
+
+
+def test_training_contexts_are_the_ones_the_engine_decoded_from(checkpoint):
+    """The turn examples are built from Engine.context_kv: the trainer's forward over a turn's context and its
+    header gives, token by token, the reply the engine decoded there (greedy); and an example is made for each
+    node that reads another node's reply, with that solver's own lookup as its target."""
+    ckpt = checkpoint("llama")
+    data = TurnData(ckpt, workers=2)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=attention.NAME)
+    task = generate("chain", 5, 3)
+    for build in (mad_iter_graph, mad_par_graph):
+        graph = build(task, "kv")
+        run = DagRun(data.engine, graph)
+        for _ in run:
+            pass
+        readers = [n for n in graph.nodes if n.sampling is not None and any(
+            e.node and graph.node(e.node).sampling is not None for e in n.parents)]
+        assert readers
+        for n in readers:
+            msg = data.engine.message(run.outputs[n.name])
+            header = len(data.engine.tokenize(n.prompt))
+            example = Example(data.engine.context_kv(msg.id), [], 0, list(msg.token_ids[:header]),
+                              list(msg.token_ids[header:]), msg.offset, None, "turn", task)
+            with torch.no_grad():
+                logits = synthesizer_logits(model, None, [example])[0]
+            reply = list(msg.token_ids[header:])
+            assert logits[header - 1:header - 1 + len(reply)].argmax(-1).tolist() == reply
+        run.free(keep=())
+        turns = [n for n in readers if n.prompt == WORKER_HEADER]  # (the final node reads replies too)
+        examples = data._graph(task, "mad-iter" if build is mad_iter_graph else "mad-par")
+        assert len(examples) == len(turns) == len(readers) - 1
+        assert [e.target for e in examples] == [data.engine.tokenize(task.branches[int(n.role.removeprefix(
+            "solver"))].output + "<|end|>") for n in turns]
+
+
+def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
+    """At its init the turn LoRA changes nothing (bit-identical turns); a random one changes the turns that read
+    other replies and nothing else: not the first speaker, not the notes, not an uncalibrated graph, not a run
+    that leaves it out. Every output is stored as base KV."""
+    ckpt = checkpoint("llama")
+    task = generate("vote", 3, 3)
+    identity = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "id", 0.0)))
+    assert identity.calibration.turns is not None
+    base = turn_tokens(identity, mad_iter_graph(task, "calibrated"), turns=False)
+    assert turn_tokens(identity, mad_iter_graph(task, "calibrated")) == base
+    turns = {k: v for k, v in base.items() if k != "final"}  # (the final node: read through the calibration)
+    assert {k: v for k, v in turn_tokens(identity, mad_iter_graph(task, "kv")).items() if k != "final"} == turns
+
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "rand", 0.5)))
+    assert turn_tokens(engine, mad_iter_graph(task, "calibrated"), turns=False) == base
+    assert {k: v for k, v in turn_tokens(engine, mad_iter_graph(task, "kv")).items() if k != "final"} == turns
+    adapted = turn_tokens(engine, mad_iter_graph(task, "calibrated"))
+    assert adapted["turn0"] == base["turn0"]  # (it reads no reply: a plain worker)
+    assert adapted["turn1"] != base["turn1"] and adapted["turn2"] != base["turn2"]
+
+
+def test_turn_lora_round_trip_and_fingerprint(checkpoint, tmp_path):
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "ok", 0.3)
+    engine = Engine(EngineConfig(ckpt, calibration=cal))
+    manifest = json.load(open(os.path.join(cal, TURNS_DIR, TURNS_MANIFEST)))
+    assert engine.calibration.calibration.turns == manifest and manifest["lora"]["rank"] == 4
+    assert engine.calibration.turns.tag.startswith("turns:")
+    assert Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "none", None))
+                  ).calibration.turns is None
+    bad = make_calibration(ckpt, tmp_path / "bad", 0.3, fingerprint="0" * 32)
+    with pytest.raises(FingerprintMismatchError, match="turn LoRA"):
+        Engine(EngineConfig(ckpt, calibration=bad))
+
+
+def test_calibrate_turns_cli_trains_saves_and_resumes(checkpoint, tmp_path):
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "cal", None)
+    args = ["calibrate-turns", "--model", ckpt, "--calibration", cal, "--tasks-per-step", "2", "--eval-every", "2",
+            "--held-out-per-cell", "1", "--lora-rank", "2", "--solvers", "2", "--tasks", "vote",
+            "--workflows", "mad-par"]
+    assert main([*args, "--steps", "2"]) == 0
+    path = os.path.join(cal, TURNS_DIR, TURNS_MANIFEST)
+    first = json.load(open(path))["record"]
+    assert first["steps"] == 2 and len(first["loss"]) == 2 and [e["step"] for e in first["held_out_accuracy"]] == [0, 2]
+    assert main([*args, "--steps", "3"]) == 0  # resumes at step 2
+    record = json.load(open(path))["record"]
+    assert record["steps"] == 3 and record["loss"][:2] == first["loss"]
+    assert os.path.getsize(os.path.join(cal, TURNS_DIR, "loss.png")) > 0
+    assert Engine(EngineConfig(ckpt, calibration=cal)).calibration.turns is not None
+    assert main([*args, "--steps", "3", "--solvers", "1"]) == 2  # bad input: one clear line
+    assert main([*args, "--steps", "3", "--workflows", "tot"]) == 2  # (ToT has no turns)
+    assert main([*args, "--steps", "4", "--lora-rank", "4"]) == 2  # a run of another shape is not resumed
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_TURNS, "eval_sample.json")),
+                    reason="the reference model's turn LoRA has no recorded sample")
+def test_committed_turn_lora_reproduces_its_recorded_sample():
+    """The reference calibration's turn LoRA, loaded by default, answers a fixed sample of debates exactly as
+    recorded (`python -m braid.evals.workflows ... --sample turns/eval_sample.json`)."""
+    from braid.evals.workflows import answer
+
+    recorded = json.load(open(os.path.join(REFERENCE_TURNS, "eval_sample.json")))
+    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))
+    assert engine.calibration.turns is not None and engine.fingerprint == recorded["fingerprint"]
+    for row in recorded["rows"]:
+        task = generate(row["task"], row["seed"], row["branches"])
+        assert list(answer(engine, task, row["mode"], row["workflow"])) == row["answer"], row
