@@ -51,7 +51,7 @@ from braid.engine.synthesis import Placement, Refresh, place_branches, refresh_o
 from braid.kernels import rerotate_keys_torch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
-from braid.train.train import config_parser
+from braid.train.train import run_cli
 
 log = logging.getLogger("braid.calibrate")
 SOURCES = ("parallel", "synthesis", "distill")
@@ -635,10 +635,7 @@ def plot(record: dict, path: str, title: str = "calibration loss (LoRA synthesiz
 
 
 def main(argv=None, prog: str = "python -m braid.train.calibrate") -> int:
-    args = config_parser(CalibrateConfig, prog, __doc__).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    calibrate(CalibrateConfig(**vars(args)))
-    return 0
+    return run_cli(CalibrateConfig, calibrate, argv, prog, __doc__)
 
 
 if __name__ == "__main__":

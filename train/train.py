@@ -414,6 +414,14 @@ def config_parser(config_class, prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def run_cli(config_class, run, argv, prog: str, doc: str) -> int:
+    """A trainer's command line: its config's flags (config_parser), INFO logging, then `run(config)`."""
+    args = config_parser(config_class, prog, doc).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run(config_class(**vars(args)))
+    return 0
+
+
 def field_comments(config_class) -> dict[str, str]:
     """Each field's comments in the class's source: the comment lines right above it, then the one after it."""
     notes, above = {}, []
@@ -431,10 +439,7 @@ def field_comments(config_class) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    args = config_parser(TrainConfig, "python -m braid.train.train", __doc__).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    train(TrainConfig(**vars(args)))
-    return 0
+    return run_cli(TrainConfig, train, argv, "python -m braid.train.train", __doc__)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from braid.engine.model import fingerprint_checkpoint
 from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
 from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss
-from braid.train.train import config_parser
+from braid.train.train import run_cli
 
 log = logging.getLogger("braid.calibrate_turns")
 TURN_SEEDS = 3 << 40  # [3 * 2^40, 4 * 2^40): disjoint from evaluation's, the calibration's and the base model's
@@ -278,10 +278,7 @@ def calibrate_turns(cfg: TurnsConfig) -> dict:
 
 
 def main(argv=None, prog: str = "python -m braid.train.turns") -> int:
-    args = config_parser(TurnsConfig, prog, __doc__).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    calibrate_turns(TurnsConfig(**vars(args)))
-    return 0
+    return run_cli(TurnsConfig, calibrate_turns, argv, prog, __doc__)
 
 
 if __name__ == "__main__":
