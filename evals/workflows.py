@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(args.model))  # (with its calibration when it has one: "calibrated" reads through it)
     if engine.calibration is None:
         print(f"{args.model} has no calibration: the calibrated mode is left out")
-    rows, sample = [], []
+    rows, recorded = [], []
     for workflow in workflows:
         modes = [m for m in wanted if runs(engine, m, workflow)]
         for name in args.tasks.split(","):
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                     got_one = answer(engine, task, mode, workflow)
                     got[mode].append(got_one.right)
                     turns[mode] = [turns[mode][0] + got_one.said, turns[mode][1] + got_one.of]
-                    sample.append({"workflow": workflow, "task": name, "seed": seed, "branches": args.branches,
+                    recorded.append({"workflow": workflow, "task": name, "seed": seed, "branches": args.branches,
                                    "mode": mode, "answer": list(got_one)})
             for mode in modes:
                 acc = accuracy_ci(got[mode])
@@ -173,13 +173,13 @@ def main(argv=None) -> int:
                     row |= {"minus_text": diff.value, "minus_text_ci": [diff.low, diff.high],
                             "mcnemar_p": mcnemar_p(got[mode], got["text"])}
                 rows.append(row)
-    print(f"{'workflow':<9} {'task':<7} {'mode':<10} {'n':>4} {'accuracy [95% CI]':>24} {'minus text [95% CI]':>26} "
+    print(f"{'workflow':<9} {'task':<7} {'mode':<16} {'n':>4} {'accuracy [95% CI]':>24} {'minus text [95% CI]':>26} "
           f"{'McNemar p':>10} {'turns right':>11}")
     for r in rows:
         diff = (f"{100 * r['minus_text']:+.1f} [{100 * r['minus_text_ci'][0]:+.1f}, {100 * r['minus_text_ci'][1]:+.1f}]"
                 if "minus_text" in r else "")
         turns = "-" if r["turns_right"] is None else f"{100 * r['turns_right']:.1f}%"
-        print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<10} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
+        print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<16} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
               f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} "
               f"{r.get('mcnemar_p', float('nan')):>10.3g} {turns:>11}")
     stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         fig.savefig(stem + ".png", dpi=110)
     if args.sample:
         with open(args.sample, "w") as f:
-            json.dump({"fingerprint": engine.fingerprint, "config": vars(args), "rows": sample}, f, indent=1)
+            json.dump({"fingerprint": engine.fingerprint, "config": vars(args), "rows": recorded}, f, indent=1)
     print(f"wrote {args.out} and its plot" + (f", and {args.sample}" if args.sample else ""))
     return 0
 

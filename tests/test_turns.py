@@ -161,3 +161,31 @@ def test_committed_turn_lora_reproduces_its_recorded_sample():
     for row in recorded["rows"]:
         task = generate(row["task"], row["seed"], row["branches"])
         assert list(answer(engine, task, row["mode"], row["workflow"])) == row["answer"], row
+
+
+def test_workflow_eval_pairs_the_fine_tuned_turns_with_text_and_records_a_sample(checkpoint, tmp_path):
+    """`python -m braid.evals.workflows` on a model whose calibration has a turn LoRA: the debates get the
+    calibrated+turns mode (ToT, without turns, does not), every answer is recorded, and a replay gives it again."""
+    import shutil
+
+    from braid.evals.workflows import answer
+    from braid.evals.workflows import main as eval_main
+
+    model = str(tmp_path / "model")
+    shutil.copytree(checkpoint("llama"), model)
+    make_calibration(model, os.path.join(model, "calibration"), 0.3)
+    out, sample = tmp_path / "eval.json", tmp_path / "sample.json"
+    assert eval_main(["--model", model, "--workflows", "tot,mad-par", "--tasks", "vote", "--samples", "1",
+                      "--branches", "2", "--out", str(out), "--sample", str(sample)]) == 0
+    rows = json.load(open(out))["rows"]
+    assert [(r["workflow"], r["mode"]) for r in rows] == [
+        ("tot", m) for m in ("text", "kv", "staircase", "calibrated")] + [
+        ("mad-par", m) for m in ("text", "kv", "staircase", "calibrated", "calibrated+turns")]
+    recorded = json.load(open(sample))
+    engine = Engine(EngineConfig(model))
+    assert len(recorded["rows"]) == len(rows) and recorded["fingerprint"] == engine.fingerprint
+    for row in recorded["rows"][-2:]:
+        assert list(answer(engine, generate(row["task"], row["seed"], 2), row["mode"], row["workflow"])) == \
+            row["answer"]
+    with pytest.raises(SystemExit):
+        eval_main(["--model", model, "--modes", "kv"])  # (text is the baseline every mode is paired with)
