@@ -145,7 +145,7 @@ def graph(request: pb.GraphRequest, default_max_tokens: int,
                           sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
                           n.output or "kv", n.private, n.staircase))
     schedule, variant = staircase_options(request.staircase, schedule)
-    return Graph(nodes, schedule, variant, request.calibrated)
+    return Graph(nodes, schedule, variant, request.calibrated, turn_lora=not request.base_turns)
 
 
 MAX_CHUNK_SIZES = 8
@@ -190,7 +190,8 @@ def graph_request(graph: Graph, session_id: str = "") -> pb.GraphRequest:
                                               aggregator_chunks=graph.schedule.aggregator,
                                               **({"redundancy": graph.schedule.redundancy}
                                                  if graph.schedule.strict else {})))
-    return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options, calibrated=graph.calibrated)
+    return pb.GraphRequest(session_id=session_id, nodes=nodes, staircase=options, calibrated=graph.calibrated,
+                           base_turns=not graph.turn_lora)
 
 
 def token_event(event) -> pb.TokenEvent:

@@ -149,6 +149,11 @@ class LoraSettings:
         if self.rank <= 0 or self.alpha <= 0 or not self.targets:
             raise ValueError(f"LoRA rank and alpha must be positive and targets non-empty, got {self}")
 
+    @classmethod
+    def of(cls, rank: int, alpha: int, targets: str) -> "LoraSettings":
+        """From a trainer's flags: `targets` comma-separated."""
+        return cls(rank, alpha, tuple(t.strip() for t in targets.split(",") if t.strip()))
+
     def peft_config(self):
         from peft import LoraConfig
 

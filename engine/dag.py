@@ -40,7 +40,7 @@ encoded again with base weights.
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +86,9 @@ class Graph:
     # read cached replies through the engine's trained calibration (engine.calibration: cache mapper, synthesizer
     # LoRA, boundary refresh), in the nodes shaped as a synthesis: see DagRun._calibrated
     calibrated: bool = False
+    # with calibrated: run the turns with the calibration's turn LoRA where it has one (see DagRun._turn); false:
+    # base weights
+    turn_lora: bool = True
 
     def __post_init__(self):
         if not 1 <= len(self.nodes) <= MAX_NODES:
@@ -163,11 +166,13 @@ class Graph:
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
+    def replies(self, n: Node) -> list[Edge]:
+        """Node n's parents that are other nodes' replies (decoding nodes of the graph)."""
+        return [e for e in n.parents if e.node and self.node(e.node).sampling is not None]
+
     def streamed(self, n: Node) -> list[str]:
         """The parents a staircase node reads as they decode: its parents that are decoding nodes."""
-        if not n.staircase:
-            return []
-        return [e.node for e in n.parents if e.node and self.node(e.node).sampling is not None]
+        return [e.node for e in self.replies(n)] if n.staircase else []
 
     def plan(self) -> list[tuple[list[Node], list[Node]]]:
         """The waves in order, each with the staircase nodes that run alongside it (streaming its decodes, or
@@ -257,8 +262,8 @@ class WaveStream(Protocol):
 class WaveExecutor(Protocol):
     """Where a graph's waves decode, when not on the run's engine: other replicas (synthesizer.waves runs them
     on Worker replicas). Called by DagRun, from the run's thread, for each wave's decoding nodes except those
-    that run with the calibration's LoRAs (synthesis-shaped nodes and turns of a calibrated graph). The calls' parents are messages of the run's
-    engine. With `ship` (chunk sizes in tokens, the last repeating), each call's message also comes back in
+    that run with the calibration's LoRAs (synthesis-shaped nodes and turns of a calibrated graph). The calls'
+    parents are messages of the run's engine. With `ship` (chunk sizes in tokens, the last repeating), each call's message also comes back in
     chunks as it decodes, for the staircase nodes that stream the wave."""
 
     def decode_stream(self, calls: list[DecodeCall], ship: Sequence[int] = ()) -> WaveStream: ...
@@ -273,9 +278,6 @@ class DagRun:
     engine: Engine
     graph: Graph
     executor: WaveExecutor | None = None  # where decoding waves run, adapted nodes aside (None: on `engine`)
-    # in a calibrated graph, run the turns with the calibration's turn LoRA when it has one (False: base weights,
-    # the ablation `braid.evals.workflows` compares with)
-    turns: bool = True
     outputs: dict[str, str] = field(default_factory=dict)
     temporary: list[str] = field(default_factory=list)
     _held: list[str] = field(default_factory=list)  # what it made, kept from eviction until free()
@@ -537,28 +539,30 @@ class DagRun:
                     yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
         return run
 
+    def _adaptable(self, n: Node) -> bool:
+        """Whether node n may run with the calibration's LoRAs: the graph asks for calibrated reading, the engine
+        has a calibration, and n decodes its own tokens (neither a staircase node nor one a staircase streams:
+        those come from the wave's own decode) after at least one other node's reply, all read as cached KV."""
+        replies = self.graph.replies(n)
+        return self.graph.calibrated and self.engine.calibration is not None and n.sampling is not None \
+            and not n.staircase and not any(n.name in self.graph.streamed(s) for s in self.graph.nodes) \
+            and bool(replies) and all(self.graph.node(e.node).output == "kv" for e in replies)
+
     def _calibrated(self, n: Node) -> bool:
-        """Whether node n reads its replies through the engine's calibration: the graph asks for it, the engine
-        has one, and n is shaped as a synthesis (cached decoding parents last, after those it reads whole, at
-        unset offsets), the layout the calibration was trained on."""
-        if not (self.graph.calibrated and self.engine.calibration is not None and n.sampling is not None
-                and not n.staircase) or any(n.name in self.graph.streamed(s) for s in self.graph.nodes):
-            return False  # (nor a node a staircase streams: its tokens come from the wave's own decode)
-        replies = [i for i, e in enumerate(n.parents) if e.node and self.graph.node(e.node).sampling is not None]
-        return bool(replies) and replies == list(range(replies[0], len(n.parents))) \
-            and all(e.offset is None for e in n.parents) \
-            and all(self.graph.node(n.parents[i].node).output == "kv" for i in replies)
+        """Whether node n reads its replies through the engine's calibration: adaptable, and shaped as a synthesis
+        (its replies last, after the parents it reads whole, at unset offsets), the layout the calibration was
+        trained on."""
+        if not self._adaptable(n):
+            return False
+        first = n.parents.index(self.graph.replies(n)[0])
+        return len(self.graph.replies(n)) == len(n.parents) - first and all(e.offset is None for e in n.parents)
 
     def _turn(self, n: Node) -> bool:
-        """Whether node n runs with the calibration's turn LoRA: the graph is calibrated, the calibration has one
-        (and the run uses it), and n is a turn: it decodes, reads another decoding node's reply, and is neither
-        shaped as a synthesis (see _calibrated) nor a staircase node or one a staircase streams."""
-        attached = self.engine.calibration
-        if not (self.turns and self.graph.calibrated and attached is not None and attached.turns is not None
-                and n.sampling is not None and not n.staircase) \
-                or any(n.name in self.graph.streamed(s) for s in self.graph.nodes):
-            return False
-        return any(e.node and self.graph.node(e.node).sampling is not None for e in n.parents)
+        """Whether node n runs with the calibration's turn LoRA: adaptable, not shaped as a synthesis (a debater
+        that reads earlier replies, then its own notes: what braid.train.turns trains on), and the graph wants
+        the turn LoRA, which the calibration has."""
+        return self.graph.turn_lora and self.engine.calibration is not None \
+            and self.engine.calibration.turns is not None and self._adaptable(n) and not self._calibrated(n)
 
     def _adapted_turns(self, wave: Sequence[Node], notes: dict[str, list[str]], start: float
                        ) -> Iterator[NodeToken | NodeDone]:
@@ -566,30 +570,38 @@ class DagRun:
         one's output is then encoded again with base weights (its adapted KV is dropped)."""
         hooks = self.engine.calibration.turns
         stream = self.engine.decode_stream([self._call(n) for n in wave], adapter=hooks.adapter, tag=hooks.tag)
-        answers: dict[int, list[int]] = {c: [] for c in range(len(wave))}
-        texts: dict[int, list[str]] = {c: [] for c in range(len(wave))}
+        answers = yield from self._adapted(stream, wave, start)
+        for n, (tokens, text) in zip(wave, answers):
+            self._encode_output(n, tokens, self._context[n.name])
+            yield NodeDone(n.name, self.outputs[n.name], text, notes[n.name])
+
+    def _adapted(self, stream: DecodeStream, nodes: Sequence[Node], start: float
+                 ) -> Generator[NodeToken, None, list[tuple[list[int], str]]]:
+        """Stream an adapted decode (call c: nodes[c]) as NodeTokens, recording each node's TTFT; then drop its
+        messages (adapted KV: only the tokens are kept, for _encode_output) and return each call's (tokens,
+        text)."""
+        tokens: list[list[int]] = [[] for _ in nodes]
+        texts: list[list[str]] = [[] for _ in nodes]
         try:
             for ev in stream:
-                if not answers[ev.call]:
-                    self.ttft[wave[ev.call].name] = time.perf_counter() - start
-                answers[ev.call].append(ev.token_id)
+                if not tokens[ev.call]:
+                    self.ttft[nodes[ev.call].name] = time.perf_counter() - start
+                tokens[ev.call].append(ev.token_id)
                 texts[ev.call].append(ev.text)
-                yield NodeToken(wave[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
+                yield NodeToken(nodes[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
         finally:
             stream.close()
-            for mid in stream.ids or ():  # (adapted KV: only its tokens are kept)
+            for mid in stream.ids or ():
                 if mid in self.engine.store:
                     self.engine.free(mid, when_unpinned=True)
-        for c, n in enumerate(wave):
-            self._encode_output(n, answers[c])
-            yield NodeDone(n.name, self.outputs[n.name], "".join(texts[c]), notes[n.name])
+        return [(t, "".join(x)) for t, x in zip(tokens, texts)]
 
     def _synthesize(self, n: Node, notes: dict[str, list[str]], start: float) -> Iterator[NodeToken | NodeDone]:
         """Calibrated node n: its whole parents read as usual (the prefix), its replies read as the served cache
         path reads branches (engine.synthesis); a reply whose encoding saw another role's private node is read
         through a copy re-encoded without it (through the mapper like the rest). The refresh is the one the
         calibration was trained with. Its output is encoded again with base weights."""
-        edges = [e for e in n.parents if e.node and self.graph.node(e.node).sampling is not None]
+        edges = self.graph.replies(n)
         whole = [e for e in n.parents if e not in edges]
         prefix, notes[n.name] = self._read_parents(n, whole)
         self._context[n.name] = prefix
@@ -600,26 +612,16 @@ class DagRun:
         attached = self.engine.calibration  # (its placement, and the refresh it was trained with)
         mode = SynthesisMode(attached.calibration.placement, attached.hooks, served_refresh(attached))
         stream = synthesis_stream(self.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
-        answer, text = [], []
-        try:
-            for ev in stream:
-                if not answer:
-                    self.ttft[n.name] = time.perf_counter() - start
-                answer.append(ev.token_id)
-                text.append(ev.text)
-                yield NodeToken(n.name, ev.token_id, ev.text, ev.finish_reason)
-        finally:
-            stream.close()
-            for mid in stream.ids or ():  # (adapted KV: only its tokens are kept, see _encode_output)
-                if mid in self.engine.store:
-                    self.engine.free(mid, when_unpinned=True)
+        [(answer, text)] = yield from self._adapted(stream, [n], start)
         self._encode_output(n, answer)
-        yield NodeDone(n.name, self.outputs[n.name], "".join(text), notes[n.name])
+        yield NodeDone(n.name, self.outputs[n.name], text, notes[n.name])
 
-    def _encode_output(self, n: Node, answer: list[int]) -> None:
-        """Node n's prompt and `answer` encoded after its parents' whole messages, read as a node that waited for
-        them reads them: the output of a staircase or calibrated node."""
-        self._context[n.name], _ = self._read_parents(n)
+    def _encode_output(self, n: Node, answer: list[int], context: list[_Item] | None = None) -> None:
+        """Node n's prompt and `answer` encoded with base weights after its parents' whole messages, read as a
+        node that waited for them reads them (`context`, when it read them so already): the output of a
+        staircase or adapted node."""
+        if context is None:
+            self._context[n.name], _ = self._read_parents(n)
         ctx = self._context[n.name]
         mid, = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + answer,
                                                 parents=[i.message for i in ctx], offsets=[i.offset for i in ctx])])

@@ -7,6 +7,10 @@
 - MoA (Mixture-of-Agents, the staircase seed's workflow): layers of n proposers, each layer reading every
   answer of the layer before, then one aggregator.
 
+The same three shapes over agents' own notes (`notes_graph`: each solver reads its notes and replies; the
+debaters read earlier replies first) are the reference model's workflows (braid.evals.workflows measures
+them, braid.train.turns fine-tunes their turns).
+
 With `staircase` (a variant of seed 003), MADpar's later rounds, ToT's voters and MoA's later layers and
 aggregator are staircase nodes: each starts from the first chunks of what it reads instead of waiting for it
 whole (engine.dag). MADiter has none: each turn reads every earlier turn, so its readers do not decode
@@ -17,6 +21,8 @@ the baseline: every message re-encoded in each reader's context (prefix caching 
 prompt starts). The presets mark nothing private (debate roles are public, as in the seed's timings); add
 private nodes for the leakage experiments.
 """
+
+from collections.abc import Sequence
 
 from braid.engine.dag import Edge, Graph, Node
 from braid.engine.sampling import SamplingParams
@@ -102,6 +108,52 @@ def moa(question: str, proposers: int = 3, layers: int = 2, sampling: SamplingPa
                       parents=(Edge("system"), Edge("question"), *(Edge(p) for p in previous)),
                       staircase=staircase is not None))
     return _graph(nodes, staircase)
+
+
+NOTES_WORKFLOWS = ("tot", "mad-iter", "mad-par")
+NOTES_STREAMING = ("tot", "mad-par")  # whose final node reads replies that decode together: a staircase applies
+
+
+def notes_graph(workflow: str, system: str, notes: Sequence[str], header: str, prompt: str,
+                solver: SamplingParams = SamplingParams(max_tokens=48),
+                final: SamplingParams = SamplingParams(max_tokens=64), output: str = "kv",
+                staircase: bool = False, calibrated: bool = False, turn_lora: bool = True) -> Graph:
+    """Solvers over their own notes as one of NOTES_WORKFLOWS; every text is a whole rendered message (the
+    replies' `header` opens theirs), solver j is role "solver<j>" and the last node, "final", answers `prompt`.
+
+    - tot: each solver reads its notes and replies; the final node reads every solution;
+    - mad-iter: solver j speaks after every earlier turn (then its notes); the final node reads every turn;
+    - mad-par: two rounds of parallel solvers, the second reading every first-round answer (then its notes);
+      the final node reads the second round.
+    `output` is how replies are read ("kv": cached, "text": re-encoded, the baseline); `staircase` makes the
+    final node stream its replies (tot, mad-par); `calibrated` and `turn_lora` are the Graph's options."""
+    if workflow not in NOTES_WORKFLOWS:
+        raise ValueError(f"workflow {workflow!r} is not one of {', '.join(NOTES_WORKFLOWS)}")
+    if staircase and workflow not in NOTES_STREAMING:
+        raise ValueError(f"{workflow}'s final node reads turns that never decode together: no staircase")
+
+    def speak(j: int, name: str, before: tuple[Edge, ...] = ()) -> list[Node]:
+        return [Node(f"{name}:notes", notes[j], role=f"solver{j}", parents=(Edge("system"), *before)),
+                Node(name, header, role=f"solver{j}", sampling=solver, output=output,
+                     parents=(Edge("system"), *before, Edge(f"{name}:notes")))]
+
+    m = len(notes)
+    nodes = [Node("system", system)]
+    if workflow == "tot":
+        replies = [f"solution{j}" for j in range(m)]
+        nodes += [n for j in range(m) for n in speak(j, replies[j])]
+    elif workflow == "mad-iter":
+        replies = [f"turn{j}" for j in range(m)]
+        for j in range(m):
+            nodes += speak(j, replies[j], tuple(Edge(r) for r in replies[:j]))
+    else:
+        first, replies = [f"round1:{j}" for j in range(m)], [f"round2:{j}" for j in range(m)]
+        nodes += [n for j in range(m) for n in speak(j, first[j])]
+        nodes += [n for j in range(m) for n in speak(j, replies[j], tuple(Edge(r) for r in first))]
+    reader = {"tot": "voter", "mad-iter": "moderator", "mad-par": "aggregator"}[workflow]
+    nodes.append(Node("final", prompt, role=reader, sampling=final, staircase=staircase,
+                      parents=(Edge("system"), *(Edge(r) for r in replies))))
+    return Graph(nodes, calibrated=calibrated, turn_lora=turn_lora)
 
 
 def _graph(nodes: list[Node], staircase: Variant | None) -> Graph:

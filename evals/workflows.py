@@ -33,64 +33,24 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from braid.engine import Engine, EngineConfig, SamplingParams
-from braid.engine.dag import DagRun, Edge, Graph, Node
+from braid.engine import Engine, EngineConfig
+from braid.engine.dag import DagRun, Graph
+from braid.engine.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models import REFERENCE_MODEL
-from braid.models.chat import WORKER_HEADER, turn
+from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import Task, strip_reply, sample
 from braid.results import pyplot, write_json
 
 MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")
-SOLVER = SamplingParams(max_tokens=48)
-VOTER = SamplingParams(max_tokens=64)
+WORKFLOWS = NOTES_WORKFLOWS
 
 
-def _turn(task: Task, j: int, mode: str, name: str, before: tuple[Edge, ...] = ()) -> list[Node]:
-    """Solver j's turn as `name`: its notes after `before` (earlier replies it reads), then its reply."""
-    return [Node(f"{name}:notes", turn("user", task.branches[j].context), role=f"solver{j}",
-                 parents=(Edge("system"), *before)),
-            Node(name, WORKER_HEADER, role=f"solver{j}", sampling=SOLVER, output="text" if mode == "text" else "kv",
-                 parents=(Edge("system"), *before, Edge(f"{name}:notes")))]
-
-
-def tot_graph(task: Task, mode: str) -> Graph:
-    """The task as a ToT DAG: solvers (notes, then a worker reply), then one voter reading every solution."""
-    m = len(task.branches)
-    nodes = [Node("system", turn("system", task.system))]
-    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"solution{j}")]
-    nodes.append(Node("final", task.prompt(), role="voter", sampling=VOTER, staircase=mode == "staircase",
-                      parents=(Edge("system"), *(Edge(f"solution{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode.startswith("calibrated"))
-
-
-def mad_iter_graph(task: Task, mode: str) -> Graph:
-    """Iterative debate: solver j speaks after every earlier turn (then its own notes); a moderator reads every
-    turn and answers."""
-    m = len(task.branches)
-    nodes = [Node("system", turn("system", task.system))]
-    for j in range(m):
-        nodes += _turn(task, j, mode, f"turn{j}", before=tuple(Edge(f"turn{i}") for i in range(j)))
-    nodes.append(Node("final", task.prompt(), role="moderator", sampling=VOTER,
-                      parents=(Edge("system"), *(Edge(f"turn{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode.startswith("calibrated"))
-
-
-def mad_par_graph(task: Task, mode: str) -> Graph:
-    """Parallel debate, two rounds: each second-round agent reads every first-round answer (then its own notes)
-    and answers again; an aggregator reads the second round and answers (streaming it, as a staircase node)."""
-    m = len(task.branches)
-    first = tuple(Edge(f"round1:{j}") for j in range(m))
-    nodes = [Node("system", turn("system", task.system))]
-    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"round1:{j}")]
-    nodes += [n for j in range(m) for n in _turn(task, j, mode, f"round2:{j}", before=first)]
-    nodes.append(Node("final", task.prompt(), role="aggregator", sampling=VOTER, staircase=mode == "staircase",
-                      parents=(Edge("system"), *(Edge(f"round2:{j}") for j in range(m)))))
-    return Graph(nodes, calibrated=mode.startswith("calibrated"))
-
-
-WORKFLOWS = {"tot": tot_graph, "mad-iter": mad_iter_graph, "mad-par": mad_par_graph}
-STREAMING = ("tot", "mad-par")  # whose readers decode together, so a staircase applies
+def graph(task: Task, mode: str, workflow: str) -> Graph:
+    """The task as `workflow` (engine.presets.notes_graph), read as `mode` reads it."""
+    return notes_graph(workflow, *task.workflow_texts(), output="text" if mode == "text" else "kv",
+                       staircase=mode == "staircase", calibrated=mode.startswith("calibrated"),
+                       turn_lora=mode == "calibrated+turns")
 
 
 def runs(engine: Engine, mode: str, workflow: str) -> bool:
@@ -99,7 +59,7 @@ def runs(engine: Engine, mode: str, workflow: str) -> bool:
     attached = engine.calibration
     if mode == "calibrated+turns":
         return attached is not None and attached.turns is not None and workflow != "tot"
-    return (mode != "calibrated" or attached is not None) and (mode != "staircase" or workflow in STREAMING)
+    return (mode != "calibrated" or attached is not None) and (mode != "staircase" or workflow in NOTES_STREAMING)
 
 
 class Answer(NamedTuple):
@@ -111,12 +71,13 @@ class Answer(NamedTuple):
 
 def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> Answer:
     """One graph's final answer, and how many of its worker turns said their own lookup."""
-    graph = WORKFLOWS[workflow](task, mode)
-    dag = DagRun(engine, graph, turns=mode == "calibrated+turns")
+    g = graph(task, mode, workflow)
+    dag = DagRun(engine, g)
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
-    solvers = [(n.name, task.branches[int(n.role.removeprefix("solver"))]) for n in graph.nodes if n.sampling is SOLVER]
+    solvers = [(n.name, task.branches[int(n.role.removeprefix("solver"))]) for n in g.nodes
+               if n.sampling is not None and n.role.startswith("solver")]
     turns = [(name, branch) for name, branch in solvers if branch.output is not None]  # (MultiQA has none)
     right = sum(strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) == branch.output
                 for name, branch in turns)

@@ -73,6 +73,12 @@ class Task:
         """The synthesizer's own turn after the branches, up to where it starts answering."""
         return turn("user", self.question) + header("synthesizer")
 
+    def workflow_texts(self) -> tuple[str, list[str], str, str]:
+        """The task as an agent workflow's messages (engine.presets.notes_graph): the system turn, each solver's
+        notes, the header its reply follows, and the final node's prompt."""
+        return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
+                self.prompt())
+
     def correct(self, prediction: str) -> bool:
         return _NORMALIZE.get(self.name, strip_reply)(prediction) == _NORMALIZE.get(self.name, strip_reply)(self.answer)
 

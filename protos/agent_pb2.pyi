@@ -455,16 +455,18 @@ class StaircaseOptions(_message.Message):
     def __init__(self, proposer_chunks: _Optional[_Iterable[int]] = ..., aggregator_chunks: _Optional[_Iterable[int]] = ..., redundancy: _Optional[int] = ..., variant: _Optional[str] = ...) -> None: ...
 
 class GraphRequest(_message.Message):
-    __slots__ = ("session_id", "nodes", "staircase", "calibrated")
+    __slots__ = ("session_id", "nodes", "staircase", "calibrated", "base_turns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STAIRCASE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    BASE_TURNS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
     staircase: StaircaseOptions
     calibrated: bool
-    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ..., calibrated: _Optional[bool] = ...) -> None: ...
+    base_turns: bool
+    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ..., calibrated: _Optional[bool] = ..., base_turns: _Optional[bool] = ...) -> None: ...
 
 class GraphToken(_message.Message):
     __slots__ = ("node", "token_id", "text", "finish_reason")

@@ -16,7 +16,7 @@ from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.engine.dag import DagRun, NodeToken
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
-from braid.evals.workflows import mad_iter_graph, mad_par_graph
+from braid.evals.workflows import graph as task_graph
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import generate
@@ -26,10 +26,12 @@ from braid.train.turns import TurnData, save_turns
 REFERENCE_TURNS = os.path.join(REFERENCE_MODEL, "calibration", TURNS_DIR)
 
 
-def make_calibration(ckpt: str, out, turns_scale: float | None, fingerprint: str | None = None) -> str:
-    """A calibration at its init for `ckpt`, with a turn LoRA (turns_scale 0: at its init, the identity; else
-    every LoRA weight drawn from N(0, scale^2)), or without one (None)."""
-    cal = write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), name="tiny-llama")
+def make_calibration(ckpt: str, out, turns_scale: float | None, fingerprint: str | None = None,
+                     synthesizer: float = 0.0) -> str:
+    """A calibration for `ckpt` (its mapper and synthesizer LoRA at their init, or random with `synthesizer`
+    as write_untrained's scale), with a turn LoRA (turns_scale 0: at its init, the identity; else every LoRA
+    weight drawn from N(0, scale^2)), or without one (None)."""
+    cal = write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), scale=synthesizer, name="tiny-llama")
     if turns_scale is not None:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         lora = LoraSettings(rank=4, alpha=8)
@@ -45,9 +47,10 @@ def make_calibration(ckpt: str, out, turns_scale: float | None, fingerprint: str
     return cal
 
 
-def turn_tokens(engine: Engine, graph, turns: bool = True) -> dict[str, list[int]]:
-    """Each decoding node's streamed tokens, and each output's stored tokens and fingerprint (checked here)."""
-    run = DagRun(engine, graph, turns=turns)
+def turn_tokens(engine: Engine, graph) -> dict[str, list[int]]:
+    """Each decoding node's streamed tokens, and each output's stored tokens and fingerprint (checked here: base
+    KV, and no adapted message left in the store)."""
+    run = DagRun(engine, graph)
     got: dict[str, list[int]] = {}
     for ev in run:
         if isinstance(ev, NodeToken):
@@ -57,6 +60,7 @@ def turn_tokens(engine: Engine, graph, turns: bool = True) -> dict[str, list[int
         assert msg.fingerprint == engine.fingerprint  # (base KV: any reader may take it)
         assert list(msg.token_ids[-len(tokens):]) == tokens
     run.free(keep=())
+    assert not [m for m in engine.store.ids() if "+" in engine.message(m).fingerprint]
     return got
 
 
@@ -68,13 +72,12 @@ def test_training_contexts_are_the_ones_the_engine_decoded_from(checkpoint):
     data = TurnData(ckpt, workers=2)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=attention.NAME)
     task = generate("chain", 5, 3)
-    for build in (mad_iter_graph, mad_par_graph):
-        graph = build(task, "kv")
+    for workflow in ("mad-iter", "mad-par"):
+        graph = task_graph(task, "kv", workflow)
         run = DagRun(data.engine, graph)
         for _ in run:
             pass
-        readers = [n for n in graph.nodes if n.sampling is not None and any(
-            e.node and graph.node(e.node).sampling is not None for e in n.parents)]
+        readers = [n for n in graph.nodes if n.sampling is not None and graph.replies(n)]
         assert readers
         for n in readers:
             msg = data.engine.message(run.outputs[n.name])
@@ -85,33 +88,44 @@ def test_training_contexts_are_the_ones_the_engine_decoded_from(checkpoint):
                 logits = synthesizer_logits(model, None, [example])[0]
             reply = list(msg.token_ids[header:])
             assert logits[header - 1:header - 1 + len(reply)].argmax(-1).tolist() == reply
-        run.free(keep=())
         turns = [n for n in readers if n.prompt == WORKER_HEADER]  # (the final node reads replies too)
-        examples = data._graph(task, "mad-iter" if build is mad_iter_graph else "mad-par")
+        examples = data._graph(task, workflow)  # (the same graph again: the engine decodes it the same way)
         assert len(examples) == len(turns) == len(readers) - 1
-        assert [e.target for e in examples] == [data.engine.tokenize(task.branches[int(n.role.removeprefix(
-            "solver"))].output + "<|end|>") for n in turns]
+        for e, n in zip(examples, turns):
+            msg = data.engine.message(run.outputs[n.name])
+            assert torch.equal(e.prefix_kv, data.engine.context_kv(msg.id)) and e.new_offset == msg.offset
+            assert e.prompt == data.engine.tokenize(WORKER_HEADER) == list(msg.token_ids[:len(e.prompt)])
+            assert e.target == data.engine.tokenize(task.branches[int(n.role.removeprefix("solver"))].output
+                                                    + "<|end|>")
+        run.free(keep=())
 
 
 def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
     """At its init the turn LoRA changes nothing (bit-identical turns); a random one changes the turns that read
-    other replies and nothing else: not the first speaker, not the notes, not an uncalibrated graph, not a run
-    that leaves it out. Every output is stored as base KV."""
+    other replies and nothing else: not the first speaker, not an uncalibrated graph, not a graph that asks for
+    base turns, not the synthesizer LoRA beside it. Every output is stored as base KV, nothing adapted is left."""
     ckpt = checkpoint("llama")
     task = generate("vote", 3, 3)
+    g = lambda mode: task_graph(task, mode, "mad-iter")  # noqa: E731
     identity = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "id", 0.0)))
     assert identity.calibration.turns is not None
-    base = turn_tokens(identity, mad_iter_graph(task, "calibrated"), turns=False)
-    assert turn_tokens(identity, mad_iter_graph(task, "calibrated")) == base
+    base = turn_tokens(identity, g("calibrated"))  # (calibrated, base turns)
+    assert turn_tokens(identity, g("calibrated+turns")) == base
     turns = {k: v for k, v in base.items() if k != "final"}  # (the final node: read through the calibration)
-    assert {k: v for k, v in turn_tokens(identity, mad_iter_graph(task, "kv")).items() if k != "final"} == turns
+    assert {k: v for k, v in turn_tokens(identity, g("kv")).items() if k != "final"} == turns
 
     engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "rand", 0.5)))
-    assert turn_tokens(engine, mad_iter_graph(task, "calibrated"), turns=False) == base
-    assert {k: v for k, v in turn_tokens(engine, mad_iter_graph(task, "kv")).items() if k != "final"} == turns
-    adapted = turn_tokens(engine, mad_iter_graph(task, "calibrated"))
+    assert turn_tokens(engine, g("calibrated")) == base
+    assert {k: v for k, v in turn_tokens(engine, g("kv")).items() if k != "final"} == turns
+    adapted = turn_tokens(engine, g("calibrated+turns"))
     assert adapted["turn0"] == base["turn0"]  # (it reads no reply: a plain worker)
     assert adapted["turn1"] != base["turn1"] and adapted["turn2"] != base["turn2"]
+
+    # a random synthesizer LoRA answers the same with a turn LoRA loaded beside it (base turns)
+    without = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "s", None, synthesizer=0.2)))
+    beside = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "st", 0.5, synthesizer=0.2)))
+    assert turn_tokens(beside, g("calibrated")) == turn_tokens(without, g("calibrated"))
+    assert turn_tokens(without, g("calibrated"))["final"] != base["final"]
 
 
 def test_turn_lora_round_trip_and_fingerprint(checkpoint, tmp_path):
@@ -189,3 +203,17 @@ def test_workflow_eval_pairs_the_fine_tuned_turns_with_text_and_records_a_sample
             row["answer"]
     with pytest.raises(SystemExit):
         eval_main(["--model", model, "--modes", "kv"])  # (text is the baseline every mode is paired with)
+
+
+def test_graph_requests_carry_the_turn_lora_choice():
+    """RunGraph's `base_turns` is the Graph's turn_lora, both ways."""
+    from braid.api.convert import graph as from_request
+    from braid.api.convert import graph_request
+
+    for turn_lora in (True, False):
+        g = task_graph(generate("vote", 1, 2), "calibrated", "mad-par")
+        g.turn_lora = turn_lora
+        request = graph_request(g)
+        assert request.base_turns == (not turn_lora) and request.calibrated
+        back = from_request(request, 64)
+        assert back.turn_lora == turn_lora and back.calibrated and len(back.nodes) == len(g.nodes)

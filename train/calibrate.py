@@ -488,7 +488,7 @@ def calibrate(cfg: CalibrateConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     for p in model.parameters():
         p.requires_grad_(False)
-    lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+    lora = LoraSettings.of(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     peft_model, mapper = untrained(model, lora, cfg.mapper_rank, cfg.mapper_conditioned, cfg.mapper_branch_slots)
     inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
     encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg)

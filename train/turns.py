@@ -8,8 +8,9 @@ other replies it drifts, repeating one of them. The turn LoRA is trained on the 
 builds for such turns, with the base weights frozen:
 
   - a step draws `tasks_per_step` tasks (families from `--tasks`, solver counts from `--solvers`, branch work of
-    length 1..`--max-length`) and a workflow for each (`--workflows`: MADiter, MADpar, as braid.evals.workflows
-    builds them), and runs each graph choreographed (cached replies, base weights) on a braid Engine;
+    length 1..`--max-length`) and a workflow for each (`--workflows`: MADiter, MADpar, as
+    engine.presets.notes_graph builds them), and runs each graph choreographed (cached replies, base weights)
+    on a braid Engine;
   - for every turn in it, the KV its decode call attended to (Engine.context_kv: its parents, each placed where
     the call read it) is the context, the worker header the prompt, and the turn's own lookup (what it says
     from its notes alone) the target. Earlier replies are the base model's, right or wrong: the target stays
@@ -40,6 +41,7 @@ from braid.engine import Engine, EngineConfig, attention
 from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.dag import DagRun
+from braid.engine.presets import NOTES_WORKFLOWS, notes_graph
 from braid.engine.model import fingerprint_checkpoint
 from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
@@ -51,6 +53,7 @@ TURN_SEEDS = 3 << 40  # [3 * 2^40, 4 * 2^40): disjoint from evaluation's, the ca
 HELD_OUT_SOLVERS = (4, 5)  # the teacher-forced held-out set during training (5 is held out by default)
 HELD_OUT_SEEDS = 2_000_000
 RESUME = "resume.pt"
+RUN_SETTINGS = ("calibration", "steps", "eval_every", "threads", "resume")  # what a resumed run may change
 FAMILIES = ("chain", "vote", "trail")  # the task families whose branches are worker turns (MultiQA has none)
 
 
@@ -66,7 +69,7 @@ class TurnsConfig:
     lora_rank: int = 16  # the turn LoRA's rank
     lora_alpha: int = 32  # its scale numerator (peft's lora_alpha)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the projections it adapts
-    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (braid.evals.workflows), uniformly
+    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (engine.presets.notes_graph), uniformly
     tasks: str = ",".join(FAMILIES)  # the task families drawn, uniformly
     solvers: str = "2,3,4,6,7"  # solver counts trained on (5 and 8 held out by default)
     max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)
@@ -86,9 +89,7 @@ class TurnsConfig:
         if not os.path.isfile(os.path.join(self.calibration, CALIBRATION_MANIFEST)):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "
                              f"(no {CALIBRATION_MANIFEST}): train the calibration first")
-        from braid.evals.workflows import WORKFLOWS
-
-        bad = [w for w in self.workflow_names if w not in WORKFLOWS or w == "tot"]
+        bad = [w for w in self.workflow_names if w not in NOTES_WORKFLOWS or w == "tot"]
         if bad or not self.workflow_names:
             raise ValueError(f"workflows must be debates with turns (mad-iter, mad-par), got {self.workflows!r}")
         bad = [t for t in self.task_names if t not in FAMILIES]
@@ -119,7 +120,7 @@ class TurnsConfig:
 
     @property
     def lora(self) -> LoraSettings:
-        return LoraSettings(self.lora_rank, self.lora_alpha, tuple(t.strip() for t in self.lora_targets.split(",")))
+        return LoraSettings.of(self.lora_rank, self.lora_alpha, self.lora_targets)
 
 
 class TurnData:
@@ -135,17 +136,15 @@ class TurnData:
         return [e for got in self.pool.map(lambda d: self._graph(*d), drawn) for e in got]
 
     def _graph(self, task: Task, workflow: str) -> list[Example]:
-        from braid.evals.workflows import WORKFLOWS
-
-        graph = WORKFLOWS[workflow](task, "kv")
+        """The task as `workflow`, choreographed: an example per turn (a solver that reads others' replies)."""
+        graph = notes_graph(workflow, *task.workflow_texts())
         run = DagRun(self.engine, graph)
-        for _ in run:
-            pass
         try:
+            for _ in run:
+                pass
             out = []
             for n in graph.nodes:
-                reads_replies = any(e.node and graph.node(e.node).sampling is not None for e in n.parents)
-                if n.sampling is None or not reads_replies or not n.role.startswith("solver"):
+                if n.sampling is None or not graph.replies(n) or not n.role.startswith("solver"):
                     continue
                 mid = run.outputs[n.name]
                 branch = task.branches[int(n.role.removeprefix("solver"))]
@@ -223,9 +222,12 @@ def calibrate_turns(cfg: TurnsConfig) -> dict:
         if state["fingerprint"] != fingerprint:
             raise ValueError(f"{resume} continues a turn LoRA of another model ({state['fingerprint']}); "
                              f"{cfg.model} is {fingerprint}")
-        if state["record"]["config"]["lora_rank"] != cfg.lora_rank:
-            raise ValueError(f"{resume} was trained with LoRA rank {state['record']['config']['lora_rank']}, not "
-                             f"{cfg.lora_rank}; pass the same settings, or --resume false")
+        was = state["record"]["config"]
+        changed = [k for k, v in dataclasses.asdict(cfg).items() if k not in RUN_SETTINGS and was.get(k) != v]
+        if changed:
+            settings = ", ".join(f"{k}={was.get(k)!r}" for k in changed)
+            raise ValueError(f"{resume} was trained with other settings ({settings}); pass the same ones, or "
+                             "--resume false")
         set_peft_model_state_dict(peft_model, state["lora"])
         opt.load_state_dict(state["optimizer"])
         record = state["record"]
