@@ -105,17 +105,17 @@ def test_workflow_eval_reads_tot_and_debate_graphs_each_way_and_writes_json(chec
     from braid.models.tasks import generate
 
     task = generate("vote", 0, 3)
-    graph = workflows.tot_graph(task, "kv")
+    graph = workflows.graph(task, "kv", "tot")
     assert [e.node for e in graph.node("final").parents] == ["system", "solution0", "solution1", "solution2"]
     waves = [([n.name for n in w], [n.name for n in a]) for w, a in graph.plan()]
     assert waves[-2:] == [(["solution0", "solution1", "solution2"], []), (["final"], [])]  # (the voter waits)
-    stair = workflows.tot_graph(task, "staircase").plan()
+    stair = workflows.graph(task, "staircase", "tot").plan()
     assert [([n.name for n in w], [n.name for n in a]) for w, a in stair][-1] == (
         ["solution0", "solution1", "solution2"], ["final"])  # (it streams them)
-    mad_iter = workflows.mad_iter_graph(task, "text")
+    mad_iter = workflows.graph(task, "text", "mad-iter")
     assert [e.node for e in mad_iter.node("turn2").parents] == ["system", "turn0", "turn1", "turn2:notes"]
     assert mad_iter.node("turn1").output == "text" and [n.name for n in mad_iter.plan()[-1][0]] == ["final"]
-    mad_par = workflows.mad_par_graph(task, "staircase")
+    mad_par = workflows.graph(task, "staircase", "mad-par")
     assert [e.node for e in mad_par.node("round2:1").parents] == ["system", "round1:0", "round1:1", "round1:2",
                                                                   "round2:1:notes"]
     assert [([n.name for n in w], [n.name for n in a]) for w, a in mad_par.plan()][-1] == (
