@@ -99,12 +99,19 @@ def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--max-tokens", "3", "--repeats", "1",
-                "--question-words", "6", "--out", str(tmp_path)])
+                "--question-words", "6", "--turns", "--turn-solvers", "2", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "workflows_cpu.json").read_text())
     assert [r["workflow"] for r in result["rows"]] == ["mad-iter", "tot", "mad-par"]
     for r in result["rows"]:
         assert r["ttft_ratio"] == pytest.approx(r["baseline"]["ttft_mean_ms"] / r["choreographed"]["ttft_mean_ms"])
         assert r["choreographed"]["decoding_nodes"] == {"mad-iter": 7, "tot": 12, "mad-par": 9}[r["workflow"]]
+    # the turn LoRA's cost: the debates over notes, their turns timed (MADiter: 1 of 2 solvers; MADpar: round 2)
+    assert [(r["workflow"], list(r["modes"])) for r in result["turn_lora"]] == [
+        (w, ["kv", "calibrated, base turns", "calibrated, turn LoRA"]) for w in ("mad-iter", "mad-par")]
+    for r in result["turn_lora"]:
+        assert {m["decoding_nodes"] for m in r["modes"].values()} == {{"mad-iter": 1, "mad-par": 2}[r["workflow"]]}
+        assert r["turn_ttft_ratio"] == pytest.approx(r["modes"]["calibrated, turn LoRA"]["ttft_mean_ms"]
+                                                     / r["modes"]["calibrated, base turns"]["ttft_mean_ms"])
     assert (tmp_path / "workflows_cpu.png").stat().st_size > 0
 
 

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from braid.cli import main
@@ -15,13 +14,12 @@ from braid.engine import Engine, EngineConfig, attention
 from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.engine.dag import DagRun, NodeToken
 from braid.engine.errors import FingerprintMismatchError
-from braid.engine.model import fingerprint_checkpoint
 from braid.evals.workflows import graph as task_graph
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import generate
 from braid.train.calibrate import Example, synthesizer_logits, write_untrained
-from braid.train.turns import TurnData, save_turns
+from braid.train.turns import TurnData, write_untrained_turns
 
 REFERENCE_TURNS = os.path.join(REFERENCE_MODEL, "calibration", TURNS_DIR)
 
@@ -33,17 +31,7 @@ def make_calibration(ckpt: str, out, turns_scale: float | None, fingerprint: str
     weight drawn from N(0, scale^2)), or without one (None)."""
     cal = write_untrained(ckpt, str(out), LoraSettings(rank=4, alpha=8), scale=synthesizer, name="tiny-llama")
     if turns_scale is not None:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-        lora = LoraSettings(rank=4, alpha=8)
-        peft_model = get_peft_model(model, lora.peft_config())
-        if turns_scale:
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for name, p in peft_model.named_parameters():
-                    if "lora_" in name:
-                        p.copy_(turns_scale * torch.randn(p.shape, generator=gen))
-        save_turns(os.path.join(cal, TURNS_DIR), peft_model, fingerprint or fingerprint_checkpoint(ckpt),
-                   "tiny-llama", lora, {})
+        write_untrained_turns(ckpt, cal, LoraSettings(rank=4, alpha=8), turns_scale, fingerprint)
     return cal
 
 

@@ -195,6 +195,26 @@ def save_turns(out: str, peft_model, fingerprint: str, base_model: str, lora: Lo
     os.replace(tmp, os.path.join(out, TURNS_MANIFEST))
 
 
+def write_untrained_turns(model_path: str, calibration: str, lora: LoraSettings = LoraSettings(), scale: float = 0.0,
+                          fingerprint: str | None = None) -> str:
+    """Write a turn LoRA for `model_path` into `calibration` that was never trained: at its init (scale 0: the
+    identity), or with every LoRA weight drawn from N(0, scale^2) (seeded). For tests, and for measuring what a
+    turn LoRA costs at serving time, which does not depend on its values."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                                lora.peft_config())
+    if scale:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(scale * torch.randn(p.shape, generator=gen))
+    out = os.path.join(calibration, TURNS_DIR)
+    save_turns(out, peft_model, fingerprint or fingerprint_checkpoint(model_path), "untrained", lora, {})
+    return out
+
+
 def calibrate_turns(cfg: TurnsConfig) -> dict:
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
