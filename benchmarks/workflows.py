@@ -106,14 +106,16 @@ def main(argv=None) -> int:
     debates = [n for n in names if n != "tot"] if args.turns else []
     with tempfile.TemporaryDirectory() as tmp:
         path, device = benchmark_model(args, tmp)
-        calibration = "none"
+        eng = Engine(EngineConfig(path, device=device, calibration="none", store_budget_bytes=16 << 30))
+        calibrated = None  # (the same weights with a calibration and turn LoRA: the --turns runs' engine)
         if debates:
             from braid.train.calibrate import write_untrained
             from braid.train.turns import write_untrained_turns
 
             calibration = write_untrained(path, f"{tmp}/calibration", scale=0.02)
             write_untrained_turns(path, calibration, scale=0.02)
-        eng = Engine(EngineConfig(path, device=device, calibration=calibration, store_budget_bytes=16 << 30))
+            calibrated = Engine(EngineConfig(path, device=device, calibration=calibration,
+                                             store_budget_bytes=16 << 30))
     rows, turn_rows = [], []
     runs_total = (len(names) * 2 + len(debates) * len(TURN_MODES)) * (args.repeats + 1)
     with tqdm(total=runs_total, desc="workflows", unit="run") as bar:
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
             rows.append({"workflow": name, "choreographed": med["kv"], "baseline": med["text"],
                          "ttft_ratio": med["text"]["ttft_mean_ms"] / med["kv"]["ttft_mean_ms"],
                          "e2e_ratio": med["text"]["e2e_s"] / med["kv"]["e2e_s"], "seed_ttft_ratio": SEED_RATIOS[name]})
-        turn_rows = turn_costs(eng, debates, args.turn_solvers, sampling, args.repeats, bar)
+        turn_rows = turn_costs(calibrated, debates, args.turn_solvers, sampling, args.repeats, bar)
     print(f"{'workflow':<10} {'TTFT text':>10} {'TTFT kv':>9} {'ratio':>7} {'seed':>6} {'E2E text':>9} "
           f"{'E2E kv':>8} {'ratio':>6}")
     for r in rows:
