@@ -263,8 +263,8 @@ class WaveExecutor(Protocol):
     """Where a graph's waves decode, when not on the run's engine: other replicas (synthesizer.waves runs them
     on Worker replicas). Called by DagRun, from the run's thread, for each wave's decoding nodes except those
     that run with the calibration's LoRAs (synthesis-shaped nodes and turns of a calibrated graph). The calls'
-    parents are messages of the run's engine. With `ship` (chunk sizes in tokens, the last repeating), each call's message also comes back in
-    chunks as it decodes, for the staircase nodes that stream the wave."""
+    parents are messages of the run's engine. With `ship` (chunk sizes in tokens, the last repeating), each
+    call's message also comes back in chunks as it decodes, for the staircase nodes that stream the wave."""
 
     def decode_stream(self, calls: list[DecodeCall], ship: Sequence[int] = ()) -> WaveStream: ...
 
