@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.engine.dag import run_dag
-from braid.engine.presets import mad_iter, mad_par, notes_graph, tot
+from braid.engine.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.models.tasks import generate
 from braid.results import pyplot, write_json
@@ -67,8 +67,7 @@ def turn_costs(eng: Engine, names: list[str], solvers: int, sampling: SamplingPa
         texts = generate("chain", 0, solvers).workflow_texts()
         graphs = {mode: notes_graph(name, *texts, solver=sampling, final=sampling, **kw)
                   for mode, kw in TURN_MODES.items()}
-        g = graphs["kv"]
-        turns = [n.name for n in g.nodes if n.sampling is not None and g.replies(n) and n.role.startswith("solver")]
+        turns = [n.name for n in notes_turns(graphs["kv"])]
         runs = {mode: [] for mode in graphs}
         for r in range(repeats + 1):
             for mode, graph in graphs.items():

@@ -495,7 +495,7 @@ class DagRun:
                 if t.is_alive():
                     t.join()
             try:
-                for name in feeds:  # the staircases' answer messages: only their tokens are kept (_encode_output)
+                for name in feeds:  # the staircases' answer messages: only their tokens are kept (_encode_outputs)
                     for mid in self._staircase_results[name].message_ids[-1:]:
                         try:
                             eng.free(mid, when_unpinned=True)
@@ -507,7 +507,7 @@ class DagRun:
             finally:
                 eng.release(wave_held)
         for n in attached:  # (in dependency order: a nested staircase node reads the outputs before it)
-            self._encode_output(n, self._staircase_results.pop(n.name).answer)
+            self._encode_outputs([n], [self._staircase_results.pop(n.name).answer])
         where = stream.replicas if remote else [""] * len(decode)
         for c, n in enumerate(decode):
             yield NodeDone(n.name, self.outputs[n.name], "".join(replies.get(n.name, [])), notes[n.name], where[c])
@@ -571,14 +571,14 @@ class DagRun:
         hooks = self.engine.calibration.turns
         stream = self.engine.decode_stream([self._call(n) for n in wave], adapter=hooks.adapter, tag=hooks.tag)
         answers = yield from self._adapted(stream, wave, start)
-        for n, (tokens, text) in zip(wave, answers):
-            self._encode_output(n, tokens, self._context[n.name])
+        self._encode_outputs(wave, [tokens for tokens, _ in answers], reread=False)
+        for n, (_, text) in zip(wave, answers):
             yield NodeDone(n.name, self.outputs[n.name], text, notes[n.name])
 
     def _adapted(self, stream: DecodeStream, nodes: Sequence[Node], start: float
                  ) -> Generator[NodeToken, None, list[tuple[list[int], str]]]:
         """Stream an adapted decode (call c: nodes[c]) as NodeTokens, recording each node's TTFT; then drop its
-        messages (adapted KV: only the tokens are kept, for _encode_output) and return each call's (tokens,
+        messages (adapted KV: only the tokens are kept, for _encode_outputs) and return each call's (tokens,
         text)."""
         tokens: list[list[int]] = [[] for _ in nodes]
         texts: list[list[str]] = [[] for _ in nodes]
@@ -613,19 +613,22 @@ class DagRun:
         mode = SynthesisMode(attached.calibration.placement, attached.hooks, served_refresh(attached))
         stream = synthesis_stream(self.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
         [(answer, text)] = yield from self._adapted(stream, [n], start)
-        self._encode_output(n, answer)
+        self._encode_outputs([n], [answer])
         yield NodeDone(n.name, self.outputs[n.name], text, notes[n.name])
 
-    def _encode_output(self, n: Node, answer: list[int], context: list[_Item] | None = None) -> None:
-        """Node n's prompt and `answer` encoded with base weights after its parents' whole messages, read as a
-        node that waited for them reads them (`context`, when it read them so already): the output of a
-        staircase or adapted node."""
-        if context is None:
-            self._context[n.name], _ = self._read_parents(n)
-        ctx = self._context[n.name]
-        mid, = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + answer,
-                                                parents=[i.message for i in ctx], offsets=[i.offset for i in ctx])])
-        self._finish(n, mid)
+    def _encode_outputs(self, nodes: Sequence[Node], answers: Sequence[list[int]], reread: bool = True) -> None:
+        """Each node's prompt and answer encoded with base weights after its parents' whole messages, read as a
+        node that waited for them reads them (`reread` False: as it read them already), in one prefill: the
+        outputs of staircase and adapted nodes."""
+        if reread:
+            for n in nodes:
+                self._context[n.name], _ = self._read_parents(n)
+        ctxs = [self._context[n.name] for n in nodes]
+        mids = self.engine.prefill([PrefillCall(self.engine.tokenize(n.prompt) + answer,
+                                                parents=[i.message for i in ctx], offsets=[i.offset for i in ctx])
+                                    for n, answer, ctx in zip(nodes, answers, ctxs)])
+        for n, mid in zip(nodes, mids):
+            self._finish(n, mid)
 
     # ---- reading parents ---------------------------------------------------------------------------
     def _clean(self, taint: frozenset[str], role: str) -> bool:

@@ -156,6 +156,16 @@ def notes_graph(workflow: str, system: str, notes: Sequence[str], header: str, p
     return Graph(nodes, calibrated=calibrated, turn_lora=turn_lora)
 
 
+def solver(n: Node) -> int | None:
+    """The solver a notes_graph node belongs to (role "solver<j>": j), None for the others."""
+    return int(n.role.removeprefix("solver")) if n.role.startswith("solver") else None
+
+
+def notes_turns(graph: Graph) -> list[Node]:
+    """A notes_graph's turns: the solvers' replies that read other replies (where a turn LoRA runs)."""
+    return [n for n in graph.nodes if n.sampling is not None and solver(n) is not None and graph.replies(n)]
+
+
 def _graph(nodes: list[Node], staircase: Variant | None) -> Graph:
     return Graph(nodes) if staircase is None else Graph(nodes, variant=staircase)
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig
 from braid.engine.dag import DagRun, Graph
-from braid.engine.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph
+from braid.engine.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
@@ -76,8 +76,7 @@ def answer(engine: Engine, task: Task, mode: str, workflow: str = "tot") -> Answ
     for _ in dag:
         pass
     reply = engine.text(dag.outputs["final"]).split("<|synthesizer|>", 1)[-1]
-    solvers = [(n.name, task.branches[int(n.role.removeprefix("solver"))]) for n in g.nodes
-               if n.sampling is not None and n.role.startswith("solver")]
+    solvers = [(n.name, task.branches[solver(n)]) for n in g.nodes if n.sampling is not None and solver(n) is not None]
     turns = [(name, branch) for name, branch in solvers if branch.output is not None]  # (MultiQA has none)
     right = sum(strip_reply(engine.text(dag.outputs[name]).split(WORKER_HEADER, 1)[-1]) == branch.output
                 for name, branch in turns)

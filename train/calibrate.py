@@ -36,6 +36,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -431,19 +432,28 @@ def lr_factor(cfg: CalibrateConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 16) -> dict[str, float]:
-    """Teacher-forced: the share of held-out answers whose every token is the argmax, per task."""
+def teacher_forced(peft_model, mapper, batches: Iterable[list[Example]], key: Callable[[Example], str]
+                   ) -> dict[str, float]:
+    """The share of examples whose every target token is the argmax (the LoRA on, in eval mode), per `key`;
+    `batches` may be built lazily (with the adapter off: see held_out_accuracy)."""
     peft_model.eval()
     right: dict[str, list[bool]] = {}
-    for i in range(0, len(held), batch):
-        group = held[i:i + batch]
-        with peft_model.disable_adapter():
-            examples = [encoder.example(*h) for h in group]
-        got = synthesizer_loss(encoder.model, mapper, examples, 0.0).task_correct
-        for (task, _, _), ok in zip(group, got):
-            right.setdefault(task.name, []).append(ok)
+    for examples in batches:
+        for e, ok in zip(examples, synthesizer_loss(peft_model.get_base_model(), mapper, examples, 0.0).task_correct):
+            right.setdefault(key(e), []).append(ok)
     peft_model.train()
     return {name: sum(v) / len(v) for name, v in right.items()}
+
+
+def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 16) -> dict[str, float]:
+    """Teacher-forced: the share of held-out answers whose every token is the argmax, per task."""
+    def batches():
+        for i in range(0, len(held), batch):
+            with peft_model.disable_adapter():  # (the branches' encodings: base weights)
+                examples = [encoder.example(*h) for h in held[i:i + batch]]
+            yield examples  # (outside the with: the synthesizer's forward runs with the LoRA on)
+
+    return teacher_forced(peft_model, mapper, batches(), lambda e: e.task.name)
 
 
 def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True, branch_slots: int = 0):

@@ -41,11 +41,11 @@ from braid.engine import Engine, EngineConfig, attention
 from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.dag import DagRun
-from braid.engine.presets import NOTES_WORKFLOWS, notes_graph
+from braid.engine.presets import NOTES_WORKFLOWS, notes_graph, notes_turns, solver
 from braid.engine.model import fingerprint_checkpoint
 from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
-from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss
+from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss, teacher_forced
 from braid.train.train import run_cli
 
 log = logging.getLogger("braid.calibrate_turns")
@@ -143,14 +143,11 @@ class TurnData:
             for _ in run:
                 pass
             out = []
-            for n in graph.nodes:
-                if n.sampling is None or not graph.replies(n) or not n.role.startswith("solver"):
-                    continue
+            for n in notes_turns(graph):
                 mid = run.outputs[n.name]
-                branch = task.branches[int(n.role.removeprefix("solver"))]
                 out.append(Example(self.engine.context_kv(mid), [], 0, self.header,
-                                   self.engine.tokenize(branch.output + END), self.engine.message(mid).offset,
-                                   None, workflow, task))
+                                   self.engine.tokenize(task.branches[solver(n)].output + END),
+                                   self.engine.message(mid).offset, None, workflow, task))
             return out
         finally:
             run.free(keep=())
@@ -169,18 +166,12 @@ def held_out_set(cfg: TurnsConfig) -> list[tuple[Task, str]]:
             for m in HELD_OUT_SOLVERS for i in range(cfg.held_out_per_cell)]
 
 
-@torch.no_grad()
-def held_out_accuracy(peft_model, model, examples: list[Example], batch: int = 64) -> dict[str, float]:
+def held_out_accuracy(peft_model, examples: list[Example], batch: int = 64) -> dict[str, float]:
     """Teacher-forced: the share of held-out turns whose every target token is the argmax, per workflow and
     solver count."""
-    peft_model.eval()
-    right: dict[str, list[bool]] = {}
-    for i in range(0, len(examples), batch):
-        group = examples[i:i + batch]
-        for e, ok in zip(group, synthesizer_loss(model, None, group, 0.0).task_correct):
-            right.setdefault(f"{e.source} m={len(e.task.branches)}", []).append(ok)
-    peft_model.train()
-    return {name: sum(v) / len(v) for name, v in sorted(right.items())}
+    got = teacher_forced(peft_model, None, (examples[i:i + batch] for i in range(0, len(examples), batch)),
+                         lambda e: f"{e.source} m={len(e.task.branches)}")
+    return dict(sorted(got.items()))
 
 
 def save_turns(out: str, peft_model, fingerprint: str, base_model: str, lora: LoraSettings, record: dict) -> None:
@@ -257,7 +248,7 @@ def calibrate_turns(cfg: TurnsConfig) -> dict:
     base_name = os.path.basename(os.path.normpath(cfg.model))
 
     def evaluate(step: int) -> None:
-        acc = held_out_accuracy(peft_model, model, held)
+        acc = held_out_accuracy(peft_model, held)
         record["held_out_accuracy"].append({"step": step, **acc})
         log.info("step %d held-out turns (teacher-forced) %s", step, " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
 
