@@ -4,7 +4,8 @@
 #   device run: bash benchmarks/device_run.sh          (the tool sets OUT; results come back from it)
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
-# STEPS picks some of: profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all).
+# STEPS picks some of: graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all);
+# LAYERS cuts the shape's layers for profile_decode (0: all of them).
 set -u
 OUT=${OUT:-/tmp/braid-device}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
 exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
-STEPS=${STEPS:-profile_decode synthesis_ttft kvcomm batched_forward engine_tests}
+STEPS=${STEPS:-graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   case "$name" in  # (the 8B checkpoint only for the steps that read it)
@@ -30,8 +31,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
-step profile_decode 120 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers 8 --device "$DEVICE" --rows 15 \
-  --out "$OUT"
+step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
+  tests/test_graphs.py -k "not lora"
+step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
+  --rows 15 ${DECODE_ARGS:-} --out "$OUT"
 MODEL=/tmp/braid-random-$SHAPE
 step checkpoint 240 $PY -c "
 import sys, time, torch
@@ -48,5 +51,5 @@ step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --de
 rm -rf "$MODEL"
 step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
   -p no:warnings tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
-  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py
+  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py tests/test_graphs.py
 log done

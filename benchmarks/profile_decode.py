@@ -1,10 +1,13 @@
-"""Where a decode step's time goes: the engine's batch-1 decode beside plain transformers on the same weights.
+"""Where a decode step's time goes: the engine's decode with and without CUDA graphs, beside plain transformers.
 
-Both decode `--tokens` tokens greedily after a `--context`-token prompt; the engine through `decode_stream`
-(its scheduler thread, paged work cache and masks), transformers through the model's own forward with a
-DynamicCache and SDPA. Prints ms per token for each, and the engine's forward alone (runner.step of one decode
-row, in this thread), then torch.profiler's tables of those forwards (top ops by self CPU time and by device
-time, and the host-device copies and synchronisations). Writes JSON.
+All decode `--tokens` tokens greedily after a `--context`-token prompt; the engine through `decode_stream`
+(its scheduler thread, paged work cache and masks), once with its decode forwards replayed as CUDA graphs
+(engine.graphs; "eager" on CPU: the same padded forwards, uncaptured) and once as they come, on the same
+weights, side by side; transformers through the model's own forward with a DynamicCache and SDPA. Then
+`--concurrency` calls decoding at once (one thread each, batched by the scheduler): tokens/s, graphs on and
+off. Prints ms per token for each, the engine's forward alone (runner.step of one decode row, in this
+thread), then torch.profiler's tables of the forwards as they come (top ops by self CPU time and by device
+time, and the host-device copies and synchronisations) and the launches of a graphed one. Writes JSON.
 """
 
 import argparse
@@ -13,6 +16,8 @@ import time
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+
+import threading
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.runner import GroupInput, WorkCache
@@ -30,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rows", type=int, default=30, help="rows per profiler table")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64],
+                   help="calls decoding at once, for the throughput table (none: skip it)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each side-by-side timing (median kept)")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -78,21 +86,53 @@ def hf_decode(model, prompt, tokens, sync):
     return (time.perf_counter() - start) / (tokens - 1)
 
 
+def concurrent_decode(eng, ctx, tokens, n):
+    """Tokens per second of `n` calls decoding at once after the same context, each from its own thread."""
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    streams = [eng.decode_stream([DecodeCall([5 + i], parents=ctx, sampling=sampling)]) for i in range(n)]
+    start = time.perf_counter()
+    threads = [threading.Thread(target=lambda s=s: list(s)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - start
+    for s in streams:
+        eng.free(s.ids[0])
+    return n * tokens / took
+
+
+def side_by_side(eng, graphs, rounds, measure):
+    """`measure()` with the engine's decode graphs off and on, alternating, `rounds` times: the medians."""
+    runs = {"eager": [], "graphs": []}
+    for _ in range(rounds):
+        for mode in runs:
+            eng.runner.graphs = graphs if mode == "graphs" else None
+            runs[mode].append(measure())
+    eng.runner.graphs = graphs
+    return {mode: sorted(v)[len(v) // 2] for mode, v in runs.items()}
+
+
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path, device = benchmark_model(args, tmp, **({"num_hidden_layers": args.layers} if args.layers else {}))
-        eng = Engine(EngineConfig(path, device=device))
+        eng = Engine(EngineConfig(path, device=device, decode_graphs="auto" if device != "cpu" else "eager"))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device)
+    graphs = eng.runner.graphs
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompt = torch.randint(3, eng.spec.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     ctx = eng.prefill([PrefillCall(prompt[0].tolist())])
-    engine_decode(eng, ctx, 4), hf_decode(hf, prompt.to(device), 4, sync), runner_steps(eng, args.context, 2, sync)
+    side_by_side(eng, graphs, 1, lambda: (engine_decode(eng, ctx, 4), runner_steps(eng, args.context, 2, sync)))
+    hf_decode(hf, prompt.to(device), 4, sync)
+    decode = side_by_side(eng, graphs, args.rounds, lambda: engine_decode(eng, ctx, args.tokens))
+    forward = side_by_side(eng, graphs, args.rounds, lambda: runner_steps(eng, args.context, args.tokens, sync))
     result = {"device": device_name(device), "torch": torch.__version__,
               "shape": args.shape, "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens,
-              "engine_ms_per_token": 1e3 * engine_decode(eng, ctx, args.tokens),
+              "engine_ms_per_token": 1e3 * decode["eager"], "engine_graphs_ms_per_token": 1e3 * decode["graphs"],
+              "graphs_speedup": decode["eager"] / decode["graphs"],
               "transformers_ms_per_token": 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync),
-              "engine_forward_ms": 1e3 * runner_steps(eng, args.context, args.tokens, sync)}
+              "engine_forward_ms": 1e3 * forward["eager"], "engine_graphs_forward_ms": 1e3 * forward["graphs"]}
     if device != "cpu":  # transformers again, with SDPA's cuDNN backend off (a process-wide switch; one thread here)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -101,10 +141,23 @@ def main(argv=None):
         print(f"transformers without cuDNN attention: {result['transformers_no_cudnn_ms_per_token']:.1f} ms/token")
     print(f"{result['device']}, {args.shape} with {result['layers']} layers, context {args.context}: engine "
           f"{result['engine_ms_per_token']:.1f} ms/token (its forward alone {result['engine_forward_ms']:.1f} ms), "
-          f"transformers {result['transformers_ms_per_token']:.1f} ms/token", flush=True)
+          f"with decode graphs {result['engine_graphs_ms_per_token']:.1f} ms/token "
+          f"({1e3 / result['engine_graphs_ms_per_token']:.1f} tokens/s, {result['graphs_speedup']:.2f}x; forward "
+          f"alone {result['engine_graphs_forward_ms']:.1f} ms), transformers "
+          f"{result['transformers_ms_per_token']:.1f} ms/token", flush=True)
+    result["concurrency"] = []
+    for n in args.concurrency:
+        rate = side_by_side(eng, graphs, 1, lambda: concurrent_decode(eng, ctx, args.tokens, n))
+        result["concurrency"].append({"calls": n, "eager_tokens_per_s": rate["eager"],
+                                      "graphs_tokens_per_s": rate["graphs"]})
+        print(f"{n} calls at once: {rate['eager']:.1f} tokens/s as they come, {rate['graphs']:.1f} with graphs "
+              f"({rate['graphs'] / rate['eager']:.2f}x)", flush=True)
+    if graphs is not None:
+        result["graph_buckets"], result["graph_captures"] = len(graphs.buckets), graphs.captures
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    eng.runner.graphs = None  # (the forwards as they come: where the host time goes)
     with torch.profiler.profile(activities=activities) as prof:
         runner_steps(eng, args.context, PROFILED, sync)
     table = prof.key_averages()
@@ -122,6 +175,15 @@ def main(argv=None):
         result["device_ms_per_forward"] = sum(e.self_device_time_total for e in table) / 1e3 / PROFILED
         print(f"per forward: {result['kernel_launches_per_forward']:.0f} kernel launches, device busy "
               f"{result['device_ms_per_forward']:.2f} ms")
+    if len(activities) > 1 and graphs is not None and graphs.capture:  # the same forwards replayed as graphs
+        eng.runner.graphs = graphs
+        with torch.profiler.profile(activities=activities) as prof:
+            runner_steps(eng, args.context, PROFILED, sync)
+        table = prof.key_averages()
+        result["graphs_launches_per_forward"] = sum(
+            e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))
+        ) / PROFILED
+        print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs)")
     write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result)
 
 

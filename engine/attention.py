@@ -41,9 +41,10 @@ def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
     return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def mask_needed(device: torch.device, plain_causal: bool, dtype: torch.dtype) -> bool:
-    """False only when the batch can go to flash-attn without a mask."""
-    return not (plain_causal and use_flash(device, dtype))
+def mask_needed(device: torch.device, dtype: torch.dtype, visible: torch.Tensor) -> bool:
+    """False only when a group can go to flash-attn without a mask: plain causal attention over its whole cache
+    (one call, bool visible [1, segments], that sees every entry). Reads `visible` only where flash is usable."""
+    return not (use_flash(device, dtype) and visible.shape[0] == 1 and bool(visible.all()))
 
 
 DECODE_ROWS = 8  # masked queries of at most this many rows skip cuDNN on CUDA (module docstring)
@@ -96,7 +97,7 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     """Attention of one forward over several groups' caches: [1, H, N, D] queries -> [1, N, H, D]."""
     _, h, n, d = query.shape
     layer = module.layer_idx
-    out = query.new_empty(n, h, d)
+    out = None if step.padded else query.new_empty(n, h, d)
     for part in step.large:
         rows, mask, r = part.rows, part.mask, part.scratch
         if r:  # scratch calls' rows first: they attend [0, their last token), the rest [start, length)
@@ -112,8 +113,12 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
         out[rows] = attention_forward(module, query[:, :, rows], k, v, mask, scaling, dropout)[0][0]
     if step.small:
         g, r, _ = step.shape
-        q = query[0].index_select(1, step.row_index).view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
+        q = query[0] if step.padded else query[0].index_select(1, step.row_index)
+        q = q.view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
         k, v = step.shared_kv(layer)
         o = sdpa(q, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=h != k.shape[1])
-        out.index_copy_(0, step.rows, o.transpose(1, 2).reshape(g * r, h, d).index_select(0, step.valid))
+        o = o.transpose(1, 2).reshape(g * r, h, d)
+        if step.padded:  # (engine.graphs: the forward's rows are the padded rows)
+            return o[None]
+        out.index_copy_(0, step.rows, o.index_select(0, step.valid))
     return out[None]

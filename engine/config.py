@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 CALIBRATION_MANIFEST = "calibration.json"  # (engine.calibration.MANIFEST)
+DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.graphs)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _PATHS_HERE = contextvars.ContextVar("braid_paths_here", default=True)
@@ -53,6 +54,9 @@ class EngineConfig:
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
     # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
     calibration: str = "auto"
+    # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.graphs): "auto": on CUDA, off on
+    # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
+    decode_graphs: str = "auto"
 
     def __post_init__(self):
         if paths_here() and not os.path.isdir(self.model_path):
@@ -77,6 +81,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise ValueError(f"decode_graphs {self.decode_graphs!r} is not one of {', '.join(DECODE_GRAPHS)}")
         manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)
         if paths_here() and self.calibration not in ("auto", "none") and not os.path.isfile(manifest):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "

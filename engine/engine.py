@@ -24,6 +24,7 @@ from braid.engine.errors import (
 )
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
+from braid.engine.graphs import DecodeGraphs
 from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
@@ -193,6 +194,8 @@ class Engine:
                                    KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
                                                        // config.kv_block_tokens), config.kv_block_tokens),
                                    config.max_running_calls, name=self.fingerprint[:8])
+        if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
+            self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
         if config.calibration != "none":
             from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)

@@ -47,8 +47,12 @@ class KVPool:
     def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16):
         s = lm.spec
         self.block_tokens = block_tokens
-        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, blocks * block_tokens, s.head_dim, dtype=lm.dtype,
-                              device=lm.device)
+        self.blocks = blocks
+        # one block more than it hands out: its first slot is where the padding rows of a static forward write
+        # their KV, which nothing reads (engine.graphs)
+        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
+                              dtype=lm.dtype, device=lm.device)
+        self.trash = blocks * block_tokens
         self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
         self.shared: dict[tuple, SharedRun] = {}
 
@@ -84,10 +88,6 @@ class KVPool:
         if run.refs == 0:
             del self.shared[run.key]
             self.release(run.blocks)
-
-    @property
-    def blocks(self) -> int:
-        return self.kv.shape[3] // self.block_tokens
 
     @property
     def free_blocks(self) -> int:
@@ -263,6 +263,8 @@ class _Step:
     attend their own cache one by one; the others (decode steps) share one padded attention call, their
     caches read from the pool in one indexed gather per layer, padded to the longest and masked."""
 
+    padded = False  # (engine.graphs.PaddedStep: every row of the forward is a padded row of the shared call)
+
     def __init__(self, parts: list[_Part]):
         self.parts = parts
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
@@ -312,39 +314,55 @@ class _Step:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, graphs=None):
         self.lm = lm
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
+        self.graphs = graphs  # engine.graphs.DecodeGraphs, or None: every forward runs as it comes
 
     @torch.inference_mode()
-    def step(self, groups: list[GroupInput]) -> list[torch.Tensor | None]:
+    def step(self, groups: list[GroupInput], static: bool = True) -> list[torch.Tensor | None]:
         """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
-        over its own cache); returns each group's fp32 logits of its `logit_rows`."""
+        over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
+        groups runs at a static shape (engine.graphs) when the runner has graphs and `static` allows it (the
+        scheduler's forwards with base weights: a graph replays the weights it was captured with)."""
+        graphed = static and self.graphs is not None and self.graphs.fits(groups)
         parts, start = [], 0
         for g in groups:
-            num_entries = g.visible.shape[1] - g.visible.shape[0]
-            r, cache = g.scratch_rows, g.cache
-            rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
-            g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
-            if r:
-                g.slots = torch.cat([cache.next_scratch(r), g.slots])
-            plain_causal = g.visible.shape[0] == 1 and bool(g.visible.all())
-            mask = None
-            if len(groups) > 1 or mask_needed(self.lm.device, plain_causal, self.lm.dtype):
-                lo = 0 if r else cache.start
-                keys = torch.arange(lo, cache.length, device=g.visible.device)
-                mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
-                mask = mask[None, None]
-            rows = slice(start, start + len(g.input_ids))
-            parts.append(_Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0))
-            start = rows.stop
+            part = self._part(g, start, masked=graphed or len(groups) > 1)
+            parts.append(part)
+            start = part.rows.stop
+        if graphed:
+            return self.graphs.run(groups, parts)
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]
-        placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
         step = _Step(parts)
-        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
-                           past_key_values=step, use_cache=True, braid_step=step)
-        hidden = out.last_hidden_state[0]
+        hidden = self.forward(input_ids, positions, step)
         return [None if g.logit_rows is None else self.lm_head(hidden[p.rows][g.logit_rows]).float()
                 for g, p in zip(groups, parts)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step") -> torch.Tensor:
+        """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden]."""
+        placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
+        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
+                           past_key_values=step, use_cache=True, braid_step=step)
+        return out.last_hidden_state[0]
+
+    def _part(self, g: GroupInput, start: int, masked: bool) -> _Part:
+        """Claim the group's slots in its cache (setting g.slots) and build its mask, unless it needs none (one
+        plain-causal group on flash-attn, and `masked` false): its place in a forward whose rows so far end at
+        `start`."""
+        num_entries = g.visible.shape[1] - g.visible.shape[0]
+        r, cache = g.scratch_rows, g.cache
+        rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
+        g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
+        if r:
+            g.slots = torch.cat([cache.next_scratch(r), g.slots])
+        mask = None
+        if masked or mask_needed(self.lm.device, self.lm.dtype, g.visible):
+            lo = 0 if r else cache.start
+            keys = torch.arange(lo, cache.length, device=g.visible.device)
+            mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
+            mask = mask[None, None]
+        rows = slice(start, start + len(g.input_ids))
+        return _Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0)

@@ -432,7 +432,7 @@ class Scheduler:
         self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
         try:
             with _adapted(adapter, batch):
-                return self.runner.step([inp for _, inp in batch])
+                return self.runner.step([inp for _, inp in batch], static=adapter is None)
         except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
             log.exception("forward failed for %d group(s)", len(batch))
             for g, _ in batch:

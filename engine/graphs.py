@@ -1,0 +1,161 @@
+"""Decode forwards at static shapes, replayed as CUDA graphs: a decode step's host time becomes one replay.
+
+A decode step of the 8B shape on an H200 spent 12 ms on the host launching about 2400 kernels for 3 ms of
+device work (benchmarks/profile_decode.py). A forward whose groups are all decode-sized (at most
+SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape instead: G groups of R rows,
+each attending T keys (powers of two). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
+the first `length` of its T; the rest is padding, masked out. Padding rows see one key, write their KV to
+the pool's trash slot, which no call owns, and are dropped. Every input of the forward (token ids, positions,
+where each row's KV goes, which pool slots each group reads, the masks) is copied into the bucket's static
+buffers, so one CUDA graph per bucket, captured the first time the bucket is used, replays the whole
+forward, lm_head included.
+
+The padded forward computes what the scheduler's shared decode attention (engine.runner._Step) computes,
+with more masked keys and rows: the same tokens, logits equal within rounding (the masked keys add exact
+zeros, but sums over longer rows may round differently). Tested on CPU, where mode "eager" runs the
+padded forward without capturing it.
+
+A graph replays the weights it was captured with, so only forwards with base weights come here (the
+scheduler passes `static=False` while a LoRA's weights are swapped in).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from braid.engine.runner import SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step
+
+log = logging.getLogger(__name__)
+
+MAX_GROUPS = 64  # groups in one static forward (more run as they come)
+MAX_KEYS = 1 << 16  # G * T: the keys one static forward reads (its gathered KV and scores grow with it)
+MIN_KEYS = 64  # the smallest T
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two at or above n (and at or above `least`)."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+class PaddedStep(_Step):
+    """A static forward's view for the cache writes and the attention: every row is a padded row of the
+    shared decode attention. Its buffers belong to a bucket and are overwritten for each forward."""
+
+    padded = True
+
+    def __init__(self, pool: KVPool, shape: tuple[int, int, int]):
+        g, r, t = shape
+        device, trash = pool.kv.device, pool.trash
+        self.pool, self.shape = pool, shape
+        self.parts, self.large, self.small = [], [], True
+        self.write_index = torch.full((g * r,), trash, dtype=torch.long, device=device)  # each row's KV slot
+        self.read_index = torch.full((g * t,), trash, dtype=torch.long, device=device)  # each key's pool slot
+        self.mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
+        self.input_ids = torch.zeros(1, g * r, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, g * r, dtype=torch.long, device=device)
+        self.clear()
+
+    def clear(self) -> None:
+        """Every row padding: it reads key 0 (the trash slot) and writes there."""
+        self.write_index.fill_(self.pool.trash)
+        self.read_index.fill_(self.pool.trash)
+        self.mask.zero_()
+        self.mask[..., 0] = True
+        self.input_ids.zero_()
+        self.positions.zero_()
+
+    def load(self, groups: list[GroupInput], parts: list[_Part]) -> None:
+        """This forward's groups into the buffers: group i's rows at [i*R, i*R + n), its keys at [i*T, i*T + length)."""
+        _, r, t = self.shape
+        self.clear()
+        for i, (g, p) in enumerate(zip(groups, parts)):
+            n, cache = len(g.input_ids), p.cache
+            length = cache.length - cache.start
+            rows = slice(i * r, i * r + n)
+            self.input_ids[0, rows] = g.input_ids
+            self.positions[0, rows] = g.positions
+            self.write_index[rows] = cache.index[p.slots]
+            self.read_index[i * t:i * t + length] = cache.index[cache.start:cache.length]
+            self.mask[i, 0, :n, :length] = p.mask[0, 0]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    step: PaddedStep
+    graph: "torch.cuda.CUDAGraph | None" = None
+    logits: torch.Tensor | None = None  # the captured forward's output: fp32 [G * R, vocab]
+
+
+class DecodeGraphs:
+    """The runner's static decode forwards, one bucket per (G, R, T) in use. `capture`: replay CUDA graphs
+    (CUDA only); false: run the padded forward as it comes (what the graphs replay; CPU tests)."""
+
+    def __init__(self, runner: ModelRunner, pool: KVPool, capture: bool):
+        if capture and runner.lm.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {runner.lm.device}")
+        self.runner, self.pool, self.capture = runner, pool, capture
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None  # (one memory pool for every graph)
+        self.replays = self.captures = 0
+
+    def shape(self, groups: list[GroupInput]) -> tuple[int, int, int] | None:
+        """The bucket these groups' forward runs in, or None when it is not a static decode forward."""
+        if not groups or len(groups) > MAX_GROUPS:
+            return None
+        rows = max(len(g.input_ids) for g in groups)
+        if rows > SHARED_ATTENTION_ROWS or any(g.scratch_rows for g in groups):
+            return None
+        keys = max(g.cache.length + len(g.input_ids) - g.cache.start for g in groups)  # (after this step's rows)
+        shape = (bucket(len(groups)), bucket(rows), bucket(keys, MIN_KEYS))
+        return shape if shape[0] * shape[2] <= MAX_KEYS else None
+
+    def fits(self, groups: list[GroupInput]) -> bool:
+        return self.shape(groups) is not None
+
+    def run(self, groups: list[GroupInput], parts: list[_Part]) -> list[torch.Tensor | None]:
+        """The forward of these groups (their slots claimed and masks built: ModelRunner._part), padded: each
+        group's fp32 logits of its `logit_rows`."""
+        shape = self.shape(groups)
+        b = self.buckets.get(shape)
+        if b is None:
+            b = self.buckets[shape] = self._bucket(shape)
+        b.step.load(groups, parts)
+        if b.graph is not None:
+            b.graph.replay()
+            self.replays += 1
+            logits = b.logits
+        else:
+            logits = self._forward(b.step)
+        r = shape[1]
+        return [None if g.logit_rows is None else logits[i * r:i * r + len(g.input_ids)][g.logit_rows].clone()
+                for i, g in enumerate(groups)]
+
+    def _forward(self, step: PaddedStep) -> torch.Tensor:
+        hidden = self.runner.forward(step.input_ids, step.positions, step)  # [G * R, hidden]
+        return self.runner.lm_head(hidden).float()
+
+    def _bucket(self, shape: tuple[int, int, int]) -> _Bucket:
+        """A new bucket's buffers, and its graph captured over them while every row is padding (it writes
+        only the trash slot). A capture that fails leaves that bucket, and every later one, eager."""
+        b = _Bucket(PaddedStep(self.pool, shape))
+        if not self.capture:
+            return b
+        try:
+            side = torch.cuda.Stream(device=self.pool.kv.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # (warm-up off the graph: lazy initialisations, cuBLAS workspaces)
+                for _ in range(2):
+                    self._forward(b.step)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                b.logits = self._forward(b.step)
+            b.graph = graph
+            self.captures += 1
+            log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *shape)
+        except Exception:
+            log.exception("capturing a decode graph for %s failed; static forwards run without graphs", shape)
+            self.capture = False
+            b.logits = None
+        return b

@@ -1,0 +1,169 @@
+"""Static decode forwards (engine.graphs): the padded forward against the forward as it comes, what it writes,
+what it may not do under a CUDA graph, when it applies; on CUDA, the graphs' replays against it."""
+
+import pytest
+import torch
+from test_scheduler import REQUESTS, concurrently, workflow
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from braid.engine import Engine, EngineConfig
+from braid.engine.graphs import MAX_GROUPS, MAX_KEYS, bucket
+from braid.engine.runner import GroupInput, WorkCache
+from braid.engine.synthesis import Placement
+from braid.models.tasks import generate
+
+CUDA = torch.cuda.is_available()
+
+
+def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> list[GroupInput]:
+    """One decode group per length: a work cache holding `length` slots of random KV in one segment (the context
+    entry) and `rows` parallel calls that see it, each with one new token."""
+    gen = torch.Generator().manual_seed(seed)
+    pool, dev = eng.scheduler.pool, eng.lm.device
+    out = []
+    for length, n in zip(lengths, rows):
+        cache = WorkCache(eng.lm, length + n, pool, pool.allocate(length + n))
+        kv = torch.randn(*pool.kv.shape[:3], length, pool.kv.shape[4], generator=gen)
+        cache.append(kv.to(device=dev, dtype=pool.kv.dtype), segment=0)
+        visible = torch.ones(n, 1 + n, dtype=torch.bool, device=dev)
+        visible[:, 1:] = torch.eye(n, dtype=torch.bool, device=dev)  # (each call sees its own tokens)
+        ids = torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).to(dev)
+        out.append(GroupInput(cache, visible, ids, torch.full((n,), length, device=dev),
+                              torch.arange(n, device=dev), torch.arange(n, device=dev)))
+    return out
+
+
+def release(eng: Engine, groups: list[GroupInput]) -> None:
+    for g in groups:
+        eng.scheduler.pool.release(g.cache.blocks)
+
+
+@pytest.fixture(scope="module")
+def padded_engine(checkpoint):
+    return Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager"))
+
+
+def test_config_and_buckets(checkpoint):
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16] and bucket(3, 64) == 64
+    with pytest.raises(ValueError, match="decode_graphs 'always' is not one of auto, off, eager"):
+        EngineConfig(checkpoint("llama"), decode_graphs="always")
+    assert Engine(EngineConfig(checkpoint("llama"), decode_graphs="off")).runner.graphs is None
+    if not CUDA:  # (auto: graphs on CUDA only)
+        assert Engine(EngineConfig(checkpoint("llama"))).runner.graphs is None
+
+
+def test_which_forwards_are_static(padded_engine):
+    graphs = padded_engine.runner.graphs
+    groups = groups_over(padded_engine, [5, 40, 100], [1, 3, 8], 0)
+    assert graphs.shape(groups) == (4, 8, 128)  # (G, R, T): 3 groups, 8 rows at most, 108 keys at most
+    many = groups_over(padded_engine, [3], [9], 1)  # (more rows than a decode step has: a prefill chunk)
+    assert graphs.shape(many) is None
+    groups[1].scratch_rows = 1
+    assert graphs.shape(groups) is None
+    assert graphs.shape(groups[:1] * (MAX_GROUPS + 1)) is None
+    long = groups_over(padded_engine, [MAX_KEYS // 2 - 1], [1], 2)  # (with its new row: T = MAX_KEYS / 2)
+    assert graphs.shape(long * 2) == (2, 1, MAX_KEYS // 2) and graphs.shape(long * 3) is None
+    release(padded_engine, groups + many + long)
+
+
+def test_padded_forward_equals_the_forward_as_it_comes(padded_engine):
+    """fp32: three groups of other lengths and row counts. The padded forward gives the same logits (within
+    rounding) and writes the same KV into each group's slots; outside them it writes only the trash slot."""
+    eng = padded_engine
+    pool = eng.scheduler.pool
+    lengths, rows = [7, 33, 90], [1, 3, 2]
+    a, b = groups_over(eng, lengths, rows, 3), groups_over(eng, lengths, rows, 3)
+    before = pool.kv.clone()
+    static = eng.runner.step(a)
+    dynamic = eng.runner.step(b, static=False)
+    assert max(eng.runner.graphs.buckets) == (4, 4, 128)
+    for s, d in zip(static, dynamic):
+        assert s.shape == d.shape and torch.allclose(s, d, atol=1e-5, rtol=1e-5)
+        assert torch.equal(s.argmax(-1), d.argmax(-1))
+    for ga, gb in zip(a, b):
+        new_a, new_b = ga.cache.index[ga.slots], gb.cache.index[gb.slots]
+        assert torch.allclose(pool.kv[..., new_a, :], pool.kv[..., new_b, :], atol=1e-5)
+    written = torch.cat([g.cache.index[g.slots] for g in a + b] + [torch.tensor([pool.trash])])
+    untouched = torch.ones(pool.kv.shape[3], dtype=torch.bool)
+    untouched[written.cpu()] = False
+    assert torch.equal(pool.kv[..., untouched.to(pool.kv.device), :], before[..., untouched.to(pool.kv.device), :])
+    release(eng, a + b)
+
+
+def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, padded_engine):
+    """Whole workflows, alone and from many threads at once: the same greedy tokens with static decode
+    forwards as without them, and the batched ones did run in buckets of several groups."""
+    off = Engine(EngineConfig(checkpoint("llama"), decode_graphs="off"))
+    alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
+    assert [workflow(padded_engine, task, contexts) for task, contexts in REQUESTS] == alone
+    assert concurrently(lambda t, c: workflow(padded_engine, t, c), REQUESTS * 2) == alone * 2
+    assert any(g > 1 for g, _, _ in padded_engine.runner.graphs.buckets)
+    assert padded_engine.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+
+
+SYNCS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique")
+
+
+def test_the_padded_forward_never_waits_for_the_device(padded_engine):
+    """What a CUDA graph cannot hold: no op in the padded forward reads a tensor's value back to the host."""
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    graphs = padded_engine.runner.graphs
+    groups = groups_over(padded_engine, [12, 50], [2, 1], 4)
+    parts, start = [], 0
+    for g in groups:
+        parts.append(padded_engine.runner._part(g, start, masked=True))
+        start = parts[-1].rows.stop
+    padded = graphs._bucket(graphs.shape(groups)).step
+    padded.load(groups, parts)
+    with torch.inference_mode(), Ops():
+        graphs._forward(padded)
+    assert {"linear", "index_copy_", "index_select"} <= seen and not seen & set(SYNCS)
+    release(padded_engine, groups)
+
+
+def test_lora_forwards_run_as_they_come(checkpoint, tmp_path):
+    """A graph replays the weights it was captured with: calibrated syntheses (the LoRA swapped in) give the
+    same tokens and KV with static decode forwards on as off, and none of their adapted forwards is static."""
+    from test_calibration import answer, make_calibration, run_workers  # (peft, grpc: not on every GPU image)
+
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "cal", random=True)
+    off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
+    graphs, forward = padded.runner.graphs, padded.runner.step
+    modes, static_runs = [], []
+    run = graphs.run
+    graphs.run = lambda groups, parts: static_runs.append(modes[-1]) or run(groups, parts)
+
+    def step(groups, static=True):  # (the scheduler's call: static=False while an adapter is swapped in)
+        modes.append(static)
+        return forward(groups, static)
+
+    padded.runner.step = step
+    task = generate("chain", 3, 3)
+    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks) for e in (off, padded)]
+    assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-5)
+    assert False in modes and static_runs and all(static_runs)  # (adapted forwards ran, none of them static)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_graph_replays_equal_the_padded_forward(checkpoint):
+    """On CUDA: each bucket's captured graph gives bit-identical logits to the padded forward run as it comes,
+    and whole workflows the same tokens as without static forwards."""
+    graphed = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32"))
+    eager = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs="eager"))
+    off = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs="off"))
+    for lengths, rows in (([7, 33, 90], [1, 3, 2]), ([200], [1])):
+        a, b = groups_over(graphed, lengths, rows, 5), groups_over(eager, lengths, rows, 5)
+        for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
+            assert torch.equal(x, y)
+        release(graphed, a), release(eager, b)
+    assert graphed.runner.graphs.captures == 2 and graphed.runner.graphs.replays == 2
+    alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
+    assert concurrently(lambda t, c: workflow(graphed, t, c), REQUESTS * 2) == alone * 2
+    assert graphed.runner.graphs.replays > 2
