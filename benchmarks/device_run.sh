@@ -5,7 +5,7 @@
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
 # STEPS picks some of: graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all);
-# LAYERS cuts the shape's layers for profile_decode (0: all of them).
+# LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests.
 set -u
 OUT=${OUT:-/tmp/braid-device}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -49,7 +49,8 @@ step kvcomm 150 $PY benchmarks/kvcomm.py --model "$MODEL" --device "$DEVICE" ${K
 step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
   --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
 rm -rf "$MODEL"
-step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
-  -p no:warnings tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
-  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py tests/test_graphs.py
+TESTS=${TESTS:-tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
+  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py tests/test_graphs.py}
+step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -rf --tb=short \
+  -p no:cacheprovider -p no:warnings $TESTS
 log done

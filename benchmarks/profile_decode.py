@@ -86,6 +86,11 @@ def hf_decode(model, prompt, tokens, sync):
     return (time.perf_counter() - start) / (tokens - 1)
 
 
+def device_ms(table) -> float:
+    """The device's busy time in a profiler table: its kernels' (and copies') own time, in ms."""
+    return sum(e.self_device_time_total for e in table if e.device_type != torch.autograd.DeviceType.CPU) / 1e3
+
+
 def concurrent_decode(eng, ctx, tokens, n):
     """Tokens per second of `n` calls decoding at once after the same context, each from its own thread."""
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -147,6 +152,7 @@ def main(argv=None):
           f"{result['transformers_ms_per_token']:.1f} ms/token", flush=True)
     result["concurrency"] = []
     for n in args.concurrency:
+        side_by_side(eng, graphs, 1, lambda: concurrent_decode(eng, ctx, args.tokens, n))  # (graphs captured)
         rate = side_by_side(eng, graphs, 1, lambda: concurrent_decode(eng, ctx, args.tokens, n))
         result["concurrency"].append({"calls": n, "eager_tokens_per_s": rate["eager"],
                                       "graphs_tokens_per_s": rate["graphs"]})
@@ -172,7 +178,7 @@ def main(argv=None):
     if len(activities) > 1:  # per forward: kernel launches, and the time the device was busy
         result["kernel_launches_per_forward"] = sum(
             e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / PROFILED
-        result["device_ms_per_forward"] = sum(e.self_device_time_total for e in table) / 1e3 / PROFILED
+        result["device_ms_per_forward"] = device_ms(table) / PROFILED
         print(f"per forward: {result['kernel_launches_per_forward']:.0f} kernel launches, device busy "
               f"{result['device_ms_per_forward']:.2f} ms")
     if len(activities) > 1 and graphs is not None and graphs.capture:  # the same forwards replayed as graphs
@@ -180,10 +186,14 @@ def main(argv=None):
         with torch.profiler.profile(activities=activities) as prof:
             runner_steps(eng, args.context, PROFILED, sync)
         table = prof.key_averages()
+        print(f"\ngraphed, {PROFILED} decode forwards, by self_device_time_total:\n"
+              + table.table(sort_by="self_device_time_total", row_limit=args.rows), flush=True)
         result["graphs_launches_per_forward"] = sum(
             e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))
         ) / PROFILED
-        print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs)")
+        result["graphs_device_ms_per_forward"] = device_ms(table) / PROFILED
+        print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs), "
+              f"device busy {result['graphs_device_ms_per_forward']:.2f} ms")
     write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result)
 
 

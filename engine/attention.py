@@ -55,11 +55,13 @@ def skips_cudnn(device_type: str, rows: int, masked: bool) -> bool:
     return device_type == "cuda" and masked and rows <= DECODE_ROWS
 
 
-def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_gqa=False) -> torch.Tensor:
+def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_gqa=False,
+         rows: int | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention (no dropout), with decode-sized masked queries on CUDA run by the math
     kernel, as SDPA runs them with cuDNN switched off. A boolean mask becomes additive first, as SDPA makes it
-    (the result is bit-identical to SDPA's math backend)."""
-    if not skips_cudnn(query.device.type, query.shape[-2], attn_mask is not None):
+    (the result is bit-identical to SDPA's math backend). `rows`: the query rows that decide which (default:
+    the query's own; decode_attention's rows are several heads' rows)."""
+    if not skips_cudnn(query.device.type, query.shape[-2] if rows is None else rows, attn_mask is not None):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
                                               is_causal=is_causal, enable_gqa=enable_gqa)
     if attn_mask.dtype == torch.bool:
@@ -67,6 +69,19 @@ def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_
             ~attn_mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, 0.0, is_causal, None,
                                                              scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def decode_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """The shared attention of decode-sized groups (engine.runner): queries [G, H, R, D] over keys and values
+    [G, Hkv, T, D] with a mask [G, 1, R, T] (bool, or additive) -> [G, H, R, D]. The H / Hkv query heads that
+    share a KV head go in as that head's rows, so the keys and values are read as they are; SDPA's GQA would
+    repeat them for every query head first, which costs more than the attention itself at decode sizes."""
+    g, h, r, d = query.shape
+    n, t = h // key.shape[1], key.shape[2]
+    if n > 1:
+        query = query.reshape(g, key.shape[1], n * r, d)
+        mask = mask[:, :, None].expand(g, 1, n, r, t).reshape(g, 1, n * r, t)
+    return sdpa(query, key, value, attn_mask=mask, scale=scale, rows=r).reshape(g, h, r, d)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,
@@ -116,8 +131,7 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
         q = query[0] if step.padded else query[0].index_select(1, step.row_index)
         q = q.view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
         k, v = step.shared_kv(layer)
-        o = sdpa(q, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=h != k.shape[1])
-        o = o.transpose(1, 2).reshape(g * r, h, d)
+        o = decode_attention(q, k, v, step.mask, scaling).transpose(1, 2).reshape(g * r, h, d)
         if step.padded:  # (engine.graphs: the forward's rows are the padded rows)
             return o[None]
         out.index_copy_(0, step.rows, o.index_select(0, step.valid))

@@ -3,7 +3,7 @@
 A decode step of the 8B shape on an H200 spent 12 ms on the host launching about 2400 kernels for 3 ms of
 device work (benchmarks/profile_decode.py). A forward whose groups are all decode-sized (at most
 SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape instead: G groups of R rows,
-each attending T keys (powers of two). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
+each attending T keys (powers of two; T in steps of KEY_STEP past it). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
 the first `length` of its T; the rest is padding, masked out. Padding rows see one key, write their KV to
 the pool's trash slot, which no call owns, and are dropped. Every input of the forward (token ids, positions,
 where each row's KV goes, which pool slots each group reads, the masks) is copied into the bucket's static
@@ -33,9 +33,17 @@ MAX_KEYS = 1 << 16  # G * T: the keys one static forward reads (its gathered KV 
 MIN_KEYS = 64  # the smallest T
 
 
+KEY_STEP = 512  # past this many keys, T grows in steps of this many (not doubling: attention reads all of T)
+
+
 def bucket(n: int, least: int = 1) -> int:
     """The power of two at or above n (and at or above `least`)."""
     return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def key_bucket(n: int) -> int:
+    """T for groups of at most n keys: a power of two up to KEY_STEP, then the next multiple of KEY_STEP."""
+    return bucket(n, MIN_KEYS) if n <= KEY_STEP else -(-n // KEY_STEP) * KEY_STEP
 
 
 class PaddedStep(_Step):
@@ -51,7 +59,9 @@ class PaddedStep(_Step):
         self.parts, self.large, self.small = [], [], True
         self.write_index = torch.full((g * r,), trash, dtype=torch.long, device=device)  # each row's KV slot
         self.read_index = torch.full((g * t,), trash, dtype=torch.long, device=device)  # each key's pool slot
-        self.mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
+        self.allowed = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
+        # what attention reads: the mask made additive once a forward, not in every layer
+        self.mask = torch.zeros(g, 1, r, t, dtype=pool.kv.dtype, device=device)
         self.input_ids = torch.zeros(1, g * r, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, g * r, dtype=torch.long, device=device)
         self.clear()
@@ -60,8 +70,8 @@ class PaddedStep(_Step):
         """Every row padding: it reads key 0 (the trash slot) and writes there."""
         self.write_index.fill_(self.pool.trash)
         self.read_index.fill_(self.pool.trash)
-        self.mask.zero_()
-        self.mask[..., 0] = True
+        self.allowed.zero_()
+        self.allowed[..., 0] = True
         self.input_ids.zero_()
         self.positions.zero_()
 
@@ -77,7 +87,8 @@ class PaddedStep(_Step):
             self.positions[0, rows] = g.positions
             self.write_index[rows] = cache.index[p.slots]
             self.read_index[i * t:i * t + length] = cache.index[cache.start:cache.length]
-            self.mask[i, 0, :n, :length] = p.mask[0, 0]
+            self.allowed[i, 0, :n, :length] = p.mask[0, 0]
+        self.mask.zero_().masked_fill_(~self.allowed, float("-inf"))
 
 
 @dataclass(eq=False)
@@ -107,7 +118,7 @@ class DecodeGraphs:
         if rows > SHARED_ATTENTION_ROWS or any(g.scratch_rows for g in groups):
             return None
         keys = max(g.cache.length + len(g.input_ids) - g.cache.start for g in groups)  # (after this step's rows)
-        shape = (bucket(len(groups)), bucket(rows), bucket(keys, MIN_KEYS))
+        shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
     def fits(self, groups: list[GroupInput]) -> bool:

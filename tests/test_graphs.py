@@ -7,7 +7,7 @@ from test_scheduler import REQUESTS, concurrently, workflow
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from braid.engine import Engine, EngineConfig
-from braid.engine.graphs import MAX_GROUPS, MAX_KEYS, bucket
+from braid.engine.graphs import KEY_STEP, MAX_GROUPS, MAX_KEYS, bucket, key_bucket
 from braid.engine.runner import GroupInput, WorkCache
 from braid.engine.synthesis import Placement
 from braid.models.tasks import generate
@@ -45,6 +45,8 @@ def padded_engine(checkpoint):
 
 def test_config_and_buckets(checkpoint):
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16] and bucket(3, 64) == 64
+    assert [key_bucket(n) for n in (1, 65, KEY_STEP, KEY_STEP + 1, 3 * KEY_STEP - 1)] == [
+        64, 128, KEY_STEP, 2 * KEY_STEP, 3 * KEY_STEP]
     with pytest.raises(ValueError, match="decode_graphs 'always' is not one of auto, off, eager"):
         EngineConfig(checkpoint("llama"), decode_graphs="always")
     assert Engine(EngineConfig(checkpoint("llama"), decode_graphs="off")).runner.graphs is None
@@ -83,7 +85,7 @@ def test_padded_forward_equals_the_forward_as_it_comes(padded_engine):
     for ga, gb in zip(a, b):
         new_a, new_b = ga.cache.index[ga.slots], gb.cache.index[gb.slots]
         assert torch.allclose(pool.kv[..., new_a, :], pool.kv[..., new_b, :], atol=1e-5)
-    written = torch.cat([g.cache.index[g.slots] for g in a + b] + [torch.tensor([pool.trash])])
+    written = torch.cat([g.cache.index[g.slots] for g in a + b] + [torch.tensor([pool.trash], device=pool.kv.device)])
     untouched = torch.ones(pool.kv.shape[3], dtype=torch.bool)
     untouched[written.cpu()] = False
     assert torch.equal(pool.kv[..., untouched.to(pool.kv.device), :], before[..., untouched.to(pool.kv.device), :])
