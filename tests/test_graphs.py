@@ -38,9 +38,12 @@ def release(eng: Engine, groups: list[GroupInput]) -> None:
         eng.scheduler.pool.release(g.cache.blocks)
 
 
+BUDGET = 64 << 20  # the work KV of these tests' engines (on CUDA the default takes half the free memory)
+
+
 @pytest.fixture(scope="module")
 def padded_engine(checkpoint):
-    return Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager"))
+    return Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
 
 
 def test_config_and_buckets(checkpoint):
@@ -157,9 +160,8 @@ def test_lora_forwards_run_as_they_come(checkpoint, tmp_path):
 def test_graph_replays_equal_the_padded_forward(checkpoint):
     """On CUDA: each bucket's captured graph gives bit-identical logits to the padded forward run as it comes,
     and whole workflows the same tokens as without static forwards."""
-    graphed = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32"))
-    eager = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs="eager"))
-    off = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs="off"))
+    graphed, eager, off = (Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs=mode,
+                                               kv_budget_bytes=BUDGET)) for mode in ("auto", "eager", "off"))
     for lengths, rows in (([7, 33, 90], [1, 3, 2]), ([200], [1])):
         a, b = groups_over(graphed, lengths, rows, 5), groups_over(eager, lengths, rows, 5)
         for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
