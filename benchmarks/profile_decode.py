@@ -22,7 +22,7 @@ import threading
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.runner import GroupInput, WorkCache
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import device_name, write_json
+from braid.results import device_name, grouped_bars, write_json
 
 
 PROFILED = 4  # decode forwards under the profiler
@@ -194,8 +194,18 @@ def main(argv=None):
         result["graphs_device_ms_per_forward"] = device_ms(table) / PROFILED
         print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs), "
               f"device busy {result['graphs_device_ms_per_forward']:.2f} ms")
-    write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result)
+    plot(write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result), result)
 
+
+def plot(stem: str, result: dict) -> None:
+    """stem.png: decode tokens/s at each concurrency, the engine's forwards as they come against graphed."""
+    runs = result.get("concurrency", [])
+    if runs:
+        grouped_bars(stem, f"decode, {result['shape']} ({result['layers']} layers), {result['device']}",
+                     [str(r["calls"]) for r in runs],
+                     [("tokens/s", {"as they come": [r["eager_tokens_per_s"] for r in runs],
+                                    "CUDA graphs" if result["device"] != "cpu" else "padded (eager)":
+                                    [r["graphs_tokens_per_s"] for r in runs]})], "calls decoding at once")
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ scheduler passes `static=False` while a LoRA's weights are swapped in).
 """
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ from braid.engine.runner import SHARED_ATTENTION_ROWS, GroupInput, KVPool, Model
 log = logging.getLogger(__name__)
 
 MAX_GROUPS = 64  # groups in one static forward (more run as they come)
-MAX_KEYS = 1 << 16  # G * T: the keys one static forward reads (its gathered KV and scores grow with it)
+MAX_KEYS = 1 << 18  # G * T: the keys one static forward reads (its gathered KV and scores grow with it)
+MAX_BUCKETS = 64  # buckets kept (with their graphs and outputs); the least recently used goes first
 MIN_KEYS = 64  # the smallest T
 
 
@@ -106,7 +108,7 @@ class DecodeGraphs:
         if capture and runner.lm.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {runner.lm.device}")
         self.runner, self.pool, self.capture = runner, pool, capture
-        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self.buckets: OrderedDict[tuple[int, int, int], _Bucket] = OrderedDict()  # (least recently used first)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None  # (one memory pool for every graph)
         self.replays = self.captures = 0
 
@@ -130,7 +132,10 @@ class DecodeGraphs:
         shape = self.shape(groups)
         b = self.buckets.get(shape)
         if b is None:
+            if len(self.buckets) == MAX_BUCKETS:
+                self.buckets.popitem(last=False)  # (its graph's memory goes back to the graphs' pool)
             b = self.buckets[shape] = self._bucket(shape)
+        self.buckets.move_to_end(shape)
         b.step.load(groups, parts)
         if b.graph is not None:
             b.graph.replay()

@@ -7,7 +7,8 @@ from test_scheduler import REQUESTS, concurrently, workflow
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from braid.engine import Engine, EngineConfig
-from braid.engine.graphs import KEY_STEP, MAX_GROUPS, MAX_KEYS, bucket, key_bucket
+from braid.engine import graphs as graphs_module
+from braid.engine.graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
 from braid.engine.runner import GroupInput, WorkCache
 from braid.engine.synthesis import Placement
 from braid.models.tasks import generate
@@ -57,7 +58,8 @@ def test_config_and_buckets(checkpoint):
         assert Engine(EngineConfig(checkpoint("llama"))).runner.graphs is None
 
 
-def test_which_forwards_are_static(padded_engine):
+def test_which_forwards_are_static(padded_engine, monkeypatch):
+    monkeypatch.setattr(graphs_module, "MAX_KEYS", 2048)
     graphs = padded_engine.runner.graphs
     groups = groups_over(padded_engine, [5, 40, 100], [1, 3, 8], 0)
     assert graphs.shape(groups) == (4, 8, 128)  # (G, R, T): 3 groups, 8 rows at most, 108 keys at most
@@ -66,9 +68,19 @@ def test_which_forwards_are_static(padded_engine):
     groups[1].scratch_rows = 1
     assert graphs.shape(groups) is None
     assert graphs.shape(groups[:1] * (MAX_GROUPS + 1)) is None
-    long = groups_over(padded_engine, [MAX_KEYS // 2 - 1], [1], 2)  # (with its new row: T = MAX_KEYS / 2)
-    assert graphs.shape(long * 2) == (2, 1, MAX_KEYS // 2) and graphs.shape(long * 3) is None
+    long = groups_over(padded_engine, [1023], [1], 2)  # (with its new row: T = 1024)
+    assert graphs.shape(long * 2) == (2, 1, 1024) and graphs.shape(long * 3) is None  # (G * T past MAX_KEYS)
     release(padded_engine, groups + many + long)
+
+
+def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
+    monkeypatch.setattr(graphs_module, "MAX_BUCKETS", 2)
+    eng = Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    for lengths in ([10], [100], [10], [300]):  # T: 64, 128, 64 again, 512
+        groups = groups_over(eng, lengths, [1], 6)
+        eng.runner.step(groups)
+        release(eng, groups)
+    assert list(eng.runner.graphs.buckets) == [(1, 1, 64), (1, 1, 512)]
 
 
 def test_padded_forward_equals_the_forward_as_it_comes(padded_engine):
