@@ -3,12 +3,12 @@
 A decode step of the 8B shape on an H200 spent 12 ms on the host launching about 2400 kernels for 3 ms of
 device work (benchmarks/profile_decode.py). A forward whose groups are all decode-sized (at most
 SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape instead: G groups of R rows,
-each attending T keys (powers of two; T in steps of KEY_STEP past it). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
+each attending T keys (powers of two; T in steps past KEY_STEP: key_bucket). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
 the first `length` of its T; the rest is padding, masked out. Padding rows see one key, write their KV to
 the pool's trash slot, which no call owns, and are dropped. Every input of the forward (token ids, positions,
 where each row's KV goes, which pool slots each group reads, the masks) is copied into the bucket's static
 buffers, so one CUDA graph per bucket, captured the first time the bucket is used, replays the whole
-forward, lm_head included.
+decoder; lm_head then runs on the rows that need logits, as it does for forwards that run as they come.
 
 The padded forward computes what the scheduler's shared decode attention (engine.runner._Step) computes,
 with more masked keys and rows: the same tokens, logits equal within rounding (the masked keys add exact
@@ -35,7 +35,7 @@ MAX_BUCKETS = 64  # buckets kept (with their graphs and outputs); the least rece
 MIN_KEYS = 64  # the smallest T
 
 
-KEY_STEP = 512  # past this many keys, T grows in steps of this many (not doubling: attention reads all of T)
+KEY_STEP = 512  # past this many keys, T grows in steps (not doubling: attention reads all of T): key_bucket
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -44,8 +44,13 @@ def bucket(n: int, least: int = 1) -> int:
 
 
 def key_bucket(n: int) -> int:
-    """T for groups of at most n keys: a power of two up to KEY_STEP, then the next multiple of KEY_STEP."""
-    return bucket(n, MIN_KEYS) if n <= KEY_STEP else -(-n // KEY_STEP) * KEY_STEP
+    """T for groups of at most n keys: a power of two up to KEY_STEP, then a multiple of a quarter of the next
+    power of two (at least KEY_STEP): at most a quarter of T is padding past 2 * KEY_STEP, and a decode that
+    grows crosses four steps for each doubling of its keys (each a graph to capture)."""
+    if n <= KEY_STEP:
+        return bucket(n, MIN_KEYS)
+    step = max(KEY_STEP, bucket(n) // 4)
+    return -(-n // step) * step
 
 
 class PaddedStep(_Step):
@@ -97,7 +102,7 @@ class PaddedStep(_Step):
 class _Bucket:
     step: PaddedStep
     graph: "torch.cuda.CUDAGraph | None" = None
-    logits: torch.Tensor | None = None  # the captured forward's output: fp32 [G * R, vocab]
+    hidden: torch.Tensor | None = None  # the captured forward's output: last hidden states [G * R, hidden]
 
 
 class DecodeGraphs:
@@ -113,7 +118,8 @@ class DecodeGraphs:
         self.replays = self.captures = 0
 
     def shape(self, groups: list[GroupInput]) -> tuple[int, int, int] | None:
-        """The bucket these groups' forward runs in, or None when it is not a static decode forward."""
+        """The bucket these groups' next forward runs in (asked before their rows claim slots), or None when it
+        is not a static decode forward."""
         if not groups or len(groups) > MAX_GROUPS:
             return None
         rows = max(len(g.input_ids) for g in groups)
@@ -123,40 +129,47 @@ class DecodeGraphs:
         shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
-    def fits(self, groups: list[GroupInput]) -> bool:
-        return self.shape(groups) is not None
-
-    def run(self, groups: list[GroupInput], parts: list[_Part]) -> list[torch.Tensor | None]:
-        """The forward of these groups (their slots claimed and masks built: ModelRunner._part), padded: each
-        group's fp32 logits of its `logit_rows`."""
-        shape = self.shape(groups)
+    def run(self, groups: list[GroupInput], parts: list[_Part], shape: tuple[int, int, int]) -> torch.Tensor | None:
+        """The forward of these groups in bucket `shape` (`shape(groups)` before their slots were claimed and
+        masks built: ModelRunner._part): the last hidden states of its padded rows [G * R, hidden], group i's
+        at [i * R, i * R + its rows). None when there is no memory for the bucket: this forward runs as it
+        comes."""
         b = self.buckets.get(shape)
         if b is None:
+            b = self._bucket(shape)
+            if b is None:
+                return None
             if len(self.buckets) == MAX_BUCKETS:
                 self.buckets.popitem(last=False)  # (its graph's memory goes back to the graphs' pool)
-            b = self.buckets[shape] = self._bucket(shape)
+            self.buckets[shape] = b
         self.buckets.move_to_end(shape)
         b.step.load(groups, parts)
-        if b.graph is not None:
-            b.graph.replay()
-            self.replays += 1
-            logits = b.logits
-        else:
-            logits = self._forward(b.step)
-        r = shape[1]
-        return [None if g.logit_rows is None else logits[i * r:i * r + len(g.input_ids)][g.logit_rows].clone()
-                for i, g in enumerate(groups)]
+        if b.graph is None:
+            return self._forward(b.step)
+        b.graph.replay()
+        self.replays += 1
+        return b.hidden
 
     def _forward(self, step: PaddedStep) -> torch.Tensor:
-        hidden = self.runner.forward(step.input_ids, step.positions, step)  # [G * R, hidden]
-        return self.runner.lm_head(hidden).float()
+        return self.runner.forward(step.input_ids, step.positions, step)  # [G * R, hidden]
 
-    def _bucket(self, shape: tuple[int, int, int]) -> _Bucket:
+    def _bucket(self, shape: tuple[int, int, int]) -> _Bucket | None:
         """A new bucket's buffers, and its graph captured over them while every row is padding (it writes
-        only the trash slot). A capture that fails leaves that bucket, and every later one, eager."""
-        b = _Bucket(PaddedStep(self.pool, shape))
-        if not self.capture:
+        only the trash slot). None when the device has no memory for it. A capture that fails otherwise (an op
+        a graph cannot hold) leaves that bucket, and every later one, eager."""
+        try:
+            b = _Bucket(PaddedStep(self.pool, shape))
+            if self.capture:
+                self._capture(b)
             return b
+        except torch.OutOfMemoryError:
+            log.warning("no device memory for a decode bucket of %d group(s) x %d row(s) x %d keys; that forward "
+                        "runs as it comes", *shape)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+    def _capture(self, b: _Bucket) -> None:
         try:
             side = torch.cuda.Stream(device=self.pool.kv.device)
             side.wait_stream(torch.cuda.current_stream())
@@ -166,12 +179,14 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                b.logits = self._forward(b.step)
+                b.hidden = self._forward(b.step)
             b.graph = graph
             self.captures += 1
-            log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *shape)
+            log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *b.step.shape)
+        except torch.OutOfMemoryError:
+            raise
         except Exception:
-            log.exception("capturing a decode graph for %s failed; static forwards run without graphs", shape)
+            log.exception("capturing a decode graph for %s failed; static forwards run without graphs",
+                          b.step.shape)
             self.capture = False
-            b.logits = None
-        return b
+            b.hidden = None

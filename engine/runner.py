@@ -53,6 +53,7 @@ class KVPool:
         self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
                               dtype=lm.dtype, device=lm.device)
         self.trash = blocks * block_tokens
+        self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
         self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
         self.shared: dict[tuple, SharedRun] = {}
 
@@ -326,20 +327,28 @@ class ModelRunner:
         over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
         groups runs at a static shape (engine.graphs) when the runner has graphs and `static` allows it (the
         scheduler's forwards with base weights: a graph replays the weights it was captured with)."""
-        graphed = static and self.graphs is not None and self.graphs.fits(groups)
+        graphs = self.graphs if static else None  # (read once)
+        shape = graphs.shape(groups) if graphs is not None else None
         parts, start = [], 0
         for g in groups:
-            part = self._part(g, start, masked=graphed or len(groups) > 1)
+            part = self._part(g, start, masked=shape is not None or len(groups) > 1)
             parts.append(part)
             start = part.rows.stop
-        if graphed:
-            return self.graphs.run(groups, parts)
+        if shape is not None:
+            hidden = graphs.run(groups, parts, shape)  # [G * R, hidden]: group i's rows from i * R
+            if hidden is not None:
+                r = shape[1]
+                return self._logits(groups, hidden, [slice(i * r, i * r + len(g.input_ids))
+                                                     for i, g in enumerate(groups)])
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]
-        step = _Step(parts)
-        hidden = self.forward(input_ids, positions, step)
-        return [None if g.logit_rows is None else self.lm_head(hidden[p.rows][g.logit_rows]).float()
-                for g, p in zip(groups, parts)]
+        hidden = self.forward(input_ids, positions, _Step(parts))
+        return self._logits(groups, hidden, [p.rows for p in parts])
+
+    def _logits(self, groups: list[GroupInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
+        """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`."""
+        return [None if g.logit_rows is None else self.lm_head(hidden[r][g.logit_rows]).float()
+                for g, r in zip(groups, rows)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step") -> torch.Tensor:
         """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden]."""

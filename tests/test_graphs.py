@@ -7,6 +7,7 @@ from test_scheduler import REQUESTS, concurrently, workflow
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from braid.engine import Engine, EngineConfig
+from braid.engine import attention
 from braid.engine import graphs as graphs_module
 from braid.engine.graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
 from braid.engine.runner import GroupInput, WorkCache
@@ -49,8 +50,8 @@ def padded_engine(checkpoint):
 
 def test_config_and_buckets(checkpoint):
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16] and bucket(3, 64) == 64
-    assert [key_bucket(n) for n in (1, 65, KEY_STEP, KEY_STEP + 1, 3 * KEY_STEP - 1)] == [
-        64, 128, KEY_STEP, 2 * KEY_STEP, 3 * KEY_STEP]
+    assert [key_bucket(n) for n in (1, 65, KEY_STEP, KEY_STEP + 1, 3 * KEY_STEP - 1, 5000)] == [
+        64, 128, KEY_STEP, 2 * KEY_STEP, 3 * KEY_STEP, 6144]  # (past 2 * KEY_STEP: steps of a quarter of 2^k)
     with pytest.raises(ValueError, match="decode_graphs 'always' is not one of auto, off, eager"):
         EngineConfig(checkpoint("llama"), decode_graphs="always")
     assert Engine(EngineConfig(checkpoint("llama"), decode_graphs="off")).runner.graphs is None
@@ -83,28 +84,56 @@ def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
     assert list(eng.runner.graphs.buckets) == [(1, 1, 64), (1, 1, 512)]
 
 
-def test_padded_forward_equals_the_forward_as_it_comes(padded_engine):
-    """fp32: three groups of other lengths and row counts. The padded forward gives the same logits (within
-    rounding) and writes the same KV into each group's slots; outside them it writes only the trash slot."""
-    eng = padded_engine
+def nan_outside(eng: Engine, groups: list[GroupInput]) -> torch.Tensor:
+    """Fill every pool slot the groups' caches do not hold with NaN, but the trash slot (as a pool whose slots
+    were used and freed may hold anything); returns the pool as it is then."""
     pool = eng.scheduler.pool
-    lengths, rows = [7, 33, 90], [1, 3, 2]
+    held = torch.zeros(pool.kv.shape[3], dtype=torch.bool, device=pool.kv.device)
+    for g in groups:
+        held[g.cache.index[:g.cache.length]] = True
+    held[pool.trash:] = True  # (the trash block: zeroed when the pool was made, written only by padding rows)
+    pool.kv[..., ~held, :] = float("nan")
+    return pool.kv.clone()
+
+
+@pytest.mark.parametrize("lengths,rows,shape", [([7, 33, 90], [1, 3, 2], (4, 4, 128)),
+                                                ([20, 61], [1, 1], (2, 1, 64))])  # (no padding row: G*R rows)
+def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows, shape):
+    """fp32, groups of other lengths and row counts over a pool whose other slots are NaN, on a new engine
+    (nothing written to its trash slot yet): the padded forward runs in the bucket its groups need after their
+    new rows, gives the same logits (within rounding) and writes the same KV into each group's slots; outside
+    them it writes only the trash slot."""
+    eng = Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    pool = eng.scheduler.pool
+    assert not pool.kv[..., pool.trash:, :].any()  # (a new pool's trash block is zeros, not what memory held)
     a, b = groups_over(eng, lengths, rows, 3), groups_over(eng, lengths, rows, 3)
-    before = pool.kv.clone()
+    before = nan_outside(eng, a + b)
     static = eng.runner.step(a)
+    assert next(reversed(eng.runner.graphs.buckets)) == shape  # (the bucket used last)
     dynamic = eng.runner.step(b, static=False)
-    assert max(eng.runner.graphs.buckets) == (4, 4, 128)
     for s, d in zip(static, dynamic):
-        assert s.shape == d.shape and torch.allclose(s, d, atol=1e-5, rtol=1e-5)
+        assert s.shape == d.shape and torch.isfinite(s).all() and torch.allclose(s, d, atol=1e-5, rtol=1e-5)
         assert torch.equal(s.argmax(-1), d.argmax(-1))
     for ga, gb in zip(a, b):
         new_a, new_b = ga.cache.index[ga.slots], gb.cache.index[gb.slots]
         assert torch.allclose(pool.kv[..., new_a, :], pool.kv[..., new_b, :], atol=1e-5)
     written = torch.cat([g.cache.index[g.slots] for g in a + b] + [torch.tensor([pool.trash], device=pool.kv.device)])
-    untouched = torch.ones(pool.kv.shape[3], dtype=torch.bool)
-    untouched[written.cpu()] = False
-    assert torch.equal(pool.kv[..., untouched.to(pool.kv.device), :], before[..., untouched.to(pool.kv.device), :])
+    untouched = torch.ones(pool.kv.shape[3], dtype=torch.bool, device=pool.kv.device)
+    untouched[written] = False
+    torch.testing.assert_close(pool.kv[..., untouched, :], before[..., untouched, :], rtol=0, atol=0, equal_nan=True)
     release(eng, a + b)
+
+
+def test_the_bucket_is_the_one_the_groups_need_at_its_bounds(padded_engine, monkeypatch):
+    """Groups whose keys, with their new rows, exactly fill T, and whose G * T is exactly MAX_KEYS, run static
+    in that bucket (their slots are claimed between choosing the bucket and running it)."""
+    monkeypatch.setattr(graphs_module, "MAX_KEYS", 128)
+    groups = groups_over(padded_engine, [63, 10], [1, 1], 7)
+    graphs = padded_engine.runner.graphs
+    assert graphs.shape(groups) == (2, 1, 64)
+    logits = padded_engine.runner.step(groups)
+    assert next(reversed(graphs.buckets)) == (2, 1, 64) and all(torch.isfinite(x).all() for x in logits)
+    release(padded_engine, groups)
 
 
 def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, padded_engine):
@@ -121,7 +150,7 @@ def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, p
 SYNCS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique")
 
 
-def test_the_padded_forward_never_waits_for_the_device(padded_engine):
+def test_the_padded_forward_never_waits_for_the_device(padded_engine, monkeypatch):
     """What a CUDA graph cannot hold: no op in the padded forward reads a tensor's value back to the host."""
     seen = set()
 
@@ -132,15 +161,19 @@ def test_the_padded_forward_never_waits_for_the_device(padded_engine):
 
     graphs = padded_engine.runner.graphs
     groups = groups_over(padded_engine, [12, 50], [2, 1], 4)
+    shape = graphs.shape(groups)
     parts, start = [], 0
     for g in groups:
         parts.append(padded_engine.runner._part(g, start, masked=True))
         start = parts[-1].rows.stop
-    padded = graphs._bucket(graphs.shape(groups)).step
+    padded = graphs._bucket(shape).step
     padded.load(groups, parts)
+    # (as on CUDA: decode-sized masked queries on SDPA's math kernel, which CPU runs too)
+    monkeypatch.setattr(attention, "skips_cudnn", lambda *args: True)
     with torch.inference_mode(), Ops():
         graphs._forward(padded)
-    assert {"linear", "index_copy_", "index_select"} <= seen and not seen & set(SYNCS)
+    assert {"linear", "index_copy_", "index_select", "_scaled_dot_product_attention_math"} <= seen
+    assert not seen & set(SYNCS)
     release(padded_engine, groups)
 
 
@@ -152,20 +185,21 @@ def test_lora_forwards_run_as_they_come(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
     off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
-    graphs, forward = padded.runner.graphs, padded.runner.step
-    modes, static_runs = [], []
-    run = graphs.run
-    graphs.run = lambda groups, parts: static_runs.append(modes[-1]) or run(groups, parts)
+    swaps = padded.calibration.hooks.adapter.__self__.swaps  # (engine.calibration.MergedLora: the adapted Linears)
+    graphs, run, static_runs = padded.runner.graphs, padded.runner.graphs.run, []
 
-    def step(groups, static=True):  # (the scheduler's call: static=False while an adapter is swapped in)
-        modes.append(static)
-        return forward(groups, static)
+    def checked(groups, parts, shape):  # (no static forward while a LoRA's weights are swapped in)
+        static_runs.append(all(module.weight is base for module, base, _ in swaps))
+        return run(groups, parts, shape)
 
-    padded.runner.step = step
+    graphs.run = checked
     task = generate("chain", 3, 3)
     got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks) for e in (off, padded)]
     assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-5)
-    assert False in modes and static_runs and all(static_runs)  # (adapted forwards ran, none of them static)
+    assert static_runs and all(static_runs)
+    assert swaps
+    with padded.calibration.hooks.adapter():  # (and the check itself sees a swap)
+        assert not all(module.weight is base for module, base, _ in swaps)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -174,12 +208,13 @@ def test_graph_replays_equal_the_padded_forward(checkpoint):
     and whole workflows the same tokens as without static forwards."""
     graphed, eager, off = (Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs=mode,
                                                kv_budget_bytes=BUDGET)) for mode in ("auto", "eager", "off"))
-    for lengths, rows in (([7, 33, 90], [1, 3, 2]), ([200], [1])):
-        a, b = groups_over(graphed, lengths, rows, 5), groups_over(eager, lengths, rows, 5)
+    for seed, (lengths, rows) in enumerate((([7, 33, 90], [1, 3, 2]), ([200], [1]), ([9, 40, 77], [2, 1, 3]))):
+        a, b = groups_over(graphed, lengths, rows, seed), groups_over(eager, lengths, rows, seed)
         for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
             assert torch.equal(x, y)
         release(graphed, a), release(eager, b)
-    assert graphed.runner.graphs.captures == 2 and graphed.runner.graphs.replays == 2
+    # (the third in the first one's bucket: its graph replayed over new inputs)
+    assert graphed.runner.graphs.captures == 2 and graphed.runner.graphs.replays == 3
     alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
     assert concurrently(lambda t, c: workflow(graphed, t, c), REQUESTS * 2) == alone * 2
     assert graphed.runner.graphs.replays > 2
