@@ -15,8 +15,9 @@ with more masked keys and rows: the same tokens, logits equal within rounding (t
 zeros, but sums over longer rows may round differently). Tested on CPU, where mode "eager" runs the
 padded forward without capturing it.
 
-A graph replays the weights it was captured with, so only forwards with base weights come here (the
-scheduler passes `static=False` while a LoRA's weights are swapped in).
+A graph replays the weights it was captured with. The scheduler's LoRA forwards swap merged copies of the
+adapted weights in (engine.calibration.MergedLora) over every row when there are no scratch rows, as in a
+static forward, so buckets are kept per weights: base, or each adapter, captured while it is in place.
 """
 
 import logging
@@ -113,7 +114,8 @@ class DecodeGraphs:
         if capture and runner.lm.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {runner.lm.device}")
         self.runner, self.pool, self.capture = runner, pool, capture
-        self.buckets: OrderedDict[tuple[int, int, int], _Bucket] = OrderedDict()  # (least recently used first)
+        # (weights, (G, R, T)) -> bucket, least recently used first; weights: None (base) or the adapter in place
+        self.buckets: OrderedDict[tuple[object, tuple[int, int, int]], _Bucket] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None  # (one memory pool for every graph)
         self.replays = self.captures = 0
 
@@ -129,20 +131,22 @@ class DecodeGraphs:
         shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
-    def run(self, groups: list[GroupInput], parts: list[_Part], shape: tuple[int, int, int]) -> torch.Tensor | None:
+    def run(self, groups: list[GroupInput], parts: list[_Part], shape: tuple[int, int, int],
+            weights=None) -> torch.Tensor | None:
         """The forward of these groups in bucket `shape` (`shape(groups)` before their slots were claimed and
-        masks built: ModelRunner._part): the last hidden states of its padded rows [G * R, hidden], group i's
-        at [i * R, i * R + its rows). None when there is no memory for the bucket: this forward runs as it
-        comes."""
-        b = self.buckets.get(shape)
+        masks built: ModelRunner._part), with the weights in place named by `weights` (None: the base ones):
+        the last hidden states of its padded rows [G * R, hidden], group i's at [i * R, i * R + its rows).
+        None when there is no memory for the bucket: this forward runs as it comes."""
+        key = (weights, shape)
+        b = self.buckets.get(key)
         if b is None:
             b = self._bucket(shape)
             if b is None:
                 return None
             if len(self.buckets) == MAX_BUCKETS:
                 self.buckets.popitem(last=False)  # (its graph's memory goes back to the graphs' pool)
-            self.buckets[shape] = b
-        self.buckets.move_to_end(shape)
+            self.buckets[key] = b
+        self.buckets.move_to_end(key)
         b.step.load(groups, parts)
         if b.graph is None:
             return self._forward(b.step)

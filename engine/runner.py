@@ -322,12 +322,13 @@ class ModelRunner:
         self.graphs = graphs  # engine.graphs.DecodeGraphs, or None: every forward runs as it comes
 
     @torch.inference_mode()
-    def step(self, groups: list[GroupInput], static: bool = True) -> list[torch.Tensor | None]:
+    def step(self, groups: list[GroupInput], weights=None) -> list[torch.Tensor | None]:
         """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
         over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
-        groups runs at a static shape (engine.graphs) when the runner has graphs and `static` allows it (the
-        scheduler's forwards with base weights: a graph replays the weights it was captured with)."""
-        graphs = self.graphs if static else None  # (read once)
+        groups runs at a static shape when the runner has graphs (engine.graphs). `weights` names the weights
+        in place for this forward when they are not the base ones (the scheduler's adapter, its LoRA swapped
+        in over every row): a graph replays the weights it was captured with, so each has its own."""
+        graphs = self.graphs  # (read once)
         shape = graphs.shape(groups) if graphs is not None else None
         parts, start = [], 0
         for g in groups:
@@ -335,7 +336,7 @@ class ModelRunner:
             parts.append(part)
             start = part.rows.stop
         if shape is not None:
-            hidden = graphs.run(groups, parts, shape)  # [G * R, hidden]: group i's rows from i * R
+            hidden = graphs.run(groups, parts, shape, weights)  # [G * R, hidden]: group i's rows from i * R
             if hidden is not None:
                 r = shape[1]
                 return self._logits(groups, hidden, [slice(i * r, i * r + len(g.input_ids))

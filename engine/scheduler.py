@@ -432,7 +432,8 @@ class Scheduler:
         self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
         try:
             with _adapted(adapter, batch):
-                return self.runner.step([inp for _, inp in batch], static=adapter is None)
+                # (a static forward has no scratch rows, so the adapter, if any, is swapped in over every row)
+                return self.runner.step([inp for _, inp in batch], weights=adapter)
         except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
             log.exception("forward failed for %d group(s)", len(batch))
             for g, _ in batch:

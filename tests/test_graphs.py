@@ -35,6 +35,15 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
     return out
 
 
+def as_they_come(eng: Engine, groups: list[GroupInput]) -> list[torch.Tensor | None]:
+    """The runner's forward of these groups without its static path."""
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    try:
+        return eng.runner.step(groups)
+    finally:
+        eng.runner.graphs = graphs
+
+
 def release(eng: Engine, groups: list[GroupInput]) -> None:
     for g in groups:
         eng.scheduler.pool.release(g.cache.blocks)
@@ -81,7 +90,7 @@ def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
         groups = groups_over(eng, lengths, [1], 6)
         eng.runner.step(groups)
         release(eng, groups)
-    assert list(eng.runner.graphs.buckets) == [(1, 1, 64), (1, 1, 512)]
+    assert list(eng.runner.graphs.buckets) == [(None, (1, 1, 64)), (None, (1, 1, 512))]
 
 
 def nan_outside(eng: Engine, groups: list[GroupInput]) -> torch.Tensor:
@@ -109,8 +118,8 @@ def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows
     a, b = groups_over(eng, lengths, rows, 3), groups_over(eng, lengths, rows, 3)
     before = nan_outside(eng, a + b)
     static = eng.runner.step(a)
-    assert next(reversed(eng.runner.graphs.buckets)) == shape  # (the bucket used last)
-    dynamic = eng.runner.step(b, static=False)
+    assert next(reversed(eng.runner.graphs.buckets)) == (None, shape)  # (the bucket used last: base weights)
+    dynamic = as_they_come(eng, b)
     for s, d in zip(static, dynamic):
         assert s.shape == d.shape and torch.isfinite(s).all() and torch.allclose(s, d, atol=1e-5, rtol=1e-5)
         assert torch.equal(s.argmax(-1), d.argmax(-1))
@@ -132,7 +141,7 @@ def test_the_bucket_is_the_one_the_groups_need_at_its_bounds(padded_engine, monk
     graphs = padded_engine.runner.graphs
     assert graphs.shape(groups) == (2, 1, 64)
     logits = padded_engine.runner.step(groups)
-    assert next(reversed(graphs.buckets)) == (2, 1, 64) and all(torch.isfinite(x).all() for x in logits)
+    assert next(reversed(graphs.buckets)) == (None, (2, 1, 64)) and all(torch.isfinite(x).all() for x in logits)
     release(padded_engine, groups)
 
 
@@ -143,7 +152,7 @@ def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, p
     alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
     assert [workflow(padded_engine, task, contexts) for task, contexts in REQUESTS] == alone
     assert concurrently(lambda t, c: workflow(padded_engine, t, c), REQUESTS * 2) == alone * 2
-    assert any(g > 1 for g, _, _ in padded_engine.runner.graphs.buckets)
+    assert any(g > 1 for _, (g, _, _) in padded_engine.runner.graphs.buckets)
     assert padded_engine.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
 
 
@@ -177,29 +186,34 @@ def test_the_padded_forward_never_waits_for_the_device(padded_engine, monkeypatc
     release(padded_engine, groups)
 
 
-def test_lora_forwards_run_as_they_come(checkpoint, tmp_path):
-    """A graph replays the weights it was captured with: calibrated syntheses (the LoRA swapped in) give the
-    same tokens and KV with static decode forwards on as off, and none of their adapted forwards is static."""
+def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
+    """A graph replays the weights it was captured with: static forwards under a LoRA (its merged weights
+    swapped in) run in buckets of their own, every static forward's bucket names the weights actually in
+    place, and calibrated syntheses give the same tokens and KV with static forwards on as off."""
     from test_calibration import answer, make_calibration, run_workers  # (peft, grpc: not on every GPU image)
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
     off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
-    swaps = padded.calibration.hooks.adapter.__self__.swaps  # (engine.calibration.MergedLora: the adapted Linears)
-    graphs, run, static_runs = padded.runner.graphs, padded.runner.graphs.run, []
+    lora = padded.calibration.hooks.adapter
+    swaps = lora.__self__.swaps  # (engine.calibration.MergedLora: the adapted Linears, base and merged weights)
+    graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
-    def checked(groups, parts, shape):  # (no static forward while a LoRA's weights are swapped in)
-        static_runs.append(all(module.weight is base for module, base, _ in swaps))
-        return run(groups, parts, shape)
+    def checked(groups, parts, shape, weights=None):
+        in_place = [module.weight for module, _, _ in swaps]
+        if weights is None:
+            assert all(w is base for w, (_, base, _) in zip(in_place, swaps))
+        else:
+            assert weights == lora and all(w is merged for w, (_, _, merged) in zip(in_place, swaps))
+        keys.append(weights)
+        return run(groups, parts, shape, weights)
 
     graphs.run = checked
     task = generate("chain", 3, 3)
     got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks) for e in (off, padded)]
     assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-5)
-    assert static_runs and all(static_runs)
-    assert swaps
-    with padded.calibration.hooks.adapter():  # (and the check itself sees a swap)
-        assert not all(module.weight is base for module, base, _ in swaps)
+    assert None in keys and lora in keys  # (workers' decodes with base weights, the synthesizer's with the LoRA)
+    assert {w for w, _ in graphs.buckets} == {None, lora}
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -218,3 +232,22 @@ def test_graph_replays_equal_the_padded_forward(checkpoint):
     alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
     assert concurrently(lambda t, c: workflow(graphed, t, c), REQUESTS * 2) == alone * 2
     assert graphed.runner.graphs.replays > 2
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
+    """On CUDA: calibrated syntheses (a random LoRA, its decode steps replayed from graphs captured under it,
+    the workers' from graphs with base weights) give the tokens and KV they give without graphs."""
+    from test_calibration import answer, make_calibration, run_workers
+
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "cal", random=True)
+    graphed, off = (Engine(EngineConfig(ckpt, device="cuda", dtype="float32", calibration=cal, decode_graphs=mode,
+                                        kv_budget_bytes=BUDGET)) for mode in ("auto", "off"))
+    for seed in range(3):
+        task = generate("chain", seed, 3)
+        got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks)
+               for e in (off, graphed)]
+        assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-4)
+    lora = graphed.calibration.hooks.adapter
+    assert {w for w, _ in graphed.runner.graphs.buckets} == {None, lora} and graphed.runner.graphs.replays > 0
