@@ -104,6 +104,7 @@ class _Bucket:
     step: PaddedStep
     graph: "torch.cuda.CUDAGraph | None" = None
     hidden: torch.Tensor | None = None  # the captured forward's output: last hidden states [G * R, hidden]
+    replays: int = 0
 
 
 class DecodeGraphs:
@@ -152,6 +153,7 @@ class DecodeGraphs:
             return self._forward(b.step)
         b.graph.replay()
         self.replays += 1
+        b.replays += 1
         return b.hidden
 
     def _forward(self, step: PaddedStep) -> torch.Tensor:

@@ -326,8 +326,9 @@ class ModelRunner:
         """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
         over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
         groups runs at a static shape when the runner has graphs (engine.graphs). `weights` names the weights
-        in place for this forward when they are not the base ones (the scheduler's adapter, its LoRA swapped
-        in over every row): a graph replays the weights it was captured with, so each has its own."""
+        in place for this forward when they are not the base ones (the scheduler's adapter; in a static
+        forward, which has no scratch rows, it is in place over every row): a graph replays the weights it
+        was captured with, so each has its own."""
         graphs = self.graphs  # (read once)
         shape = graphs.shape(groups) if graphs is not None else None
         parts, start = [], 0

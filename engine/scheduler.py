@@ -75,7 +75,7 @@ class Group:
         self.shared = shared or []  # (KV, offset) of the parents it reads in place, as SharedRuns of the pool
         self.runs: list = []  # their runs while it runs
         self._assemble, self._commit, self._release = assemble, commit, release
-        self.adapter = adapter  # runs its forwards inside this context (the synthesizer's LoRA)
+        self.adapter = adapter  # runs its forwards inside this context (a calibration's LoRA: synthesizer or turns)
         self.prefix: list = [None] * len(tokens)  # per call, a cached start (a Message) its tokens follow
         self.cache: WorkCache | None = None
         # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; `ended` is set

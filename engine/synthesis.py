@@ -117,8 +117,9 @@ class SynthesisHooks:
     mapper: CacheMapper | None = None
     # entered around the synthesizer's forwards; `adapter(rows=bool [rows])` for a forward whose other rows run
     # the base weights (the refresh runs in the synthesizer's prefill: see engine.calibration.MergedLora.active).
-    # Its decode forwards may be replayed from CUDA graphs captured under it (engine.graphs): entered without
-    # rows, it must put the same weights in place each time.
+    # Its decode forwards may be replayed from CUDA graphs captured under it (engine.graphs), keyed by it: it
+    # must be one stable object, and entered without rows it must put the same persistent tensors in place
+    # each time, with no other effect on the forward (MergedLora.active does).
     adapter: Callable[..., AbstractContextManager] | None = None
     # With an adapter: what the synthesized message is marked as encoded by, since its KV came from adapted
     # weights. The engine stores it under "<model fingerprint>+<tag>", so no base-model call takes it as a

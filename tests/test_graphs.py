@@ -216,6 +216,22 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     assert {w for w, _ in graphs.buckets} == {None, lora}
 
 
+def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
+    """A debate's turns under a random turn LoRA (a second MergedLora beside the synthesizer's): the same turns
+    with static forwards as without, the turn LoRA's decode steps static in buckets of their own."""
+    from test_turns import make_calibration, turn_tokens  # (peft: not on every GPU image)
+
+    from braid.evals.workflows import graph as task_graph
+
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "turns", 0.5)
+    off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m, kv_budget_bytes=BUDGET))
+                   for m in ("off", "eager"))
+    graph = task_graph(generate("vote", 3, 3), "calibrated+turns", "mad-iter")
+    assert turn_tokens(padded, graph) == turn_tokens(off, graph)
+    assert padded.calibration.turns.adapter in {w for w, _ in padded.runner.graphs.buckets}
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_graph_replays_equal_the_padded_forward(checkpoint):
     """On CUDA: each bucket's captured graph gives bit-identical logits to the padded forward run as it comes,
@@ -250,4 +266,7 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
                for e in (off, graphed)]
         assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-4)
     lora = graphed.calibration.hooks.adapter
-    assert {w for w, _ in graphed.runner.graphs.buckets} == {None, lora} and graphed.runner.graphs.replays > 0
+    buckets = graphed.runner.graphs.buckets
+    assert {w for w, _ in buckets} == {None, lora}
+    for weights in (None, lora):  # (both sets of weights replayed from graphs of their own)
+        assert any(b.graph is not None and b.replays for (w, _), b in buckets.items() if w == weights)
