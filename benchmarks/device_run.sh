@@ -32,7 +32,7 @@ $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'tra
 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
-  tests/test_graphs.py -k "not lora"
+  tests/test_graphs.py
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
   --rows 15 ${DECODE_ARGS:-} --out "$OUT"
 MODEL=/tmp/braid-random-$SHAPE
