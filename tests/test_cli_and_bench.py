@@ -94,6 +94,21 @@ def test_dag_staircase_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     assert (tmp_path / "dag_staircase_cpu.png").stat().st_size > 0
 
 
+def test_decode_profile_times_static_decodes_beside_the_forwards_as_they_come(tmp_path):
+    spec = importlib.util.spec_from_file_location("profile_decode", os.path.join(ROOT, "benchmarks",
+                                                                                 "profile_decode.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--shape", "tiny", "--device", "cpu", "--context", "64", "--tokens", "4", "--rounds", "1",
+                "--rows", "2", "--concurrency", "1", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "profile_decode_cpu.json").read_text())
+    assert result["graphs_speedup"] == pytest.approx(result["engine_ms_per_token"]
+                                                     / result["engine_graphs_ms_per_token"])
+    assert [r["calls"] for r in result["concurrency"]] == [1, 3]
+    assert all(r["eager_tokens_per_s"] > 0 and r["graphs_tokens_per_s"] > 0 for r in result["concurrency"])
+    assert result["graph_buckets"] > 0 and (tmp_path / "profile_decode_cpu.png").stat().st_size > 0
+
+
 def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     spec = importlib.util.spec_from_file_location("workflows", os.path.join(ROOT, "benchmarks", "workflows.py"))
     bench = importlib.util.module_from_spec(spec)
