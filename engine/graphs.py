@@ -151,7 +151,8 @@ class DecodeGraphs:
         b.step.load(groups, parts)
         if b.graph is None:
             return self._forward(b.step)
-        b.graph.replay()
+        with torch.cuda.device(self.pool.kv.device):  # (the engine's device may not be the thread's current one)
+            b.graph.replay()
         self.replays += 1
         b.replays += 1
         return b.hidden
@@ -176,8 +177,12 @@ class DecodeGraphs:
             return None
 
     def _capture(self, b: _Bucket) -> None:
+        with torch.cuda.device(self.pool.kv.device):  # (streams, capture and pool on the engine's device)
+            self._capture_here(b)
+
+    def _capture_here(self, b: _Bucket) -> None:
         try:
-            side = torch.cuda.Stream(device=self.pool.kv.device)
+            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # (warm-up off the graph: lazy initialisations, cuBLAS workspaces)
                 for _ in range(2):

@@ -133,6 +133,17 @@ def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows
     release(eng, a + b)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_padded_forward_in_other_families(checkpoint, family):
+    """The other model families (attention biases, q/k norms, sliding windows): the padded forward's logits
+    are the forward as it comes."""
+    eng = Engine(EngineConfig(checkpoint(family), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    a, b = groups_over(eng, [11, 70], [2, 1], 8), groups_over(eng, [11, 70], [2, 1], 8)
+    for s, d in zip(eng.runner.step(a), as_they_come(eng, b)):
+        assert torch.allclose(s, d, atol=1e-5, rtol=1e-5)
+    assert eng.runner.graphs.buckets
+
+
 def test_the_bucket_is_the_one_the_groups_need_at_its_bounds(padded_engine, monkeypatch):
     """Groups whose keys, with their new rows, exactly fill T, and whose G * T is exactly MAX_KEYS, run static
     in that bucket (their slots are claimed between choosing the bucket and running it)."""
