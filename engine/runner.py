@@ -348,9 +348,14 @@ class ModelRunner:
         return self._logits(groups, hidden, [p.rows for p in parts])
 
     def _logits(self, groups: list[GroupInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
-        """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`."""
-        return [None if g.logit_rows is None else self.lm_head(hidden[r][g.logit_rows]).float()
-                for g, r in zip(groups, rows)]
+        """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
+        every group's rows (its weight read once a forward, not once a group)."""
+        wanted = [(g.logit_rows + r.start) for g, r in zip(groups, rows) if g.logit_rows is not None]
+        if not wanted:
+            return [None] * len(groups)
+        logits = iter(self.lm_head(hidden.index_select(0, torch.cat(wanted))).float().split(
+            [len(w) for w in wanted]))
+        return [None if g.logit_rows is None else next(logits) for g in groups]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step") -> torch.Tensor:
         """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden]."""
