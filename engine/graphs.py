@@ -1,14 +1,15 @@
 """Decode forwards at static shapes, replayed as CUDA graphs: a decode step's host time becomes one replay.
 
-A decode step of the 8B shape on an H200 spent 12 ms on the host launching about 2400 kernels for 3 ms of
-device work (benchmarks/profile_decode.py). A forward whose groups are all decode-sized (at most
-SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape instead: G groups of R rows,
-each attending T keys (powers of two; T in steps past KEY_STEP: key_bucket). Group i's rows are rows [i*R, i*R + n) of the forward and its keys
-the first `length` of its T; the rest is padding, masked out. Padding rows see one key, write their KV to
-the pool's trash slot, which no call owns, and are dropped. Every input of the forward (token ids, positions,
-where each row's KV goes, which pool slots each group reads, the masks) is copied into the bucket's static
-buffers, so one CUDA graph per bucket, captured the first time the bucket is used, replays the whole
-decoder; lm_head then runs on the rows that need logits, as it does for forwards that run as they come.
+A batch-1 decode step of the 8B shape on an H200 took 35 ms, launching about 2100 kernels for 9.4 ms of
+device work (benchmarks/profile_decode.py); replayed as a graph, 11 ms. A forward whose groups are all
+decode-sized (at most SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape: G
+groups of R rows (powers of two), each attending T keys (key_bucket). Group i's rows are rows
+[i*R, i*R + n) of the forward and its keys the first `length` of its T; the rest is padding, masked out.
+Padding rows see one key, write their KV to the pool's trash slot, which no call owns, and are dropped.
+Every input of the forward (token ids, positions, where each row's KV goes, which pool slots each group
+reads, the masks) is copied into the bucket's static buffers, so one CUDA graph per bucket, captured the
+first time the bucket is used, replays the whole decoder; lm_head then runs on the rows that need logits,
+as it does for forwards that run as they come.
 
 The padded forward computes what the scheduler's shared decode attention (engine.runner._Step) computes,
 with more masked keys and rows: the same tokens, logits equal within rounding (the masked keys add exact
@@ -34,8 +35,6 @@ MAX_GROUPS = 64  # groups in one static forward (more run as they come)
 MAX_KEYS = 1 << 18  # G * T: the keys one static forward reads (its gathered KV and scores grow with it)
 MAX_BUCKETS = 64  # buckets kept (with their graphs and outputs); the least recently used goes first
 MIN_KEYS = 64  # the smallest T
-
-
 KEY_STEP = 512  # past this many keys, T grows in steps (not doubling: attention reads all of T): key_bucket
 
 
@@ -46,7 +45,7 @@ def bucket(n: int, least: int = 1) -> int:
 
 def key_bucket(n: int) -> int:
     """T for groups of at most n keys: a power of two up to KEY_STEP, then a multiple of a quarter of the next
-    power of two (at least KEY_STEP): at most a quarter of T is padding past 2 * KEY_STEP, and a decode that
+    power of two (at least KEY_STEP): under a third of T is padding past 2 * KEY_STEP, and a decode that
     grows crosses four steps for each doubling of its keys (each a graph to capture)."""
     if n <= KEY_STEP:
         return bucket(n, MIN_KEYS)
