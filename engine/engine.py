@@ -22,9 +22,9 @@ from braid.engine.errors import (
     FingerprintMismatchError,
     InvalidOffsetError,
 )
+from braid.engine.graphs import DecodeGraphs
 from braid.engine.model import load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.graphs import DecodeGraphs
 from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent

@@ -176,20 +176,17 @@ class DecodeGraphs:
             return None
 
     def _capture(self, b: _Bucket) -> None:
-        with torch.cuda.device(self.pool.kv.device):  # (streams, capture and pool on the engine's device)
-            self._capture_here(b)
-
-    def _capture_here(self, b: _Bucket) -> None:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # (warm-up off the graph: lazy initialisations, cuBLAS workspaces)
-                for _ in range(2):
-                    self._forward(b.step)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                b.hidden = self._forward(b.step)
+            with torch.cuda.device(self.pool.kv.device):  # (streams and capture on the engine's device)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # (warm-up off the graph: lazy initialisations, cuBLAS workspaces)
+                    for _ in range(2):
+                        self._forward(b.step)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                    b.hidden = self._forward(b.step)
             b.graph = graph
             self.captures += 1
             log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *b.step.shape)

@@ -315,11 +315,11 @@ class _Step:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, graphs=None):
+    def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
-        self.graphs = graphs  # engine.graphs.DecodeGraphs, or None: every forward runs as it comes
+        self.graphs = None  # engine.graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
 
     @torch.inference_mode()
     def step(self, groups: list[GroupInput], weights=None) -> list[torch.Tensor | None]:
@@ -350,7 +350,7 @@ class ModelRunner:
     def _logits(self, groups: list[GroupInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
         """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
         every group's rows (its weight read once a forward, not once a group)."""
-        wanted = [(g.logit_rows + r.start) for g, r in zip(groups, rows) if g.logit_rows is not None]
+        wanted = [g.logit_rows + r.start for g, r in zip(groups, rows) if g.logit_rows is not None]
         if not wanted:
             return [None] * len(groups)
         logits = iter(self.lm_head(hidden.index_select(0, torch.cat(wanted))).float().split(
