@@ -112,3 +112,42 @@ def test_graph_and_flat_packing_train_the_same_objective():
     assert abs(loss_g - loss_f) < 1e-5
     for a, b in zip(grads_g, grads_f):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_parallel_graph_is_what_branch_point_synthesis_reads():
+    """A MultiQA synthesizer trace as `parallel_graph` (branches encoded apart, each after the system prompt)
+    predicts, teacher-forced, exactly the answer the engine decodes greedily from the branches' own KV under
+    `cache:branch_point`, and not the text re-prefill's where the two differ: it trains what that mode serves."""
+    from braid.engine.synthesis import Placement, SynthesisMode
+    from braid.evals.harness import TEXT, EvalConfig, Mode, run_task
+    from braid.models.tasks import generate, synthesizer_trace
+    from braid.train.graph import pack
+    from braid.train.train import encode, parallel_graph
+
+    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32", calibration="none"))
+    model, tok = engine.lm.model, AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    cached = Mode("cache:branch_point", SynthesisMode(Placement.BRANCH_POINT))
+    differed = 0
+    for m in (2, 3, 5, 7):
+        task = generate("multiqa", m, m)
+        result = run_task(engine, task, [TEXT, cached], EvalConfig(answer_max_tokens=64))
+        texts = {name: a.removesuffix(END) for name, a in result.answers.items()}
+        differed += texts["text"] != texts[cached.name]
+        for name, want in texts.items():
+            (pieces,) = encode(tok, [synthesizer_trace(task)[:-1] + [(want + END, True)]])
+            packed = pack([parallel_graph(pieces)], 512, tok.pad_token_id)
+            with torch.no_grad():
+                correct = graph_loss(model, packed).correct
+            assert bool(correct.all()) == (name == cached.name or texts["text"] == texts[cached.name]), (m, name)
+    assert differed  # (the reference model answers these differently from cache and from text)
+
+
+def test_parallel_traces_join_the_tasks_whose_branches_are_user_turns():
+    with pytest.raises(ValueError, match="parallel must be a share"):
+        TrainConfig(parallel=1.5)
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    plain, parallel = (batch(TrainConfig(**TINY, tasks="multiqa", parallel=p), tokenizer, 0) for p in (0.0, 1.0))
+    assert parallel.tokens > plain.tokens  # the same tasks, each once more with its branches apart
+    assert parallel.weight.sum() > plain.weight.sum()  # and its answer trained once more
+    workers = (batch(TrainConfig(**TINY, tasks="vote", parallel=p), tokenizer, 0) for p in (0.0, 1.0))
+    assert len({b.tokens for b in workers}) == 1  # worker tasks are never read apart: their replies saw contexts

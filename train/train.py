@@ -43,7 +43,7 @@ from braid.train.tokenizer import train_tokenizer
 log = logging.getLogger("braid.train")
 RUN_FIELDS = ("config", "train_seconds", "tokens_seen", "flat_tokens_seen", "step_seconds", "torch", "device", "loss",
               "held_out_accuracy")
-HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker", "lookup drill")
+HELD_OUT = (*TASKS, "chain worker", "vote worker", "trail worker", "lookup drill", "multiqa parallel")
 TRAIN_SEEDS = 1 << 40  # training tasks use seeds from here on; evaluation uses small seeds
 
 
@@ -68,6 +68,10 @@ class TrainConfig:
     tasks: str = ",".join(TASKS)  # the tasks drawn, uniformly (a name twice is drawn twice as often)
     worker_traces: int = 2  # worker turns trained per task (of its 2-12 branches), beside the synthesizer's
     lookup_drills: int = 0  # drills per task drawn: chain worker turns over any names (models.tasks.lookup_drill)
+    # share of the tasks drawn whose branches are the user's own turns (MultiQA) that also train the synthesizer
+    # reading those branches encoded apart, each right after the system prompt, as `cache:branch_point` serves
+    # them (Prompt Choreography's fine-tuning on parallel encodings; `parallel_graph`)
+    parallel: float = 0.0
     eval_every: int = 250  # steps between held-out evaluations (each saves the checkpoint)
     packing: str = "graph"  # graph: a task's traces share their prefixes; flat: each trace its own sequence
     attention: str = "auto"  # how packed rows attend (train.graph.attention_backend): auto, sdpa or flex
@@ -99,6 +103,8 @@ class TrainConfig:
         if self.loader_workers < 0 or self.lookup_drills < 0:
             raise ValueError(f"loader_workers and lookup_drills must be >= 0, got {self.loader_workers}, "
                              f"{self.lookup_drills}")
+        if not 0 <= self.parallel <= 1:
+            raise ValueError(f"parallel must be a share in [0, 1], got {self.parallel}")
         if not 0 < self.lr < 1 or self.warmup < 0:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
         if not 2 <= self.min_branches <= MAX_BRANCHES:
@@ -163,6 +169,18 @@ def chain(pieces: Pieces) -> PromptGraph:
     return graph
 
 
+def parallel_graph(pieces: Pieces) -> PromptGraph:
+    """A synthesizer trace (system, branches, prompt, answer) whose branches are encoded apart: each sees only
+    the system prompt and starts right after it, and the prompt and answer see them all from after the longest,
+    exactly as the engine's `cache:branch_point` synthesis places branch KV that was prefilled on its own."""
+    (system, _), *branches, (prompt, _), (answer, sup) = pieces
+    graph = PromptGraph()
+    root = graph.add(system)
+    nodes = [graph.add(ids, parents=(root,)) for ids, _ in branches]
+    graph.add([*prompt, *answer], [False] * len(prompt) + [sup] * len(answer), parents=(root, *nodes))
+    return graph
+
+
 def task_graphs(traces: list[Pieces], packing: str, width: int) -> list[PromptGraph]:
     """A task's traces as one prompt graph (or, flat, one graph per trace: also where sharing is impossible)."""
     if packing == "graph":
@@ -177,14 +195,18 @@ def task_graphs(traces: list[Pieces], packing: str, width: int) -> list[PromptGr
 
 def batch(cfg: TrainConfig, tokenizer, step: int) -> PackedGraphs:
     """Step `step`'s packed rows: `tasks_per_step` tasks, each with its traces and drills."""
-    rng, drawn = step_rng(cfg.seed, step), []
+    rng, drawn, parallel = step_rng(cfg.seed, step), [], []
+    apart = random.Random(f"parallel:{cfg.seed}:{step}")  # (its own draws: the tasks are the same either way)
     for _ in range(cfg.tasks_per_step):
         # (each task's traces are drawn right after it)
-        drawn.append(traces(draw_task(rng, cfg.max_length, cfg.task_names, cfg.min_branches), rng,
-                            cfg.worker_traces))
+        task = draw_task(rng, cfg.max_length, cfg.task_names, cfg.min_branches)
+        drawn.append(traces(task, rng, cfg.worker_traces))
+        if cfg.parallel and not task.has_workers and apart.random() < cfg.parallel:
+            parallel.append(synthesizer_trace(task))
         drawn += [[lookup_drill(rng)] for _ in range(cfg.lookup_drills)]
-    encoded = iter(encode(tokenizer, [t for group in drawn for t in group]))
+    encoded = iter(encode(tokenizer, [t for group in drawn for t in group] + parallel))
     graphs = [g for group in drawn for g in task_graphs([next(encoded) for _ in group], cfg.packing, cfg.row_tokens)]
+    graphs += [parallel_graph(pieces) for pieces in encoded]
     return pack(graphs, cfg.row_tokens, tokenizer.pad_token_id)
 
 
@@ -243,6 +265,12 @@ def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, Packe
     for name in HELD_OUT:
         task_name, _, role = name.partition(" ")
         rng = random.Random(f"held-out:{name}")
+        if role == "parallel":  # the synthesizer reading its branches encoded apart (parallel_graph)
+            tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES), (1, cfg.max_length))
+                     for i in range(per_task)]
+            seqs = encode(tokenizer, [synthesizer_trace(t) for t in tasks])
+            out[name] = pack([parallel_graph(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
+            continue
         if role == "drill":
             seqs = encode(tokenizer, [lookup_drill(rng) for _ in range(per_task)])
         else:
