@@ -69,6 +69,10 @@ class Refresh:
 
     head: int = 1
     tail: int = 1
+    # each run reads the runs before it re-encoded, not as shipped: one prefill per run, in order (a study of what
+    # the caches lack; a whole-branch sequential refresh is text re-prefill, tested). Parallel runs, the default,
+    # are one prefill for all (or the synthesizer's own), and what calibrations train with
+    sequential: bool = False
 
     def __post_init__(self):
         if not isinstance(self.head, int) or not isinstance(self.tail, int) or self.head < 0 or self.tail < 0:
@@ -151,7 +155,7 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
         temporary: list[str] = []
     else:
         calls, layout, temporary = _refresh_calls(engine, prefix, branch_msgs, offsets, refresh)
-        if len(calls) < engine.config.max_parallel_calls:
+        if len(calls) < engine.config.max_parallel_calls:  # (none left: a sequential refresh encoded its runs)
             scratch = calls
             parts = [(Scratch(p) if isinstance(p, int) else p, off, j) for p, off, j in layout]
         else:
@@ -188,21 +192,29 @@ def _refresh_calls(engine: Engine, prefix: Sequence[str], branches: Sequence[Mes
     Each branch is cut at its runs' ends into pieces (views of its shipped KV, no copy). A run starting at token
     a of branch j is encoded at offset_j + a after the prefix, the pieces of branches 0..j-1 and branch j's
     pieces before a, all at their placements: every call reads the same pieces, so one placement of each serves
-    them all. Returns the calls, the synthesizer's branch parents in order as (view id, or the index of the call
-    that re-encodes that run; its offset; the branch index, None for a run), and the views to free."""
+    them all. A sequential refresh prefills each run here instead, in order, and the runs after it read it in place
+    of its piece (no calls are returned). Returns the calls, the synthesizer's branch parents in order as (view id,
+    or the index of the call that re-encodes that run; its offset; the branch index, None for a run), and the views
+    (and sequential runs) to free."""
     views: list[str] = []
     calls: list[PrefillCall] = []
     layout: list[tuple[str | int, int, int | None]] = []
     before: list[tuple[str, int]] = []  # (view, offset) of every piece of the branches so far
+    sequential = isinstance(refresh, Refresh) and refresh.sequential
     try:
         for j, (msg, off) in enumerate(zip(branches, offsets)):
             spans = dict(refresh.runs(msg.num_tokens))  # run start -> its end
             cuts = sorted({0, msg.num_tokens, *spans, *spans.values()})
             for a, b in zip(cuts, cuts[1:]):
                 if a in spans:  # a run, encoded after the pieces before it
-                    calls.append(PrefillCall(list(msg.token_ids[a:b]), parents=[*prefix, *(v for v, _ in before)],
-                                             offsets=[None] * len(prefix) + [o for _, o in before],
-                                             new_offset=off + a))
+                    call = PrefillCall(list(msg.token_ids[a:b]), parents=[*prefix, *(v for v, _ in before)],
+                                       offsets=[None] * len(prefix) + [o for _, o in before], new_offset=off + a)
+                    if sequential:  # encoded now, and read in place of its piece by every run after it
+                        views += engine.prefill([call])
+                        layout.append((views[-1], off + a, None))
+                        before.append((views[-1], off + a))
+                        continue
+                    calls.append(call)
                     layout.append((len(calls) - 1, off + a, None))
                 views.append(engine.view(msg.id, a, b))
                 before.append((views[-1], off + a))

@@ -179,6 +179,32 @@ def test_refresh_of_whole_branches_reads_them_together(checkpoint):
     assert torch.equal(eng.message(none).kv, eng.message(cached).kv)
 
 
+def test_a_sequential_refresh_reads_the_runs_before_it_re_encoded(checkpoint):
+    """Three branches encoded independently. Refreshed whole in parallel, the third is encoded after the first
+    two as shipped (the second never saw the first), so it is not text. Refreshed whole in order, each reads the
+    ones before it re-encoded: text's KV and answer. A partial sequential refresh leaves nothing behind. (Four
+    layers: a run's error from a context encoded apart starts in its third layer's KV, so the answer's KV shows
+    it from the fourth on; in fewer, the parallel refresh is exact too.)"""
+    from braid.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama", initializer_range=0.3, num_hidden_layers=4)))
+    prefix = eng.prefill([PrefillCall("User: add the partial results.")])
+    branches = eng.prefill([PrefillCall(t, parents=prefix)
+                            for t in ["Worker one: 3 + 4 = 7", "Worker two: 5 6", "Worker three: 8 9 1"]])
+    own = lambda: sorted(m for m in eng.store.ids() if not m.startswith(CACHED_PREFIX))  # noqa: E731
+    before = own()
+    text = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
+    parallel, sequential, partial = (
+        synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY,
+                   refresh=r) for r in (Refresh(100, 0), Refresh(100, 0, sequential=True), Refresh(1, 2, True)))
+    prompt = len(eng.tokenize("Synthesizer:")) + GREEDY.max_tokens
+    text_kv = eng.message(text).kv[:, :, :, -prompt:]
+    assert (eng.message(parallel).kv - text_kv).abs().max() > 1e-4
+    assert (eng.message(sequential).kv - text_kv).abs().max() < 1e-4
+    assert _answer(eng, sequential) == _answer(eng, text)
+    assert own() == sorted([*before, text, parallel, sequential, partial])  # the runs and views are gone
+
+
 def test_refresh_failure_leaves_the_store_as_it_was(llama_engine):
     eng = llama_engine
     prefix, branches = workflow(eng, ["Context A.", "Context B, longer."])
