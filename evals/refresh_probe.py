@@ -58,8 +58,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=tuple(int(b) for b in args.branches.split(",")),
-                            samples=args.samples, seed=args.seed)
+        branches = tuple(int(b) for b in args.branches.split(","))
+        config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=branches, samples=args.samples, seed=args.seed)
     except ValueError as e:
         print(f"refresh_probe: error: {e}", file=sys.stderr)
         return 2
