@@ -130,3 +130,22 @@ def test_workflow_eval_reads_tot_and_debate_graphs_each_way_and_writes_json(chec
     assert (tmp_path / "w.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         workflows.main(["--model", checkpoint("llama"), "--workflows", "debate", "--out", str(out)])
+
+
+def test_refresh_probe_runs_each_refresh_both_ways_and_writes_json(tmp_path, capsys):
+    """The reference model at 3 MultiQA branches: a whole-branch refresh in order is text re-prefill, so it
+    answers as text does, task for task."""
+    from braid.evals import refresh_probe
+
+    out = tmp_path / "probe.json"
+    assert refresh_probe.main(["--branches", "3", "--samples", "3", "--refresh", "1-1,99-0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["modes"] == ["text", "refresh 1-1 parallel", "refresh 1-1 in order", "refresh 99-0 parallel",
+                               "refresh 99-0 in order"]
+    for task in result["results"]:
+        assert task["answers"]["refresh 99-0 in order"] == task["answers"]["text"]
+    assert (tmp_path / "probe.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        refresh_probe.main(["--refresh", "3"])
+    assert "HEAD-TAIL pairs" in capsys.readouterr().err
+    assert refresh_probe.main(["--branches", "1"]) == 2 and "branch counts" in capsys.readouterr().err
