@@ -79,6 +79,12 @@ class Task:
         return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
                 self.prompt())
 
+    def answer_apart(self) -> str:
+        """The answer as a synthesizer that reads the branches encoded apart, all at one position, can write it:
+        it cannot see their order, so where the parts' order does not count (MultiQA's labelled sums) they come in
+        an order of their own (sorted); other answers are as they are."""
+        return ", ".join(_NORMALIZE[self.name](self.answer)) if self.name in _NORMALIZE else self.answer
+
     def correct(self, prediction: str) -> bool:
         return _NORMALIZE.get(self.name, strip_reply)(prediction) == _NORMALIZE.get(self.name, strip_reply)(self.answer)
 
@@ -203,10 +209,11 @@ def sample(name: str, n: int, seed: int, num_branches: int, length: tuple[int, i
     return [generate(name, seed + i, num_branches, length) for i in range(n)]
 
 
-def synthesizer_trace(task: Task) -> list[tuple[str, bool]]:
-    """The text-concatenated synthesizer turn as (segment, supervised) pieces, one per message."""
+def synthesizer_trace(task: Task, apart: bool = False) -> list[tuple[str, bool]]:
+    """The synthesizer turn as (segment, supervised) pieces, one per message; `apart`: answered as from the
+    branches encoded apart (Task.answer_apart)."""
     return ([(turn("system", task.system), False)] + [(b.message(), False) for b in task.branches]
-            + [(task.prompt(), False), (task.answer + END, True)])
+            + [(task.prompt(), False), ((task.answer_apart() if apart else task.answer) + END, True)])
 
 
 def worker_trace(task: Task, j: int) -> list[tuple[str, bool]]:

@@ -134,3 +134,18 @@ def test_confidence_intervals_and_mcnemar():
     assert diff.value == pytest.approx(10 / 15) and diff.low > 0.3
     with pytest.raises(ValueError):
         paired_difference_ci([True], [True, False])
+
+
+def test_the_answer_apart_does_not_depend_on_the_branch_order():
+    """Read from branches encoded apart at one position, MultiQA's questions have no order: the answer trained
+    for that (`answer_apart`) is the same for any order of the branches, and still a right answer."""
+    import dataclasses
+
+    task = generate("multiqa", 3, 6)
+    shuffled = dataclasses.replace(task, branches=task.branches[::-1],
+                                   answer=", ".join(reversed(task.answer.split(", "))))
+    assert task.answer_apart() == shuffled.answer_apart() != task.answer
+    assert task.correct(task.answer_apart()) and task.answer_apart().startswith(sorted(task.answer.split(", "))[0])
+    chain = generate("chain", 3, 4)
+    assert chain.answer_apart() == chain.answer  # (an order that counts stays as it is)
+    assert synthesizer_trace(task, apart=True)[-1] == (task.answer_apart() + END, True)

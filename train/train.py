@@ -172,7 +172,9 @@ def chain(pieces: Pieces) -> PromptGraph:
 def parallel_graph(pieces: Pieces) -> PromptGraph:
     """A synthesizer trace (system, branches, prompt, answer) whose branches are encoded apart: each sees only
     the system prompt and starts right after it, and the prompt and answer see them all from after the longest,
-    exactly as the engine's `cache:branch_point` synthesis places branch KV that was prefilled on its own."""
+    exactly as the engine's `cache:branch_point` synthesis places branch KV that was prefilled on its own. (All
+    branches sit at the same positions, so nothing shows their order: train it on `synthesizer_trace(task,
+    apart=True)`, whose answer does not depend on it.)"""
     (system, _), *branches, (prompt, _), (answer, sup) = pieces
     graph = PromptGraph()
     root = graph.add(system)
@@ -202,7 +204,7 @@ def batch(cfg: TrainConfig, tokenizer, step: int) -> PackedGraphs:
         task = draw_task(rng, cfg.max_length, cfg.task_names, cfg.min_branches)
         drawn.append(traces(task, rng, cfg.worker_traces))
         if cfg.parallel and not task.has_workers and apart.random() < cfg.parallel:
-            parallel.append(synthesizer_trace(task))
+            parallel.append(synthesizer_trace(task, apart=True))
         drawn += [[lookup_drill(rng)] for _ in range(cfg.lookup_drills)]
     encoded = iter(encode(tokenizer, [t for group in drawn for t in group] + parallel))
     graphs = [g for group in drawn for g in task_graphs([next(encoded) for _ in group], cfg.packing, cfg.row_tokens)]
@@ -268,7 +270,7 @@ def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, Packe
         if role == "parallel":  # the synthesizer reading its branches encoded apart (parallel_graph)
             tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES), (1, cfg.max_length))
                      for i in range(per_task)]
-            seqs = encode(tokenizer, [synthesizer_trace(t) for t in tasks])
+            seqs = encode(tokenizer, [synthesizer_trace(t, apart=True) for t in tasks])
             out[name] = pack([parallel_graph(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
             continue
         if role == "drill":
