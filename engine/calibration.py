@@ -365,8 +365,10 @@ def mode_name(refresh: Refresh | None) -> str:
     """The evaluation's name for the calibrated cache path with this boundary refresh (braid eval --modes)."""
     if refresh is None or not (refresh.head or refresh.tail):
         return "calibrated"
-    # (no comma: `--modes` and `--verify-mode` take comma-separated names)
-    return "calibrated+refresh" + ("" if refresh == Refresh() else f"{refresh.head}-{refresh.tail}")
+    # (no comma: `--modes` and `--verify-mode` take comma-separated names; a sequential refresh, never trained or
+    # served, is named apart so that no verification of the parallel one vouches for it)
+    return ("calibrated+refresh" + ("" if refresh == Refresh() else f"{refresh.head}-{refresh.tail}")
+            + ("-in-order" if refresh.sequential else ""))
 
 
 @dataclass

@@ -501,6 +501,7 @@ def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(che
     # it vouches only for the mode it checked: the calibrated path without a boundary refresh, not with one
     assert again.verified_for(None) == 3 and again.verified_for(Refresh(1, 1)) == 0
     assert mode_name(Refresh(1, 1)) == "calibrated+refresh" and mode_name(Refresh(2, 0)) == "calibrated+refresh2-0"
+    assert mode_name(Refresh(1, 1, sequential=True)) == "calibrated+refresh1-1-in-order"  # (no check vouches for it)
 
 
 def test_committed_calibration_reproduces_its_recorded_sample():

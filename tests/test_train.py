@@ -146,8 +146,12 @@ def test_parallel_traces_join_the_tasks_whose_branches_are_user_turns():
     with pytest.raises(ValueError, match="parallel must be a share"):
         TrainConfig(parallel=1.5)
     tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    from collections import Counter
+
     plain, parallel = (batch(TrainConfig(**TINY, tasks="multiqa", parallel=p), tokenizer, 0) for p in (0.0, 1.0))
-    assert parallel.tokens > plain.tokens  # the same tasks, each once more with its branches apart
+    assert parallel.tokens > plain.tokens  # each task once more, with its branches apart
+    # the same tasks (the draw for `parallel` has its own rng): every target of the plain batch is still there
+    assert not Counter(plain.labels.tolist()) - Counter(parallel.labels.tolist())
     assert parallel.weight.sum() > plain.weight.sum()  # and its answer trained once more
     workers = (batch(TrainConfig(**TINY, tasks="vote", parallel=p), tokenizer, 0) for p in (0.0, 1.0))
     assert len({b.tokens for b in workers}) == 1  # worker tasks are never read apart: their replies saw contexts
