@@ -144,6 +144,8 @@ def test_refresh_probe_runs_each_refresh_both_ways_and_writes_json(tmp_path, cap
                                "refresh 99-0 in order"]
     for task in result["results"]:
         assert task["answers"]["refresh 99-0 in order"] == task["answers"]["text"]
+    # (and in parallel it is not: the third branch read the second as shipped)
+    assert any(t["answers"]["refresh 99-0 parallel"] != t["answers"]["text"] for t in result["results"])
     assert (tmp_path / "probe.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         refresh_probe.main(["--refresh", "3"])

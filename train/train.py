@@ -267,20 +267,16 @@ def held_out(cfg: TrainConfig, tokenizer, per_task: int = 32) -> dict[str, Packe
     for name in HELD_OUT:
         task_name, _, role = name.partition(" ")
         rng = random.Random(f"held-out:{name}")
-        if role == "parallel":  # the synthesizer reading its branches encoded apart (parallel_graph)
-            tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES), (1, cfg.max_length))
-                     for i in range(per_task)]
-            seqs = encode(tokenizer, [synthesizer_trace(t, apart=True) for t in tasks])
-            out[name] = pack([parallel_graph(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
-            continue
         if role == "drill":
             seqs = encode(tokenizer, [lookup_drill(rng) for _ in range(per_task)])
         else:
             tasks = [generate(task_name, -1 - i, rng.randint(2, MAX_BRANCHES), (1, cfg.max_length))
                      for i in range(per_task)]
-            seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role
-                                      else synthesizer_trace(t) for t in tasks])
-        out[name] = pack([chain(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
+            # (parallel: the synthesizer reading its branches encoded apart, parallel_graph)
+            seqs = encode(tokenizer, [worker_trace(t, rng.randrange(len(t.branches))) if role == "worker"
+                                      else synthesizer_trace(t, apart=role == "parallel") for t in tasks])
+        build = parallel_graph if role == "parallel" else chain
+        out[name] = pack([build(s) for s in seqs], cfg.row_tokens, tokenizer.pad_token_id)
     return out
 
 
