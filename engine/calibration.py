@@ -288,7 +288,8 @@ class MergedLora:
     """A LoRA (the synthesizer's, or the turn LoRA) switched by weight swaps: each adapted Linear gets a merged
     copy of its weight (W + scale * B A, computed once at load), put in place for the adapted forwards and the
     original put back after, so those forwards cost what the base model's do and the base weights are never
-    touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights.
+    touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights. An adapted
+    row always reads the merged weight, so it gets the same values whatever else shares its forward.
     `name`: which of the peft model's adapters (default: its active one)."""
 
     def __init__(self, peft_model, name: str | None = None):
@@ -296,7 +297,6 @@ class MergedLora:
 
         name = name or peft_model.active_adapter
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
-        self.factors: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (A [r, in], B [out, r], scale), per swap
         with torch.no_grad():
             for module in peft_model.modules():
                 if isinstance(module, LoraLinear) and name in module.lora_A:
@@ -304,8 +304,6 @@ class MergedLora:
                     delta = module.get_delta_weight(name).float()
                     merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
                     self.swaps.append((base, base.weight, torch.nn.Parameter(merged, requires_grad=False)))
-                    a, b = module.lora_A[name].weight, module.lora_B[name].weight  # [r, in], [out, r]
-                    self.factors.append((a.to(base.weight.dtype), b.to(base.weight.dtype), module.scaling[name]))
         peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
 
     @property
@@ -314,18 +312,17 @@ class MergedLora:
 
     @contextmanager
     def active(self, rows: torch.Tensor | None = None) -> Iterator[None]:
-        """The synthesizer's weights for a forward's rows: all of them (the merged copies swapped in), or those
-        `rows` (bool [rows]) marks, the others running the base weights (scratch calls in the synthesizer's own
-        prefill): each adapted Linear then runs its base weight over every row and adds the LoRA's low-rank
-        product to the marked ones, so no weight is read twice."""
+        """The adapted weights for a forward's rows: all of them (the merged copies swapped in), or those `rows`
+        (bool [rows]) marks, the others running the base weights (other calls' rows batched into the same
+        forward by the scheduler, and scratch calls in the synthesizer's own prefill): each adapted Linear then
+        runs each run of like rows through its own weight, merged or base, each weight read once."""
         if rows is not None:
-            # the adapted rows as runs [start, end) (usually one: a group's scratch rows come first)
-            edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
-                               append=rows.new_zeros(1, dtype=torch.int8)).nonzero().squeeze(1).tolist()
-            adapted = list(zip(edges[::2], edges[1::2]))
+            # the rows as runs [start, end) of one kind (a few: the scheduler puts a forward's adapted calls together)
+            starts = [0, *((rows[1:] != rows[:-1]).nonzero().squeeze(1) + 1).tolist()]
+            runs = list(zip(starts, [*starts[1:], len(rows)], rows[starts].tolist()))
             try:
-                for (module, _, _), factors in zip(self.swaps, self.factors):
-                    module.forward = partial(_linear_on_rows, module, factors, adapted)
+                for module, _, merged in self.swaps:
+                    module.forward = partial(_linear_on_rows, module, merged, runs)
                 yield
             finally:
                 for module, _, _ in self.swaps:
@@ -340,17 +337,15 @@ class MergedLora:
                 base.weight = original
 
 
-def _linear_on_rows(module: torch.nn.Module, factors: tuple[torch.Tensor, torch.Tensor, float],
-                    adapted: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
-    """x [1, rows, in] -> [1, rows, out]: the base layer, plus scale * B A x on the `adapted` runs of rows."""
+def _linear_on_rows(module: torch.nn.Module, merged: torch.Tensor, runs: list[tuple[int, int, bool]],
+                    x: torch.Tensor) -> torch.Tensor:
+    """x [1, rows, in] -> [1, rows, out]: each run [start, end) of rows through the merged weight where it is
+    adapted, the base weight where not."""
     if x.dim() != 3 or x.shape[0] != 1:  # (a layer outside the decoder's forward, e.g. lm_head as a target)
         raise BraidError(f"the synthesizer LoRA on {type(module).__name__} got input of shape {tuple(x.shape)} in "
                          "a forward shared with base-weight rows; only the decoder's layers may be LoRA targets")
-    a, b, scale = factors
-    out = type(module).forward(module, x)  # (the base layer's own forward: this one is the instance's)
-    for start, end in adapted:
-        out[0, start:end].addmm_(F.linear(x[0, start:end], a), b.T, alpha=scale)
-    return out
+    return torch.cat([F.linear(x[0, a:b], merged if adapted else module.weight, module.bias)
+                      for a, b, adapted in runs])[None]
 
 
 def served_refresh(attached: "Attached | None", refresh_tokens: int | None = None) -> Refresh | None:

@@ -409,11 +409,15 @@ class Scheduler:
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
-        # one adapter per forward (the LoRA's weights are swapped in for it); adapters take turns
+        # One adapter per forward, adapters taking turns. Base-weight calls join every forward, the adapter then
+        # reading its merged weights on its own rows only; except where forwards may run as static graphs, which
+        # swap the adapter's weights in over every row (engine.graphs): there base calls take turns too.
         adapters = list(dict.fromkeys(g.adapter for g in ready))
+        if self.runner.graphs is None and len(adapters) > 1:
+            adapters = [a for a in adapters if a is not None]
         adapter = adapters[self._turn % len(adapters)]
         self._turn += 1
-        ready = [g for g in ready if g.adapter == adapter]
+        ready = [g for g in ready if g.adapter == adapter or (g.adapter is None and self.runner.graphs is None)]
         ready.sort(key=lambda g: (not g.decoding, g.served if g.decoding else 0))  # decodes first, fairly
         budget, batch = self.max_batched_tokens, []
         for g in ready:
@@ -424,6 +428,8 @@ class Scheduler:
             inp = g.take(budget)
             budget -= len(inp.input_ids)
             batch.append((g, inp))
+        if adapter is not None:  # (the adapter's calls together: its rows are then a run or two of the forward's)
+            batch.sort(key=lambda b: b[0].adapter != adapter)
         return batch, adapter
 
     def run(self, batch: list[tuple[Group, GroupInput]], adapter) -> list[torch.Tensor | None]:
@@ -464,13 +470,14 @@ class Scheduler:
 
 
 def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextManager:
-    """The adapter's context for one forward: over every row, or, when scratch calls' rows are among them (they
-    run base weights), over the others only: `adapter(rows=bool [rows of the forward])`."""
+    """The adapter's context for one forward: over every row, or, when base-weight rows are among them (other
+    calls', or scratch calls' of its own), over its own calls' rows only: `adapter(rows=bool [rows])`."""
     if adapter is None:
         return nullcontext()
-    if not any(g.scratch for g, _ in batch):
+    if all(g.adapter == adapter and not g.scratch for g, _ in batch):
         return adapter()
-    rows = torch.cat([inp.call_of_row >= g.scratch for g, inp in batch])
+    rows = torch.cat([inp.call_of_row >= g.scratch if g.adapter == adapter
+                      else torch.zeros_like(inp.call_of_row, dtype=torch.bool) for g, inp in batch])
     return adapter() if bool(rows.all()) else adapter(rows=rows)
 
 

@@ -124,6 +124,43 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         got.free()
 
 
+def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoint, tmp_path):
+    """The scheduler puts other requests' base-weight calls in the LoRA's forwards (the adapter reads its merged
+    weights on its own rows only). Workers decoding beside a calibrated synthesis give the tokens and KV they
+    give alone on an uncalibrated engine, and the synthesis gives its answer alone, with the same KV."""
+    ckpt = checkpoint("llama")
+    plain = Engine(EngineConfig(ckpt, calibration="none"))
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    hooks, task, other = engine.calibration.hooks, generate("chain", 5, 3), generate("vote", 6, 4)
+    workers, sampling = run_workers(engine, task), SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = engine.message(synthesize(engine, workers.ids, task.prompt(), workers.prefix, Placement.BRANCH_POINT,
+                                      sampling, hooks))
+    base = run_workers(plain, other)
+    forwards, run = [], engine.scheduler.run
+
+    def spy(batch, adapter):  # which kinds of call each forward held
+        forwards.append({g.adapter is not None for g, _ in batch})
+        return run(batch, adapter)
+
+    engine.scheduler.run = spy
+    stream = synthesize_stream(engine, workers.ids, task.prompt(), workers.prefix, Placement.BRANCH_POINT,
+                               sampling, hooks)
+    beside = fan_out(engine, turn("system", other.system), [turn("user", b.context) for b in other.branches],
+                     WORKER_HEADER, SamplingParams(max_tokens=6))
+    events = iter(stream)
+    next(events)  # (the synthesis has started; the workers are submitted while it decodes)
+    for _ in beside:
+        pass
+    rest = list(events)
+    assert {True, False} in forwards  # base and adapted calls shared forwards
+    assert [engine.message(m).token_ids for m in beside.ids] == [plain.message(m).token_ids for m in base.ids]
+    for a, b in zip([*beside.contexts, *beside.ids], [*base.contexts, *base.ids]):
+        torch.testing.assert_close(engine.message(a).kv, plain.message(b).kv, rtol=1e-5, atol=1e-5)
+    synthesized = engine.message(stream.ids[0])
+    assert synthesized.token_ids == alone.token_ids and rest
+    torch.testing.assert_close(synthesized.kv, alone.kv, rtol=1e-5, atol=1e-5)
+
+
 def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_path):
     """The synthesizer's answer was encoded with the LoRA: it is stored as such, and a base-model call
     refuses it as a parent instead of reading adapted KV as its own."""
