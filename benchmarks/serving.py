@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from braid.models import REFERENCE_MODEL
 from braid.results import pyplot, write_json
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
+APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
 
 
 def parse_args(argv=None):
@@ -35,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--worker-max-tokens", type=int, default=32)
     p.add_argument("--answer-max-tokens", type=int, default=48)
     p.add_argument("--transports", nargs="+", default=["text", "local"], choices=["text", "local"])
+    p.add_argument("--adapters-apart", action="store_true",
+                   help="also run the scheduler with base and LoRA calls in forwards of their own, taking turns "
+                        "(EngineConfig.mix_adapters false), to compare with mixing them")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
     return p.parse_args(argv)
 
@@ -60,6 +65,7 @@ def level(engine: Engine, port: int, name: str, transport: str, concurrency: int
     steps, stepped, busy, rows = sched.steps, sched.groups_stepped, sched.busy_s, sched.rows_stepped
     sampler = Sampler(engine)
     sampler.thread.start()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "level.json")
         subprocess.run([sys.executable, "-m", "braid.cli", "loadtest", "--address", f"127.0.0.1:{port}",
@@ -70,6 +76,7 @@ def level(engine: Engine, port: int, name: str, transport: str, concurrency: int
         with open(out) as f:
             s = json.load(f)["summary"]
     sampler.stop.set()
+    server_cpu = _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(before)
     forwards = engine.scheduler.steps - steps
     row = {"engine": name, "transport": transport, "concurrency": concurrency, "requests": n, **s,
            "calls_per_forward": (engine.scheduler.groups_stepped - stepped) / max(forwards, 1),
@@ -77,15 +84,23 @@ def level(engine: Engine, port: int, name: str, transport: str, concurrency: int
            "tokens_per_forward": (engine.scheduler.rows_stepped - rows) / max(forwards, 1),
            "model_busy": (engine.scheduler.busy_s - busy) / s["duration_s"],
            "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
-           "max_work_kv_bytes": sampler.max_reserved}
+           "max_work_kv_bytes": sampler.max_reserved,
+           # cores busy (of os.cpu_count()) over the run: this process's (its servers: they idle while the load
+           # generator starts), and the load generator's (its summary's client_cores), which share the cores
+           "server_cores": server_cpu / s["duration_s"]}
     print(f"{name:>9} {transport:>5} c={concurrency:<3} {s['completed']:>3} ok {s['failed']} failed  "
           f"{s['request_throughput']:6.2f} wf/s  {s['generated_token_throughput']:7.1f} tok/s  "
           f"TTFT p50 {s['median_ttft_ms']:7.1f} p99 {s['p99_ttft_ms']:7.1f} ms  "
           f"TPOT p50 {s['median_tpot_ms']:6.1f} p99 {s['p99_tpot_ms']:6.1f} ms  "
           f"{row['calls_per_forward']:.1f} calls, {row['tokens_per_forward']:.0f} tokens per forward "
           f"of {row['ms_per_forward']:.1f} ms, "
-          f"model busy {100 * row['model_busy']:.0f}%", flush=True)
+          f"model busy {100 * row['model_busy']:.0f}%, cores: server {row['server_cores']:.2f}, load generator "
+          f"{s['client_cores']:.2f}", flush=True)
     return row
+
+
+def _cpu(usage: resource.struct_rusage) -> float:
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv=None) -> int:
@@ -93,7 +108,8 @@ def main(argv=None) -> int:
     redis = EmbeddedRedis()
     servers, rows = {}, []
     try:
-        for name, extra in ENGINES.items():
+        engines = {**ENGINES, **(APART if args.adapters_apart else {})}
+        for name, extra in engines.items():
             engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **extra))
             servers[name] = (engine, start_in_process(engine, Directory.connect(redis.url)))
         workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
@@ -125,6 +141,15 @@ def main(argv=None) -> int:
             print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
                   f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
                   f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
+            apart = [x for x in rows if x["engine"] == "apart" and x["concurrency"] == c and x["transport"] == transport]
+            if apart:
+                r["mixed_vs_apart_token_throughput_x"] = (b["generated_token_throughput"]
+                                                          / apart[0]["generated_token_throughput"])
+                r["apart_vs_serial_token_throughput_x"] = (apart[0]["generated_token_throughput"]
+                                                           / a["generated_token_throughput"])
+                print(f"{'':>5} c={c:<3} adapters mixed/apart: token throughput "
+                      f"{r['mixed_vs_apart_token_throughput_x']:.2f}x (apart/serial "
+                      f"{r['apart_vs_serial_token_throughput_x']:.2f}x)")
     result = {"model": args.model, "device": "cpu", "kv_bytes_per_token": kv_per_token, "config": vars(args),
               "workload": workload.__dict__, "rows": rows, "ratios": ratios}
     stem = write_json(args.out, "serving_cpu", result)
@@ -140,7 +165,7 @@ def plot(rows, path):
     transports = list(dict.fromkeys(r["transport"] for r in rows))
     fig, axes = plt.subplots(len(transports), 3, figsize=(13, 3.4 * len(transports)), squeeze=False)
     for axrow, transport in zip(axes, transports):
-        for name in ENGINES:
+        for name in dict.fromkeys(r["engine"] for r in rows):
             sel = sorted((r for r in rows if r["engine"] == name and r["transport"] == transport),
                          key=lambda r: r["concurrency"])
             c = [r["concurrency"] for r in sel]

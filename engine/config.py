@@ -49,6 +49,10 @@ class EngineConfig:
     # a parent placed where it was encoded is read in place: one copy in the work KV for every running call
     # that reads it so (false: each call copies its parents into its own blocks)
     share_parents: bool = True
+    # base-weight calls share a forward with an adapter's calls (a calibration's LoRA), which reads its merged
+    # weights on its own rows only; false: they take turns, a forward each (engine.scheduler). Forwards that may
+    # run as CUDA graphs take turns either way: a graph swaps one set of weights in over every row
+    mix_adapters: bool = True
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
     # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
@@ -57,6 +61,12 @@ class EngineConfig:
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
+    # intra-op threads of the forwards on CPU, set in the scheduler's thread (torch.set_num_threads, which also
+    # becomes the default of threads started later); 0: leave torch's setting. 1 by default: in a server-like
+    # process (the model loaded in the main thread, forwards in the scheduler's) forwards of up to 256 rows ran
+    # 1.1-1.6x faster on 1 thread than on torch's default of every core (2 here), a 512-token prefill 0.92x as
+    # fast (benchmarks/cpu_threads.py; README, the serving engine). Not used on CUDA.
+    cpu_threads: int = 1
 
     def __post_init__(self):
         if paths_here() and not os.path.isdir(self.model_path):
@@ -76,9 +86,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
-        for name in ("share_parents", "kv_on_demand"):
+        for name in ("share_parents", "kv_on_demand", "mix_adapters"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be an int >= 0 (0: torch's setting), got {self.cpu_threads!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.decode_graphs not in DECODE_GRAPHS:

@@ -271,11 +271,12 @@ class Group:
 class Scheduler:
     """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward; `pool`:
     where running groups' work caches live (a group waits until enough blocks are free); `max_running`:
-    groups at once (0: no cap)."""
+    groups at once (0: no cap); `mix_adapters`: base-weight groups join an adapter's forwards; `threads`: torch's
+    intra-op threads in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads)."""
 
     def __init__(self, runner: ModelRunner, max_batched_tokens: int, pool: KVPool, max_running: int = 0,
-                 name: str = "engine"):
-        self.runner, self.pool = runner, pool
+                 name: str = "engine", mix_adapters: bool = True, threads: int = 0):
+        self.runner, self.pool, self.mix_adapters = runner, pool, mix_adapters
         self.max_batched_tokens = max_batched_tokens
         self.slot_bytes = pool.kv[:, :, :, 0].numel() * pool.kv.element_size()
         self.max_running = max_running
@@ -290,7 +291,7 @@ class Scheduler:
         self._cv = threading.Condition()
         # The thread holds the scheduler weakly, so an engine nobody uses any more is freed with its model and
         # KV pool, and the thread ends.
-        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv),
+        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv, threads),
                                         name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
 
@@ -412,12 +413,13 @@ class Scheduler:
         # One adapter per forward, adapters taking turns. Base-weight calls join every forward, the adapter then
         # reading its merged weights on its own rows only; except where forwards may run as static graphs, which
         # swap the adapter's weights in over every row (engine.graphs): there base calls take turns too.
+        mix = self.mix_adapters and self.runner.graphs is None
         adapters = list(dict.fromkeys(g.adapter for g in ready))
-        if self.runner.graphs is None and len(adapters) > 1:
+        if mix and len(adapters) > 1:
             adapters = [a for a in adapters if a is not None]
         adapter = adapters[self._turn % len(adapters)]
         self._turn += 1
-        ready = [g for g in ready if g.adapter == adapter or (g.adapter is None and self.runner.graphs is None)]
+        ready = [g for g in ready if g.adapter == adapter or (mix and g.adapter is None)]
         ready.sort(key=lambda g: (not g.decoding, g.served if g.decoding else 0))  # decodes first, fairly
         budget, batch = self.max_batched_tokens, []
         for g in ready:
@@ -481,8 +483,10 @@ def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextM
     return adapter() if bool(rows.all()) else adapter(rows=rows)
 
 
-def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition) -> None:
+def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int = 0) -> None:
     """The scheduler's thread: step while there is work, wait (holding no reference to it) while not."""
+    if threads:
+        torch.set_num_threads(threads)  # (this thread's OpenMP setting, and the default of threads started later)
     while True:
         with cv:
             scheduler = ref()

@@ -150,11 +150,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"braid loadtest: error: {e}")
         return 2
+    cpu = time.process_time()
     records, duration = asyncio.run(run_load(args.address, workload.requests(args.num_prompts), args.request_rate,
                                              args.burstiness, args.max_concurrency, args.timeout, args.seed,
                                              args.application, api_key=args.api_key,
                                              credentials=client_credentials(args.tls, args.ca_cert)))
-    summary = summarize(records, duration, slos)
+    # this load generator's own CPU over the run, in cores: on a machine it shares with the server, what it took
+    summary = {**summarize(records, duration, slos), "client_cores": (time.process_time() - cpu) / duration}
     print(format_summary(summary))
     if args.json:
         stem = os.path.splitext(args.json)[0]

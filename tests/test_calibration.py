@@ -124,13 +124,16 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         got.free()
 
 
-def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoint, tmp_path):
+@pytest.mark.parametrize("mix", [True, False])
+def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoint, tmp_path, mix):
     """The scheduler puts other requests' base-weight calls in the LoRA's forwards (the adapter reads its merged
-    weights on its own rows only). Workers decoding beside a calibrated synthesis give the tokens and KV they
-    give alone on an uncalibrated engine, and the synthesis gives its answer alone, with the same KV."""
+    weights on its own rows only), or with mix_adapters off gives each its own forwards. Either way, workers
+    decoding beside a calibrated synthesis give the tokens and KV they give alone on an uncalibrated engine,
+    and the synthesis gives its answer alone, with the same KV."""
     ckpt = checkpoint("llama")
     plain = Engine(EngineConfig(ckpt, calibration="none"))
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True),
+                                 mix_adapters=mix))
     hooks, task, other = engine.calibration.hooks, generate("chain", 5, 3), generate("vote", 6, 4)
     workers, sampling = run_workers(engine, task), SamplingParams(max_tokens=24, ignore_eos=True)
     alone = engine.message(synthesize(engine, workers.ids, task.prompt(), workers.prefix, Placement.BRANCH_POINT,
@@ -152,7 +155,9 @@ def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoin
     for _ in beside:
         pass
     rest = list(events)
-    assert {True, False} in forwards  # base and adapted calls shared forwards
+    assert ({True, False} in forwards) == mix  # base and adapted calls shared forwards
+    if not mix:  # (they took turns)
+        assert {True} in forwards and {False} in forwards
     assert [engine.message(m).token_ids for m in beside.ids] == [plain.message(m).token_ids for m in base.ids]
     for a, b in zip([*beside.contexts, *beside.ids], [*base.contexts, *base.ids]):
         torch.testing.assert_close(engine.message(a).kv, plain.message(b).kv, rtol=1e-5, atol=1e-5)

@@ -85,6 +85,26 @@ def test_serial_engine_runs_one_call_at_a_time(checkpoint, llama_engine):
     assert serial.scheduler.groups_stepped == serial.scheduler.steps
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(checkpoint, threads):
+    """EngineConfig.cpu_threads is the intra-op thread count of the scheduler's thread, where forwards run; the
+    caller's own setting is left as it was. Greedy tokens do not depend on it."""
+    caller = torch.get_num_threads()
+    eng = Engine(EngineConfig(checkpoint("llama"), cpu_threads=threads))
+    seen, step = [], eng.runner.step
+
+    def spy(*args, **kw):
+        seen.append(torch.get_num_threads())
+        return step(*args, **kw)
+
+    eng.runner.step = spy
+    got = workflow(eng, *REQUESTS[0])
+    assert set(seen) == {threads} and torch.get_num_threads() == caller
+    assert got == workflow(Engine(EngineConfig(checkpoint("llama"), cpu_threads=0)), *REQUESTS[0])
+    with pytest.raises(ValueError, match="cpu_threads must be an int >= 0"):
+        EngineConfig(checkpoint("llama"), cpu_threads=-1)
+
+
 def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
     eng = llama_engine
     prefix = eng.prefill([PrefillCall("User: go on for a long time.")])
