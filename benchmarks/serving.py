@@ -141,7 +141,8 @@ def main(argv=None) -> int:
             print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
                   f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
                   f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
-            apart = [x for x in rows if x["engine"] == "apart" and x["concurrency"] == c and x["transport"] == transport]
+            apart = [x for x in rows
+                     if x["engine"] == "apart" and x["concurrency"] == c and x["transport"] == transport]
             if apart:
                 r["mixed_vs_apart_token_throughput_x"] = (b["generated_token_throughput"]
                                                           / apart[0]["generated_token_throughput"])

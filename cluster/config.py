@@ -62,6 +62,7 @@ class ClusterConfig:
     store_budget_bytes: int = 2 << 30
     kv_budget_bytes: int = 0  # each engine's work KV for the calls it batches at once (more wait); 0: auto
     max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
+    cpu_threads: int = 1  # on CPU, each engine's intra-op threads for its forwards (EngineConfig); 0: torch's setting
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
     max_ongoing_requests: int = 64
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
@@ -166,6 +167,7 @@ class ClusterConfig:
         props["kv_transport"]["enum"] = list(TRANSPORTS)
         props["kvcomm_gamma"].update(minimum=0, maximum=1)
         props["kvcomm_capacity"]["minimum"] = 0
+        props["cpu_threads"]["minimum"] = 0
         props["kvcomm_recompute"].update(minimum=0, maximum=1)
         return {"type": "object", "additionalProperties": False, "required": ["model_path"], "properties": props}
 
@@ -174,7 +176,7 @@ class ClusterConfig:
         synthesizer's engine (colocated: the one engine) loads the calibration; workers run the base model."""
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
                             store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
-                            max_batched_tokens=self.max_batched_tokens,
+                            max_batched_tokens=self.max_batched_tokens, cpu_threads=self.cpu_threads,
                             calibration=self.calibration if role == "synthesizer" else "none")
 
     def worker_config(self) -> WorkerConfig:

@@ -290,16 +290,21 @@ class MergedLora:
     original put back after, so those forwards cost what the base model's do and the base weights are never
     touched (a merge and unmerge in place would drift them). It costs a copy of the adapted weights. An adapted
     row always reads the merged weight, so it gets the same values whatever else shares its forward.
-    `name`: which of the peft model's adapters (default: its active one)."""
+    It is the adapter callable itself (`adapter(rows=None)`, see `active`). `name`: which of the peft model's
+    adapters (default: its active one)."""
 
     def __init__(self, peft_model, name: str | None = None):
         from peft.tuners.lora import Linear as LoraLinear
 
         name = name or peft_model.active_adapter
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
+        # Whether other calls' base-weight rows may share its forwards (the scheduler's mixing): only when every
+        # adapted layer is a decoder layer's, whose input is [1, rows, in] (not lm_head's, run on chosen rows).
+        self.mixes_rows = True
         with torch.no_grad():
-            for module in peft_model.modules():
+            for path, module in peft_model.named_modules():
                 if isinstance(module, LoraLinear) and name in module.lora_A:
+                    self.mixes_rows &= ".layers." in path
                     base = module.get_base_layer()
                     delta = module.get_delta_weight(name).float()
                     merged = (base.weight.float() + delta).to(base.weight.dtype)  # rounded once
@@ -310,12 +315,16 @@ class MergedLora:
     def extra_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for _, _, m in self.swaps)
 
+    def __call__(self, rows: torch.Tensor | None = None):
+        return self.active(rows)
+
     @contextmanager
     def active(self, rows: torch.Tensor | None = None) -> Iterator[None]:
         """The adapted weights for a forward's rows: all of them (the merged copies swapped in), or those `rows`
         (bool [rows]) marks, the others running the base weights (other calls' rows batched into the same
         forward by the scheduler, and scratch calls in the synthesizer's own prefill): each adapted Linear then
-        runs each run of like rows through its own weight, merged or base, each weight read once."""
+        runs each run of like rows through its own weight, merged or base (the scheduler puts the adapter's calls
+        together, so there are a few)."""
         if rows is not None:
             # the rows as runs [start, end) of one kind (a few: the scheduler puts a forward's adapted calls together)
             starts = [0, *((rows[1:] != rows[:-1]).nonzero().squeeze(1) + 1).tolist()]
@@ -341,11 +350,11 @@ def _linear_on_rows(module: torch.nn.Module, merged: torch.Tensor, runs: list[tu
                     x: torch.Tensor) -> torch.Tensor:
     """x [1, rows, in] -> [1, rows, out]: each run [start, end) of rows through the merged weight where it is
     adapted, the base weight where not."""
-    if x.dim() != 3 or x.shape[0] != 1:  # (a layer outside the decoder's forward, e.g. lm_head as a target)
-        raise BraidError(f"the synthesizer LoRA on {type(module).__name__} got input of shape {tuple(x.shape)} in "
-                         "a forward shared with base-weight rows; only the decoder's layers may be LoRA targets")
-    return torch.cat([F.linear(x[0, a:b], merged if adapted else module.weight, module.bias)
-                      for a, b, adapted in runs])[None]
+    if x.dim() != 3 or x.shape[0] != 1 or runs[-1][1] != x.shape[1]:  # (e.g. lm_head as a target)
+        raise BraidError(f"a LoRA on {type(module).__name__} got input of shape {tuple(x.shape)} in a forward "
+                         "shared with base-weight rows; only the decoder's layers may be LoRA targets")
+    out = [F.linear(x[0, a:b], merged if adapted else module.weight, module.bias) for a, b, adapted in runs]
+    return (out[0] if len(out) == 1 else torch.cat(out))[None]
 
 
 def served_refresh(attached: "Attached | None", refresh_tokens: int | None = None) -> Refresh | None:
@@ -397,8 +406,8 @@ def attach(engine, path: str) -> Attached:
         peft_model.to(lm.device)
         with open(os.path.join(calibration.turns_path, "adapter_model.safetensors"), "rb") as f:
             digest = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
-        turns = SynthesisHooks(None, MergedLora(peft_model, TURNS_DIR).active, f"turns:{digest}")
+        turns = SynthesisHooks(None, MergedLora(peft_model, TURNS_DIR), f"turns:{digest}")
     lora = MergedLora(peft_model, "default")
     mapper = calibration.mapper.to(lm.device)
     tag = f"calibrated:{calibration.digest}"
-    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora.active, tag), turns)
+    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora, tag), turns)

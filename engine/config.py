@@ -62,7 +62,8 @@ class EngineConfig:
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
     # intra-op threads of the forwards on CPU, set in the scheduler's thread (torch.set_num_threads, which also
-    # becomes the default of threads started later); 0: leave torch's setting. 1 by default: in a server-like
+    # becomes the default of threads started later); 0: as many as the thread making the engine has. 1 by default
+    # (measured on 2 cores only; a host with many should measure with benchmarks/cpu_threads.py): in a server-like
     # process (the model loaded in the main thread, forwards in the scheduler's) forwards of up to 256 rows ran
     # 1.1-1.6x faster on 1 thread than on torch's default of every core (2 here), a 512-token prefill 0.92x as
     # fast (benchmarks/cpu_threads.py; README, the serving engine). Not used on CUDA.

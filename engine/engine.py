@@ -195,7 +195,8 @@ class Engine:
                                                        // config.kv_block_tokens), config.kv_block_tokens),
                                    config.max_running_calls, name=self.fingerprint[:8],
                                    mix_adapters=config.mix_adapters,
-                                   threads=config.cpu_threads if self.lm.device.type == "cpu" else 0)
+                                   threads=(config.cpu_threads or torch.get_num_threads())
+                                   if self.lm.device.type == "cpu" else 0)
         if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
             self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA

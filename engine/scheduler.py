@@ -410,16 +410,19 @@ class Scheduler:
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
-        # One adapter per forward, adapters taking turns. Base-weight calls join every forward, the adapter then
-        # reading its merged weights on its own rows only; except where forwards may run as static graphs, which
-        # swap the adapter's weights in over every row (engine.graphs): there base calls take turns too.
+        # One adapter per forward, adapters taking turns. Base-weight calls join an adapter's forwards where it
+        # reads its weights on its own rows only (`mixes_rows`: engine.calibration.MergedLora); not where
+        # forwards may run as static graphs, which swap the adapter's weights in over every row (engine.graphs):
+        # there, as with any other adapter, base calls take their own turn.
         mix = self.mix_adapters and self.runner.graphs is None
         adapters = list(dict.fromkeys(g.adapter for g in ready))
-        if mix and len(adapters) > 1:
-            adapters = [a for a in adapters if a is not None]
+        if mix and None in adapters and len(adapters) > 1 and all(getattr(a, "mixes_rows", False)
+                                                                  for a in adapters if a is not None):
+            adapters.remove(None)  # base calls join every adapter's forwards
         adapter = adapters[self._turn % len(adapters)]
         self._turn += 1
-        ready = [g for g in ready if g.adapter == adapter or (mix and g.adapter is None)]
+        joins = mix and getattr(adapter, "mixes_rows", False)
+        ready = [g for g in ready if g.adapter == adapter or (joins and g.adapter is None)]
         ready.sort(key=lambda g: (not g.decoding, g.served if g.decoding else 0))  # decodes first, fairly
         budget, batch = self.max_batched_tokens, []
         for g in ready:
@@ -430,7 +433,9 @@ class Scheduler:
             inp = g.take(budget)
             budget -= len(inp.input_ids)
             batch.append((g, inp))
-        if adapter is not None:  # (the adapter's calls together: its rows are then a run or two of the forward's)
+        if not any(g.adapter == adapter for g, _ in batch):  # (its calls were preempted or out of budget)
+            adapter = None
+        elif adapter is not None:  # (the adapter's calls together: its rows are then a run or two of the forward's)
             batch.sort(key=lambda b: b[0].adapter != adapter)
         return batch, adapter
 

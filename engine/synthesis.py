@@ -120,10 +120,11 @@ class SynthesisHooks:
 
     mapper: CacheMapper | None = None
     # entered around the synthesizer's forwards; `adapter(rows=bool [rows])` for a forward whose other rows run
-    # the base weights (the refresh runs in the synthesizer's prefill: see engine.calibration.MergedLora.active).
+    # the base weights (the refresh runs in the synthesizer's prefill; with `adapter.mixes_rows` true, other
+    # calls' rows the scheduler puts in its forwards: engine.calibration.MergedLora).
     # Its decode forwards may be replayed from CUDA graphs captured under it (engine.graphs), keyed by it: it
     # must be one stable object, and entered without rows it must put the same persistent tensors in place
-    # each time, with no other effect on the forward (MergedLora.active does).
+    # each time, with no other effect on the forward (MergedLora does).
     adapter: Callable[..., AbstractContextManager] | None = None
     # With an adapter: what the synthesized message is marked as encoded by, since its KV came from adapted
     # weights. The engine stores it under "<model fingerprint>+<tag>", so no base-model call takes it as a

@@ -124,17 +124,21 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         got.free()
 
 
-@pytest.mark.parametrize("mix", [True, False])
-def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoint, tmp_path, mix):
+@pytest.mark.parametrize("mix, row_safe", [(True, True), (False, True), (True, False)])
+def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoint, tmp_path, mix, row_safe):
     """The scheduler puts other requests' base-weight calls in the LoRA's forwards (the adapter reads its merged
-    weights on its own rows only), or with mix_adapters off gives each its own forwards. Either way, workers
-    decoding beside a calibrated synthesis give the tokens and KV they give alone on an uncalibrated engine,
-    and the synthesis gives its answer alone, with the same KV."""
+    weights on its own rows only), or with mix_adapters off, or an adapter that cannot take rows of other
+    calls (`mixes_rows` false: a LoRA on lm_head), gives each its own forwards. Either way, workers decoding
+    beside a calibrated synthesis give the tokens and KV they give alone on an uncalibrated engine, and the
+    synthesis gives its answer alone, with the same KV."""
     ckpt = checkpoint("llama")
     plain = Engine(EngineConfig(ckpt, calibration="none"))
     engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True),
                                  mix_adapters=mix))
     hooks, task, other = engine.calibration.hooks, generate("chain", 5, 3), generate("vote", 6, 4)
+    assert hooks.adapter.mixes_rows  # (its targets are the decoder layers')
+    hooks.adapter.mixes_rows = row_safe
+    mix = mix and row_safe
     workers, sampling = run_workers(engine, task), SamplingParams(max_tokens=24, ignore_eos=True)
     alone = engine.message(synthesize(engine, workers.ids, task.prompt(), workers.prefix, Placement.BRANCH_POINT,
                                       sampling, hooks))
@@ -164,6 +168,24 @@ def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoin
     synthesized = engine.message(stream.ids[0])
     assert synthesized.token_ids == alone.token_ids and rest
     torch.testing.assert_close(synthesized.kv, alone.kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["0000", "1111", "1", "0", "0110", "1010", "0011"])
+def test_adapted_rows_read_the_merged_weight_and_the_others_the_base(checkpoint, tmp_path, pattern):
+    """MergedLora over some rows of a forward: each row of an adapted linear layer's output is that row alone
+    through the merged weight where marked, the base weight where not."""
+    ckpt = checkpoint("llama")
+    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    lora = engine.calibration.hooks.adapter
+    module, base, merged = lora.swaps[0]
+    rows = torch.tensor([c == "1" for c in pattern])
+    x = torch.randn(1, len(pattern), module.in_features)
+    with lora(rows=rows):
+        got = module(x)
+    want = torch.stack([torch.nn.functional.linear(x[0, i], merged if r else base) for i, r in enumerate(rows)])
+    torch.testing.assert_close(got[0], want, rtol=1e-6, atol=1e-6)
+    assert module(x).shape == got.shape and module.weight is base  # (put back as it was)
+    assert not torch.allclose(merged, base)
 
 
 def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_path):

@@ -207,7 +207,7 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
     off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
     lora = padded.calibration.hooks.adapter
-    swaps = lora.__self__.swaps  # (engine.calibration.MergedLora: the adapted Linears, base and merged weights)
+    swaps = lora.swaps  # (engine.calibration.MergedLora: the adapted Linears, base and merged weights)
     graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
     def checked(groups, parts, shape, weights=None):

@@ -85,22 +85,23 @@ def test_serial_engine_runs_one_call_at_a_time(checkpoint, llama_engine):
     assert serial.scheduler.groups_stepped == serial.scheduler.steps
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(checkpoint, threads):
-    """EngineConfig.cpu_threads is the intra-op thread count of the scheduler's thread, where forwards run; the
-    caller's own setting is left as it was. Greedy tokens do not depend on it."""
-    caller = torch.get_num_threads()
-    eng = Engine(EngineConfig(checkpoint("llama"), cpu_threads=threads))
-    seen, step = [], eng.runner.step
+def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(checkpoint):
+    """EngineConfig.cpu_threads is the intra-op thread count of the scheduler's thread, where forwards run (0: the
+    count of the thread that made the engine); the caller's own setting is left as it was. Greedy tokens do not
+    depend on it."""
+    caller, tokens = torch.get_num_threads(), []
+    for threads, want in ((1, 1), (3, 3), (0, caller)):
+        eng = Engine(EngineConfig(checkpoint("llama"), cpu_threads=threads))
+        seen, step = [], eng.runner.step
 
-    def spy(*args, **kw):
-        seen.append(torch.get_num_threads())
-        return step(*args, **kw)
+        def spy(*args, step=step, seen=seen, **kw):
+            seen.append(torch.get_num_threads())
+            return step(*args, **kw)
 
-    eng.runner.step = spy
-    got = workflow(eng, *REQUESTS[0])
-    assert set(seen) == {threads} and torch.get_num_threads() == caller
-    assert got == workflow(Engine(EngineConfig(checkpoint("llama"), cpu_threads=0)), *REQUESTS[0])
+        eng.runner.step = spy
+        tokens.append(workflow(eng, *REQUESTS[0]))
+        assert set(seen) == {want} and torch.get_num_threads() == caller
+    assert tokens[0] == tokens[1] == tokens[2]
     with pytest.raises(ValueError, match="cpu_threads must be an int >= 0"):
         EngineConfig(checkpoint("llama"), cpu_threads=-1)
 
