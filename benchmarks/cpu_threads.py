@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models import REFERENCE_MODEL
-from braid.results import pyplot, write_json
+from braid.results import grouped_bars, write_json
 
 
 def parse_args(argv=None):
@@ -104,24 +104,21 @@ def main(argv=None) -> int:
                      "speedup_1_thread": many / one})
         print(f"{case:>24}: {args.threads} threads {1e3 * many:8.1f} ms, 1 thread {1e3 * one:8.1f} ms, "
               f"1 thread {many / one:.2f}x faster")
-    stem = write_json(args.out, "cpu_threads", {"model": args.model, "cores": os.cpu_count(),
-                                                "torch": torch.__version__, "rounds": args.rounds,
-                                                "threads": args.threads, "rows": rows,
-                                                "times_s": {f"{c} @ {n}": v for (c, n), v in times.items()}})
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r[f"ms_{args.threads}_threads"] for r in rows], 0.4,
-               label=f"{args.threads} threads (torch's default)")
-        ax.bar([i + 0.2 for i in x], [r["ms_1_thread"] for r in rows], 0.4, label="1 thread (cpu_threads=1)")
-        ax.set_xticks(list(x), [r["case"] for r in rows], fontsize=8)
-        ax.set(ylabel="ms (decode: per step)", yscale="log", title="CPU forwards in a server process")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
+    result = {"model": args.model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
+              "threads": args.threads, "rows": rows, "times_s": {f"{c} @ {n}": v for (c, n), v in times.items()}}
+    stem = write_json(args.out, "cpu_threads", result)
+    plot(result, stem)
     print(f"wrote {stem}.json and its plot")
     return 0
+
+
+def plot(result: dict, stem: str) -> None:
+    rows, n = result["rows"], result["threads"]
+    groups = [r["case"].split(", ")[1].replace(" tokens", " tok").replace(" ", "\n") for r in rows]
+    grouped_bars(stem, "CPU forwards in a server-like process", groups,
+                 [("ms (decode: per step)", {f"{n} threads (torch's default)": [r[f"ms_{n}_threads"] for r in rows],
+                                             "1 thread (cpu_threads=1)": [r["ms_1_thread"] for r in rows]})],
+                 xlabel="decode steps of N calls, then prefills of N tokens")
 
 
 if __name__ == "__main__":
