@@ -1,10 +1,11 @@
-"""CPU forwards on one intra-op thread against torch's default, side by side in one run, each as a server has it.
+"""CPU forwards on every core against one thread, side by side in one run, each in a process as a server has it.
 
 A server process loads one engine in its main thread and runs its forwards in the scheduler's thread. Each
-configuration runs in processes of its own, as a server would (one engine, loaded in the main thread):
-forwards on `--threads` intra-op threads (torch's default: the cores), and on 1 (EngineConfig.cpu_threads,
-the default). The two take turns, a fresh process each round. Each times decode steps of 1, 16 and 64 calls at
-once and a prefill; medians over rounds. Writes JSON and a plot.
+setting runs in processes of its own, as a server would (one engine, loaded in the main thread), the two
+taking turns, a fresh process each round: forwards on `--threads` intra-op threads (torch's default: the
+cores), and on 1 (EngineConfig.cpu_threads). Each times decode steps of several calls at once and prefills;
+medians over rounds. `--shape` or `--checkpoint` pick the model (default: the reference model). Writes JSON and
+a plot.
 """
 
 import argparse
@@ -21,20 +22,23 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models import REFERENCE_MODEL
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import grouped_bars, write_json
+
+SETTINGS = {"every core": 0, "one thread": 1}  # name: EngineConfig.cpu_threads (0 here: --threads)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=REFERENCE_MODEL, help="checkpoint (default: the reference model)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="the other engine's threads (default: "
+    add_model_arguments(p, shape=None)  # (neither --shape nor --checkpoint: the reference model)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of the larger forwards (default: "
                                                                         "the cores, torch's default)")
     p.add_argument("--calls", type=int, nargs="+", default=[1, 16, 64], help="decode calls at once")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
     p.add_argument("--prefill", type=int, nargs="+", default=[128, 256, 512], help="prefills timed (tokens)")
     p.add_argument("--rounds", type=int, default=5, help="processes per configuration")
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)  # (one process: this many threads)
+    p.add_argument("--worker", choices=list(SETTINGS), help=argparse.SUPPRESS)  # (one process: this setting)
     p.add_argument("--worker-json", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -65,9 +69,9 @@ def prefill_s(engine: Engine, tokens: list[int]) -> float:
 
 
 def worker(args) -> dict[str, float]:
-    """One server-like process: one engine on `args.worker` threads; each case's seconds (the best of 3)."""
-    engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", cpu_threads=args.worker,
-                                 prefix_caching=False))
+    """One server-like process: one engine of the setting `args.worker`; each case's seconds (the best of 3)."""
+    engine = Engine(EngineConfig(args.checkpoint, device="cpu", dtype="float32",
+                                 cpu_threads=SETTINGS[args.worker] or args.threads, prefix_caching=False))
     vocab = engine.spec.vocab_size
     parents = engine.prefill([PrefillCall([8 + i % (vocab - 8) for i in range(64)])])
     cases = {**{f"decode, {c} calls": lambda c=c: decode_step_s(engine, parents, c, args.steps) for c in args.calls},
@@ -80,44 +84,48 @@ def worker(args) -> dict[str, float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not (args.checkpoint or args.shape):
+        args.checkpoint = REFERENCE_MODEL
     if args.worker:
         with open(args.worker_json, "w") as f:
             json.dump(worker(args), f)
         return 0
-    configs = (args.threads, 1)
-    times: dict[tuple[str, int], list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        args.device = "cpu"
+        args.checkpoint, _ = benchmark_model(args, tmp)  # (a random one of --shape, saved for the processes)
         for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
-            for n in configs:  # (turns: both see the machine as it is in that round)
-                out = os.path.join(tmp, f"{r}-{n}.json")
-                subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
-                                "--prefill", *map(str, args.prefill), "--calls", *map(str, args.calls),
-                                "--worker", str(n), "--worker-json", out], check=True, stderr=subprocess.DEVNULL)
+            for i, name in enumerate(SETTINGS):  # (turns: each sees the machine as it is in that round)
+                out = os.path.join(tmp, f"{r}-{i}.json")
+                subprocess.run([sys.executable, __file__, "--checkpoint", args.checkpoint, "--device", "cpu",
+                                "--steps", str(args.steps), "--threads", str(args.threads),
+                                "--prefill", *map(str, args.prefill),
+                                "--calls", *map(str, args.calls), "--worker", name, "--worker-json", out],
+                               check=True, stderr=subprocess.DEVNULL)
                 with open(out) as f:
                     for case, seconds in json.load(f).items():
-                        times.setdefault((case, n), []).append(seconds)
-    cases = list(dict.fromkeys(case for case, _ in times))
+                        times.setdefault((case, name), []).append(seconds)
     rows = []
-    for case in cases:
-        many, one = (statistics.median(times[(case, n)]) for n in configs)
-        rows.append({"case": case, f"ms_{args.threads}_threads": 1e3 * many, "ms_1_thread": 1e3 * one,
-                     "speedup_1_thread": many / one})
-        print(f"{case:>24}: {args.threads} threads {1e3 * many:8.1f} ms, 1 thread {1e3 * one:8.1f} ms, "
-              f"1 thread {many / one:.2f}x faster")
-    result = {"model": args.model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
-              "threads": args.threads, "rows": rows, "times_s": {f"{c} @ {n}": v for (c, n), v in times.items()}}
-    stem = write_json(args.out, "cpu_threads", result)
+    for case in dict.fromkeys(case for case, _ in times):
+        ms = {name: 1e3 * statistics.median(times[(case, name)]) for name in SETTINGS}
+        rows.append({"case": case, "ms": ms, "one_thread_x": ms["every core"] / ms["one thread"]})
+        print(f"{case:>20}: every core ({args.threads}) {ms['every core']:7.1f} ms, one thread "
+              f"{ms['one thread']:7.1f} ms: one thread {rows[-1]['one_thread_x']:.2f}x as fast")
+    model = args.shape and f"random {args.shape}-shape llama" or os.path.basename(os.path.normpath(args.checkpoint))
+    result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
+              "threads": args.threads, "rows": rows,
+              "times_s": {f"{case} @ {name}": v for (case, name), v in times.items()}}
+    stem = write_json(args.out, f"cpu_threads_{args.shape or model}", result)
     plot(result, stem)
     print(f"wrote {stem}.json and its plot")
     return 0
 
 
 def plot(result: dict, stem: str) -> None:
-    rows, n = result["rows"], result["threads"]
+    rows = result["rows"]
     groups = [r["case"].split(", ")[1].replace(" tokens", " tok").replace(" ", "\n") for r in rows]
-    grouped_bars(stem, "CPU forwards in a server-like process", groups,
-                 [("ms (decode: per step)", {f"{n} threads (torch's default)": [r[f"ms_{n}_threads"] for r in rows],
-                                             "1 thread (cpu_threads=1)": [r["ms_1_thread"] for r in rows]})],
+    grouped_bars(stem, f"CPU forwards in a server-like process ({result['model']})", groups,
+                 [("ms (decode: per step)", {name: [r["ms"][name] for r in rows] for name in SETTINGS})],
                  xlabel="decode steps of N calls, then prefills of N tokens")
 
 

@@ -62,12 +62,12 @@ class EngineConfig:
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
     # intra-op threads of the forwards on CPU, set in the scheduler's thread (torch.set_num_threads, which also
-    # becomes the default of threads started later); 0: as many as the thread making the engine has. 1 by default
-    # (measured on 2 cores only; a host with many should measure with benchmarks/cpu_threads.py): in a server-like
-    # process (the model loaded in the main thread, forwards in the scheduler's) forwards of up to 256 rows ran
-    # 1.1-1.6x faster on 1 thread than on torch's default of every core (2 here), a 512-token prefill 0.92x as
-    # fast (benchmarks/cpu_threads.py; README, the serving engine). Not used on CUDA.
-    cpu_threads: int = 1
+    # becomes the default of threads started later). 0: one for a model of under 2e7 parameters in its decoder
+    # layers (the reference model), else as many as the thread making the engine has. Measured in server-like
+    # processes on 2 cores (benchmarks/cpu_threads.py; README, the serving engine): most of the reference
+    # model's forwards ran 1.1-1.9x faster on one thread than on two, while a 100M-parameter model's prefills
+    # and batched decodes ran 1.1-1.6x faster on two. Not used on CUDA.
+    cpu_threads: int = 0
 
     def __post_init__(self):
         if paths_here() and not os.path.isdir(self.model_path):
@@ -91,7 +91,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads must be an int >= 0 (0: torch's setting), got {self.cpu_threads!r}")
+            raise ValueError(f"cpu_threads must be an int >= 0 (0: by the model's size), got {self.cpu_threads!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.decode_graphs not in DECODE_GRAPHS:

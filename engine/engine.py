@@ -23,7 +23,7 @@ from braid.engine.errors import (
     InvalidOffsetError,
 )
 from braid.engine.graphs import DecodeGraphs
-from braid.engine.model import load_model
+from braid.engine.model import LoadedModel, load_model
 from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
@@ -194,9 +194,7 @@ class Engine:
                                    KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
                                                        // config.kv_block_tokens), config.kv_block_tokens),
                                    config.max_running_calls, name=self.fingerprint[:8],
-                                   mix_adapters=config.mix_adapters,
-                                   threads=(config.cpu_threads or torch.get_num_threads())
-                                   if self.lm.device.type == "cpu" else 0)
+                                   mix_adapters=config.mix_adapters, threads=_cpu_threads(config, self.lm))
         if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
             self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
         self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
@@ -629,6 +627,19 @@ class Engine:
             if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
                 self.prefix_cache.prune(self.store)
         return [m.id for m in messages]
+
+
+SMALL_MODEL_PARAMS = 2e7  # (EngineConfig.cpu_threads 0: a model with fewer in its decoder layers gets one thread)
+
+
+def _cpu_threads(config: EngineConfig, lm: LoadedModel) -> int:
+    """The scheduler's intra-op threads on CPU (EngineConfig.cpu_threads); 0 on CUDA: left as they are."""
+    if lm.device.type != "cpu":
+        return 0
+    if config.cpu_threads:
+        return config.cpu_threads
+    small = sum(p.numel() for p in lm.model.model.layers.parameters()) < SMALL_MODEL_PARAMS
+    return 1 if small else torch.get_num_threads()
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

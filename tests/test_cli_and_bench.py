@@ -69,13 +69,16 @@ def test_cpu_threads_benchmark_runs_each_setting_in_its_own_processes(checkpoint
     spec = importlib.util.spec_from_file_location("cpu_threads", os.path.join(ROOT, "benchmarks", "cpu_threads.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--model", checkpoint("llama"), "--rounds", "1", "--calls", "1", "2", "--prefill", "8",
-                       "--steps", "3", "--threads", "2", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "cpu_threads.json").read_text())
+    ckpt = checkpoint("llama")
+    assert bench.main(["--checkpoint", ckpt, "--rounds", "1", "--calls", "1", "2", "--prefill", "8", "--steps", "3",
+                       "--threads", "2", "--out", str(tmp_path)]) == 0
+    stem = tmp_path / f"cpu_threads_{os.path.basename(os.path.normpath(ckpt))}"
+    result = json.loads(stem.with_suffix(".json").read_text())
     assert [r["case"] for r in result["rows"]] == ["decode, 1 calls", "decode, 2 calls", "prefill, 8 tokens"]
     for row in result["rows"]:
-        assert row["speedup_1_thread"] == pytest.approx(row["ms_2_threads"] / row["ms_1_thread"])
-    assert (tmp_path / "cpu_threads.png").stat().st_size > 0
+        assert set(row["ms"]) == set(bench.SETTINGS) and all(v > 0 for v in row["ms"].values())
+        assert row["one_thread_x"] == pytest.approx(row["ms"]["every core"] / row["ms"]["one thread"])
+    assert stem.with_suffix(".png").stat().st_size > 0
 
 
 def test_prompt_tree_benchmark_writes_json_and_plot(tmp_path):
