@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 def plot(result: dict, stem: str) -> None:
     rows = result["rows"]
     groups = [r["case"].split(", ")[1].replace(" tokens", " tok").replace(" ", "\n") for r in rows]
-    grouped_bars(stem, f"CPU forwards in a server-like process ({result['model']})", groups,
+    grouped_bars(stem, f"CPU threads: {result['model']}", groups,
                  [("ms (decode: per step)", {name: [r["ms"][name] for r in rows] for name in SETTINGS})],
                  xlabel="decode steps of N calls, then prefills of N tokens")
 
