@@ -31,8 +31,8 @@ SETTINGS = {"every core": 0, "one thread": 1}  # name: EngineConfig.cpu_threads 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(p, shape=None)  # (neither --shape nor --checkpoint: the reference model)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of the larger forwards (default: "
-                                                                        "the cores, torch's default)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of the 'every core' setting "
+                                                                        "(default: the cores, torch's default)")
     p.add_argument("--calls", type=int, nargs="+", default=[1, 16, 64], help="decode calls at once")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
     p.add_argument("--prefill", type=int, nargs="+", default=[128, 256, 512], help="prefills timed (tokens)")
