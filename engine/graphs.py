@@ -5,7 +5,8 @@ device work (benchmarks/profile_decode.py); replayed as a graph, 11 ms. A forwar
 decode-sized (at most SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape: G
 groups of R rows (powers of two), each attending T keys (key_bucket). Group i's rows are rows
 [i*R, i*R + n) of the forward and its keys the first `length` of its T; the rest is padding, masked out.
-Padding rows see one key, write their KV to the pool's trash slot, which no call owns, and are dropped.
+Padding rows attend their group's keys (padding groups: one key), write their KV to the pool's trash slot,
+which no call owns, and are dropped.
 Every input of the forward (token ids, positions, where each row's KV goes, which pool slots each group
 reads, the masks) is copied into the bucket's static buffers, so one CUDA graph per bucket, captured the
 first time the bucket is used, replays the whole decoder; lm_head then runs on the rows that need logits,
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.engine.runner import SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step
+from braid.engine.runner import SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step, padded_keys
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +84,24 @@ class PaddedStep(_Step):
         self.positions.zero_()
 
     def load(self, groups: list[GroupInput], parts: list[_Part]) -> None:
-        """This forward's groups into the buffers: group i's rows at [i*R, i*R + n), its keys at [i*T, i*T + length)."""
+        """This forward's groups into the buffers: group i's rows at [i*R, i*R + n), its keys at [i*T, i*T + length).
+        A few copies for all the groups, not a few per group (the host time of a step of many calls)."""
         _, r, t = self.shape
         self.clear()
-        for i, (g, p) in enumerate(zip(groups, parts)):
-            n, cache = len(g.input_ids), p.cache
-            length = cache.length - cache.start
-            rows = slice(i * r, i * r + n)
-            self.input_ids[0, rows] = g.input_ids
-            self.positions[0, rows] = g.positions
-            self.write_index[rows] = cache.index[p.slots]
-            self.read_index[i * t:i * t + length] = cache.index[cache.start:cache.length]
-            self.allowed[i, 0, :n, :length] = p.mask[0, 0]
+        g = len(groups)
+        rows = torch.tensor([i * r + j for i, x in enumerate(groups) for j in range(len(x.input_ids))],
+                            device=self.input_ids.device)
+        self.input_ids[0].index_copy_(0, rows, torch.cat([x.input_ids for x in groups]))
+        self.positions[0].index_copy_(0, rows, torch.cat([x.positions for x in groups]))
+        self.write_index.index_copy_(0, rows, torch.cat([p.write_index for p in parts]))
+        read_index, inside = padded_keys(parts, t, self.pool.trash)
+        self.read_index[:g * t] = read_index
+        # every row of a real group sees its keys (padding rows stay finite; a row of one call that sees them
+        # all needs nothing more); other groups' real rows take their own masks; padding groups see key 0
+        self.allowed[:g] = inside[:, None, None, :]
+        for i, (x, p) in enumerate(zip(groups, parts)):
+            if not p.full:
+                self.allowed[i, 0, :len(x.input_ids), :p.cache.length - p.start] = p.mask[0, 0]
         self.mask.zero_().masked_fill_(~self.allowed, float("-inf"))
 
 

@@ -231,6 +231,9 @@ class GroupInput:
     logit_rows: torch.Tensor | None
     scratch_rows: int = 0  # how many of the rows (the first) are scratch calls' tokens
     slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
+    # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
+    # it, so its mask need not be built (Group.plain)
+    plain: bool = False
 
 
 @dataclass
@@ -244,6 +247,13 @@ class _Part:
     mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with scratch rows, else [start, length)
     scratch: int = 0  # its first rows that are scratch calls' tokens
     scratch_end: int = 0  # one past the last of those rows' slots: they attend [0, scratch_end), all written
+    write_index: torch.Tensor | None = None  # where its rows' KV go in the pool: [rows]
+    full: bool = False  # one row that attends every key [start, length): `mask` is None and not needed
+
+    @property
+    def masked(self) -> bool:
+        """It has a mask, or needs none because it sees every key (`full`): what the shared attention takes."""
+        return self.mask is not None or self.full
 
     @property
     def start(self) -> int:
@@ -253,6 +263,17 @@ class _Part:
         """This layer's keys and values of its cache's slots [start, end), new rows included: [1, H, T, D] each."""
         kv = self.cache.layer_kv(layer, start, end)
         return kv[0][None], kv[1][None]
+
+
+def padded_keys(parts: list[_Part], t: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool slots of each part's keys [start, length), padded to t with slot `pad`: ([len(parts) * t] long,
+    bool [len(parts), t] where a key is a real one). One copy for all the parts, none per part."""
+    device = parts[0].cache.index.device
+    lengths = torch.tensor([p.cache.length - p.start for p in parts], device=device)
+    inside = torch.arange(t, device=device)[None, :] < lengths[:, None]
+    index = torch.full((len(parts), t), pad, dtype=torch.long, device=device)
+    index[inside] = torch.cat([p.cache.index[p.start:p.cache.length] for p in parts])  # (row-major: each in order)
+    return index.flatten(), inside
 
 
 SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (decoding) share one attention call
@@ -270,33 +291,35 @@ class _Step:
         self.parts = parts
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
-        self.write_index = torch.cat([p.cache.index[p.slots] for p in parts])  # where each row's KV goes: [rows]
-        small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.mask is not None
+        self.write_index = torch.cat([p.write_index for p in parts])  # where each row's KV goes: [rows]
+        small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.masked
                  and not p.scratch]
         self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
+        for p in self.large:
+            if p.full:  # (one group alone: its explicit mask, every key, as SDPA was always given)
+                p.mask = torch.ones(1, 1, 1, p.cache.length - p.start, dtype=torch.bool, device=device)
         if not self.small:
             return
-        g, r, t = len(small), max(p.rows.stop - p.rows.start for p in small), max(p.cache.length - p.start
-                                                                                    for p in small)
-        row_index = torch.zeros(g, r, dtype=torch.long)
-        valid = torch.zeros(g, r, dtype=torch.bool)
-        read_index = torch.zeros(g, t, dtype=torch.long, device=device)
-        mask = torch.zeros(g, 1, r, t, dtype=torch.bool, device=device)
-        mask[:, :, :, 0] = True  # (padding rows see one key, so they stay finite; they are dropped)
-        for i, p in enumerate(small):
-            n, length = p.rows.stop - p.rows.start, p.cache.length - p.start
-            row_index[i, :n] = torch.arange(p.rows.start, p.rows.stop)
-            valid[i, :n] = True
-            read_index[i] = p.cache.index[p.start]  # (padding keys: the group's first slot, masked out)
-            read_index[i, :length] = p.cache.index[p.start:p.cache.length]
-            mask[i, 0, :n] = False
-            mask[i, 0, :n, :length] = p.mask[0, 0]
+        counts = [p.rows.stop - p.rows.start for p in small]
+        g, r, t = len(small), max(counts), max(p.cache.length - p.start for p in small)
+        # the padded query rows, built on the host and copied once: group i's n rows at [i * r, i * r + n)
+        row_index, valid, rows = [0] * (g * r), [], []
+        for i, (p, n) in enumerate(zip(small, counts)):
+            row_index[i * r:i * r + n] = range(p.rows.start, p.rows.stop)
+            valid.extend(range(i * r, i * r + n))
+            rows.extend(range(p.rows.start, p.rows.stop))
         self.shape = (g, r, t)
-        self.row_index = row_index.flatten().to(device)  # [g * r]: each padded query row's row in the forward
-        self.valid = valid.flatten().nonzero().squeeze(1).to(device)  # which padded rows are real
-        self.rows = row_index[valid].to(device)  # and their rows in the forward, in the same order
-        self.read_index = read_index.flatten()  # [g * t]: each padded key's place in the pool
+        self.row_index = torch.tensor(row_index, device=device)  # [g * r]: each padded query row's row in the forward
+        self.valid = torch.tensor(valid, device=device)  # which padded rows are real
+        self.rows = torch.tensor(rows, device=device)  # and their rows in the forward, in the same order
+        self.read_index, inside = padded_keys(small, t, self.pool.trash)  # [g * t]; bool [g, t]
+        # Every row sees its group's keys: a real row of one call that sees them all needs nothing more, and
+        # padding rows (dropped) stay finite. Other groups' real rows take their own masks.
+        mask = inside[:, None, None, :].expand(g, 1, r, t).clone()
+        for i, (p, n) in enumerate(zip(small, counts)):
+            if not p.full:
+                mask[i, 0, :n, :p.cache.length - p.start] = p.mask[0, 0]
         self.mask = mask
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
@@ -366,19 +389,25 @@ class ModelRunner:
 
     def _part(self, g: GroupInput, start: int, masked: bool) -> _Part:
         """Claim the group's slots in its cache (setting g.slots) and build its mask, unless it needs none (one
-        plain-causal group on flash-attn, and `masked` false): its place in a forward whose rows so far end at
-        `start`."""
+        plain-causal group on flash-attn, and `masked` false; or one row of a `plain` group, which sees every
+        key: `full`): its place in a forward whose rows so far end at `start`."""
         num_entries = g.visible.shape[1] - g.visible.shape[0]
         r, cache = g.scratch_rows, g.cache
         rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
         g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
+        write = cache.index[rest]  # (a view: its rows' slots are one run of its cache)
         if r:
-            g.slots = torch.cat([cache.next_scratch(r), g.slots])
-        mask = None
+            scratch = cache.next_scratch(r)
+            g.slots = torch.cat([scratch, g.slots])
+            write = torch.cat([cache.index[scratch], write])
+        mask, full = None, False
         if masked or mask_needed(self.lm.device, self.lm.dtype, g.visible):
-            lo = 0 if r else cache.start
-            keys = torch.arange(lo, cache.length, device=g.visible.device)
-            mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
-            mask = mask[None, None]
+            if g.plain and not r and len(g.input_ids) == 1:
+                full = True
+            else:
+                lo = 0 if r else cache.start
+                keys = torch.arange(lo, cache.length, device=g.visible.device)
+                mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
+                mask = mask[None, None]
         rows = slice(start, start + len(g.input_ids))
-        return _Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0)
+        return _Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0, write, full)

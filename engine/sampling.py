@@ -52,8 +52,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
-    """One token per row of fp32 logits [rows, vocab], row i sampled with params[i]."""
-    greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators,
+                greedy: list[int] | None = None) -> list[int]:
+    """One token per row of fp32 logits [rows, vocab], row i sampled with params[i]. `greedy`: the rows' argmax,
+    when the caller has read them already (greedy_rows)."""
+    if greedy is None:
+        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
     return [g if p.temperature == 0 else int(sample(logits[i], p, gen))
             for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]
+
+
+def greedy_rows(logits: list[torch.Tensor | None]) -> list[list[int] | None]:
+    """The argmax of every row of every group's logits ([rows, vocab] each, or None), read in one device sync for
+    the whole step, not one per group."""
+    present = [x for x in logits if x is not None]
+    if not present:
+        return [None] * len(logits)
+    flat = iter(torch.cat(present).argmax(dim=-1).tolist())
+    return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in logits]

@@ -30,7 +30,7 @@ import torch
 from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import StoreFullError
 from braid.engine.runner import GroupInput, KVPool, ModelRunner, WorkCache
-from braid.engine.sampling import SamplingParams, make_generator, sample_rows
+from braid.engine.sampling import SamplingParams, greedy_rows, make_generator, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Group:
         self.tokens, self.offsets, self.params = tokens, offsets, params
         self.scratch = scratch
         self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
+        self.plain = visible.shape[0] == 1 and bool(visible.all())  # (GroupInput.plain: read once, here)
         self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
         # it may run on fewer blocks than `capacity`, taking more as it decodes, and be preempted (a decode call
         # whose work KV nobody reads while it runs: see DecodeStream.partial_kv)
@@ -169,11 +170,13 @@ class Group:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         self._input = GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]),
                                  as_tensor([r[1] for r in rows]), as_tensor([r[2] for r in rows]), logit_rows,
-                                 sum(c < self.scratch for _, _, c in rows) if self.scratch else 0)  # (first)
+                                 sum(c < self.scratch for _, _, c in rows) if self.scratch else 0,  # (first)
+                                 plain=self.plain)
         return self._input
 
-    def advance(self, logits: torch.Tensor | None) -> bool:
-        """After the forward: record slots, sample, queue the sampled tokens. True when it is complete."""
+    def advance(self, logits: torch.Tensor | None, greedy: list[int] | None = None) -> bool:
+        """After the forward: record slots, sample, queue the sampled tokens. True when it is complete. `greedy`:
+        the argmax of each row of `logits`, if the caller read them for the whole step at once."""
         slots = self._input.slots.tolist() if self._input.scratch_rows else range(self._base, self.cache.length)
         for (_, _, c), slot in zip(self._taken, slots):  # (no device read on a plain decode step)
             self.slots[c].append(slot)
@@ -185,7 +188,8 @@ class Group:
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = self._logit_calls
-            sampled = sample_rows(logits, [self.params[c] for c in calls], [self.generators[c] for c in calls])
+            sampled = sample_rows(logits, [self.params[c] for c in calls], [self.generators[c] for c in calls],
+                                  greedy)
             self.events.put([self._emit(c, token) for c, token in zip(calls, sampled)])  # one put per step
         if self.pending or (self.params is not None and self.running):
             return False
@@ -454,10 +458,11 @@ class Scheduler:
             return []
 
     def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
-        for (g, _), lg in zip(batch, logits):
+        greedy = greedy_rows(logits)
+        for (g, _), lg, top in zip(batch, logits, greedy):
             g.served += 1
             try:
-                done = g.advance(lg)
+                done = g.advance(lg, top)
             except Exception as e:
                 g.fail(e)
                 continue
