@@ -52,7 +52,7 @@ def main(argv=None) -> int:
             dev = pool.kv.device
             return [GroupInput(c, visible.to(dev), torch.randint(3, lm.spec.vocab_size, (calls,), device=dev),
                                torch.full((calls,), args.context + step, device=dev),
-                               torch.arange(calls, device=dev), torch.arange(calls, device=dev)) for c in caches]
+                               torch.arange(calls, device=dev), list(range(calls))) for c in caches]
 
         alone, together = [], []
         for step in range(args.repeats):  # alternating, so both see the same machine

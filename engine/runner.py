@@ -228,7 +228,7 @@ class GroupInput:
     input_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
     call_of_row: torch.Tensor  # [rows]
-    logit_rows: torch.Tensor | None
+    logit_rows: list[int] | None  # (host indices: one copy for all the groups of a forward)
     scratch_rows: int = 0  # how many of the rows (the first) are scratch calls' tokens
     slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
     # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
@@ -373,11 +373,12 @@ class ModelRunner:
     def _logits(self, groups: list[GroupInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
         """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
         every group's rows (its weight read once a forward, not once a group)."""
-        wanted = [g.logit_rows + r.start for g, r in zip(groups, rows) if g.logit_rows is not None]
+        wanted = [g.logit_rows for g in groups if g.logit_rows is not None]
         if not wanted:
             return [None] * len(groups)
-        logits = iter(self.lm_head(hidden.index_select(0, torch.cat(wanted))).float().split(
-            [len(w) for w in wanted]))
+        index = torch.tensor([i + r.start for g, r in zip(groups, rows) if g.logit_rows is not None
+                              for i in g.logit_rows], device=hidden.device)
+        logits = iter(self.lm_head(hidden.index_select(0, index)).float().split([len(w) for w in wanted]))
         return [None if g.logit_rows is None else next(logits) for g in groups]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step") -> torch.Tensor:

@@ -154,23 +154,24 @@ class Group:
                              for i, t in enumerate(self.all_tokens(c)))
         self.preempted += 1
 
-    def take(self, budget: int) -> GroupInput:
-        """Up to `budget` pending rows as this step's input."""
+    def take(self, budget: int) -> list[tuple[int, int, int]]:
+        """Up to `budget` pending rows (token, position, call) for this step; `input` then makes them its input."""
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
         self._taken = rows
         self._base = self.cache.length  # (rows other than scratch calls' take the slots from here on, in order)
-        device = self.cache.index.device
-        logit_rows = None
+        self._logit_rows = None
         if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
             last = {c: i for i, (_, _, c) in enumerate(rows)}
             unfinished = {c for _, _, c in self.pending}  # calls with rows left for later steps
-            ends = [i for c, i in last.items() if c in self.running and c not in unfinished]
-            self._logit_calls = [rows[i][2] for i in sorted(ends)]
-            logit_rows = torch.tensor(sorted(ends), device=device) if ends else None
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        self._input = GroupInput(self.cache, self.visible, as_tensor([r[0] for r in rows]),
-                                 as_tensor([r[1] for r in rows]), as_tensor([r[2] for r in rows]), logit_rows,
-                                 sum(c < self.scratch for _, _, c in rows) if self.scratch else 0,  # (first)
+            ends = sorted(i for c, i in last.items() if c in self.running and c not in unfinished)
+            self._logit_calls = [rows[i][2] for i in ends]
+            self._logit_rows = ends or None
+        return rows
+
+    def input(self, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> GroupInput:
+        """This step's input: the rows `take` gave, as tensors (the scheduler makes every group's in one copy)."""
+        self._input = GroupInput(self.cache, self.visible, ids, positions, calls, self._logit_rows,
+                                 sum(c < self.scratch for _, _, c in self._taken) if self.scratch else 0,  # (first)
                                  plain=self.plain)
         return self._input
 
@@ -434,9 +435,10 @@ class Scheduler:
                 break
             if g.cache is None or not self._room(g, g.new_slots(min(budget, len(g.pending))), batch):
                 continue  # (preempted in this loop)
-            inp = g.take(budget)
-            budget -= len(inp.input_ids)
-            batch.append((g, inp))
+            rows = g.take(budget)
+            budget -= len(rows)
+            batch.append((g, rows))
+        batch = _inputs(batch, self.runner.lm.device)
         if not any(g.adapter == adapter for g, _ in batch):  # (its calls were preempted or out of budget)
             adapter = None
         elif adapter is not None:  # (the adapter's calls together: its rows are then a run or two of the forward's)
@@ -479,6 +481,15 @@ class Scheduler:
         for run in g.runs:
             self.pool.unshare(run)
         g.runs = []
+
+
+def _inputs(taken: list[tuple[Group, list[tuple[int, int, int]]]], device) -> list[tuple[Group, GroupInput]]:
+    """Each group's rows (token, position, call) as its GroupInput: one tensor for the whole step, copied to the
+    device once, each group's input views of it (not a few small tensors per group)."""
+    if not taken:
+        return []
+    flat = torch.tensor([row for _, rows in taken for row in rows], dtype=torch.long).T.contiguous().to(device)
+    return [(g, g.input(*part.unbind(0))) for (g, _), part in zip(taken, flat.split([len(r) for _, r in taken], 1))]
 
 
 def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextManager:

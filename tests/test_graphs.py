@@ -31,7 +31,7 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
         visible[:, 1:] = torch.eye(n, dtype=torch.bool, device=dev)  # (each call sees its own tokens)
         ids = torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).to(dev)
         out.append(GroupInput(cache, visible, ids, torch.full((n,), length, device=dev),
-                              torch.arange(n, device=dev), torch.arange(n, device=dev)))
+                              torch.arange(n, device=dev), list(range(n))))
     return out
 
 
