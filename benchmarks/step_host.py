@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=32, help="tokens each call decodes")
     p.add_argument("--context", type=int, default=64, help="tokens of the prompt every call reads")
     p.add_argument("--repeats", type=int, default=3, help="measurements per process (its median kept)")
-    p.add_argument("--rounds", type=int, default=3, help="fresh processes per side, taking turns")
+    p.add_argument("--rounds", type=int, default=5, help="fresh processes per side, taking turns")
     p.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "eager"],
                    help="EngineConfig.decode_graphs (auto: graphs on CUDA, forwards as they come on CPU; eager: "
                         "the static padded forwards without capturing them)")
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
             child = [sys.executable, os.path.abspath(__file__), "--child", path, "--device", device,
                      "--calls", *map(str, args.calls), "--tokens", str(args.tokens), "--context", str(args.context),
                      "--repeats", str(args.repeats), "--decode-graphs", args.decode_graphs]
-            for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-                for name, pythonpath in sides.items():
+            for k in tqdm(range(args.rounds), desc="rounds", unit="round"):
+                for name, pythonpath in list(sides.items())[::1 if k % 2 == 0 else -1]:  # (each side first in turn)
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [pythonpath, ROOT] if p))
                     done = subprocess.run(child, env=env, check=True, capture_output=True, text=True, cwd=tmp)
                     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
               "tokens": args.tokens, "context": args.context, "rounds": args.rounds, "repeats": args.repeats,
               "rows": rows, "runs": runs}
     suffix = "cpu" if device == "cpu" else "cuda"
-    stem = write_json(args.out, f"step_host_{args.shape if not args.checkpoint else 'model'}_{suffix}", result)
+    graphs = "" if args.decode_graphs == "auto" else f"_{args.decode_graphs}"
+    stem = write_json(args.out, f"step_host_{args.shape if not args.checkpoint else 'model'}{graphs}_{suffix}", result)
     grouped_bars(stem, f"decode step host time ({result['model']}, {result['device']})",
                  [str(n) for n in args.calls],
                  [("ms per step", {f"this tree ({head})": [r["this_ms_per_step"] for r in rows],
