@@ -68,21 +68,19 @@ def measure(args) -> dict:
     return out
 
 
-def checkout(rev: str, tmp: str) -> str:
-    """A directory to put on PYTHONPATH so that `import braid` is revision `rev`'s: a worktree of it, and a
-    `braid` package whose subpackages link to the worktree's folders as its pyproject maps them."""
-    tree = os.path.join(tmp, "tree")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, rev], check=True)
+def package(tree: str, dest: str) -> str:
+    """A directory to put on PYTHONPATH so that `import braid` is checkout `tree`'s: a `braid` package whose
+    subpackages link to the tree's folders as its pyproject maps them (whatever braid is installed)."""
     with open(os.path.join(tree, "pyproject.toml"), "rb") as f:
         dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    pkg = os.path.join(tmp, "path", "braid")
+    pkg = os.path.join(dest, "braid")
     os.makedirs(pkg)
     for name in os.listdir(os.path.join(tree, dirs["braid"])):
         os.symlink(os.path.join(tree, dirs["braid"], name), os.path.join(pkg, name))
     for name, folder in dirs.items():
         if name != "braid":
             os.symlink(os.path.join(tree, folder), os.path.join(pkg, name.split(".", 1)[1]))
-    return os.path.join(tmp, "path")
+    return dest
 
 
 def main(argv=None) -> int:
@@ -95,27 +93,33 @@ def main(argv=None) -> int:
     from braid.models.checkpoints import benchmark_model
     from braid.results import device_name, grouped_bars, write_json
 
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.against], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True, text=True).stdout.strip()
+
+    rev, head = git("rev-parse", "--short", args.against), git("rev-parse", "--short", "HEAD")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        head += "+changes"  # (this tree is HEAD with uncommitted changes)
     with tempfile.TemporaryDirectory(prefix="braid-step-host-") as tmp:
         path, device = benchmark_model(args, os.path.join(tmp, "model"))
-        sides = {"this tree": None, rev: checkout(rev, tmp)}
+        tree = os.path.join(tmp, "tree")
         try:
+            git("worktree", "add", "--detach", "-q", tree, rev)
+            sides = {"this tree": package(ROOT, os.path.join(tmp, "this")),
+                     rev: package(tree, os.path.join(tmp, "rev"))}
             runs = {name: [] for name in sides}
-            child = [sys.executable, os.path.abspath(__file__), "--child", path, "--device", device,
+            # (the measuring code, benchmarks.profile_decode's concurrent decode, is this tree's for both sides)
+            child = [sys.executable, os.path.abspath(__file__), "--child", os.path.abspath(path), "--device", device,
                      "--calls", *map(str, args.calls), "--tokens", str(args.tokens), "--context", str(args.context),
                      "--repeats", str(args.repeats), "--decode-graphs", args.decode_graphs]
             for k in tqdm(range(args.rounds), desc="rounds", unit="round"):
                 for name, pythonpath in list(sides.items())[::1 if k % 2 == 0 else -1]:  # (each side first in turn)
-                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [pythonpath, ROOT] if p))
-                    done = subprocess.run(child, env=env, check=True, capture_output=True, text=True, cwd=tmp)
+                    done = subprocess.run(child, env=dict(os.environ, PYTHONPATH=pythonpath), check=True,
+                                          capture_output=True, text=True)
                     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
                     runs[name].append(json.loads(line.removeprefix("RESULT ")))
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", os.path.join(tmp, "tree")],
-                           check=False)
+            if os.path.exists(tree):
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
     rows = []
     for n in args.calls:
         row = {"calls": n}

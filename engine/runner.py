@@ -267,13 +267,20 @@ class _Part:
 
 def padded_keys(parts: list[_Part], t: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool slots of each part's keys [start, length), padded to t with slot `pad`: ([len(parts) * t] long,
-    bool [len(parts), t] where a key is a real one). One copy for all the parts, none per part."""
+    bool [len(parts), t] where a key is a real one). A few ops for all the parts, none per part, and no read back
+    to the host (where the keys go is computed from host lengths)."""
     device = parts[0].cache.index.device
-    lengths = torch.tensor([p.cache.length - p.start for p in parts], device=device)
-    inside = torch.arange(t, device=device)[None, :] < lengths[:, None]
-    index = torch.full((len(parts), t), pad, dtype=torch.long, device=device)
-    index[inside] = torch.cat([p.cache.index[p.start:p.cache.length] for p in parts])  # (row-major: each in order)
-    return index.flatten(), inside
+    lengths = [p.cache.length - p.start for p in parts]
+    firsts = [0]
+    for n in lengths[:-1]:
+        firsts.append(firsts[-1] + n)
+    # key k of part i (k < its length) goes to i * t + k; it is key firsts[i] + k of the parts' keys laid end to end
+    host = torch.tensor([lengths, [i * t - f for i, f in enumerate(firsts)]], dtype=torch.long).to(device)
+    total = firsts[-1] + lengths[-1]
+    where = torch.arange(total, device=device) + torch.repeat_interleave(host[1], host[0], output_size=total)
+    index = torch.full((len(parts) * t,), pad, dtype=torch.long, device=device)
+    index.index_copy_(0, where, torch.cat([p.cache.index[p.start:p.cache.length] for p in parts]))
+    return index, torch.arange(t, device=device)[None, :] < host[0][:, None]
 
 
 SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (decoding) share one attention call

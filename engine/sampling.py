@@ -68,5 +68,5 @@ def greedy_rows(logits: list[torch.Tensor | None]) -> list[list[int] | None]:
     present = [x for x in logits if x is not None]
     if not present:
         return [None] * len(logits)
-    flat = iter(torch.cat(present).argmax(dim=-1).tolist())
+    flat = iter((torch.cat(present) if len(present) > 1 else present[0]).argmax(dim=-1).tolist())
     return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in logits]

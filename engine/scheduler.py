@@ -460,7 +460,11 @@ class Scheduler:
             return []
 
     def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
-        greedy = greedy_rows(logits)
+        try:
+            greedy = greedy_rows(logits)
+        except Exception:  # (e.g. out of memory for the step's logits): each group samples its own, failing alone
+            log.exception("reading the step's greedy tokens at once failed; sampling group by group")
+            greedy = [None] * len(logits)
         for (g, _), lg, top in zip(batch, logits, greedy):
             g.served += 1
             try:

@@ -281,3 +281,36 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
     assert {w for w, _ in buckets} == {None, lora}
     for weights in (None, lora):  # (both sets of weights replayed from graphs of their own)
         assert any(b.graph is not None and b.replays for (w, _), b in buckets.items() if w == weights)
+
+
+def test_a_plain_call_s_decode_row_builds_no_mask_and_reads_the_same(padded_engine):
+    """One row of a call that sees its whole cache (GroupInput.plain) builds no mask (its part is `full`), and
+    gives the logits of the same row with its mask built, bit for bit: beside other groups in the shared attention
+    and in the static forward, and alone."""
+    eng = padded_engine
+    g = groups_over(eng, [12], [1], 1)[0]
+    g.plain = True
+    part = eng.runner._part(g, 0, masked=True)
+    assert part.full and part.mask is None and torch.equal(part.write_index, g.cache.index[g.slots])
+    release(eng, [g])
+    for lengths, rows in (([9, 40, 21], [1, 2, 1]), ([33], [1])):
+        for run in (eng.runner.step, lambda gs: as_they_come(eng, gs)):
+            a, b = groups_over(eng, lengths, rows, 5), groups_over(eng, lengths, rows, 5)
+            for x in a:
+                x.plain = len(x.input_ids) == 1
+            for x, y in zip(run(a), run(b)):
+                assert torch.equal(x, y)
+            release(eng, a + b)
+
+
+def test_padded_keys_lays_each_part_in_its_row():
+    """runner.padded_keys: each part's key slots [start, length) in order in its row of T, the rest `pad`."""
+    from types import SimpleNamespace
+
+    from braid.engine.runner import _Part, padded_keys
+
+    parts = [_Part(SimpleNamespace(index=torch.tensor(slots), length=len(slots), start=start), slice(0, 1),
+                   torch.zeros(1), None) for slots, start in (([5, 6, 7], 0), ([9, 10, 11, 12], 1), ([3], 0))]
+    index, inside = padded_keys(parts, 4, pad=99)
+    assert index.tolist() == [5, 6, 7, 99, 10, 11, 12, 99, 3, 99, 99, 99]
+    assert inside.tolist() == [[True, True, True, False], [True, True, True, False], [True, False, False, False]]

@@ -373,3 +373,44 @@ def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back
     pool = eng.scheduler.pool
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and pool.free_blocks == pool.blocks
     assert set(eng.store.ids()) == before - {prefix[0]}
+
+
+def test_a_step_reads_its_greedy_tokens_at_once():
+    """sampling.greedy_rows: every group's argmax in one read, in place (groups without logits: None), and what
+    sample_rows takes instead of reading its own."""
+    from braid.engine.sampling import greedy_rows, sample_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(2, 50, generator=gen), None, torch.randn(1, 50, generator=gen),
+              torch.randn(3, 50, generator=gen)]
+    top = greedy_rows(logits)
+    assert top == [None if x is None else x.argmax(-1).tolist() for x in logits]
+    assert greedy_rows([None, None]) == [None, None]
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=3)
+    params = [greedy, sampled, greedy]
+    x = logits[3]
+    alone = sample_rows(x, params, [None, torch.Generator().manual_seed(3), None])
+    assert sample_rows(x, params, [None, torch.Generator().manual_seed(3), None], top[3]) == alone
+    assert alone[0] == top[3][0] and alone[2] == top[3][2]
+
+
+def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
+    """Group.plain (its decode rows build no mask): one call, yes; parallel calls, or a call beside scratch calls
+    (which see less than all the group holds), no. Each stream still gives its tokens."""
+    from braid.engine.engine import Scratch
+
+    eng = llama_engine
+    ctx, = eng.prefill([PrefillCall("Some context.")])
+    n = eng.message(ctx).num_tokens
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    streams = [eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy)]),
+               eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy),
+                                  DecodeCall("R:", parents=[ctx], sampling=greedy)]),
+               eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], sampling=greedy)],
+                                 scratch=[PrefillCall("a b", parents=[ctx], new_offset=n)])]
+    assert [s._group.plain for s in streams] == [True, False, False]
+    for s in streams:
+        assert len(list(s)) == 3 * len(s.ids)
+        for mid in s.ids:
+            eng.free(mid)
+    eng.free(ctx)
