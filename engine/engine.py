@@ -665,5 +665,10 @@ class _SharedTokenizer:
         with self._lock:
             return self._tokenizer.decode(*args, **kwargs)
 
+    def decode_step(self, stream, token: int) -> str | None:
+        """One token through a tokenizers DecodeStream (engine.detokenize): its new text, or None (held back)."""
+        with self._lock:
+            return stream.step(self._tokenizer.backend_tokenizer, token)
+
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)

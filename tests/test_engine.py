@@ -132,14 +132,22 @@ def test_stream_timings_add_up(llama_engine):
     assert t["first_token"] + t["decode"] <= wall
 
 
-def test_detokenizer_matches_full_decode(llama_engine):
-    from braid.engine.detokenize import Detokenizer
+@pytest.mark.parametrize("stream", [True, False])
+def test_detokenizer_matches_full_decode(llama_engine, stream):
+    """Token by token (tokenizers' DecodeStream, or windows of the tokenizer's decode): the deltas add up to the
+    whole decode, with a character split over tokens held back until it is whole; the two ways give the same
+    deltas."""
+    from braid.engine.detokenize import Detokenizer, streams
     tok = llama_engine.tokenizer
+    assert streams(tok)  # (the test checkpoints' tokenizers are fast ones)
     ids = tok.encode("Paris, naïve café — 3 + 4 = 7 ✓ done", add_special_tokens=False)
     ids += [5, 200, 17, 300, 44]  # arbitrary ids, as a random model emits them
-    d = Detokenizer(tok)
-    text = "".join(d.add(t) for t in ids) + d.flush()
+    d = Detokenizer(tok, stream=stream)
+    deltas = [d.add(t) for t in ids]
+    text = "".join(deltas) + d.flush()
     assert text == tok.decode(ids) == d.text
+    other = Detokenizer(tok, stream=not stream)
+    assert [other.add(t) for t in ids] == deltas
 
 
 def test_partial_kv_while_decoding_equals_final_and_import_round_trips(llama_engine):
