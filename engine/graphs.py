@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.engine.runner import SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step, padded_keys
+from braid.engine.runner import (SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step, fill_masks,
+                                 padded_keys)
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +97,7 @@ class PaddedStep(_Step):
         self.write_index.index_copy_(0, rows, torch.cat([p.write_index for p in parts]))
         read_index, inside = padded_keys(parts, t, self.pool.trash)
         self.read_index[:g * t] = read_index
-        # every row of a real group sees its keys (padding rows stay finite; a row of one call that sees them
-        # all needs nothing more); other groups' real rows take their own masks; padding groups see key 0
-        self.allowed[:g] = inside[:, None, None, :]
-        for i, (x, p) in enumerate(zip(groups, parts)):
-            if not p.full:
-                self.allowed[i, 0, :len(x.input_ids), :p.cache.length - p.start] = p.mask[0, 0]
+        fill_masks(self.allowed, parts, inside)  # (padding groups, past the real ones: key 0, from clear)
         self.mask.zero_().masked_fill_(~self.allowed, float("-inf"))
 
 

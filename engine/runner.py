@@ -243,11 +243,10 @@ class _Part:
 
     cache: WorkCache
     rows: slice  # its rows among the forward's
-    slots: torch.Tensor  # where its rows' KV go in its cache: [rows]
+    write_index: torch.Tensor  # where its rows' KV go in the pool: [rows]
     mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with scratch rows, else [start, length)
     scratch: int = 0  # its first rows that are scratch calls' tokens
     scratch_end: int = 0  # one past the last of those rows' slots: they attend [0, scratch_end), all written
-    write_index: torch.Tensor | None = None  # where its rows' KV go in the pool: [rows]
     full: bool = False  # one row that attends every key [start, length): `mask` is None and not needed
 
     @property
@@ -281,6 +280,16 @@ def padded_keys(parts: list[_Part], t: int, pad: int) -> tuple[torch.Tensor, tor
     index = torch.full((len(parts) * t,), pad, dtype=torch.long, device=device)
     index.index_copy_(0, where, torch.cat([p.cache.index[p.start:p.cache.length] for p in parts]))
     return index, torch.arange(t, device=device)[None, :] < host[0][:, None]
+
+
+def fill_masks(mask: torch.Tensor, parts: list[_Part], inside: torch.Tensor) -> None:
+    """The padded masks of the shared decode attention, bool [>= len(parts), 1, R, T]: every row of part i sees
+    its keys (`inside` [len(parts), T], from padded_keys), so padding rows, which are dropped, stay finite and a
+    `full` part's row needs nothing more; the real rows of a part with a mask of its own take it."""
+    mask[:len(parts)] = inside[:, None, None, :]
+    for i, p in enumerate(parts):
+        if not p.full:
+            mask[i, 0, :p.rows.stop - p.rows.start, :p.cache.length - p.start] = p.mask[0, 0]
 
 
 SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (decoding) share one attention call
@@ -321,13 +330,8 @@ class _Step:
         self.valid = torch.tensor(valid, device=device)  # which padded rows are real
         self.rows = torch.tensor(rows, device=device)  # and their rows in the forward, in the same order
         self.read_index, inside = padded_keys(small, t, self.pool.trash)  # [g * t]; bool [g, t]
-        # Every row sees its group's keys: a real row of one call that sees them all needs nothing more, and
-        # padding rows (dropped) stay finite. Other groups' real rows take their own masks.
-        mask = inside[:, None, None, :].expand(g, 1, r, t).clone()
-        for i, (p, n) in enumerate(zip(small, counts)):
-            if not p.full:
-                mask[i, 0, :n, :p.cache.length - p.start] = p.mask[0, 0]
-        self.mask = mask
+        self.mask = torch.empty(g, 1, r, t, dtype=torch.bool, device=device)
+        fill_masks(self.mask, small, inside)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """transformers' cache seam: this forward's new K/V rows ([1, H, rows, D] each) go to their groups'
@@ -418,4 +422,4 @@ class ModelRunner:
                 mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
                 mask = mask[None, None]
         rows = slice(start, start + len(g.input_ids))
-        return _Part(cache, rows, g.slots, mask, r, int(g.slots[r - 1]) + 1 if r else 0, write, full)
+        return _Part(cache, rows, write, mask, r, int(g.slots[r - 1]) + 1 if r else 0, full)

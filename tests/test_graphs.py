@@ -310,7 +310,8 @@ def test_padded_keys_lays_each_part_in_its_row():
     from braid.engine.runner import _Part, padded_keys
 
     parts = [_Part(SimpleNamespace(index=torch.tensor(slots), length=len(slots), start=start), slice(0, 1),
-                   torch.zeros(1), None) for slots, start in (([5, 6, 7], 0), ([9, 10, 11, 12], 1), ([3], 0))]
+                   torch.zeros(1, dtype=torch.long), None) for slots, start in (([5, 6, 7], 0), ([9, 10, 11, 12], 1),
+                                                                                ([3], 0))]
     index, inside = padded_keys(parts, 4, pad=99)
     assert index.tolist() == [5, 6, 7, 99, 10, 11, 12, 99, 3, 99, 99, 99]
     assert inside.tolist() == [[True, True, True, False], [True, True, True, False], [True, False, False, False]]
