@@ -1,10 +1,11 @@
 """Serving throughput and latency under load: the engine one call at a time against the scheduler.
 
-Both run side by side in this process, each behind its own in-process agent API (colocated: one engine
-for workers and synthesis) on the same model; `braid loadtest`, in its own process as a client would be,
-drives each at every concurrency in turn, for each transport asked for (text: branches re-prefilled;
-local: their KV reused in place). "serial" is the engine with max_running_calls=1: one engine call at a
-time, as before the scheduler. Prints the ratios and writes JSON and a plot.
+Each runs side by side in a server process of its own, as a server has it (one engine per process: see
+engine.threads), behind its own in-process agent API (colocated: one engine for workers and synthesis) on the
+same model; `braid loadtest`, in its own process as a client would be, drives each at every concurrency in turn,
+for each transport asked for (text: branches re-prefilled; local: their KV reused in place). "serial" is the
+engine with max_running_calls=1: one engine call at a time, as before the scheduler. Prints the ratios and
+writes JSON and a plot.
 """
 
 import argparse
@@ -41,6 +42,8 @@ def parse_args(argv=None):
                    help="also run the scheduler with base and LoRA calls in forwards of their own, taking turns "
                         "(EngineConfig.mix_adapters false), to compare with mixing them")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
+    p.add_argument("--serve", choices=[*ENGINES, *APART], help=argparse.SUPPRESS)  # (a server process: this engine)
+    p.add_argument("--redis", help=argparse.SUPPRESS)  # (its directory)
     return p.parse_args(argv)
 
 
@@ -59,35 +62,91 @@ class Sampler:
             self.max_running = max(self.max_running, load["running"])
 
 
-def level(engine: Engine, port: int, name: str, transport: str, concurrency: int, n: int, args) -> dict:
+class Server:
+    """A server process (`--serve NAME`): one engine behind an in-process agent API. It answers `start` (a
+    level begins: take note of its counters, sample its memory) and `stop` (its counters since, as JSON)."""
+
+    def __init__(self, name: str, args, redis_url: str):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name, "--model",
+                                      args.model, "--redis", redis_url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.port = int(self._reply("PORT"))
+        self.spec = json.loads(self._reply("SPEC"))
+
+    def _reply(self, kind: str) -> str:
+        for line in self.proc.stdout:  # (its only output on stdout is these lines)
+            if line.startswith(kind + " "):
+                return line[len(kind) + 1:].strip()
+        raise RuntimeError(f"server {self.name} exited (code {self.proc.wait()}) before its {kind} line")
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._reply("DONE"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # (it exits at the end of its input)
+            self.proc.wait(timeout=60)
+
+
+def serve(args) -> int:
+    """(In a server process.) One engine and its API; counters per level, asked for on stdin."""
+    engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **{**ENGINES, **APART}[args.serve]))
+    server = start_in_process(engine, Directory.connect(args.redis))
+    s = engine.spec
+    print(f"PORT {server.port}", flush=True)
+    print("SPEC " + json.dumps({"kv_bytes_per_token": s.num_layers * 2 * s.num_kv_heads * s.head_dim * 4}),
+          flush=True)
+    sched, sampler, before, counters = engine.scheduler, None, None, None
+    try:
+        for command in sys.stdin:
+            command = command.strip()
+            if command == "start":
+                counters = (sched.steps, sched.groups_stepped, sched.busy_s, sched.rows_stepped)
+                sampler, before = Sampler(engine), resource.getrusage(resource.RUSAGE_SELF)
+                sampler.thread.start()
+                out = {}
+            elif command == "stop":
+                sampler.stop.set()
+                steps, stepped, busy, rows = counters
+                out = {"forwards": sched.steps - steps, "groups": sched.groups_stepped - stepped,
+                       "busy_s": sched.busy_s - busy, "rows": sched.rows_stepped - rows,
+                       "cpu_s": _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(before),
+                       "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
+                       "max_work_kv_bytes": sampler.max_reserved}
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            print("DONE " + json.dumps(out), flush=True)
+    finally:
+        server.stop()
+    return 0
+
+
+def level(server: Server, transport: str, concurrency: int, n: int, args) -> dict:
     """One load level against one server, the client in its own process; the server's memory sampled."""
-    sched = engine.scheduler
-    steps, stepped, busy, rows = sched.steps, sched.groups_stepped, sched.busy_s, sched.rows_stepped
-    sampler = Sampler(engine)
-    sampler.thread.start()
-    before = resource.getrusage(resource.RUSAGE_SELF)
+    server.ask("start")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "level.json")
-        subprocess.run([sys.executable, "-m", "braid.cli", "loadtest", "--address", f"127.0.0.1:{port}",
+        subprocess.run([sys.executable, "-m", "braid.cli", "loadtest", "--address", f"127.0.0.1:{server.port}",
                         "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--transports", transport,
                         "--worker-max-tokens", str(args.worker_max_tokens), "--answer-max-tokens",
                         str(args.answer_max_tokens), "--seed", str(concurrency), "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(out) as f:
             s = json.load(f)["summary"]
-    sampler.stop.set()
-    server_cpu = _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(before)
-    forwards = engine.scheduler.steps - steps
+    c = server.ask("stop")
+    forwards = max(c["forwards"], 1)
+    name = server.name
     row = {"engine": name, "transport": transport, "concurrency": concurrency, "requests": n, **s,
-           "calls_per_forward": (engine.scheduler.groups_stepped - stepped) / max(forwards, 1),
-           "ms_per_forward": 1e3 * (engine.scheduler.busy_s - busy) / max(forwards, 1),
-           "tokens_per_forward": (engine.scheduler.rows_stepped - rows) / max(forwards, 1),
-           "model_busy": (engine.scheduler.busy_s - busy) / s["duration_s"],
-           "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
-           "max_work_kv_bytes": sampler.max_reserved,
-           # cores busy (of os.cpu_count()) over the run: this process's (its servers: they idle while the load
-           # generator starts), and the load generator's (its summary's client_cores), which share the cores
-           "server_cores": server_cpu / s["duration_s"]}
+           "calls_per_forward": c["groups"] / forwards, "ms_per_forward": 1e3 * c["busy_s"] / forwards,
+           "tokens_per_forward": c["rows"] / forwards, "model_busy": c["busy_s"] / s["duration_s"],
+           "max_running_calls": c["max_running_calls"], "max_store_bytes": c["max_store_bytes"],
+           "max_work_kv_bytes": c["max_work_kv_bytes"],
+           # cores busy (of os.cpu_count()) over the run: the server process's, and the load generator's (its
+           # summary's client_cores), which share the cores
+           "server_cores": c["cpu_s"] / s["duration_s"]}
     print(f"{name:>9} {transport:>5} c={concurrency:<3} {s['completed']:>3} ok {s['failed']} failed  "
           f"{s['request_throughput']:6.2f} wf/s  {s['generated_token_throughput']:7.1f} tok/s  "
           f"TTFT p50 {s['median_ttft_ms']:7.1f} p99 {s['p99_ttft_ms']:7.1f} ms  "
@@ -105,26 +164,25 @@ def _cpu(usage: resource.struct_rusage) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.serve:
+        return serve(args)
     redis = EmbeddedRedis()
     servers, rows = {}, []
     try:
-        engines = {**ENGINES, **(APART if args.adapters_apart else {})}
-        for name, extra in engines.items():
-            engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **extra))
-            servers[name] = (engine, start_in_process(engine, Directory.connect(redis.url)))
+        for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
+            servers[name] = Server(name, args, redis.url)
         workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
         warm = workload.requests(4)
-        for name, (_, server) in servers.items():  # warm-up, not measured
+        for server in servers.values():  # warm-up, not measured
             asyncio.run(run_load(f"127.0.0.1:{server.port}", warm, max_concurrency=4, progress=False))
         for transport in args.transports:
             for c in args.concurrency:
                 n = max(8, args.requests_per_level * c)
-                for name, (engine, server) in servers.items():
-                    rows.append(level(engine, server.port, name, transport, c, n, args))
-                spec = servers["scheduler"][0].spec
-        kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+                for server in servers.values():
+                    rows.append(level(server, transport, c, n, args))
+        kv_per_token = servers["scheduler"].spec["kv_bytes_per_token"]
     finally:
-        for _, server in servers.values():
+        for server in servers.values():
             server.stop()
         redis.stop()
     ratios = []

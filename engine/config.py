@@ -61,12 +61,11 @@ class EngineConfig:
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
-    # intra-op threads of the forwards on CPU, set in the scheduler's thread (torch.set_num_threads, which also
-    # becomes the default of threads started later). 0: one for a model of under 2e7 parameters in its decoder
-    # layers (the reference model), else as many as the thread making the engine has. Measured in server-like
-    # processes on 2 cores (benchmarks/cpu_threads.py; README, the serving engine): most of the reference
-    # model's forwards ran 1.1-1.9x faster on one thread than on two, while a 100M-parameter model's prefills
-    # and batched decodes ran 1.1-1.6x faster on two. Not used on CUDA.
+    # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the
+    # engine has (torch's default: the cores). The engine keeps the scheduler's thread the only one with several
+    # (engine.threads: libgomp slows every pool down once the process's pooled threads outnumber the cores), so a
+    # process that also runs heavy torch work of its own beside the engine (training) should give it 1. Measured
+    # in server-like processes on 2 cores (benchmarks/cpu_threads.py; README, the serving engine). Not used on CUDA.
     cpu_threads: int = 0
 
     def __post_init__(self):

@@ -9,7 +9,7 @@ succeeded, so a failed call leaves the store exactly as it was.
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,6 +29,7 @@ from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
+from braid.engine.threads import one_thread
 from braid.kernels import rerotate_keys
 
 log = logging.getLogger(__name__)
@@ -179,33 +180,37 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config = config.resolved()
-        self.lm = load_model(config)
-        self.spec = self.lm.spec
-        self.tokenizer = _SharedTokenizer(self.lm.tokenizer)
-        self.fingerprint = self.lm.fingerprint
-        self.store = MessageStore(config.store_budget_bytes)
-        self.runner = ModelRunner(self.lm)
-        self.lock = threading.RLock()
-        self._store_lock = threading.Lock()
-        self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
-        s = self.spec
-        slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
-        self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
-                                   KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
-                                                       // config.kv_block_tokens), config.kv_block_tokens),
-                                   config.max_running_calls, name=self.fingerprint[:8],
-                                   mix_adapters=config.mix_adapters, threads=_cpu_threads(config, self.lm))
-        if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
-            self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
-        self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
-        if config.calibration != "none":
-            from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
+        # (on CPU the model is loaded and the pools allocated on one thread, so that the scheduler's thread is the
+        # only one with an OpenMP pool: engine.threads)
+        caller_threads = torch.get_num_threads()
+        with one_thread() if torch.device(config.device).type == "cpu" else nullcontext():
+            self.lm = load_model(config)
+            self.spec = self.lm.spec
+            self.tokenizer = _SharedTokenizer(self.lm.tokenizer)
+            self.fingerprint = self.lm.fingerprint
+            self.store = MessageStore(config.store_budget_bytes)
+            self.runner = ModelRunner(self.lm)
+            self.lock = threading.RLock()
+            self._store_lock = threading.Lock()
+            self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
+            s = self.spec
+            slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+            self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
+                                       KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
+                                                           // config.kv_block_tokens), config.kv_block_tokens),
+                                       config.max_running_calls, name=self.fingerprint[:8],
+                                       mix_adapters=config.mix_adapters, threads=_cpu_threads(config, self.lm, caller_threads))
+            if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
+                self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
+            self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
+            if config.calibration != "none":
+                from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
 
-            self.calibration = attach(self, config.calibration)
-            log.info("calibration %s attached (trained on %s)", config.calibration,
-                     self.calibration.calibration.base_model)
-        log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
-                 self.spec.max_positions)
+                self.calibration = attach(self, config.calibration)
+                log.info("calibration %s attached (trained on %s)", config.calibration,
+                         self.calibration.calibration.base_model)
+            log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
+                     self.spec.max_positions)
 
     # ---- messages -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -629,17 +634,12 @@ class Engine:
         return [m.id for m in messages]
 
 
-SMALL_MODEL_PARAMS = 2e7  # (EngineConfig.cpu_threads 0: a model with fewer in its decoder layers gets one thread)
-
-
-def _cpu_threads(config: EngineConfig, lm: LoadedModel) -> int:
-    """The scheduler's intra-op threads on CPU (EngineConfig.cpu_threads); 0 on CUDA: left as they are."""
+def _cpu_threads(config: EngineConfig, lm: LoadedModel, caller_threads: int) -> int:
+    """The scheduler's intra-op threads on CPU (EngineConfig.cpu_threads; 0: `caller_threads`, the count of the
+    thread making the engine); 0 on CUDA: left as they are."""
     if lm.device.type != "cpu":
         return 0
-    if config.cpu_threads:
-        return config.cpu_threads
-    small = sum(p.numel() for p in lm.model.model.layers.parameters()) < SMALL_MODEL_PARAMS
-    return 1 if small else torch.get_num_threads()
+    return config.cpu_threads or caller_threads
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

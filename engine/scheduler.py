@@ -31,6 +31,7 @@ from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import StoreFullError
 from braid.engine.runner import GroupInput, KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams, greedy_rows, make_generator, sample_rows
+from braid.engine.threads import claim
 
 log = logging.getLogger(__name__)
 
@@ -296,9 +297,11 @@ class Scheduler:
         self._cv = threading.Condition()
         # The thread holds the scheduler weakly, so an engine nobody uses any more is freed with its model and
         # KV pool, and the thread ends.
-        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv, threads),
+        claimed = threading.Event()  # (its threads are set before this returns: engine.threads)
+        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv, threads, claimed),
                                         name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
+        claimed.wait()
 
     def submit(self, group: Group) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
@@ -508,10 +511,11 @@ def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextM
     return adapter() if bool(rows.all()) else adapter(rows=rows)
 
 
-def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int = 0) -> None:
+def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, claimed: threading.Event) -> None:
     """The scheduler's thread: step while there is work, wait (holding no reference to it) while not."""
     if threads:
-        torch.set_num_threads(threads)  # (this thread's OpenMP setting, and the default of threads started later)
+        claim(threads)
+    claimed.set()
     while True:
         with cv:
             scheduler = ref()

@@ -86,16 +86,18 @@ def test_serial_engine_runs_one_call_at_a_time(checkpoint, llama_engine):
 
 
 def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(checkpoint, monkeypatch):
-    """EngineConfig.cpu_threads is the intra-op thread count of the scheduler's thread, where forwards run (0: one
-    for a small model, else the count of the thread that made the engine); the caller's own setting is left as
-    it was. Greedy tokens do not depend on it."""
+    """EngineConfig.cpu_threads is the intra-op thread count of the scheduler's thread, where forwards run (0: the
+    count of the thread that made the engine), which loads the model on one thread; the caller's own setting is
+    left as it was, and threads that start torch work after an engine is made run it on one (engine.threads).
+    Greedy tokens do not depend on it."""
     import braid.engine.engine as engine_module
 
+    loading, load = [], engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *a: loading.append(torch.get_num_threads()) or load(*a))
     caller, tokens = torch.get_num_threads(), []
-    for threads, small_below, want in ((1, None, 1), (3, None, 3), (0, None, 1), (0, 0, caller)):
-        if small_below is not None:  # (the test model is tiny: with no model counted small, it gets the caller's)
-            monkeypatch.setattr(engine_module, "SMALL_MODEL_PARAMS", small_below)
+    for threads, want in ((1, 1), (3, 3), (0, caller)):
         eng = Engine(EngineConfig(checkpoint("llama"), cpu_threads=threads))
+        assert loading.pop() == 1
         seen, step = [], eng.runner.step
 
         def spy(*args, step=step, seen=seen, **kw):
@@ -105,6 +107,11 @@ def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(che
         eng.runner.step = spy
         tokens.append(workflow(eng, *REQUESTS[0]))
         assert set(seen) == {want} and torch.get_num_threads() == caller
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [1]
     assert all(t == tokens[0] for t in tokens)
     with pytest.raises(ValueError, match="cpu_threads must be an int >= 0"):
         EngineConfig(checkpoint("llama"), cpu_threads=-1)

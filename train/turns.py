@@ -127,8 +127,9 @@ class TurnData:
     """Turn examples from graphs run on a braid Engine (base weights, choreographed, no prefix cache)."""
 
     def __init__(self, model: str, workers: int = 16):
+        # (one thread for its forwards: the training beside it has the cores; engine.threads)
         self.engine = Engine(EngineConfig(model, calibration="none", prefix_caching=False, dtype="float32",
-                                          device="cpu"))
+                                          device="cpu", cpu_threads=1))
         self.header = self.engine.tokenize(WORKER_HEADER)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="turn-data")  # (their calls batch together)
 

@@ -1,0 +1,53 @@
+"""CPU intra-op threads: the scheduler's thread alone runs torch ops on several threads; every other thread, one.
+
+torch's CPU ops run on OpenMP (libgomp), which keeps one pool of worker threads for each thread that ever ran a
+parallel op on more than one thread, for that thread's life. Once the process's pooled threads outnumber the
+cores, libgomp lets its workers spin only briefly at each barrier before they sleep, so every parallel op waits
+on a wake-up. On 2 cores a forward on two threads then ran 1.5-2x slower than on one: the pool of the thread
+that loaded the model, idle, was enough (README, the serving engine: "CPU threads"). So the engine makes sure
+the step loop's thread is the only one with a pool:
+
+- `one_thread()`: the thread that builds an engine loads and allocates on one thread (it makes no pool), and
+  afterwards torch's process default is one thread: every thread that starts running torch ops later (gRPC
+  handlers, callers' threads) runs them on one. A thread that already ran torch ops keeps its own count (torch's
+  setting is per thread once it is set), the builder's included;
+- `claim(n)`: in the step loop's thread, before its first op: n threads there.
+
+Two engines in one process each have a pool, so only one of them should have several threads (a server runs
+one engine per process).
+
+Nothing here is used on CUDA.
+"""
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def one_thread():
+    """Run the block on one intra-op thread in this thread (so it makes no pool), then give this thread back its
+    count and set the process default to one, for threads that start torch work later. (The block may start the
+    scheduler's thread: its `claim` is made before the block ends, see Scheduler.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)  # (this thread's count, and the process default: set back to one below)
+        _default_one()
+
+
+def claim(n: int) -> None:
+    """(In the scheduler's thread, before its first torch op.) This thread's ops on `n` intra-op threads."""
+    torch.get_num_threads()  # (torch sets a thread's count from the process default at its first use: now)
+    torch.set_num_threads(n)  # (this thread's count; the process default too, until `_default_one`)
+
+
+def _default_one() -> None:
+    """Set torch's process default to one thread, from a thread of its own (torch.set_num_threads also sets the
+    calling thread's count)."""
+    helper = threading.Thread(target=torch.set_num_threads, args=(1,), name="braid-threads-default")
+    helper.start()
+    helper.join()
