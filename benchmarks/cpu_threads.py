@@ -4,8 +4,9 @@ A server process loads one engine in its main thread and runs its forwards in th
 setting runs in processes of its own, as a server would (one engine, loaded in the main thread), the two
 taking turns, a fresh process each round: forwards on `--threads` intra-op threads (torch's default: the
 cores), and on 1 (EngineConfig.cpu_threads). Each times decode steps of several calls at once and prefills;
-medians over rounds. `--shape` or `--checkpoint` pick the model (default: the reference model). Writes JSON and
-a plot.
+medians over rounds. `--shape` or `--checkpoint` pick the model (default: the reference model). `--against REV`
+runs both settings on that git revision's engine too, in the same rounds (benchmarks.revision). Writes JSON and a
+plot.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
 from tqdm import tqdm
@@ -24,6 +26,10 @@ from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, Sampling
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import grouped_bars, write_json
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision; last, so
+# that a revision's `braid` on PYTHONPATH comes first)
+from benchmarks.revision import labels, sides  # noqa: E402
 
 SETTINGS = {"every core": 0, "one thread": 1}  # name: EngineConfig.cpu_threads (0 here: --threads)
 
@@ -37,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
     p.add_argument("--prefill", type=int, nargs="+", default=[128, 256, 512], help="prefills timed (tokens)")
     p.add_argument("--rounds", type=int, default=5, help="processes per configuration")
+    p.add_argument("--against", help="also run both settings on this git revision's engine, side by side")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", choices=list(SETTINGS), help=argparse.SUPPRESS)  # (one process: this setting)
     p.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -90,42 +97,58 @@ def main(argv=None) -> int:
         with open(args.worker_json, "w") as f:
             json.dump(worker(args), f)
         return 0
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}  # (case, setting or "setting @ revision"): seconds per round
     with tempfile.TemporaryDirectory() as tmp:
         args.device = "cpu"
         args.checkpoint, _ = benchmark_model(args, tmp)  # (a random one of --shape, saved for the processes)
-        for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
-            for i, name in enumerate(SETTINGS):  # (turns: each sees the machine as it is in that round)
-                out = os.path.join(tmp, f"{r}-{i}.json")
-                subprocess.run([sys.executable, __file__, "--checkpoint", args.checkpoint, "--device", "cpu",
-                                "--steps", str(args.steps), "--threads", str(args.threads),
-                                "--prefill", *map(str, args.prefill),
-                                "--calls", *map(str, args.calls), "--worker", name, "--worker-json", out],
-                               check=True, stderr=subprocess.DEVNULL)
-                with open(out) as f:
-                    for case, seconds in json.load(f).items():
-                        times.setdefault((case, name), []).append(seconds)
+        with sides(args.against, tmp) if args.against else nullcontext({"this tree": ""}) as paths:
+            for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
+                for side, pythonpath in list(paths.items())[::1 if r % 2 == 0 else -1]:  # (each side first in turn)
+                    for i, name in enumerate(SETTINGS):  # (turns: each sees the machine as it is in that round)
+                        out = os.path.join(tmp, f"{r}-{side}-{i}.json")
+                        env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
+                        subprocess.run([sys.executable, __file__, "--checkpoint", args.checkpoint, "--device", "cpu",
+                                        "--steps", str(args.steps), "--threads", str(args.threads),
+                                        "--prefill", *map(str, args.prefill),
+                                        "--calls", *map(str, args.calls), "--worker", name, "--worker-json", out],
+                                       check=True, stderr=subprocess.DEVNULL, env=env)
+                        with open(out) as f:
+                            for case, seconds in json.load(f).items():
+                                key = name if side == "this tree" else f"{name} @ {side}"
+                                times.setdefault((case, key), []).append(seconds)
+    against = [k for k in dict.fromkeys(k for _, k in times) if "@" in k]
     rows = []
     for case in dict.fromkeys(case for case, _ in times):
-        ms = {name: 1e3 * statistics.median(times[(case, name)]) for name in SETTINGS}
+        ms = {name: 1e3 * statistics.median(times[(case, name)]) for name in [*SETTINGS, *against]}
         rows.append({"case": case, "ms": ms, "one_thread_x": ms["every core"] / ms["one thread"]})
-        print(f"{case:>20}: every core ({args.threads}) {ms['every core']:7.1f} ms, one thread "
-              f"{ms['one thread']:7.1f} ms: one thread {rows[-1]['one_thread_x']:.2f}x as fast")
+        line = (f"{case:>20}: every core ({args.threads}) {ms['every core']:7.1f} ms, one thread "
+                f"{ms['one thread']:7.1f} ms: one thread {rows[-1]['one_thread_x']:.2f}x as fast")
+        if against:
+            before = ms[f"every core @ {paths_label(against)}"]
+            rows[-1]["every_core_x_against"] = before / ms["every core"]
+            line += f"; every core at {paths_label(against)}: {before:7.1f} ms ({rows[-1]['every_core_x_against']:.2f}x)"
+        print(line)
     model = args.shape and f"random {args.shape}-shape llama" or os.path.basename(os.path.normpath(args.checkpoint))
     result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
-              "threads": args.threads, "rows": rows,
+              "threads": args.threads, "this": labels(args.against or "HEAD")[0],
+              "against": paths_label(against) if against else None, "rows": rows,
               "times_s": {f"{case} @ {name}": v for (case, name), v in times.items()}}
-    stem = write_json(args.out, f"cpu_threads_{args.shape or model}", result)
+    stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result)
     plot(result, stem)
     print(f"wrote {stem}.json and its plot")
     return 0
+
+
+def paths_label(against: list[str]) -> str:
+    """The revision's short commit, from the names of its settings ("every core @ <commit>")."""
+    return against[0].split(" @ ", 1)[1]
 
 
 def plot(result: dict, stem: str) -> None:
     rows = result["rows"]
     groups = [r["case"].split(", ")[1].replace(" tokens", " tok").replace(" ", "\n") for r in rows]
     grouped_bars(stem, f"CPU threads: {result['model']}", groups,
-                 [("ms (decode: per step)", {name: [r["ms"][name] for r in rows] for name in SETTINGS})],
+                 [("ms (decode: per step)", {name: [r["ms"][name] for r in rows] for name in rows[0]["ms"]})],
                  xlabel="decode steps of N calls, then prefills of N tokens")
 
 

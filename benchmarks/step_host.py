@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (benchmarks.profile_decode: the concurrent decode, measured the same way here; last, so that a revision's
@@ -68,21 +67,6 @@ def measure(args) -> dict:
     return out
 
 
-def package(tree: str, dest: str) -> str:
-    """A directory to put on PYTHONPATH so that `import braid` is checkout `tree`'s: a `braid` package whose
-    subpackages link to the tree's folders as its pyproject maps them (whatever braid is installed)."""
-    with open(os.path.join(tree, "pyproject.toml"), "rb") as f:
-        dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    pkg = os.path.join(dest, "braid")
-    os.makedirs(pkg)
-    for name in os.listdir(os.path.join(tree, dirs["braid"])):
-        os.symlink(os.path.join(tree, dirs["braid"], name), os.path.join(pkg, name))
-    for name, folder in dirs.items():
-        if name != "braid":
-            os.symlink(os.path.join(tree, folder), os.path.join(pkg, name.split(".", 1)[1]))
-    return dest
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -93,37 +77,27 @@ def main(argv=None) -> int:
     from braid.models.checkpoints import benchmark_model
     from braid.results import device_name, grouped_bars, write_json
 
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True, text=True).stdout.strip()
+    from benchmarks.revision import labels, sides
 
-    rev, head = git("rev-parse", "--short", args.against), git("rev-parse", "--short", "HEAD")
-    if git("status", "--porcelain", "--untracked-files=no"):
-        head += "+changes"  # (this tree is HEAD with uncommitted changes)
+    head, rev = labels(args.against)
     with tempfile.TemporaryDirectory(prefix="braid-step-host-") as tmp:
         path, device = benchmark_model(args, os.path.join(tmp, "model"))
-        tree = os.path.join(tmp, "tree")
-        try:
-            git("worktree", "add", "--detach", "-q", tree, rev)
-            sides = {"this tree": package(ROOT, os.path.join(tmp, "this")),
-                     rev: package(tree, os.path.join(tmp, "rev"))}
-            runs = {name: [] for name in sides}
+        with sides(args.against, tmp) as paths:
+            runs = {name: [] for name in paths}
             # (the measuring code, benchmarks.profile_decode's concurrent decode, is this tree's for both sides)
             child = [sys.executable, os.path.abspath(__file__), "--child", os.path.abspath(path), "--device", device,
                      "--calls", *map(str, args.calls), "--tokens", str(args.tokens), "--context", str(args.context),
                      "--repeats", str(args.repeats), "--decode-graphs", args.decode_graphs]
             for k in tqdm(range(args.rounds), desc="rounds", unit="round"):
-                for name, pythonpath in list(sides.items())[::1 if k % 2 == 0 else -1]:  # (each side first in turn)
+                for name, pythonpath in list(paths.items())[::1 if k % 2 == 0 else -1]:  # (each side first in turn)
                     done = subprocess.run(child, env=dict(os.environ, PYTHONPATH=pythonpath), check=True,
                                           capture_output=True, text=True)
                     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
                     runs[name].append(json.loads(line.removeprefix("RESULT ")))
-        finally:
-            if os.path.exists(tree):
-                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
     rows = []
     for n in args.calls:
         row = {"calls": n}
-        for name in sides:
+        for name in runs:
             key = "this" if name == "this tree" else "against"
             row[f"{key}_ms_per_step"] = statistics.median(r[str(n)]["ms_per_step"] for r in runs[name])
             row[f"{key}_tokens_per_s"] = statistics.median(r[str(n)]["tokens_per_s"] for r in runs[name])

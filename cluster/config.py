@@ -62,7 +62,7 @@ class ClusterConfig:
     store_budget_bytes: int = 2 << 30
     kv_budget_bytes: int = 0  # each engine's work KV for the calls it batches at once (more wait); 0: auto
     max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
-    cpu_threads: int = 0  # on CPU, each engine's intra-op threads (EngineConfig); 0: by the model's size
+    cpu_threads: int = 0  # on CPU, each engine's intra-op threads (EngineConfig); 0: the process's (the cores)
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
     max_ongoing_requests: int = 64
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;

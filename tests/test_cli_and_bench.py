@@ -205,3 +205,28 @@ def test_run_staircase_workflow_on_a_colocated_server_says_why_not(checkpoint, c
         redis.stop()
     err = capsys.readouterr().err
     assert "FAILED_PRECONDITION" in err and "this cluster is colocated" in err
+
+
+def test_a_revision_checked_out_beside_this_tree_imports_its_own_braid(tmp_path):
+    """benchmarks.revision: under each side's PYTHONPATH, `import braid` is that side's checkout (what step_host.py
+    and cpu_threads.py --against measure), and the checkout is gone afterwards."""
+    import subprocess
+    import sys
+
+    sys.path.append(ROOT)
+    from benchmarks.revision import labels, sides
+
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout: there is no revision to check out beside it")
+    head, rev = labels("HEAD")
+    assert head.removesuffix("+changes") == rev
+    with sides("HEAD", str(tmp_path)) as paths:
+        assert list(paths) == ["this tree", rev]
+        found = {name: subprocess.run([sys.executable, "-c", "import braid.engine.threads as m, os; "
+                                       "print(os.path.realpath(m.__file__))"],
+                                      env=dict(os.environ, PYTHONPATH=path), check=True, capture_output=True,
+                                      text=True, cwd=tmp_path).stdout.strip()  # (not ROOT: `-c` puts the cwd first)
+                 for name, path in paths.items()}
+    assert found["this tree"] == os.path.join(os.path.realpath(ROOT), "engine", "threads.py")
+    assert found[rev] == os.path.join(os.path.realpath(tmp_path), "tree", "engine", "threads.py")
+    assert not (tmp_path / "tree").exists()
