@@ -230,3 +230,17 @@ def test_a_revision_checked_out_beside_this_tree_imports_its_own_braid(tmp_path)
     assert found["this tree"] == os.path.join(os.path.realpath(ROOT), "engine", "threads.py")
     assert found[rev] == os.path.join(os.path.realpath(tmp_path), "tree", "engine", "threads.py")
     assert not (tmp_path / "tree").exists()
+
+
+def test_kvcomm_benchmark_times_both_methods_for_every_agent(checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("kvcomm_bench", os.path.join(ROOT, "benchmarks", "kvcomm.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--agents", "2", "--input-tokens", "12",
+                       "--prefix-tokens", "6", "--anchors", "2", "--requests", "1", "--recompute", "0,0.5",
+                       "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kvcomm_cpu.json").read_text())
+    assert [r["agent"] for r in result["rows"]] == [1, 2] and result["measured_reuse_rate"] == 1.0
+    for row in result["rows"]:
+        assert row["dense_ttft_s"] > 0 and set(row["by_recompute"]) == {"0.0", "0.5"}
+        assert row["speedup"] == pytest.approx(row["dense_ttft_s"] / row["kvcomm_ttft_s"])
