@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         print(line)
     model = args.shape and f"random {args.shape}-shape llama" or os.path.basename(os.path.normpath(args.checkpoint))
     result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
-              "threads": args.threads, "this": labels(args.against or "HEAD")[0],
+              "threads": args.threads, "this": labels(args.against)[0] if args.against else None,
               "against": paths_label(against) if against else None, "rows": rows,
               "times_s": {f"{case} @ {name}": v for (case, name), v in times.items()}}
     stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result)

@@ -51,3 +51,4 @@ def sides(against: str, tmp: str) -> Iterator[dict[str, str]]:
     finally:
         if os.path.exists(tree):
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+        subprocess.run(["git", "-C", ROOT, "worktree", "prune"], check=False)

@@ -66,11 +66,13 @@ class Server:
     """A server process (`--serve NAME`): one engine behind an in-process agent API. It answers `start` (a
     level begins: take note of its counters, sample its memory) and `stop` (its counters since, as JSON)."""
 
-    def __init__(self, name: str, args, redis_url: str):
+    def __init__(self, name: str, args, redis_url: str, log_dir: str):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name, "--model",
-                                      args.model, "--redis", redis_url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.log = os.path.join(log_dir, f"{name}.log")  # (its stderr: what to read when it fails)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name, "--model",
+                                          args.model, "--redis", redis_url], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
         self.port = int(self._reply("PORT"))
         self.spec = json.loads(self._reply("SPEC"))
 
@@ -78,7 +80,9 @@ class Server:
         for line in self.proc.stdout:  # (its only output on stdout is these lines)
             if line.startswith(kind + " "):
                 return line[len(kind) + 1:].strip()
-        raise RuntimeError(f"server {self.name} exited (code {self.proc.wait()}) before its {kind} line")
+        with open(self.log) as f:
+            tail = f.read()[-2000:]
+        raise RuntimeError(f"server {self.name} exited (code {self.proc.wait()}) before its {kind} line:\n{tail}")
 
     def ask(self, command: str) -> dict:
         self.proc.stdin.write(command + "\n")
@@ -88,7 +92,11 @@ class Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # (it exits at the end of its input)
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def serve(args) -> int:
@@ -168,9 +176,10 @@ def main(argv=None) -> int:
         return serve(args)
     redis = EmbeddedRedis()
     servers, rows = {}, []
+    logs = tempfile.TemporaryDirectory(prefix="braid-serving-")
     try:
         for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
-            servers[name] = Server(name, args, redis.url)
+            servers[name] = Server(name, args, redis.url, logs.name)
         workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
         warm = workload.requests(4)
         for server in servers.values():  # warm-up, not measured
@@ -185,6 +194,7 @@ def main(argv=None) -> int:
         for server in servers.values():
             server.stop()
         redis.stop()
+        logs.cleanup()
     ratios = []
     for transport in args.transports:
         for c in args.concurrency:

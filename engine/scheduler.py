@@ -513,9 +513,13 @@ def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextM
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, claimed: threading.Event) -> None:
     """The scheduler's thread: step while there is work, wait (holding no reference to it) while not."""
-    if threads:
-        claim(threads)
-    claimed.set()
+    try:
+        if threads:
+            claim(threads)
+    except Exception:  # pragma: no cover - (torch refused the count: forwards run on what the thread has)
+        log.exception("could not set the scheduler's intra-op threads to %d", threads)
+    finally:
+        claimed.set()
     while True:
         with cv:
             scheduler = ref()

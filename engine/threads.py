@@ -11,7 +11,8 @@ the step loop's thread is the only one with a pool:
   afterwards torch's process default is one thread: every thread that starts running torch ops later (gRPC
   handlers, callers' threads) runs them on one. A thread that already ran torch ops keeps its own count (torch's
   setting is per thread once it is set), the builder's included;
-- `claim(n)`: in the step loop's thread, before its first op: n threads there.
+- `claim(n)`: in the step loop's thread, before its first op: n threads there;
+- `serving_thread(device)`: a deployment's thread that made the engine and then serves requests runs on one too.
 
 Two engines in one process each have a pool, so only one of them should have several threads (a server runs
 one engine per process).
@@ -40,9 +41,18 @@ def one_thread():
 
 
 def claim(n: int) -> None:
-    """(In the scheduler's thread, before its first torch op.) This thread's ops on `n` intra-op threads."""
+    """(In the scheduler's thread, before its first torch op.) This thread's ops on `n` intra-op threads; the
+    process default back to one (threads that start torch work while the engine is still being built included)."""
     torch.get_num_threads()  # (torch sets a thread's count from the process default at its first use: now)
-    torch.set_num_threads(n)  # (this thread's count; the process default too, until `_default_one`)
+    torch.set_num_threads(n)  # (this thread's count, and the process default: set back to one next)
+    _default_one()
+
+
+def serving_thread(device: str | torch.device) -> None:
+    """(In a server's thread that made an engine and now serves its callers: a deployment's.) On CPU, one
+    intra-op thread here too, so that the scheduler's thread stays the only one with a pool."""
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
 
 
 def _default_one() -> None:

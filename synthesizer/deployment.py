@@ -16,6 +16,7 @@ from braid.api.metrics import metrics, report_engine
 from braid.api.service import AgentLogic, ServiceConfig
 from braid.api.workflow import in_thread, run_in_thread
 from braid.engine import Engine, EngineConfig
+from braid.engine.threads import serving_thread
 from braid.kv.receiver import KVReceiver
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
@@ -31,6 +32,7 @@ class Synthesizer:
                  redis_url: str, session_ttl_s: int, colocated_worker: WorkerConfig | None = None,
                  workers: DeploymentHandle | None = None):
         self.engine = Engine(engine_config)
+        serving_thread(self.engine.lm.device)  # (this thread serves requests: engine.threads)
         replica = serve.get_replica_context().replica_id.unique_id
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())
         service.replica = replica

@@ -8,6 +8,7 @@ import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError, StoreFullError
+from braid.engine.threads import serving_thread
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 REQUESTS = [  # (task, branch contexts): different lengths, different branch counts
@@ -113,6 +114,12 @@ def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(che
         thread.join()
         assert later == [1]
     assert all(t == tokens[0] for t in tokens)
+    serving = []  # (a deployment's thread that made an engine and serves requests: one thread there too)
+    thread = threading.Thread(target=lambda: (torch.set_num_threads(caller), serving_thread("cpu"),
+                                              serving.append(torch.get_num_threads())))
+    thread.start()
+    thread.join()
+    assert serving == [1]
     with pytest.raises(ValueError, match="cpu_threads must be an int >= 0"):
         EngineConfig(checkpoint("llama"), cpu_threads=-1)
 

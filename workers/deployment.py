@@ -6,6 +6,7 @@ from braid.api.messages import BranchRequest, NodesRequest
 from braid.api.metrics import report_engine
 from braid.api.workflow import in_thread
 from braid.engine import Engine, EngineConfig
+from braid.engine.threads import serving_thread
 from braid.workers.runner import BranchRunner, WorkerConfig
 
 
@@ -14,6 +15,7 @@ class Worker:
     def __init__(self, engine_config: EngineConfig, config: WorkerConfig):
         replica = serve.get_replica_context().replica_id.unique_id
         self.runner = BranchRunner(Engine(engine_config), config, name=f"worker-{replica}")
+        serving_thread(self.runner.engine.lm.device)  # (this thread serves requests: engine.threads)
         report_engine(self.runner.engine)
 
     async def run_branches(self, req: BranchRequest):
