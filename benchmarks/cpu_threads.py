@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         if against:
             before = ms[f"every core @ {paths_label(against)}"]
             rows[-1]["every_core_x_against"] = before / ms["every core"]
-            line += f"; every core at {paths_label(against)}: {before:7.1f} ms ({rows[-1]['every_core_x_against']:.2f}x)"
+            line += (f"; every core at {paths_label(against)}: {before:7.1f} ms "
+                     f"({rows[-1]['every_core_x_against']:.2f}x)")
         print(line)
     model = args.shape and f"random {args.shape}-shape llama" or os.path.basename(os.path.normpath(args.checkpoint))
     result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,

@@ -90,7 +90,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads must be an int >= 0 (0: the count of the thread making the engine), got {self.cpu_threads!r}")
+            raise ValueError(f"cpu_threads must be an int >= 0 (0: the count of the thread making the engine), "
+                             f"got {self.cpu_threads!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.decode_graphs not in DECODE_GRAPHS:

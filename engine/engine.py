@@ -199,9 +199,11 @@ class Engine:
                                        KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
                                                            // config.kv_block_tokens), config.kv_block_tokens),
                                        config.max_running_calls, name=self.fingerprint[:8],
-                                       mix_adapters=config.mix_adapters, threads=_cpu_threads(config, self.lm, caller_threads))
-            if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and self.lm.device.type == "cuda"):
-                self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=config.decode_graphs == "auto")
+                                       mix_adapters=config.mix_adapters,
+                                       threads=_cpu_threads(config, self.lm, caller_threads))
+            graphs = config.decode_graphs
+            if graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda"):
+                self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
             self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
             if config.calibration != "none":
                 from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
