@@ -98,6 +98,7 @@ def main(argv=None) -> int:
             json.dump(worker(args), f)
         return 0
     times: dict[tuple[str, str], list[float]] = {}  # (case, setting or "setting @ revision"): seconds per round
+    this, rev = labels(args.against) if args.against else (None, None)
     with tempfile.TemporaryDirectory() as tmp:
         args.device = "cpu"
         args.checkpoint, _ = benchmark_model(args, tmp)  # (a random one of --shape, saved for the processes)
@@ -114,9 +115,9 @@ def main(argv=None) -> int:
                                        check=True, stderr=subprocess.DEVNULL, env=env)
                         with open(out) as f:
                             for case, seconds in json.load(f).items():
-                                key = name if side == "this tree" else f"{name} @ {side}"
+                                key = f"{name} @ {side}" if side == rev else name
                                 times.setdefault((case, key), []).append(seconds)
-    against = [k for k in dict.fromkeys(k for _, k in times) if "@" in k]
+    against = [f"{name} @ {rev}" for name in SETTINGS] if rev else []
     rows = []
     for case in dict.fromkeys(case for case, _ in times):
         ms = {name: 1e3 * statistics.median(times[(case, name)]) for name in [*SETTINGS, *against]}
@@ -124,25 +125,19 @@ def main(argv=None) -> int:
         line = (f"{case:>20}: every core ({args.threads}) {ms['every core']:7.1f} ms, one thread "
                 f"{ms['one thread']:7.1f} ms: one thread {rows[-1]['one_thread_x']:.2f}x as fast")
         if against:
-            before = ms[f"every core @ {paths_label(against)}"]
+            before = ms[f"every core @ {rev}"]
             rows[-1]["every_core_x_against"] = before / ms["every core"]
-            line += (f"; every core at {paths_label(against)}: {before:7.1f} ms "
+            line += (f"; every core at {rev}: {before:7.1f} ms "
                      f"({rows[-1]['every_core_x_against']:.2f}x)")
         print(line)
     model = args.shape and f"random {args.shape}-shape llama" or os.path.basename(os.path.normpath(args.checkpoint))
     result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
-              "threads": args.threads, "this": labels(args.against)[0] if args.against else None,
-              "against": paths_label(against) if against else None, "rows": rows,
+              "threads": args.threads, "this": this, "against": rev, "rows": rows,
               "times_s": {f"{case} @ {name}": v for (case, name), v in times.items()}}
     stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result)
     plot(result, stem)
     print(f"wrote {stem}.json and its plot")
     return 0
-
-
-def paths_label(against: list[str]) -> str:
-    """The revision's short commit, from the names of its settings ("every core @ <commit>")."""
-    return against[0].split(" @ ", 1)[1]
 
 
 def plot(result: dict, stem: str) -> None:

@@ -74,7 +74,7 @@ class Server:
                                           args.model, "--redis", redis_url], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True)
         self.port = int(self._reply("PORT"))
-        self.spec = json.loads(self._reply("SPEC"))
+        self.kv_bytes_per_token = int(self._reply("KV"))
 
     def _reply(self, kind: str) -> str:
         for line in self.proc.stdout:  # (its only output on stdout is these lines)
@@ -103,10 +103,8 @@ def serve(args) -> int:
     """(In a server process.) One engine and its API; counters per level, asked for on stdin."""
     engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **{**ENGINES, **APART}[args.serve]))
     server = start_in_process(engine, Directory.connect(args.redis))
-    s = engine.spec
     print(f"PORT {server.port}", flush=True)
-    print("SPEC " + json.dumps({"kv_bytes_per_token": s.num_layers * 2 * s.num_kv_heads * s.head_dim * 4}),
-          flush=True)
+    print(f"KV {engine.scheduler.slot_bytes}", flush=True)  # (KV bytes per token)
     sched, sampler, before, counters = engine.scheduler, None, None, None
     try:
         for command in sys.stdin:
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
                 n = max(8, args.requests_per_level * c)
                 for server in servers.values():
                     rows.append(level(server, transport, c, n, args))
-        kv_per_token = servers["scheduler"].spec["kv_bytes_per_token"]
+        kv_per_token = servers["scheduler"].kv_bytes_per_token
     finally:
         for server in servers.values():
             server.stop()
