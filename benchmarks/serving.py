@@ -4,8 +4,9 @@ Each runs side by side in a server process of its own, as a server has it (one e
 engine.threads), behind its own in-process agent API (colocated: one engine for workers and synthesis) on the
 same model; `braid loadtest`, in its own process as a client would be, drives each at every concurrency in turn,
 for each transport asked for (text: branches re-prefilled; local: their KV reused in place). "serial" is the
-engine with max_running_calls=1: one engine call at a time, as before the scheduler. Prints the ratios and
-writes JSON and a plot.
+engine with max_running_calls=1: one engine call at a time, as before the scheduler. `--against REV` adds a
+third server, another git revision's engine as it was (its own defaults; benchmarks.revision), e.g. the engine the
+serving-engine issue started from. Prints the ratios and writes JSON and a plot.
 """
 
 import argparse
@@ -17,17 +18,18 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import nullcontext
 
+# (a server process may import another revision's braid (--against): only what every revision has, up here)
 from braid.api.directory import Directory, EmbeddedRedis
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
-from braid.loadtest.run import run_load
-from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
 from braid.results import pyplot, write_json
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
 APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
+BEFORE = "before"  # --against REV: that revision's engine with its own defaults
 
 
 def parse_args(argv=None):
@@ -41,8 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--adapters-apart", action="store_true",
                    help="also run the scheduler with base and LoRA calls in forwards of their own, taking turns "
                         "(EngineConfig.mix_adapters false), to compare with mixing them")
+    p.add_argument("--against", metavar="REV",
+                   help="also run this git revision's engine, as it was (its defaults), side by side with the others")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
-    p.add_argument("--serve", choices=[*ENGINES, *APART], help=argparse.SUPPRESS)  # (a server process: this engine)
+    # (a server process: this engine)
+    p.add_argument("--serve", choices=[*ENGINES, *APART, BEFORE], help=argparse.SUPPRESS)
     p.add_argument("--redis", help=argparse.SUPPRESS)  # (its directory)
     return p.parse_args(argv)
 
@@ -55,24 +60,28 @@ class Sampler:
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
+        scheduler = getattr(self.engine, "scheduler", None)  # (an engine from before the scheduler has none)
         while not self.stop.wait(0.02):
-            load = self.engine.scheduler.load
             self.max_store = max(self.max_store, self.engine.store.used_bytes)
-            self.max_reserved = max(self.max_reserved, load["reserved_bytes"])
-            self.max_running = max(self.max_running, load["running"])
+            if scheduler is not None:
+                load = scheduler.load
+                self.max_reserved = max(self.max_reserved, load["reserved_bytes"])
+                self.max_running = max(self.max_running, load["running"])
 
 
 class Server:
     """A server process (`--serve NAME`): one engine behind an in-process agent API. It answers `start` (a
     level begins: take note of its counters, sample its memory) and `stop` (its counters since, as JSON)."""
 
-    def __init__(self, name: str, args, redis_url: str, log_dir: str):
+    def __init__(self, name: str, args, redis_url: str, log_dir: str, pythonpath: str | None = None):
         self.name = name
         self.log = os.path.join(log_dir, f"{name}.log")  # (its stderr: what to read when it fails)
+        serve = BEFORE if pythonpath else name
+        env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None  # (that revision's braid)
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name, "--model",
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", serve, "--model",
                                           args.model, "--redis", redis_url], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
+                                         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.port = int(self._reply("PORT"))
         self.kv_bytes_per_token = int(self._reply("KV"))
 
@@ -100,12 +109,17 @@ class Server:
 
 
 def serve(args) -> int:
-    """(In a server process.) One engine and its API; counters per level, asked for on stdin."""
-    engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32", **{**ENGINES, **APART}[args.serve]))
+    """(In a server process.) One engine and its API; counters per level, asked for on stdin. An engine from
+    before the scheduler (--against) has no forward counters: they come back as zeros."""
+    engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32",
+                                 **{**ENGINES, **APART, BEFORE: {}}[args.serve]))
     server = start_in_process(engine, Directory.connect(args.redis))
     print(f"PORT {server.port}", flush=True)
-    print(f"KV {engine.scheduler.slot_bytes}", flush=True)  # (KV bytes per token)
-    sched, sampler, before, counters = engine.scheduler, None, None, None
+    sched = getattr(engine, "scheduler", None)
+    if sched is None:  # (its counters stay zero)
+        sched = argparse.Namespace(steps=0, groups_stepped=0, busy_s=0.0, rows_stepped=0, slot_bytes=0)
+    print(f"KV {sched.slot_bytes}", flush=True)  # (KV bytes per token)
+    sampler, before, counters = None, None, None
     try:
         for command in sys.stdin:
             command = command.strip()
@@ -143,24 +157,24 @@ def level(server: Server, transport: str, concurrency: int, n: int, args) -> dic
         with open(out) as f:
             s = json.load(f)["summary"]
     c = server.ask("stop")
-    forwards = max(c["forwards"], 1)
     name = server.name
     row = {"engine": name, "transport": transport, "concurrency": concurrency, "requests": n, **s,
-           "calls_per_forward": c["groups"] / forwards, "ms_per_forward": 1e3 * c["busy_s"] / forwards,
-           "tokens_per_forward": c["rows"] / forwards, "model_busy": c["busy_s"] / s["duration_s"],
-           "max_running_calls": c["max_running_calls"], "max_store_bytes": c["max_store_bytes"],
-           "max_work_kv_bytes": c["max_work_kv_bytes"],
+           "max_store_bytes": c["max_store_bytes"],
            # cores busy (of os.cpu_count()) over the run: the server process's, and the load generator's (its
            # summary's client_cores), which share the cores
            "server_cores": c["cpu_s"] / s["duration_s"]}
+    forwards = ""
+    if c["forwards"]:  # (an engine from before the scheduler (--against) counts none)
+        row.update(calls_per_forward=c["groups"] / c["forwards"], ms_per_forward=1e3 * c["busy_s"] / c["forwards"],
+                   tokens_per_forward=c["rows"] / c["forwards"], model_busy=c["busy_s"] / s["duration_s"],
+                   max_running_calls=c["max_running_calls"], max_work_kv_bytes=c["max_work_kv_bytes"])
+        forwards = (f"{row['calls_per_forward']:.1f} calls, {row['tokens_per_forward']:.0f} tokens per forward of "
+                    f"{row['ms_per_forward']:.1f} ms, model busy {100 * row['model_busy']:.0f}%, ")
     print(f"{name:>9} {transport:>5} c={concurrency:<3} {s['completed']:>3} ok {s['failed']} failed  "
           f"{s['request_throughput']:6.2f} wf/s  {s['generated_token_throughput']:7.1f} tok/s  "
           f"TTFT p50 {s['median_ttft_ms']:7.1f} p99 {s['p99_ttft_ms']:7.1f} ms  "
-          f"TPOT p50 {s['median_tpot_ms']:6.1f} p99 {s['p99_tpot_ms']:6.1f} ms  "
-          f"{row['calls_per_forward']:.1f} calls, {row['tokens_per_forward']:.0f} tokens per forward "
-          f"of {row['ms_per_forward']:.1f} ms, "
-          f"model busy {100 * row['model_busy']:.0f}%, cores: server {row['server_cores']:.2f}, load generator "
-          f"{s['client_cores']:.2f}", flush=True)
+          f"TPOT p50 {s['median_tpot_ms']:6.1f} p99 {s['p99_tpot_ms']:6.1f} ms  {forwards}"
+          f"cores: server {row['server_cores']:.2f}, load generator {s['client_cores']:.2f}", flush=True)
     return row
 
 
@@ -172,57 +186,74 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
         return serve(args)
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision)
+    from benchmarks.revision import labels, sides
+    from braid.loadtest.run import run_load
+    from braid.loadtest.workload import Workload
+
+    this, rev = labels(args.against) if args.against else (None, None)
     redis = EmbeddedRedis()
     servers, rows = {}, []
-    logs = tempfile.TemporaryDirectory(prefix="braid-serving-")
-    try:
-        for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
-            servers[name] = Server(name, args, redis.url, logs.name)
-        workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
-        warm = workload.requests(4)
-        for server in servers.values():  # warm-up, not measured
-            asyncio.run(run_load(f"127.0.0.1:{server.port}", warm, max_concurrency=4, progress=False))
-        for transport in args.transports:
-            for c in args.concurrency:
-                n = max(8, args.requests_per_level * c)
-                for server in servers.values():
-                    rows.append(level(server, transport, c, n, args))
-        kv_per_token = servers["scheduler"].kv_bytes_per_token
-    finally:
-        for server in servers.values():
-            server.stop()
-        redis.stop()
-        logs.cleanup()
+    with tempfile.TemporaryDirectory(prefix="braid-serving-") as logs, \
+            sides(args.against, logs) if args.against else nullcontext({}) as paths:
+        try:
+            for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
+                servers[name] = Server(name, args, redis.url, logs)
+            if rev:
+                servers[BEFORE] = Server(BEFORE, args, redis.url, logs, pythonpath=paths[rev])
+            workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
+            warm = workload.requests(4)
+            for server in servers.values():  # warm-up, not measured
+                asyncio.run(run_load(f"127.0.0.1:{server.port}", warm, max_concurrency=4, progress=False))
+            for transport in args.transports:
+                for c in args.concurrency:
+                    n = max(8, args.requests_per_level * c)
+                    for server in servers.values():
+                        rows.append(level(server, transport, c, n, args))
+            kv_per_token = servers["scheduler"].kv_bytes_per_token
+            for row in rows:
+                if row["engine"] == BEFORE:
+                    row["revision"] = rev
+        finally:  # (before the revision's checkout goes)
+            for server in servers.values():
+                server.stop()
+            redis.stop()
     ratios = []
     for transport in args.transports:
         for c in args.concurrency:
-            a, b = (next(r for r in rows if r["engine"] == e and r["concurrency"] == c and r["transport"] == transport)
-                    for e in ENGINES)
-            ratios.append({"transport": transport, "concurrency": c,
-                           "token_throughput_x": b["generated_token_throughput"] / a["generated_token_throughput"],
-                           "workflow_throughput_x": b["request_throughput"] / a["request_throughput"],
-                           "median_ttft_ratio": b["median_ttft_ms"] / a["median_ttft_ms"],
-                           "p99_ttft_ratio": b["p99_ttft_ms"] / a["p99_ttft_ms"]})
-            r = ratios[-1]
+            row = {r["engine"]: r for r in rows if r["concurrency"] == c and r["transport"] == transport}
+            r = {"transport": transport, "concurrency": c, **compare(row["scheduler"], row["serial"])}
+            ratios.append(r)
             print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
                   f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
                   f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
-            apart = [x for x in rows
-                     if x["engine"] == "apart" and x["concurrency"] == c and x["transport"] == transport]
-            if apart:
-                r["mixed_vs_apart_token_throughput_x"] = (b["generated_token_throughput"]
-                                                          / apart[0]["generated_token_throughput"])
-                r["apart_vs_serial_token_throughput_x"] = (apart[0]["generated_token_throughput"]
-                                                           / a["generated_token_throughput"])
+            if BEFORE in row:
+                r["against"] = compare(row["scheduler"], row[BEFORE])
+                x = r["against"]
+                print(f"{'':>5} c={c:<3} scheduler/{rev}: token throughput {x['token_throughput_x']:.2f}x, "
+                      f"workflows {x['workflow_throughput_x']:.2f}x, median TTFT {x['median_ttft_ratio']:.2f}x, "
+                      f"p99 TTFT {x['p99_ttft_ratio']:.2f}x")
+            if "apart" in row:
+                r["mixed_vs_apart_token_throughput_x"] = compare(row["scheduler"], row["apart"])["token_throughput_x"]
+                r["apart_vs_serial_token_throughput_x"] = compare(row["apart"], row["serial"])["token_throughput_x"]
                 print(f"{'':>5} c={c:<3} adapters mixed/apart: token throughput "
                       f"{r['mixed_vs_apart_token_throughput_x']:.2f}x (apart/serial "
                       f"{r['apart_vs_serial_token_throughput_x']:.2f}x)")
     result = {"model": args.model, "device": "cpu", "kv_bytes_per_token": kv_per_token, "config": vars(args),
-              "workload": workload.__dict__, "rows": rows, "ratios": ratios}
-    stem = write_json(args.out, "serving_cpu", result)
+              "this": this, "against": rev, "workload": workload.__dict__, "rows": rows, "ratios": ratios}
+    stem = write_json(args.out, "serving_cpu" + ("_against" if rev else ""), result)
     plot(rows, stem + ".png")
     print(f"wrote {stem}.json and its plot")
     return 0
+
+
+def compare(new: dict, old: dict) -> dict:
+    """Level `new` against level `old` (one transport and concurrency): throughput ratios, new over old, and TTFT
+    ratios, new over old (below 1: new answers sooner)."""
+    return {"token_throughput_x": new["generated_token_throughput"] / old["generated_token_throughput"],
+            "workflow_throughput_x": new["request_throughput"] / old["request_throughput"],
+            "median_ttft_ratio": new["median_ttft_ms"] / old["median_ttft_ms"],
+            "p99_ttft_ratio": new["p99_ttft_ms"] / old["p99_ttft_ms"]}
 
 
 def plot(rows, path):
@@ -236,6 +267,7 @@ def plot(rows, path):
             sel = sorted((r for r in rows if r["engine"] == name and r["transport"] == transport),
                          key=lambda r: r["concurrency"])
             c = [r["concurrency"] for r in sel]
+            name = f"{name} ({sel[0]['revision']})" if "revision" in sel[0] else name
             axrow[0].plot(c, [r["generated_token_throughput"] for r in sel], marker="o", label=name)
             for ax, metric in ((axrow[1], "ttft"), (axrow[2], "tpot")):
                 ax.plot(c, [r[f"median_{metric}_ms"] for r in sel], marker="o", label=f"{name} p50")

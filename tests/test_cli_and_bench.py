@@ -244,3 +244,25 @@ def test_kvcomm_benchmark_times_both_methods_for_every_agent(checkpoint, tmp_pat
     for row in result["rows"]:
         assert row["dense_ttft_s"] > 0 and set(row["by_recompute"]) == {"0.0", "0.5"}
         assert row["speedup"] == pytest.approx(row["dense_ttft_s"] / row["kvcomm_ttft_s"])
+
+
+def test_serving_benchmark_runs_a_revision_s_engine_beside_this_tree_s(checkpoint, tmp_path):
+    """benchmarks/serving.py --against: a third server runs the revision's own engine (here HEAD's), driven by the same
+    load as the others; the JSON has its rows and the scheduler's ratios against it."""
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout: there is no revision to check out beside it")
+    spec = importlib.util.spec_from_file_location("serving_bench", os.path.join(ROOT, "benchmarks", "serving.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", checkpoint("llama"), "--concurrency", "2", "--requests-per-level", "1",
+                       "--worker-max-tokens", "4", "--answer-max-tokens", "4", "--transports", "text",
+                       "--against", "HEAD", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "serving_cpu_against.json") as f:
+        result = json.load(f)
+    assert result["against"] == result["this"].removesuffix("+changes")
+    assert sorted(r["engine"] for r in result["rows"]) == ["before", "scheduler", "serial"]
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in result["rows"])
+    assert next(r for r in result["rows"] if r["engine"] == "before")["revision"] == result["against"]
+    (ratio,) = result["ratios"]
+    assert ratio["against"]["token_throughput_x"] > 0 and ratio["token_throughput_x"] > 0
+    assert (tmp_path / "serving_cpu_against.png").exists()
