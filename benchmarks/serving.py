@@ -63,7 +63,7 @@ class Sampler:
         scheduler = getattr(self.engine, "scheduler", None)  # (an engine from before the scheduler has none)
         while not self.stop.wait(0.02):
             self.max_store = max(self.max_store, self.engine.store.used_bytes)
-            if scheduler is not None:
+            if hasattr(scheduler, "load"):
                 load = scheduler.load
                 self.max_reserved = max(self.max_reserved, load["reserved_bytes"])
                 self.max_running = max(self.max_running, load["running"])
@@ -109,30 +109,27 @@ class Server:
 
 
 def serve(args) -> int:
-    """(In a server process.) One engine and its API; counters per level, asked for on stdin. An engine from
-    before the scheduler (--against) has no forward counters: they come back as zeros."""
+    """(In a server process.) One engine and its API; counters per level, asked for on stdin. Another revision's
+    engine (--against) may lack some counters (one from before the scheduler has none): they come back as zeros."""
     engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32",
                                  **{**ENGINES, **APART, BEFORE: {}}[args.serve]))
     server = start_in_process(engine, Directory.connect(args.redis))
     print(f"PORT {server.port}", flush=True)
-    sched = getattr(engine, "scheduler", None)
-    if sched is None:  # (its counters stay zero)
-        sched = argparse.Namespace(steps=0, groups_stepped=0, busy_s=0.0, rows_stepped=0, slot_bytes=0)
-    print(f"KV {sched.slot_bytes}", flush=True)  # (KV bytes per token)
+    print(f"KV {getattr(getattr(engine, 'scheduler', None), 'slot_bytes', 0)}", flush=True)  # (KV bytes per token)
     sampler, before, counters = None, None, None
     try:
         for command in sys.stdin:
             command = command.strip()
             if command == "start":
-                counters = (sched.steps, sched.groups_stepped, sched.busy_s, sched.rows_stepped)
+                counters = _counters(engine)
                 sampler, before = Sampler(engine), resource.getrusage(resource.RUSAGE_SELF)
                 sampler.thread.start()
                 out = {}
             elif command == "stop":
                 sampler.stop.set()
-                steps, stepped, busy, rows = counters
-                out = {"forwards": sched.steps - steps, "groups": sched.groups_stepped - stepped,
-                       "busy_s": sched.busy_s - busy, "rows": sched.rows_stepped - rows,
+                d = {name: now - counters[name] for name, now in _counters(engine).items()}
+                out = {"forwards": d["steps"], "groups": d["groups_stepped"], "busy_s": d["busy_s"],
+                       "rows": d["rows_stepped"],
                        "cpu_s": _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(before),
                        "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
                        "max_work_kv_bytes": sampler.max_reserved}
@@ -142,6 +139,12 @@ def serve(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _counters(engine: Engine) -> dict[str, float]:
+    """The scheduler's forward counters so far (each 0 where the engine's revision has none)."""
+    scheduler = getattr(engine, "scheduler", None)
+    return {name: getattr(scheduler, name, 0) for name in ("steps", "groups_stepped", "busy_s", "rows_stepped")}
 
 
 def level(server: Server, transport: str, concurrency: int, n: int, args) -> dict:
@@ -192,24 +195,27 @@ def main(argv=None) -> int:
     from braid.loadtest.workload import Workload
 
     this, rev = labels(args.against) if args.against else (None, None)
-    redis = EmbeddedRedis()
-    servers, rows = {}, []
+    servers, rows, redis = {}, [], None
     with tempfile.TemporaryDirectory(prefix="braid-serving-") as logs, \
             sides(args.against, logs) if args.against else nullcontext({}) as paths:
         try:
+            redis = EmbeddedRedis()
             for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
                 servers[name] = Server(name, args, redis.url, logs)
             if rev:
-                servers[BEFORE] = Server(BEFORE, args, redis.url, logs, pythonpath=paths[rev])
+                servers[BEFORE] = Server(BEFORE, args, redis.url, logs, pythonpath=list(paths.values())[1])
             workload = Workload(worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
             warm = workload.requests(4)
             for server in servers.values():  # warm-up, not measured
                 asyncio.run(run_load(f"127.0.0.1:{server.port}", warm, max_concurrency=4, progress=False))
+            turn = 0
             for transport in args.transports:
                 for c in args.concurrency:
                     n = max(8, args.requests_per_level * c)
-                    for server in servers.values():
+                    order = list(servers.values())
+                    for server in order[turn % len(order):] + order[:turn % len(order)]:  # (each first in turn)
                         rows.append(level(server, transport, c, n, args))
+                    turn += 1
             kv_per_token = servers["scheduler"].kv_bytes_per_token
             for row in rows:
                 if row["engine"] == BEFORE:
@@ -217,7 +223,8 @@ def main(argv=None) -> int:
         finally:  # (before the revision's checkout goes)
             for server in servers.values():
                 server.stop()
-            redis.stop()
+            if redis is not None:
+                redis.stop()
     ratios = []
     for transport in args.transports:
         for c in args.concurrency:

@@ -246,23 +246,34 @@ def test_kvcomm_benchmark_times_both_methods_for_every_agent(checkpoint, tmp_pat
         assert row["speedup"] == pytest.approx(row["dense_ttft_s"] / row["kvcomm_ttft_s"])
 
 
+BEFORE_SCHEDULER = "9959479"  # the engine before the scheduler: one call at a time behind its lock
+
+
 def test_serving_benchmark_runs_a_revision_s_engine_beside_this_tree_s(checkpoint, tmp_path):
-    """benchmarks/serving.py --against: a third server runs the revision's own engine (here HEAD's), driven by the same
-    load as the others; the JSON has its rows and the scheduler's ratios against it."""
-    if not os.path.exists(os.path.join(ROOT, ".git")):
-        pytest.skip("not a git checkout: there is no revision to check out beside it")
+    """benchmarks/serving.py --against: a third server runs that revision's own engine (the one before the scheduler,
+    which has no forward counters), driven by the same load as the others; the JSON has its rows and the scheduler's
+    ratios against it."""
+    import subprocess
+
+    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", BEFORE_SCHEDULER + "^{commit}"],
+                      capture_output=True).returncode:
+        pytest.skip(f"no git history holding {BEFORE_SCHEDULER} to check out beside this tree")
     spec = importlib.util.spec_from_file_location("serving_bench", os.path.join(ROOT, "benchmarks", "serving.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--model", checkpoint("llama"), "--concurrency", "2", "--requests-per-level", "1",
                        "--worker-max-tokens", "4", "--answer-max-tokens", "4", "--transports", "text",
-                       "--against", "HEAD", "--out", str(tmp_path)]) == 0
+                       "--against", BEFORE_SCHEDULER, "--out", str(tmp_path)]) == 0
     with open(tmp_path / "serving_cpu_against.json") as f:
         result = json.load(f)
-    assert result["against"] == result["this"].removesuffix("+changes")
-    assert sorted(r["engine"] for r in result["rows"]) == ["before", "scheduler", "serial"]
-    assert all(r["completed"] == 8 and r["failed"] == 0 for r in result["rows"])
-    assert next(r for r in result["rows"] if r["engine"] == "before")["revision"] == result["against"]
+    assert result["against"] == BEFORE_SCHEDULER
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert sorted(rows) == ["before", "scheduler", "serial"]
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in rows.values())
+    # that revision's engine served (it counts no forwards); this tree's engines did
+    assert "calls_per_forward" not in rows["before"] and rows["before"]["revision"] == BEFORE_SCHEDULER
+    assert rows["scheduler"]["calls_per_forward"] >= 1 and rows["serial"]["calls_per_forward"] == 1
     (ratio,) = result["ratios"]
-    assert ratio["against"]["token_throughput_x"] > 0 and ratio["token_throughput_x"] > 0
+    assert ratio["against"] == bench.compare(rows["scheduler"], rows["before"])
+    assert ratio["token_throughput_x"] == bench.compare(rows["scheduler"], rows["serial"])["token_throughput_x"]
     assert (tmp_path / "serving_cpu_against.png").exists()
