@@ -1,16 +1,27 @@
 """Serving the agent API over a plain gRPC server (in one process; Ray Serve's proxy is the other), and the
-mapping of every error to a gRPC status."""
+mapping of every error to a gRPC status.
 
+The server is grpc.aio's, on an event loop of its own thread: a workflow's events go from the engine's
+role threads to that loop and out, with no server thread per call between them. Every handler thread a
+message crosses takes Python's lock, and the scheduler's thread, which gives it up at every tensor op, waits
+for each of them; a thread-pool server (a handler thread per call driving its own loop per message, and a
+completion-queue thread) slowed a step of 16 concurrent workflows by more than the handlers' own work
+(README, the serving engine). The session-level methods, which block on the engine, run on a thread of their
+own per call, as a Serve replica runs them (braid.api.workflow.in_thread).
+"""
+
+import asyncio
 import functools
 import logging
-from concurrent import futures
+import threading
+from contextlib import aclosing
 
 import grpc
 import redis
 
 from braid.api.auth import ApiKeys
 from braid.api.service import AgentLogic
-from braid.api.workflow import WorkflowDriver, iterate_blocking
+from braid.api.workflow import WorkflowDriver, in_thread, run_in_thread
 from braid.engine.errors import BraidError
 from braid.protos import agent_pb2, agent_pb2_grpc
 
@@ -32,24 +43,31 @@ def _caller(keys: ApiKeys | None, context) -> str:
     return keys.check(context.invocation_metadata()) if keys is not None else ""
 
 
-def _unary(fn, keys: ApiKeys | None):
+def _unary(fn, keys: ApiKeys | None, slots: asyncio.Semaphore):
     @functools.wraps(fn)
-    def handler(request, context):
-        try:
-            return fn(request, _caller(keys, context))
-        except Exception as e:  # noqa: BLE001 - every failure becomes a status
-            context.abort(*grpc_status(e))
+    async def handler(request, context):
+        async with slots:
+            try:
+                caller = _caller(keys, context)
+                return await run_in_thread(lambda: fn(request, caller))
+            except Exception as e:  # noqa: BLE001 - every failure becomes a status
+                await context.abort(*grpc_status(e))
 
     return handler
 
 
-def _streaming(fn, keys: ApiKeys | None):
+def _streaming(fn, keys: ApiKeys | None, slots: asyncio.Semaphore):
+    """A streaming method: `fn(request, caller)` gives an async iterator of its messages."""
     @functools.wraps(fn)
-    def handler(request, context):
-        try:
-            yield from fn(request, _caller(keys, context))
-        except Exception as e:  # noqa: BLE001
-            context.abort(*grpc_status(e))
+    async def handler(request, context):
+        async with slots:
+            try:
+                # (aclosing: a client that leaves closes the stream now, which ends its engine calls)
+                async with aclosing(fn(request, _caller(keys, context))) as messages:
+                    async for message in messages:
+                        yield message
+            except Exception as e:  # noqa: BLE001
+                await context.abort(*grpc_status(e))
 
     return handler
 
@@ -57,55 +75,94 @@ def _streaming(fn, keys: ApiKeys | None):
 STREAMING = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods if m.server_streaming}
 
 
-def make_servicer(logic: AgentLogic, workflows: WorkflowDriver,
-                  keys: ApiKeys | None = None) -> agent_pb2_grpc.AgentServiceServicer:
+def make_servicer(logic: AgentLogic, workflows: WorkflowDriver, keys: ApiKeys | None,
+                  slots: asyncio.Semaphore) -> agent_pb2_grpc.AgentServiceServicer:
+    """`slots`: RPCs served at once (more wait for one to end)."""
     servicer = agent_pb2_grpc.AgentServiceServicer()
     for method in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
         if method.name == "RunWorkflow":
-            fn = lambda request, caller: iterate_blocking(workflows.run(request, caller))  # noqa: E731
+            fn = workflows.run
+        elif method.name in STREAMING:  # (a blocking generator: on a thread of its own)
+            fn = functools.partial(_blocking_stream, getattr(logic, method.name))
         else:
             fn = getattr(logic, method.name)
-        setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn, keys))
+        setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn, keys, slots))
     return servicer
 
 
-class KeyCheck(grpc.ServerInterceptor):
+def _blocking_stream(fn, request, caller: str):
+    return in_thread(lambda: fn(request, caller))
+
+
+class KeyCheck(grpc.aio.ServerInterceptor):
     """Refuses every RPC without a valid API key (UNAUTHENTICATED) before its handler runs."""
 
     def __init__(self, keys: ApiKeys):
         self.keys = keys
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         try:
             self.keys.check(handler_call_details.invocation_metadata)
         except BraidError as e:
-            handler = continuation(handler_call_details)
+            handler = await continuation(handler_call_details)
             if handler is None:
                 return None
             code, details = grpc_status(e)
 
-            def deny(request, context):
-                context.abort(code, details)
+            async def deny(request, context):
+                await context.abort(code, details)
 
             wrap = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
                 grpc.unary_unary_rpc_method_handler
             return wrap(deny, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
-        return continuation(handler_call_details)
+        return await continuation(handler_call_details)
+
+
+class AgentServer:
+    """A running agent API server: grpc.aio's server on its own event loop thread. `stop` from any thread."""
+
+    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+        self._server, self._loop, self._thread = server, loop, thread
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (RPCs still running get `grace` seconds, then are cancelled), then end the loop."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
-                 workers: int = 8, keys: ApiKeys | None = None, tls: tuple[str, str] | None = None):
-    """Start a gRPC server for the agent API; returns (server, bound port). `keys`: API keys every RPC
-    must carry (None: open); `tls`: (certificate chain, private key) PEM files to serve TLS with."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         interceptors=[KeyCheck(keys)] if keys is not None else [])
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(make_servicer(logic, workflows, keys), server)
-    if tls is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        chain, key = (open(path, "rb").read() for path in tls)
-        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, chain)]))
-    server.start()
+                 workers: int = 8, keys: ApiKeys | None = None,
+                 tls: tuple[str, str] | None = None) -> tuple[AgentServer, int]:
+    """Start a gRPC server for the agent API; returns (server, bound port). `workers`: RPCs served at once
+    (each streaming RPC holds one while it runs; more wait); `keys`: API keys every RPC must carry (None:
+    open); `tls`: (certificate chain, private key) PEM files to serve TLS with."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="braid-grpc", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys is not None else [])
+        servicer = make_servicer(logic, workflows, keys, asyncio.Semaphore(workers))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            chain, key = (open(path, "rb").read() for path in tls)
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, chain)]))
+        await server.start()
+        return server, bound
+
+    try:
+        server, bound = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+        raise
     log.info("agent API on %s:%d", host, bound)
-    return server, bound
+    return AgentServer(server, loop, thread), bound

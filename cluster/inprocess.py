@@ -3,11 +3,9 @@ engine, so a workflow's branches reach the synthesis by the local transport."""
 
 from dataclasses import dataclass
 
-import grpc
-
 from braid.api.auth import ApiKeys
 from braid.api.directory import Directory
-from braid.api.grpc_server import start_server
+from braid.api.grpc_server import AgentServer, start_server
 from braid.api.service import AgentLogic, ServiceConfig
 from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
 from braid.engine import Engine
@@ -18,7 +16,7 @@ from braid.workers.runner import BranchRunner, WorkerConfig
 
 @dataclass
 class InProcessServer:
-    server: grpc.Server
+    server: AgentServer
     port: int
     logic: AgentLogic
     receiver: KVReceiver

@@ -353,3 +353,35 @@ def test_a_client_that_leaves_stops_its_work_and_leaves_no_session(api, rpc):
     while len(logic.directory.list_sessions()) > sessions and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(logic.directory.list_sessions()) == sessions
+
+
+def test_rpcs_beyond_the_servers_slots_wait_for_one_and_stop_ends_its_loop(checkpoint):
+    """grpc_threads bounds the RPCs served at once: with one slot, a call made while a stream runs waits (here
+    past its deadline) and is served once the stream has gone. stop() ends the server's event loop thread, and
+    a second stop() does nothing."""
+    import threading
+
+    def loops():
+        return {t for t in threading.enumerate() if t.name == "braid-grpc"}
+
+    before = loops()
+    redis_server = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url),
+                              grpc_threads=1)
+    mine = loops() - before
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            stream = stub.Decode(pb.DecodeRequest(calls=[pb.DecodeCallSpec(
+                header="A:", sampling=pb.Sampling(max_tokens=3000, ignore_eos=True))]))
+            next(stream)  # (it holds the slot)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Health(pb.HealthRequest(), timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            stream.cancel()
+            assert stub.Health(pb.HealthRequest(), timeout=10).model_fingerprint == server.logic.engine.fingerprint
+    finally:
+        server.stop()
+        redis_server.stop()
+    assert len(mine) == 1 and not any(t.is_alive() for t in mine)
+    server.server.stop()  # (again: nothing left to stop)
