@@ -44,16 +44,32 @@ def _caller(keys: ApiKeys | None, context) -> str:
 
 
 def _unary(fn, keys: ApiKeys | None, slots: asyncio.Semaphore):
+    """A session-level call, on a thread of its own. It holds its slot until that thread is done, also when its
+    client leaves first (a call blocked in the engine runs to its end), so `slots` bounds the threads too."""
     @functools.wraps(fn)
     async def handler(request, context):
-        async with slots:
-            try:
-                caller = _caller(keys, context)
-                return await run_in_thread(lambda: fn(request, caller))
-            except Exception as e:  # noqa: BLE001 - every failure becomes a status
-                await context.abort(*grpc_status(e))
+        await slots.acquire()
+        try:
+            caller = _caller(keys, context)
+        except Exception as e:  # noqa: BLE001
+            slots.release()
+            await context.abort(*grpc_status(e))
+        call = asyncio.ensure_future(run_in_thread(lambda: fn(request, caller)))
+        call.add_done_callback(_release(slots))
+        try:
+            return await asyncio.shield(call)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            await context.abort(*grpc_status(e))
 
     return handler
+
+
+def _release(slots: asyncio.Semaphore):
+    def done(call: asyncio.Future) -> None:
+        slots.release()
+        if not call.cancelled():
+            call.exception()  # (retrieved: a client that left does not hear it, and asyncio need not report it)
+    return done
 
 
 def _streaming(fn, keys: ApiKeys | None, slots: asyncio.Semaphore):
@@ -124,15 +140,35 @@ class AgentServer:
 
     def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
         self._server, self._loop, self._thread = server, loop, thread
+        self._lock, self._stopped = threading.Lock(), False
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving (RPCs still running get `grace` seconds, then are cancelled), then end the loop."""
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """Stop serving (RPCs still running get `grace` seconds, then are cancelled), let every cancelled
+        handler finish its cleanup (a workflow closes the session it opened), then end the loop. From any
+        thread but the loop's; once (later calls return at once)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("AgentServer.stop() was called from the server's own event loop thread")
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            try:
+                asyncio.run_coroutine_threadsafe(_shutdown(self._server, grace), self._loop).result()
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
+
+
+async def _shutdown(server: grpc.aio.Server, grace: float | None) -> None:
+    await server.stop(grace)
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
 
 
 def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
@@ -147,14 +183,18 @@ def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys is not None else [])
-        servicer = make_servicer(logic, workflows, keys, asyncio.Semaphore(workers))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
-        if tls is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            chain, key = (open(path, "rb").read() for path in tls)
-            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, chain)]))
-        await server.start()
+        try:
+            servicer = make_servicer(logic, workflows, keys, asyncio.Semaphore(workers))
+            agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+            if tls is None:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            else:
+                chain, key = (open(path, "rb").read() for path in tls)
+                bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, chain)]))
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            raise
         return server, bound
 
     try:

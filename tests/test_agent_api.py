@@ -356,9 +356,9 @@ def test_a_client_that_leaves_stops_its_work_and_leaves_no_session(api, rpc):
 
 
 def test_rpcs_beyond_the_servers_slots_wait_for_one_and_stop_ends_its_loop(checkpoint):
-    """grpc_threads bounds the RPCs served at once: with one slot, a call made while a stream runs waits (here
-    past its deadline) and is served once the stream has gone. stop() ends the server's event loop thread, and
-    a second stop() does nothing."""
+    """grpc_threads bounds the RPCs served at once: with one slot, a call made while a stream runs waits (one
+    until its deadline passes) and is served once the stream has gone. stop() ends the server's event loop
+    thread, and a second stop() does nothing."""
     import threading
 
     def loops():
@@ -378,8 +378,11 @@ def test_rpcs_beyond_the_servers_slots_wait_for_one_and_stop_ends_its_loop(check
             with pytest.raises(grpc.RpcError) as err:
                 stub.Health(pb.HealthRequest(), timeout=0.5)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            waiting = stub.Health.future(pb.HealthRequest(), timeout=30)
+            time.sleep(0.5)
+            assert not waiting.done()  # (queued behind the stream, not refused)
             stream.cancel()
-            assert stub.Health(pb.HealthRequest(), timeout=10).model_fingerprint == server.logic.engine.fingerprint
+            assert waiting.result().model_fingerprint == server.logic.engine.fingerprint
     finally:
         server.stop()
         redis_server.stop()
