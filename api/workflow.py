@@ -12,12 +12,11 @@ done (the answer alone).
 """
 
 import asyncio
-import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractContextManager, aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,7 +81,7 @@ class WorkflowDriver:
         """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's, and
         it counts against the caller's limit of running workflows while it runs."""
         # (aclosing: a client that leaves closes every inner stage now, not when the garbage collector runs)
-        async with off_loop(self.directory.running(caller, self.config.limits.workflows)):
+        with self.directory.running(caller, self.config.limits.workflows):
             async with aclosing(self._run(request, caller)) as events:
                 async for event in events:
                     yield event
@@ -91,9 +90,9 @@ class WorkflowDriver:
         start = time.perf_counter()
         cfg = self.config
         info = await self.roles.info()
-        wf = await asyncio.to_thread(convert.workflow, request, info, self.tokenize, cfg.worker_header,
-                                     cfg.default_max_tokens, cfg.max_branches, cfg.colocated, cfg.staircase)
-        async with off_loop(self.directory.session_for_call(wf.session, caller, cfg.limits)) as session:
+        wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
+                              cfg.max_branches, cfg.colocated, cfg.staircase)
+        with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
             async with aclosing(self._workflow(wf, info, session, start)) as events:
                 async for event in events:
                     yield event
@@ -302,35 +301,6 @@ async def merge(streams) -> AsyncIterator:
             if hasattr(s, "cancel"):
                 s.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # (each pump closes its stream as it ends)
-
-
-@asynccontextmanager
-async def off_loop(cm: AbstractContextManager):
-    """A blocking context manager (the directory's: Redis round trips, retried while Redis is away) entered and
-    left on a worker thread, so that the event loop serves every other call meanwhile. Left with the exception
-    that ends the block, as `with` would; one whose caller is cancelled while it is being entered is left (with
-    the cancellation) as soon as it has been entered."""
-    enter = asyncio.ensure_future(asyncio.to_thread(cm.__enter__))
-    try:
-        value = await asyncio.shield(enter)
-    except asyncio.CancelledError:
-        enter.add_done_callback(functools.partial(_leave_entered, cm))
-        raise
-    try:
-        yield value
-    except BaseException as e:
-        if not await asyncio.to_thread(cm.__exit__, type(e), e, e.__traceback__):  # (runs to its end, cancelled or not)
-            raise
-    else:
-        await asyncio.to_thread(cm.__exit__, None, None, None)
-
-
-def _leave_entered(cm: AbstractContextManager, enter: asyncio.Future) -> None:
-    """(The entry of a cancelled `off_loop` is done.) Leave it if it was entered."""
-    if enter.cancelled() or enter.exception() is not None:
-        return
-    cancelled = asyncio.CancelledError()
-    enter.get_loop().run_in_executor(None, cm.__exit__, type(cancelled), cancelled, None)
 
 
 async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
