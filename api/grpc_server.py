@@ -136,7 +136,7 @@ class KeyCheck(grpc.aio.ServerInterceptor):
 
 
 class AgentServer:
-    """A running agent API server: grpc.aio's server on its own event loop thread. `stop` from any thread."""
+    """A running agent API server: grpc.aio's server on its own event loop thread. `stop` from any other thread."""
 
     def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
         self._server, self._loop, self._thread = server, loop, thread
@@ -155,9 +155,14 @@ class AgentServer:
             try:
                 asyncio.run_coroutine_threadsafe(_shutdown(self._server, grace), self._loop).result()
             finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join()
-                self._loop.close()
+                _end_loop(self._loop, self._thread)
+
+
+def _end_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the loop that `thread` runs, wait for the thread, close the loop."""
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
 
 
 async def _shutdown(server: grpc.aio.Server, grace: float | None) -> None:
@@ -200,9 +205,7 @@ def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.
     try:
         server, bound = asyncio.run_coroutine_threadsafe(start(), loop).result()
     except BaseException:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+        _end_loop(loop, thread)
         raise
     log.info("agent API on %s:%d", host, bound)
     return AgentServer(server, loop, thread), bound

@@ -368,7 +368,8 @@ class ThreadRoles:
 
 
 def iterate_blocking(agen: AsyncIterator) -> Iterator:
-    """An async iterator driven from blocking code (a plain gRPC server's handler thread)."""
+    """An async iterator driven from blocking code, on a loop of its own run once per item (tests drive a
+    WorkflowDriver this way; the servers run it on their event loops)."""
     loop = asyncio.new_event_loop()
     try:
         while True:
