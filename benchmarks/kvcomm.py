@@ -2,9 +2,12 @@
 
 The seed's workload (seed 002: 1K input tokens, 512-token agent prefixes), scaled by the CLI: each agent has
 its own role prefix (prefix-cached in both methods, as a serving engine would), then the user's text, then a
-short reply header. Dense prefill encodes the text after each agent's prefix. KVComm encodes the text once
-on its own (the first agent pays it; the rest find it in the prefix cache) and interpolates its offsets
-from a warmed anchor pool (--anchors earlier texts, each measured under every agent). TTFT runs from the
+short reply header. Dense prefill encodes the text after each agent's prefix. KVComm encodes the text's base
+once, behind the first agent's prefix, as an agent graph does (the first agent pays it and reads it as it
+is; the rest find it in the prefix cache), and interpolates the other agents' offsets from a warmed anchor
+pool (--anchors earlier texts, each measured under every agent). Before each KVComm pass over the agents
+the prefix cache is cleared and the role prefixes encoded again, so the first agent pays for the base in
+every pass, and neither method reads the text's KV from the other's run. TTFT runs from the
 agent's call to its first token (one token is decoded: the output length does not enter TTFT). The
 measured texts are new to the pool; gamma=1, so the reuse path is always the one timed: how often it is
 taken, and at what accuracy, is evals/kvcomm.py's business. Default model: a random-weight 100M-shape
@@ -82,10 +85,17 @@ def main(argv=None) -> int:
     header = words(rng, vocab, 4)
     fractions = [float(f) for f in args.recompute.split(",")]
     configs = [KVCommConfig(gamma=1.0, capacity=max(20, args.anchors), recompute=f) for f in fractions]
-    comm = KVComm(engine, configs[0], base_prefix=words(rng, vocab, 4))
+    comm = KVComm(engine, configs[0])
 
     def prompts(text):
-        return [AgentPrompt(f"agent{k}", prefixes[k], [("user", text)], [header], FIRST) for k in range(args.agents)]
+        return [AgentPrompt(f"agent{k}", prefixes[k], [("user", text)], [header], FIRST, base_prefix=prefixes[0])
+                for k in range(args.agents)]
+
+    def cold():
+        """Only the role prefixes cached: what a replica holds when a new text arrives."""
+        engine.clear_prefix_cache()
+        for prefix in prefixes:
+            engine.free(engine.prefill([PrefillCall(prefix)])[0])
 
     for i in tqdm(range(args.anchors), desc="warming the anchor pool", unit="text"):
         # each text longer than the last: the length criterion makes it an anchor, measured under every agent
@@ -97,10 +107,13 @@ def main(argv=None) -> int:
     reuse = {f: [[] for _ in range(args.agents)] for f in fractions}
     for _ in tqdm(range(args.requests), desc="measuring", unit="request"):
         text = words(rng, vocab, args.input_tokens)
+        cold()
         for k, p in enumerate(prompts(text)):
             dense[k].append(dense_ttft(engine, p))
-            for f, config in zip(fractions, configs):  # (the same pools; only the recomputed share differs)
-                comm.config = config
+        for f, config in zip(fractions, configs):  # (the same pools; only the recomputed share differs)
+            comm.config = config
+            cold()
+            for k, p in enumerate(prompts(text)):
                 took, ok = kvcomm_ttft(comm, p)
                 reuse[f][k].append(took)
                 reused.append(ok)

@@ -61,8 +61,9 @@ class AgentGraph:
                 slots.append((f"reply:{peer.name}", replies[k] or " "))
         joins.append(self.reply_header)
         # the template differs between round 1 and the rest: each keeps its own offsets
+        # every shared text's base is read behind the first agent's prefix (KVComm's module docstring)
         return AgentPrompt(agent.name if replies is None else f"{agent.name}+peers", agent.prefix, slots, joins,
-                           self.sampling)
+                           self.sampling, base_prefix=self.agents[0].prefix)
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,14 @@ def reply(engine: Engine, message_id: str) -> str:
     return engine.text(message_id).split("<|synthesizer|>", 1)[-1]
 
 
-def prompts(task: SharedTextTask) -> list[AgentPrompt]:
-    return [AgentPrompt(f"agent{j}", task.prefix(j), [("user", task.shared)], [task.reply_header()], SAMPLING)
-            for j in range(len(task.roles))]
+BASES = ("first-agent", "system")  # what a text's base KV is read behind: as an agent graph serves it, or the
+# system prompt alone (the neutral base the earlier results used)
+
+
+def prompts(task: SharedTextTask, base: str = BASES[0]) -> list[AgentPrompt]:
+    behind = task.prefix(0) if base == "first-agent" else turn("system", MULTIQA_SYSTEM)
+    return [AgentPrompt(f"agent{j}", task.prefix(j), [("user", task.shared)], [task.reply_header()], SAMPLING,
+                        base_prefix=behind) for j in range(len(task.roles))]
 
 
 def dense(engine: Engine, tasks: list[SharedTextTask]) -> list[bool]:
@@ -62,11 +67,12 @@ class RandomRecompute(KVComm):
         return super()._recomputed(torch.rand(doubt.shape, generator=self.rng))
 
 
-def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig, random_recompute: bool = False) -> dict:
-    comm = (RandomRecompute if random_recompute else KVComm)(engine, config, base_prefix=turn("system", MULTIQA_SYSTEM))
+def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig, random_recompute: bool = False,
+           base: str = BASES[0]) -> dict:
+    comm = (RandomRecompute if random_recompute else KVComm)(engine, config)
     correct, reused, seconds = [], [], []
     for task in tqdm(tasks, desc=f"kvcomm gamma={config.gamma} V={config.capacity}", unit="request"):
-        for j, p in enumerate(prompts(task)):
+        for j, p in enumerate(prompts(task, base)):
             prep, stream = comm.decode_stream(p, scope="eval")
             for _ in stream:
                 pass
@@ -98,6 +104,9 @@ def main(argv=None) -> None:
                          "(each a config; 0: none)")
     ap.add_argument("--random-recompute", action="store_true",
                     help="ablation: re-encode as many tokens as --recompute says, drawn at random, not by doubt")
+    ap.add_argument("--base", choices=BASES, default=BASES[0],
+                    help="what each text's base KV is read behind: the first agent's prefix (as an agent graph serves "
+                         "it; default) or the system prompt alone")
     ap.add_argument("--out", default="benchmarks/results/eval_kvcomm_cpu.json")
     args = ap.parse_args(argv)
     try:
@@ -118,16 +127,16 @@ def main(argv=None) -> None:
     rows = []
     for config in configs:
         start = time.perf_counter()
-        r = kvcomm(engine, tasks, config, args.random_recompute)
+        r = kvcomm(engine, tasks, config, args.random_recompute, args.base)
         acc, diff = accuracy_ci(r["correct"]), paired_difference_ci(r["correct"], base)
-        rows.append({**asdict(config), "recompute_by": "random" if args.random_recompute else "doubt",
+        rows.append({**asdict(config), "base": args.base, "recompute_by": "random" if args.random_recompute else "doubt",
                      "accuracy": asdict(acc), "minus_dense": asdict(diff),
                      "mcnemar_p": mcnemar_p(r["correct"], base), "reuse_rate": sum(r["reused"]) / len(r["reused"]),
                      "accuracy_when_reused": (sum(c for c, u in zip(r["correct"], r["reused"]) if u)
                                               / max(1, sum(r["reused"]))),
                      "pool_bytes": r["pool_bytes"], "seconds": time.perf_counter() - start})
         log.info("%s", rows[-1])
-    out = {"model": args.model, "fingerprint": engine.fingerprint, "requests": args.requests,
+    out = {"model": args.model, "fingerprint": engine.fingerprint, "requests": args.requests, "base": args.base,
            "agents": args.agents, "questions": args.questions, "words": list(words),
            "shared_tokens": [len(engine.tokenize(t.shared)) for t in tasks],
            "seeds": [args.seed, args.seed + args.requests - 1],

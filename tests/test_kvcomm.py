@@ -6,8 +6,8 @@ import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
-from braid.engine.kvcomm import (AgentPrompt, AnchorPool, KVComm, KVCommConfig, features, interpolate, rotate,
-                                 spread, unfeatures)
+from braid.engine.kvcomm import (AgentPrompt, AnchorPool, KVComm, KVCommConfig, base_key, features, interpolate,
+                                 rotate, spread, unfeatures)
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 ROLES = {"critic": "System: you are the critic. Be brief.", "solver": "System: you solve it step by step, then stop."}
@@ -30,6 +30,12 @@ def dense_tokens(engine: Engine, p: AgentPrompt) -> tuple[list[int], torch.Tenso
     ctx = engine.prefill([PrefillCall(context, parents=pre)])
     ids = engine.decode([DecodeCall(tok(p.joins[-1]), parents=pre + ctx, sampling=p.sampling)])
     return list(engine.message(ids[0]).token_ids), engine.message(ctx[0]).kv
+
+
+def pool_of(comm: KVComm, scope: str = "tenant", base: str | None = None) -> AnchorPool:
+    """The "user" placeholder's pool of `scope`, for texts read behind `base` (default: the KVComm's own)."""
+    behind = comm.base_prefix if base is None else comm.engine.tokenize(base)
+    return comm.pools[(scope, "user", base_key(behind))]
 
 
 def run(comm: KVComm, p: AgentPrompt, scope: str = "tenant"):
@@ -126,13 +132,39 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
     assert comm._recomputed(torch.full((200,), -float("inf"))).spans == ((0, 1), (199, 200))
 
 
+def test_the_reference_agent_reads_its_own_base_exactly_and_recomputes_nothing(fresh_engine):
+    """Texts read behind the solver's own prefix: the solver's offsets are 0, so over anchors of other texts its
+    approximated context is its dense prefill's KV (two fp32 rotations apart) and its reply dense prefill's,
+    with nothing recomputed (every anchor agrees); the critic, read against the same base, is approximated."""
+    eng = fresh_engine
+    comm = KVComm(eng, KVCommConfig(gamma=1.0, recompute=0.2))
+    with_base = lambda agent, text: AgentPrompt(agent, ROLES[agent], [("user", text)], [" Answer:"], GREEDY,  # noqa: E731
+                                                base_prefix=ROLES["solver"])
+    for text in TEXTS[:4]:
+        for agent in ROLES:
+            run(comm, with_base(agent, text))
+    p = with_base("solver", TEXTS[4])
+    want_reply, want_kv = dense_tokens(eng, p)
+    prep, reply, kv = run(comm, p)
+    assert prep.reused and len({a for a, _ in prep.slots[0].anchors}) > 1 and len(prep.parents) == 2
+    torch.testing.assert_close(kv, want_kv, rtol=0, atol=2e-5)
+    assert reply == want_reply
+    critic = run(comm, with_base("critic", TEXTS[4]))[0]
+    assert critic.reused and len(critic.parents) > 2  # (its doubtful tokens re-encoded)
+    # anchors are pooled per base prefix: the same texts behind the KVComm's own base are a pool of their own
+    theirs = {a.id for a in pool_of(comm, base=ROLES["solver"]).anchors}
+    assert {a for a, _ in prep.slots[0].anchors} <= theirs and ("tenant", "user", base_key([])) not in comm.pools
+    prep, _, _ = run(comm, prompt("solver", TEXTS[0]))
+    assert not prep.reused and prep.slots[0].new_anchor and len(pool_of(comm)) == 1
+
+
 def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
     comm = KVComm(llama_engine, KVCommConfig(gamma=1.0, temperature=0.5, recompute=0.0))
     for text in TEXTS[:4]:
         run(comm, prompt("solver", text))
-    pool = comm.pools[("tenant", "user")]
+    pool = pool_of(comm)
     text = llama_engine.tokenize(TEXTS[4])
-    base = comm._base(text)
+    base = comm._base(comm.base_prefix, text)
     m = pool.match(tuple(text), comm.sketch(base), "solver", comm.config)
     assert m.shareable and torch.allclose(m.weight.sum(dim=1), torch.ones(len(text)))
     got = interpolate(base, [a.offsets["solver"][0] for a in m.anchors], m)
@@ -167,7 +199,7 @@ def test_the_pool_never_exceeds_capacity_and_prunes_the_least_used_of_the_earlie
     comm = KVComm(llama_engine, KVCommConfig(gamma=0.3, capacity=3))
     for i, text in enumerate(TEXTS):
         run(comm, prompt("solver", text))
-        pool = comm.pools[("tenant", "user")]
+        pool = pool_of(comm)
         assert len(pool) <= 3
         if i == 2:  # the pool is full: make the oldest anchor the most used
             pool.anchors[0].uses, pool.anchors[1].uses, kept = 5, 1, pool.anchors[0].id
@@ -182,8 +214,8 @@ def test_scopes_never_read_each_others_texts(llama_engine):
         run(comm, prompt("solver", text), scope="alice")
     prep, _, _ = run(comm, prompt("solver", TEXTS[0]), scope="bob")  # alice's very text: bob still prefills
     assert not prep.reused and prep.slots[0].new_anchor
-    bob = comm.pools[("bob", "user")]
-    alice = {a.id for a in comm.pools[("alice", "user")].anchors}
+    bob = pool_of(comm, "bob")
+    alice = {a.id for a in pool_of(comm, "alice").anchors}
     assert len(bob) == 1 and bob.anchors[0].id not in alice
     prep, _, _ = run(comm, prompt("solver", TEXTS[3]), scope="bob")  # bob's match reads bob's anchors alone
     assert prep.reused and {a for a, _ in prep.slots[0].anchors} <= {a.id for a in bob.anchors}
@@ -195,7 +227,7 @@ def test_anchors_belong_to_their_engines_model(checkpoint, llama_engine):
     mine, theirs = KVComm(llama_engine, KVCommConfig(gamma=1.0)), KVComm(other, KVCommConfig(gamma=1.0))
     run(mine, prompt("solver", TEXTS[0]))
     prep, _, _ = run(theirs, prompt("solver", TEXTS[0]))
-    assert not prep.reused and not theirs.pools[("tenant", "user")].anchors[0] in mine.pools[("tenant", "user")].anchors
+    assert not prep.reused and not pool_of(theirs).anchors[0] in pool_of(mine).anchors
     ctx = llama_engine.message(run(mine, prompt("solver", TEXTS[0]))[0].parents[1])
     assert ctx.fingerprint == llama_engine.fingerprint  # an approximated context is this model's message
 
