@@ -94,7 +94,7 @@ def main(argv=None) -> None:
                     help="least and most aside words per user question (longer texts: recompute picks windows "
                          "once a text passes 64 tokens)")
     ap.add_argument("--seed", type=int, default=7000, help="first task seed (the model never saw these tasks)")
-    ap.add_argument("--gammas", default="0,0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--gammas", default="0,0.1,0.3,0.4,0.5,0.7,0.9")
     ap.add_argument("--capacities", default="0,5,10,20,40")
     ap.add_argument("--temperature", type=float, default=KVCommConfig.temperature)
     ap.add_argument("--refresh", default=str(KVCommConfig.refresh),
@@ -122,14 +122,15 @@ def main(argv=None) -> None:
     recomputes = [float(x) for x in args.recompute.split(",")]
     configs = [KVCommConfig(g, 20, args.temperature, r, c) for r in map(int, args.refresh.split(","))
                for c in recomputes for g in map(float, args.gammas.split(","))]
-    configs += [KVCommConfig(0.3, v, args.temperature, r, c) for r in map(int, args.refresh.split(","))
+    configs += [KVCommConfig(KVCommConfig.gamma, v, args.temperature, r, c) for r in map(int, args.refresh.split(","))
                 for c in recomputes for v in map(int, args.capacities.split(",")) if v != 20]
     rows = []
     for config in configs:
         start = time.perf_counter()
         r = kvcomm(engine, tasks, config, args.random_recompute, args.base)
         acc, diff = accuracy_ci(r["correct"]), paired_difference_ci(r["correct"], base)
-        rows.append({**asdict(config), "base": args.base, "recompute_by": "random" if args.random_recompute else "doubt",
+        rows.append({**asdict(config), "base": args.base,
+                     "recompute_by": "random" if args.random_recompute else "doubt",
                      "accuracy": asdict(acc), "minus_dense": asdict(diff),
                      "mcnemar_p": mcnemar_p(r["correct"], base), "reuse_rate": sum(r["reused"]) / len(r["reused"]),
                      "accuracy_when_reused": (sum(c for c, u in zip(r["correct"], r["reused"]) if u)
@@ -158,7 +159,8 @@ def plot(out: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, fixed, label in ((axes[0], "gamma", ("capacity", 20), "gamma (V=20)"),
-                                  (axes[1], "capacity", ("gamma", 0.3), "capacity V (gamma=0.3)")):
+                                  (axes[1], "capacity", ("gamma", KVCommConfig.gamma),
+                                   f"capacity V (gamma={KVCommConfig.gamma})")):
         rows = sorted((r for r in out["configs"] if r[fixed[0]] == fixed[1] and not r.get("refresh")),
                       key=lambda r: r[key])
         x = [r[key] for r in rows]

@@ -133,29 +133,46 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
 
 
 def test_the_reference_agent_reads_its_own_base_exactly_and_recomputes_nothing(fresh_engine):
-    """Texts read behind the solver's own prefix: the solver's offsets are 0, so over anchors of other texts its
-    approximated context is its dense prefill's KV (two fp32 rotations apart) and its reply dense prefill's,
-    with nothing recomputed (every anchor agrees); the critic, read against the same base, is approximated."""
+    """Texts read behind the solver's own prefix. The solver reading one text: its dense prefill is the text's
+    base (no match, no anchor). Reading two, over anchors of other texts: its first text is its base (two fp32
+    rotations from dense prefill's KV) and never recomputed; the critic, read against that base, is approximated
+    and its doubtful tokens re-encoded. Anchors read behind another base are pooled apart."""
     eng = fresh_engine
     comm = KVComm(eng, KVCommConfig(gamma=1.0, recompute=0.2))
-    with_base = lambda agent, text: AgentPrompt(agent, ROLES[agent], [("user", text)], [" Answer:"], GREEDY,  # noqa: E731
-                                                base_prefix=ROLES["solver"])
-    for text in TEXTS[:4]:
-        for agent in ROLES:
-            run(comm, with_base(agent, text))
-    p = with_base("solver", TEXTS[4])
+    solver = ROLES["solver"]
+
+    def with_base(agent, text, second=None):
+        slots, joins = [("user", text)], [" Answer:"]
+        if second is not None:
+            slots, joins = [("user", text), ("peer", second)], [" Peer said:", " Answer:"]
+        return AgentPrompt(agent, ROLES[agent], slots, joins, GREEDY, base_prefix=solver)
+
+    p = with_base("solver", TEXTS[0])
     want_reply, want_kv = dense_tokens(eng, p)
     prep, reply, kv = run(comm, p)
-    assert prep.reused and len({a for a, _ in prep.slots[0].anchors}) > 1 and len(prep.parents) == 2
-    torch.testing.assert_close(kv, want_kv, rtol=0, atol=2e-5)
-    assert reply == want_reply
-    critic = run(comm, with_base("critic", TEXTS[4]))[0]
-    assert critic.reused and len(critic.parents) > 2  # (its doubtful tokens re-encoded)
-    # anchors are pooled per base prefix: the same texts behind the KVComm's own base are a pool of their own
-    theirs = {a.id for a in pool_of(comm, base=ROLES["solver"]).anchors}
-    assert {a for a, _ in prep.slots[0].anchors} <= theirs and ("tenant", "user", base_key([])) not in comm.pools
+    assert not prep.reused and not prep.slots[0].new_anchor and torch.equal(kv, want_kv) and reply == want_reply
+    assert comm.stats()["anchors"] == 0
+    for text in TEXTS[:4]:
+        for agent in ROLES:
+            run(comm, with_base(agent, text, TEXTS[5]))
+    p = with_base("solver", TEXTS[4], TEXTS[5])
+    _, want_kv = dense_tokens(eng, p)
+    chosen = []
+    recomputed = comm._recomputed
+    comm._recomputed = lambda doubt: chosen.append(doubt) or recomputed(doubt)
+    prep, _, kv = run(comm, p)
+    n = len(eng.tokenize(TEXTS[4]))
+    assert prep.reused and len({a for a, _ in prep.slots[0].anchors}) > 1
+    assert torch.isinf(chosen[-1][:n]).all()  # (the peer's text is in every anchor: exact too)
+    first = eng.message(prep.held[0] if prep.held else prep.parents[1]).kv[:, :, :, :n]
+    torch.testing.assert_close(first, want_kv[:, :, :, :n], rtol=0, atol=2e-5)
+    other = run(comm, with_base("critic", TEXTS[4], TEXTS[5]))[0]
+    assert other.reused and torch.isfinite(chosen[-1][:n]).all() and len(other.parents) > 2
+    # anchors are pooled per base prefix: the same text behind the KVComm's own base starts a pool of its own
+    assert ("tenant", "user", base_key([])) not in comm.pools
     prep, _, _ = run(comm, prompt("solver", TEXTS[0]))
     assert not prep.reused and prep.slots[0].new_anchor and len(pool_of(comm)) == 1
+    assert len(pool_of(comm, base=solver)) > 1
 
 
 def test_interpolation_is_the_weighted_sum_of_anchor_token_offsets(llama_engine):
@@ -292,7 +309,8 @@ def test_run_agents_with_kvcomm_reuses_within_a_session_only(api):
     first = list(stub.RunAgents(agents_request()))
     sid = first[-1].done.session_id
     again = list(stub.RunAgents(agents_request(session_id=sid)))  # the same texts: every anchor is its own
-    assert again[-1].done.reused == again[-1].done.prompts == 4
+    # (but the first agent's first prompt: it reads the user's text as its base, a prefill the others reuse)
+    assert again[-1].done.reused == again[-1].done.prompts - 1 == 3
     dense = list(stub.RunAgents(agents_request(session_id=sid, kvcomm=False)))
     assert [e.token.token.token_id for e in again if e.HasField("token")] == \
         [e.token.token.token_id for e in dense if e.HasField("token")]
@@ -349,7 +367,7 @@ def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
         sid = first[-1].done.session_id
         assert logic_a.directory.anchors(sid) == "A" and sid in logic_a.kvcomm.scopes()
         on_b = list(b.RunAgents(agents_request(session_id=sid)))  # the same texts: each its own anchor, moved
-        assert on_b[-1].done.reused == on_b[-1].done.prompts == 4
+        assert on_b[-1].done.reused == on_b[-1].done.prompts - 1 == 3  # (all but the first agent's first)
         assert sid not in logic_a.kvcomm.scopes() and sid in logic_b.kvcomm.scopes()
         assert logic_a.directory.anchors(sid) == "B"
         dense = list(a.RunAgents(agents_request(session_id=sid, kvcomm=False)))  # (kvcomm off: nothing moves)
