@@ -122,8 +122,9 @@ def main(argv=None) -> None:
     recomputes = [float(x) for x in args.recompute.split(",")]
     configs = [KVCommConfig(g, 20, args.temperature, r, c) for r in map(int, args.refresh.split(","))
                for c in recomputes for g in map(float, args.gammas.split(","))]
-    configs += [KVCommConfig(KVCommConfig.gamma, v, args.temperature, r, c) for r in map(int, args.refresh.split(","))
-                for c in recomputes for v in map(int, args.capacities.split(",")) if v != 20]
+    configs += [KVCommConfig(KVCommConfig.gamma, v, args.temperature, r, c)
+                for r in map(int, args.refresh.split(",")) for c in recomputes
+                for v in map(int, args.capacities.split(",")) if v != 20]
     rows = []
     for config in configs:
         start = time.perf_counter()
