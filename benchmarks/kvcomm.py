@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     def cold():
         """Only the role prefixes cached: what a replica holds when a new text arrives."""
         engine.clear_prefix_cache()
+        comm.forget_sketches()
         for prefix in prefixes:
             engine.free(engine.prefill([PrefillCall(prefix)])[0])
 

@@ -11,7 +11,7 @@ placeholder gets the same treatment (its own base KV plus the anchors' join offs
 The base prefix is the prompt's `base_prefix`: in an agent graph, the first agent's role prefix (the seed's
 base is the text "under its initial context"; its code encodes it behind a role header). Agents' prompts
 share a template, so offsets between two of them are small next to offsets from a bare context: on the
-reference task a quarter to a fifth as large, with half the interpolation error per layer; with nothing
+reference task a fifth to a third as large, with half the interpolation error per layer; with nothing
 recomputed, 2 points lost at 72% reuse instead of 16 at 90% (README, KVComm). The first agent's prompt is
 the base itself: it prefills the text, which the others then find in the prefix cache. Anchors are kept
 per base prefix.
@@ -61,6 +61,7 @@ TOP_K = 8  # a token interpolates from the TOP_K pool tokens nearest it (on the 
 # error within 0.6% of 8's, at twice the gathering)
 SKETCH_CACHE = 256  # recent texts whose sketches are kept (every agent of a round reads the same texts)
 ENTROPY_SAMPLE = 128  # tokens of a text the entropy criterion is estimated on (evenly spaced)
+EXPORT_FORMAT = 2  # of `export`'s state: 2 keys pools by their base prefix
 RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context cut into at most this many (a context of
 # up to 64 tokens: single tokens)
 
@@ -69,7 +70,7 @@ RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context cut into 
 class KVCommConfig:
     # entropy threshold, as a fraction of log(#pool tokens); 0: never reuse. The seed's 0.3 is for its own
     # per-text weights; on Braid's per-token ones, development seeds (9000-9039 of the reference task) reused 5%
-    # of texts at 0.3 and 90% at 0.4-1.0, with dense prefill's accuracy (README, KVComm)
+    # of texts at 0.3 and all it could from 0.4 up, with dense prefill's accuracy (README, KVComm)
     gamma: float = 0.5
     capacity: int = 20  # V: anchors per pool; 0: never reuse
     # of the softmax over distances between a token's base KV and the pool's tokens', relative to the text's
@@ -80,7 +81,8 @@ class KVCommConfig:
     refresh: int = 0
     # and this fraction of its tokens, those whose interpolated offsets are least certain (the widest spread of
     # the anchor tokens they interpolate from), each with the prefix and the context before it in view; 0: none,
-    # the seed's method as it is (README, KVComm: 0.2 keeps the reference task's accuracy at gamma 0.3)
+    # the seed's method as it is (README, KVComm: on held-out seeds 0.1 kept dense prefill's accuracy on the
+    # reference task, and 0.2 on a harder setting of 8 agents and 5 questions)
     recompute: float = 0.2
 
     def __post_init__(self):
@@ -204,7 +206,8 @@ def unfeatures(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class AnchorPool:
-    """The anchors of one placeholder in one scope, oldest first; never more than `capacity`."""
+    """The anchors of one placeholder in one scope, read against one base prefix, oldest first; never more
+    than `capacity`."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -339,6 +342,11 @@ class KVComm:
                 self._sketches.popitem(last=False)
         return sketch
 
+    def forget_sketches(self) -> None:
+        """Forget the recent texts' sketches (kept for the next agents that read the same text)."""
+        with self._lock:
+            self._sketches.clear()
+
     # ---- pools ----------------------------------------------------------------------------------
     def pool(self, scope: str, placeholder: str, base: str) -> AnchorPool:
         """The pool of `placeholder` in `scope` for texts read against base prefix `base` (a base_key)."""
@@ -362,7 +370,7 @@ class KVComm:
         with self._lock:
             keys = [key for key in self.pools if key[0] == scope]
             pools = {key: self.pools.pop(key) if drop else self.pools[key] for key in keys}
-            return {"fingerprint": self.engine.fingerprint, "pools": [
+            return {"fingerprint": self.engine.fingerprint, "format": EXPORT_FORMAT, "pools": [
                 {"placeholder": name, "base": base, "anchors": [
                     {"tokens": list(a.tokens), "sketch": a.sketch.cpu(), "uses": a.uses,
                      "offsets": {agent: [text.cpu(), join.cpu() if join is not None else None]
@@ -372,6 +380,9 @@ class KVComm:
     def adopt(self, scope: str, state: dict) -> int:
         """Pools that `export` gave on another replica, as this scope's own (anchors get ids of this replica);
         refused (PreconditionError) if another model measured them. Returns the anchors taken in."""
+        if state.get("format") != EXPORT_FORMAT:
+            raise PreconditionError(f"anchors exported in format {state.get('format')!r}, this replica reads format "
+                                    f"{EXPORT_FORMAT} (pools read against a base prefix): they are measured again")
         if state.get("fingerprint") != self.engine.fingerprint:
             raise PreconditionError(f"anchors measured on model {state.get('fingerprint')!r} cannot serve model "
                                     f"{self.engine.fingerprint!r}")
@@ -461,8 +472,12 @@ class KVComm:
             else:
                 ctx_id = eng.prefill([PrefillCall(context, parents=[prefix_id])])[0]
                 parts = [ctx_id]
-                slots = (self._record(scope, prompt.agent, names, texts, joins, behind, bounds, P, ctx_id, bases)
-                         if not reference else [SlotDecision(names[0], len(texts[0]), False)])
+                try:
+                    slots = (self._record(scope, prompt.agent, names, texts, joins, behind, bounds, P, ctx_id, bases)
+                             if not reference else [SlotDecision(names[0], len(texts[0]), False)])
+                except BaseException:
+                    self._free([ctx_id])
+                    raise
         except BaseException:
             self._free([prefix_id])
             raise
@@ -514,13 +529,17 @@ class KVComm:
         n, cfg = doubt.shape[0], self.config
         chosen = [t for a, b in (Refresh(cfg.refresh, cfg.refresh).runs(n) if cfg.refresh else []) for t in range(a, b)]
         # (never a token of a text its own anchor measured, nor the reference agent's first text: it is exact, its
-        # doubt -inf)
-        k = min(math.ceil(cfg.recompute * n), int(torch.isfinite(doubt).sum()))
+        # doubt -inf; a window scores the doubt of its other tokens)
+        finite = torch.isfinite(doubt)
+        k = min(math.ceil(cfg.recompute * n), int(finite.sum()))
         if k:
             w = math.ceil(n / RECOMPUTE_WINDOWS)
-            score = torch.nn.functional.pad(doubt, (0, -n % w)).view(-1, w).sum(dim=1)
-            for i in score.topk(math.ceil(k / w)).indices.tolist():
-                chosen += range(i * w, min(n, (i + 1) * w))
+            pad = -n % w
+            some = torch.cat([finite, finite.new_zeros(pad)]).view(-1, w).any(dim=1)  # [windows]
+            score = torch.nn.functional.pad(doubt.masked_fill(~finite, 0.0), (0, pad)).view(-1, w).sum(dim=1)
+            score = score.masked_fill(~some, -math.inf)
+            for i in score.topk(min(math.ceil(k / w), int(some.sum()))).indices.tolist():
+                chosen += [t for t in range(i * w, min(n, (i + 1) * w)) if finite[t]]
         return Runs.of(chosen)
 
     def _approximate(self, agent, names, texts, joins, behind, bases, matches, bounds, P, context, prefix_id,

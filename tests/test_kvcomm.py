@@ -130,6 +130,10 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
     doubt[[10, 11, 150]] = 1.0  # windows of 4 tokens: [8, 12) and [148, 152) hold them
     assert comm._recomputed(doubt).spans == ((0, 1), (8, 12), (148, 152), (199, 200))  # (and the refresh's ends)
     assert comm._recomputed(torch.full((200,), -float("inf"))).spans == ((0, 1), (199, 200))
+    # a window holding exact tokens (-inf) scores its other tokens and re-encodes only them
+    doubt[:6] = -float("inf")
+    doubt[6] = 5.0
+    assert comm._recomputed(doubt).spans == ((0, 1), (6, 12), (199, 200))  # windows [4, 8) less 4-5, and [8, 12)
 
 
 def test_the_reference_agent_reads_its_own_base_exactly_and_recomputes_nothing(fresh_engine):
@@ -159,15 +163,16 @@ def test_the_reference_agent_reads_its_own_base_exactly_and_recomputes_nothing(f
     _, want_kv = dense_tokens(eng, p)
     chosen = []
     recomputed = comm._recomputed
-    comm._recomputed = lambda doubt: chosen.append(doubt) or recomputed(doubt)
+    comm._recomputed = lambda doubt: chosen.append((doubt, recomputed(doubt))) or chosen[-1][1]
     prep, _, kv = run(comm, p)
     n = len(eng.tokenize(TEXTS[4]))
     assert prep.reused and len({a for a, _ in prep.slots[0].anchors}) > 1
-    assert torch.isinf(chosen[-1][:n]).all()  # (the peer's text is in every anchor: exact too)
+    assert torch.isinf(chosen[-1][0][:n]).all()  # (the peer's text is in every anchor: exact too)
+    assert all(a >= n for a, _ in chosen[-1][1].spans)  # (only the join between them may be re-encoded)
     first = eng.message(prep.held[0] if prep.held else prep.parents[1]).kv[:, :, :, :n]
     torch.testing.assert_close(first, want_kv[:, :, :, :n], rtol=0, atol=2e-5)
     other = run(comm, with_base("critic", TEXTS[4], TEXTS[5]))[0]
-    assert other.reused and torch.isfinite(chosen[-1][:n]).all() and len(other.parents) > 2
+    assert other.reused and torch.isfinite(chosen[-1][0][:n]).all() and len(other.parents) > 2
     # anchors are pooled per base prefix: the same text behind the KVComm's own base starts a pool of its own
     assert ("tenant", "user", base_key([])) not in comm.pools
     prep, _, _ = run(comm, prompt("solver", TEXTS[0]))
@@ -247,6 +252,15 @@ def test_anchors_belong_to_their_engines_model(checkpoint, llama_engine):
     assert not prep.reused and not pool_of(theirs).anchors[0] in pool_of(mine).anchors
     ctx = llama_engine.message(run(mine, prompt("solver", TEXTS[0]))[0].parents[1])
     assert ctx.fingerprint == llama_engine.fingerprint  # an approximated context is this model's message
+
+
+def test_anchors_of_another_export_format_are_refused(llama_engine):
+    from braid.engine.errors import PreconditionError
+
+    comm = KVComm(llama_engine)
+    with pytest.raises(PreconditionError, match="format"):  # (pools keyed by placeholder alone, before the base)
+        comm.adopt("s", {"fingerprint": llama_engine.fingerprint, "pools": {"user": []}})
+    assert comm.export("s") == {} and not comm.pools
 
 
 def test_bad_prompts_are_refused_with_what_to_fix(llama_engine):
