@@ -473,7 +473,8 @@ class KVComm:
                 ctx_id = eng.prefill([PrefillCall(context, parents=[prefix_id])])[0]
                 parts = [ctx_id]
                 try:
-                    slots = (self._record(scope, prompt.agent, names, texts, joins, behind, bounds, P, ctx_id, bases)
+                    slots = (self._record(scope, prompt.agent, names, texts, joins, behind, key, bounds, P, ctx_id,
+                                          bases)
                              if not reference else [SlotDecision(names[0], len(texts[0]), False)])
                 except BaseException:
                     self._free([ctx_id])
@@ -538,8 +539,9 @@ class KVComm:
             some = torch.cat([finite, finite.new_zeros(pad)]).view(-1, w).any(dim=1)  # [windows]
             score = torch.nn.functional.pad(doubt.masked_fill(~finite, 0.0), (0, pad)).view(-1, w).sum(dim=1)
             score = score.masked_fill(~some, -math.inf)
+            inexact = finite.tolist()  # (read per token below: one conversion, not a tensor index each)
             for i in score.topk(min(math.ceil(k / w), int(some.sum()))).indices.tolist():
-                chosen += [t for t in range(i * w, min(n, (i + 1) * w)) if finite[t]]
+                chosen += [t for t in range(i * w, min(n, (i + 1) * w)) if inexact[t]]
         return Runs.of(chosen)
 
     def _approximate(self, agent, names, texts, joins, behind, bases, matches, bounds, P, context, prefix_id,
@@ -572,7 +574,8 @@ class KVComm:
         return (eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots,
                 torch.cat(doubt))
 
-    def _record(self, scope, agent, names, texts, joins, behind, bounds, P, ctx_id, bases) -> list[SlotDecision]:
+    def _record(self, scope, agent, names, texts, joins, behind, key, bounds, P, ctx_id, bases
+                ) -> list[SlotDecision]:
         """After a dense prefill: each placeholder's and join's measured offsets go into the anchor that holds
         its text, a new one if none does (a pool at capacity prunes first)."""
         if not self.config.enabled:
@@ -587,7 +590,6 @@ class KVComm:
             if i < len(texts) - 1:
                 s, e = next(b)
                 d_join = real(s, e) - self._base(behind, joins[i]) if e > s else None
-            key = base_key(behind)
             pool, new, sketch = self.pool(scope, name, key), False, self._sketch_of(key, text, base)
             with self._lock:
                 anchor = pool.find(tuple(text))
