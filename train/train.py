@@ -85,6 +85,9 @@ class TrainConfig:
     # continue from this checkpoint's weights and tokenizer (a fresh warmup and schedule; the model
     # shape options are then ignored); training time and tokens add up in training.json
     init_from: str = ""
+    # seconds: end the run at the first step past this much training time (evaluated and saved there), the
+    # schedule reaching its floor by then whatever `steps` says (a lent GPU's fixed time); 0: steps alone
+    time_limit: float = 0.0
 
     @property
     def task_names(self) -> tuple[str, ...]:
@@ -105,6 +108,8 @@ class TrainConfig:
                              f"{self.lookup_drills}")
         if not 0 <= self.parallel <= 1:
             raise ValueError(f"parallel must be a share in [0, 1], got {self.parallel}")
+        if self.time_limit < 0:
+            raise ValueError(f"time_limit must be >= 0 seconds, got {self.time_limit}")
         if not 0 < self.lr < 1 or self.warmup < 0:
             raise ValueError(f"lr must be in (0, 1) and warmup >= 0, got {self.lr}, {self.warmup}")
         if not 2 <= self.min_branches <= MAX_BRANCHES:
@@ -296,10 +301,14 @@ def answer_accuracy(model, held: dict[str, PackedGraphs], device, backend: str =
     return acc
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
+    """Linear warmup, then cosine to 5% of the peak; with a time limit, progress is the larger of the step's
+    and the training time's (`seconds`) share, so a run stopped by the clock ends at the floor too."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    if cfg.time_limit:
+        progress = min(1.0, max(progress, seconds / cfg.time_limit))
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -351,10 +360,11 @@ def train(cfg: TrainConfig) -> dict:
 
     model.train()
     bar = tqdm(zip(range(cfg.steps), loader), total=cfg.steps, desc="training", unit="step")
+    looping = time.perf_counter()
     for step, packed in bar:
         began = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
+            group["lr"] = lr_at(cfg, step, began - looping)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
             loss = graph_loss(model, packed.to(device), cfg.attention).loss
         opt.zero_grad(set_to_none=True)
@@ -365,14 +375,18 @@ def train(cfg: TrainConfig) -> dict:
         flat_tokens += packed.flat_tokens
         history.append(round(loss.item(), 5))  # (the .item() syncs; at this model size it costs nothing measurable)
         step_seconds += time.perf_counter() - began
-        bar.set_postfix(loss=f"{history[-1]:.4f}", rows=packed.ids.shape[0])
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        bar.set_postfix(loss=f"{history[-1]:.4f}", rows=packed.ids.shape[0], refresh=False)
+        out_of_time = bool(cfg.time_limit) and time.perf_counter() - looping >= cfg.time_limit
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
             acc = answer_accuracy(model, held, device, cfg.attention)
             evals.append({"step": step + 1, **acc})
             log.info("step %d loss %.4f held-out answer accuracy %s", step + 1, loss.item(),
                      " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
             saved = report()
             save(cfg.out, model, tokenizer, saved)  # a stopped run keeps its last evaluated checkpoint
+        if out_of_time:
+            log.info("time limit (%.0f s) reached at step %d of %d", cfg.time_limit, step + 1, cfg.steps)
+            break
     log.info("trained in %.1f min, %d tokens; saved to %s", saved["train_seconds"] / 60, tokens_seen, cfg.out)
     return saved
 
