@@ -91,7 +91,7 @@ def _check_context(wf: Workflow, limit: int, tokenize, text: bool) -> None:
                 f"({wf.worker_sampling.max_tokens}) = {end} positions exceed the model's {limit}")
         ends.append(end)
     m, b = wf.num_branches, wf.branch_limit
-    if text or wf.placement is Placement.SEQUENTIAL:
+    if text or wf.placement in (Placement.SEQUENTIAL, Placement.MIXED):  # (MIXED lays decoded replies end to end)
         synth_at = task + m * b
     elif wf.placement is Placement.BRANCH_POINT:
         synth_at = task + b

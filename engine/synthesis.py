@@ -31,23 +31,30 @@ class Placement(str, Enum):
     BRANCH_POINT = "branch_point"  # the paper's: every branch starts at the branch point n; prompt after the longest
     SEQUENTIAL = "sequential"  # branches one after another from n; prompt after the last
     NONE = "none"  # no re-encoding: each branch stays where it was decoded; prompt after the furthest end
+    # branches encoded apart right after the prefix (each at the branch point: the user's own turns, MultiQA's
+    # questions) stay there, as the reference model was fine-tuned to read them (Prompt Choreography); the others
+    # (worker replies, encoded after contexts of their own) are laid end to end after the longest of those
+    MIXED = "mixed"
 
 
 def place_branches(branch_point: int, lengths: Sequence[int], placement: Placement,
                    decoded_at: Sequence[int] = ()) -> tuple[list[int], int]:
     """Offsets for each branch and for the synthesizer prompt. `decoded_at`: the branches' own offsets."""
     placement = Placement(placement)
+    if placement in (Placement.NONE, Placement.MIXED) and len(decoded_at) != len(lengths):
+        raise ValueError(f"placement {placement.value!r} needs every branch's own offset")
     if placement is Placement.NONE:
-        if len(decoded_at) != len(lengths):
-            raise ValueError("placement 'none' needs every branch's own offset")
         return list(decoded_at), max(o + n for o, n in zip(decoded_at, lengths))
     if placement is Placement.BRANCH_POINT:
         return [branch_point] * len(lengths), branch_point + max(lengths)
-    offsets, at = [], branch_point
-    for n in lengths:
-        offsets.append(at)
-        at += n
+    apart = [at == branch_point for at in decoded_at] if placement is Placement.MIXED else [False] * len(lengths)
+    at = branch_point + max([n for n, kept in zip(lengths, apart) if kept], default=0)
+    offsets = []
+    for n, kept in zip(lengths, apart):
+        offsets.append(branch_point if kept else at)
+        at += 0 if kept else n
     return offsets, at
+
 
 
 class CacheMapper(Protocol):
@@ -150,12 +157,15 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     branch_point = sum(m.num_tokens for m in prefix_msgs)
     offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement,
                                             [m.offset for m in branch_msgs])
+    # (MIXED reads the branches it keeps apart as they were encoded: the refresh leaves them alone)
+    kept = [Placement(placement) is Placement.MIXED and m.offset == off == branch_point
+            for m, off in zip(branch_msgs, offsets)]
     scratch: list[PrefillCall] = []
-    if refresh is None or not (refresh.head or refresh.tail):
+    if refresh is None or not (refresh.head or refresh.tail) or all(kept):
         parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]
         temporary: list[str] = []
     else:
-        calls, layout, temporary = _refresh_calls(engine, prefix, branch_msgs, offsets, refresh)
+        calls, layout, temporary = _refresh_calls(engine, prefix, branch_msgs, offsets, refresh, kept)
         if len(calls) < engine.config.max_parallel_calls:  # (none left: a sequential refresh encoded its runs)
             scratch = calls
             parts = [(Scratch(p) if isinstance(p, int) else p, off, j) for p, off, j in layout]
@@ -186,8 +196,8 @@ def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[M
 
 
 def _refresh_calls(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],
-                   refresh: "Refresh | Runs") -> tuple[list[PrefillCall], list[tuple[str | int, int, int | None]],
-                                                       list[str]]:
+                   refresh: "Refresh | Runs", kept: Sequence[bool] = ()) -> tuple[
+                       list[PrefillCall], list[tuple[str | int, int, int | None]], list[str]]:
     """The prefill calls that re-encode each branch's runs, and what the synthesizer reads in their place.
 
     Each branch is cut at its runs' ends into pieces (views of its shipped KV, no copy). A run starting at token
@@ -196,7 +206,7 @@ def _refresh_calls(engine: Engine, prefix: Sequence[str], branches: Sequence[Mes
     them all. A sequential refresh prefills each run here instead, in order, and the runs after it read it in place
     of its piece (no calls are returned). Returns the calls, the synthesizer's branch parents in order as (view id,
     or the index of the call that re-encodes that run; its offset; the branch index, None for a run), and the views
-    (and sequential runs) to free."""
+    (and sequential runs) to free. Branches marked in `kept` are read whole as shipped (no runs)."""
     views: list[str] = []
     calls: list[PrefillCall] = []
     layout: list[tuple[str | int, int, int | None]] = []
@@ -204,7 +214,7 @@ def _refresh_calls(engine: Engine, prefix: Sequence[str], branches: Sequence[Mes
     sequential = isinstance(refresh, Refresh) and refresh.sequential
     try:
         for j, (msg, off) in enumerate(zip(branches, offsets)):
-            spans = dict(refresh.runs(msg.num_tokens))  # run start -> its end
+            spans = {} if j < len(kept) and kept[j] else dict(refresh.runs(msg.num_tokens))  # run start -> end
             cuts = sorted({0, msg.num_tokens, *spans, *spans.values()})
             for a, b in zip(cuts, cuts[1:]):
                 if a in spans:  # a run, encoded after the pieces before it

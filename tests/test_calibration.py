@@ -20,7 +20,7 @@ from braid.engine.model import fingerprint_checkpoint
 from braid.engine.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.kernels import rerotate_keys_torch
 from braid.models import REFERENCE_MODEL
-from braid.models.chat import WORKER_HEADER, turn
+from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import generate
 from braid.train.calibrate import CalibrateConfig, Encoder, synthesizer_logits, write_untrained
 
@@ -356,6 +356,28 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
     logits = synthesizer_logits(model, None, [dataclasses.replace(example, target=target)])[0]
     assert logits[len(prompt) - 1:len(prompt) - 1 + len(target)].argmax(-1).tolist() == target
     workers.free()
+
+
+def test_trainer_places_mixed_as_the_cache_path_does(checkpoint):
+    """--placements mixed: worker replies are the sequential example (refreshed the same); branches encoded apart
+    (MultiQA's questions) stay at the branch point unrefreshed, and their answer is the one read apart."""
+    ckpt = checkpoint("llama", initializer_range=0.3)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
+    cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1, placements="mixed")
+    encoder = Encoder(model, AutoTokenizer.from_pretrained(ckpt), model.model.rotary_emb.inv_freq.float(), cfg)
+    chain = generate("chain", 11, 3)
+    mixed, sequential = (encoder.example(chain, "synthesis", p) for p in (Placement.MIXED, Placement.SEQUENTIAL))
+    assert mixed.new_offset == sequential.new_offset and mixed.target == sequential.target
+    for a, b, (wa, fa), (wb, fb) in zip(mixed.branches, sequential.branches, mixed.refreshed, sequential.refreshed):
+        assert torch.equal(a, b) and torch.equal(wa, wb) and torch.equal(fa, fb) and wa.any()
+    multiqa = generate("multiqa", 4, 3)
+    apart, point = (encoder.example(multiqa, "synthesis", p) for p in (Placement.MIXED, Placement.BRANCH_POINT))
+    n = apart.prefix_kv.shape[3]
+    assert apart.new_offset == point.new_offset == n + max(b.shape[3] for b in apart.branches)
+    assert all(torch.equal(a, b) for a, b in zip(apart.branches, point.branches))
+    assert not any(where.any() for where, _ in apart.refreshed)  # kept as encoded
+    assert multiqa.answer_apart() != multiqa.answer  # (this seed's questions are not in sorted order)
+    assert apart.target == encoder.ids(multiqa.answer_apart() + END) and point.target == encoder.ids(multiqa.answer + END)
 
 
 @pytest.mark.parametrize("refresh", [Refresh(1, 1), Refresh(1, 2)])

@@ -28,6 +28,30 @@ def workflow(eng, contexts):
 def test_place_branches():
     assert place_branches(10, [3, 5, 2], Placement.BRANCH_POINT) == ([10, 10, 10], 15)
     assert place_branches(10, [3, 5, 2], "sequential") == ([10, 13, 18], 20)
+    # mixed: the branches encoded right after the prefix stay there, the others go end to end after the longest
+    assert place_branches(10, [3, 5, 2], "mixed", [10, 10, 30]) == ([10, 10, 15], 17)
+    assert place_branches(10, [3, 5, 2], "mixed", [10, 10, 10]) == place_branches(10, [3, 5, 2], "branch_point")
+    assert place_branches(10, [3, 5, 2], "mixed", [14, 22, 30]) == place_branches(10, [3, 5, 2], "sequential")
+    with pytest.raises(ValueError, match="own offset"):
+        place_branches(10, [3, 5, 2], "mixed")
+
+
+def test_mixed_reads_apart_branches_at_the_branch_point_and_replies_end_to_end(llama_engine):
+    """MIXED is the branch point for branches encoded apart right after the prefix (the refresh leaves them as
+    encoded) and the sequential layout for decoded replies (refreshed as there): token for token."""
+    eng = llama_engine
+    refresh = Refresh(1, 1)
+
+    def answer(branches, prefix, placement, refresh=None):
+        out = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement=placement, sampling=GREEDY,
+                         refresh=refresh)
+        return eng.message(out).token_ids, eng.message(out).offset
+
+    prefix, replies = workflow(eng, ["Context A.", "A much longer context for worker B."])
+    assert answer(replies, prefix, "mixed", refresh) == answer(replies, prefix, "sequential", refresh)
+    apart = eng.prefill([PrefillCall(q, parents=prefix) for q in ["Question one: 3?", "Question two, longer: 4?"]])
+    assert answer(apart, prefix, "mixed", refresh) == answer(apart, prefix, "branch_point")
+    assert answer(apart, prefix, "mixed") != answer(apart, prefix, "sequential")
 
 
 def test_chained_branches_sequential_equals_text(family_engine):

@@ -11,7 +11,7 @@ from braid.models import REFERENCE_MODEL
 from braid.engine import Engine, EngineConfig, PrefillCall
 from braid.models.chat import END, header, turn
 from braid.train.graph import graph_loss
-from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, traces, train
+from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, lr_at, traces, train
 
 TINY = dict(steps=3, tasks_per_step=3, row_tokens=512, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, device="cpu")
@@ -54,6 +54,18 @@ def test_training_continues_from_a_checkpoint(tmp_path):
     first_batch = batch(cfg, tokenizer, 0).ids
     assert torch.equal(first_batch, batch(cfg, tokenizer, 0).ids)  # a step's batch is its seed's and step's
     assert not torch.equal(first_batch, batch(cfg, tokenizer, 3).ids)  # a continuation (from step 3) draws new tasks
+
+
+def test_a_time_limit_ends_the_run_evaluated_and_saved_with_the_schedule_at_its_floor(tmp_path):
+    with pytest.raises(ValueError, match="time_limit"):
+        TrainConfig(time_limit=-1)
+    cfg = TrainConfig(**{**TINY, "steps": 1000, "eval_every": 1000, "warmup": 0}, time_limit=1e-9)
+    assert lr_at(cfg, 1, 0.0) > lr_at(cfg, 1, 1.0) == pytest.approx(0.05 * cfg.lr)  # the clock's share counts
+    assert lr_at(TrainConfig(**TINY, warmup=0), 1, 1e9) == lr_at(TrainConfig(**TINY, warmup=0), 1)  # none set
+    done = train(TrainConfig(out=str(tmp_path / "a"), **{**TINY, "steps": 1000, "eval_every": 1000},
+                             time_limit=1e-9))
+    assert len(done["loss"]) == 1 and [e["step"] for e in done["held_out_accuracy"]] == [1]  # evaluated there
+    assert json.loads((tmp_path / "a" / "training.json").read_text())["total_steps"] == 1  # and saved
 
 
 def test_loader_processes_build_the_same_batches_in_the_same_order():
@@ -155,3 +167,29 @@ def test_parallel_traces_join_the_tasks_whose_branches_are_user_turns():
     assert parallel.weight.sum() > plain.weight.sum()  # and its answer trained once more
     workers = (batch(TrainConfig(**TINY, tasks="vote", parallel=p), tokenizer, 0) for p in (0.0, 1.0))
     assert len({b.tokens for b in workers}) == 1  # worker tasks are never read apart: their replies saw contexts
+
+
+def test_the_device_script_trains_and_packs_the_checkpoint_in_parts_that_load(tmp_path):
+    """train/device_train.sh, as a lent GPU runs it (here on the CPU, without the install): the checkpoint comes
+    back as tar parts under $OUT that reassemble into one the engine loads, with the run's log beside them."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    out, run = tmp_path / "out", tmp_path / "run"
+    env = {**os.environ, "PY": sys.executable, "OUT": str(out), "RUN": str(run), "INSTALL": "0",
+           "DEVICE_ARGS": "--device cpu"}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "device"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(["bash", os.path.join(root, "train", "device_train.sh"), *flags], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:]
+    parts = sorted(out.glob("checkpoint.tar.*"))
+    assert parts and "train rc=0" in (out / "train.log").read_text()
+    (tmp_path / "whole.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "whole.tar") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    assert json.loads((tmp_path / "back" / "training.json").read_text())["total_steps"] == TINY["steps"]
+    assert Engine(EngineConfig(str(tmp_path / "back"), device="cpu")).tokenizer.get_vocab() == \
+        AutoTokenizer.from_pretrained(str(run)).get_vocab()

@@ -259,19 +259,24 @@ class Encoder:
             _, kv, _ = self.forward([system + r for r in replies])
             starts = [n] * len(replies)
         lengths = [len(r) for r in replies]
-        offsets, new_offset = place_branches(n, lengths, placement)
+        offsets, new_offset = place_branches(n, lengths, placement, starts)
+        # (as the engine's MIXED: branches kept where they were encoded, right after the prefix, are not refreshed)
+        kept = [placement is Placement.MIXED and o == s == n for o, s in zip(offsets, starts)]
         branches = []
         for j, (start, length, off) in enumerate(zip(starts, lengths, offsets)):
             block = kv[:, :, j, :, start:start + length]  # [L, 2, H, T, D]
             keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
                                        self.inv_freq)
             branches.append(torch.stack([keys, block[:, 1]], dim=1))
-        refreshed = (self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets)
+        refreshed = (self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets, kept)
                      if cfg.refresh_spec is not None else None)
         prompt = self.ids(task.prompt())
-        target = self.ids(task.answer + END)
+        # branches all kept apart at one position show no order: the answer as such a reader writes it (what
+        # run 10 of the reference model was trained on), and no text teacher, whose answer follows the order
+        apart = all(kept)
+        target = self.ids((task.answer_apart() if apart else task.answer) + END)
         teacher = None
-        if source == "distill":  # the text pipeline: the replies' tokens re-prefilled after the prefix
+        if source == "distill" and not apart:  # the text pipeline: the replies' tokens re-prefilled after the prefix
             context = system + [t for r in replies for t in r] + prompt
             argmax, _, logits = self.forward([context + target], want_logits=True)
             answer = self.greedy(context, target, argmax[0].tolist(), cfg.answer_max_tokens)
@@ -284,18 +289,20 @@ class Encoder:
 
     @torch.no_grad()
     def refresh(self, prefix_kv: torch.Tensor, branches: list[torch.Tensor], replies: list[list[int]],
-                offsets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                offsets: list[int], kept: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What engine.synthesis.refresh_branches computes, in one forward: each branch's boundary runs
         re-encoded at their placed positions, a run starting at token a of branch j seeing the prefix, branches
-        0..j-1 and branch j's tokens before a (as shipped), and its own run causally."""
+        0..j-1 and branch j's tokens before a (as shipped), and its own run causally; none of a `kept` branch."""
         spec = self.cfg.refresh_spec
+        if all(kept):
+            return [(torch.zeros(b.shape[3], dtype=torch.bool, device=b.device), b) for b in branches]
         n = prefix_kv.shape[3]
         ctx = torch.cat([prefix_kv, *branches], dim=3)  # [L, 2, H, C, D]
         owner = torch.cat([torch.full((n,), -1), *(torch.full((b.shape[3],), j) for j, b in enumerate(branches))])
         index = torch.cat([torch.arange(n), *(torch.arange(b.shape[3]) for b in branches)])
         rows = []  # (branch, run start, token index)
         for j, b in enumerate(branches):
-            rows += [(j, a, t) for a, e in spec.runs(b.shape[3]) for t in range(a, e)]
+            rows += [(j, a, t) for a, e in ([] if kept[j] else spec.runs(b.shape[3])) for t in range(a, e)]
         j_, a_, t_ = (torch.tensor(x) for x in zip(*rows))
         sees_ctx = (owner[None] < j_[:, None]) | ((owner[None] == j_[:, None]) & (index[None] < a_[:, None]))
         same_run = (j_[None] == j_[:, None]) & (a_[None] == a_[:, None]) & (t_[None] <= t_[:, None])
