@@ -382,13 +382,14 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="all",
                    help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential, "
                         "cache:sequential+refresh (each branch's first and last token re-encoded with the earlier "
-                        "branches in view), "
+                        "branches in view), cache:mixed+refresh (branches encoded apart right after the prefix "
+                        "kept at the branch point, the others end to end, refreshed), "
                         "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
                         "staircase-append:kv, staircase-reprefill:kv+refresh, staircase-append:kv+refresh and, with a "
                         "calibration, calibrated, calibrated+refresh (or calibrated+refresh<head>-<tail>: the "
                         "refresh it was trained with, when that is not a token at each end), "
                         "staircase-reprefill:calibrated+refresh, staircase-append:calibrated+refresh, "
-                        "calibrated:sequential and the ablations calibrated-no-reencode, calibrated-no-mapper, "
+                        "calibrated:<other placement> and the ablations calibrated-no-reencode, calibrated-no-mapper, "
                         "calibrated-no-lora (default: all)")
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")

@@ -45,7 +45,9 @@ TEXT = Mode("text")
 REFRESH = Refresh(head=1, tail=1)  # the default boundary refresh: the uncalibrated `+refresh` modes use it
 BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
                       for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)),
-              Mode("cache:sequential+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH)))
+              Mode("cache:sequential+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH)),
+              # branches encoded apart kept at the branch point, decoded replies end to end and refreshed
+              Mode("cache:mixed+refresh", SynthesisMode(Placement.MIXED, refresh=REFRESH)))
 
 
 STAIRCASE_MODES = tuple(Mode(f"staircase-{v.value}:{t}", m, v) for v in Variant
@@ -62,12 +64,12 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     """A trained calibration (seed 004's full method: re-encoding to the placement it was trained for, mapper
     and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
-    and `calibrated:<placement>` for the other re-encoding placement; `calibrated+refresh` adds the boundary
+    and `calibrated:<placement>` for each other re-encoding placement; `calibrated+refresh` adds the boundary
     refresh it was trained with (mode_name: `calibrated+refresh<head>-<tail>` other than a token at each end; a
     token at each end when it was trained without one), and `calibrated+refresh` as well when that differs;
     `staircase-reprefill:calibrated+refresh` and `staircase-append:calibrated+refresh` stream the first."""
     full, placement = attached.hooks, attached.calibration.placement
-    other = Placement.SEQUENTIAL if placement is Placement.BRANCH_POINT else Placement.BRANCH_POINT
+    elsewhere = [p for p in (Placement.BRANCH_POINT, Placement.SEQUENTIAL, Placement.MIXED) if p is not placement]
     refresh = attached.calibration.refresh or REFRESH  # (the one it was trained with, else the default)
     # (and the default as well, which a deployment may serve it with: refresh_tokens 1)
     others = [Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH))] if refresh != REFRESH else []
@@ -78,7 +80,7 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
                  Variant.REPREFILL),
             Mode(f"staircase-append:{mode_name(refresh)}", SynthesisMode(Placement.SEQUENTIAL, full, refresh),
                  Variant.APPEND),
-            Mode(f"calibrated:{other.value}", SynthesisMode(other, full)),
+            *(Mode(f"calibrated:{other.value}", SynthesisMode(other, full)) for other in elsewhere),
             Mode("calibrated-no-reencode", SynthesisMode(Placement.NONE, full)),
             Mode("calibrated-no-mapper", SynthesisMode(placement, attached.without(mapper=True))),
             Mode("calibrated-no-lora", SynthesisMode(placement, attached.without(lora=True)))]
