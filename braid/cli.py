@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],
                    help="force a transport (default: the cluster decides)")
-    p.add_argument("--placement", default="", choices=["", "branch_point", "sequential", "none"],
+    p.add_argument("--placement", default="", choices=["", "branch_point", "sequential", "mixed", "none"],
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
