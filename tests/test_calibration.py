@@ -377,7 +377,8 @@ def test_trainer_places_mixed_as_the_cache_path_does(checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(apart.branches, point.branches))
     assert not any(where.any() for where, _ in apart.refreshed)  # kept as encoded
     assert multiqa.answer_apart() != multiqa.answer  # (this seed's questions are not in sorted order)
-    assert apart.target == encoder.ids(multiqa.answer_apart() + END) and point.target == encoder.ids(multiqa.answer + END)
+    assert apart.target == encoder.ids(multiqa.answer_apart() + END)
+    assert point.target == encoder.ids(multiqa.answer + END)
 
 
 @pytest.mark.parametrize("refresh", [Refresh(1, 1), Refresh(1, 2)])
