@@ -56,7 +56,6 @@ def place_branches(branch_point: int, lengths: Sequence[int], placement: Placeme
     return offsets, at
 
 
-
 class CacheMapper(Protocol):
     """Calibrates one placed branch's KV copy [L, 2, H, T, D], or a part of it (`length`: the whole branch's
     length, when that differs from T); returns a tensor of the same shape (it may work in place: the copy is
