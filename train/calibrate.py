@@ -649,6 +649,7 @@ def plot(record: dict, path: str, title: str = "calibration loss (LoRA synthesiz
                  + (f", {len(runs)} runs" if len(runs) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)  # (a run plots at every evaluation: pyplot keeps figures until closed)
 
 
 def main(argv=None, prog: str = "python -m braid.train.calibrate") -> int:

@@ -439,6 +439,7 @@ def plot(report: dict, path: str) -> None:
                  + (f", {len(runs)} runs" if len(runs) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)  # (a run plots at every evaluation: pyplot keeps figures until closed)
 
 
 def config_parser(config_class, prog: str, doc: str) -> argparse.ArgumentParser:
