@@ -47,13 +47,20 @@ def place_branches(branch_point: int, lengths: Sequence[int], placement: Placeme
         return list(decoded_at), max(o + n for o, n in zip(decoded_at, lengths))
     if placement is Placement.BRANCH_POINT:
         return [branch_point] * len(lengths), branch_point + max(lengths)
-    apart = [at == branch_point for at in decoded_at] if placement is Placement.MIXED else [False] * len(lengths)
+    apart = kept_apart(branch_point, decoded_at, placement) if decoded_at else [False] * len(lengths)
     at = branch_point + max([n for n, kept in zip(lengths, apart) if kept], default=0)
     offsets = []
     for n, kept in zip(lengths, apart):
         offsets.append(branch_point if kept else at)
         at += 0 if kept else n
     return offsets, at
+
+
+def kept_apart(branch_point: int, decoded_at: Sequence[int], placement: Placement) -> list[bool]:
+    """The branches MIXED keeps where they were encoded (right after the prefix, at the branch point): it reads them
+    as encoded, and the refresh leaves them alone. None under any other placement."""
+    mixed = Placement(placement) is Placement.MIXED
+    return [mixed and at == branch_point for at in decoded_at]
 
 
 class CacheMapper(Protocol):
@@ -154,11 +161,9 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     prefix_msgs = [engine.message(m) for m in prefix]
     branch_msgs = [engine.message(m) for m in branches]
     branch_point = sum(m.num_tokens for m in prefix_msgs)
-    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement,
-                                            [m.offset for m in branch_msgs])
-    # (MIXED reads the branches it keeps apart as they were encoded: the refresh leaves them alone)
-    kept = [Placement(placement) is Placement.MIXED and m.offset == off == branch_point
-            for m, off in zip(branch_msgs, offsets)]
+    decoded_at = [m.offset for m in branch_msgs]
+    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement, decoded_at)
+    kept = kept_apart(branch_point, decoded_at, placement)
     scratch: list[PrefillCall] = []
     if refresh is None or not (refresh.head or refresh.tail) or all(kept):
         parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]

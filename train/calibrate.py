@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from braid.engine import attention
 from braid.engine.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, Refresh, place_branches, refresh_of
+from braid.engine.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
 from braid.kernels import rerotate_keys_torch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
@@ -260,8 +260,7 @@ class Encoder:
             starts = [n] * len(replies)
         lengths = [len(r) for r in replies]
         offsets, new_offset = place_branches(n, lengths, placement, starts)
-        # (as the engine's MIXED: branches kept where they were encoded, right after the prefix, are not refreshed)
-        kept = [placement is Placement.MIXED and o == s == n for o, s in zip(offsets, starts)]
+        kept = kept_apart(n, starts, placement)  # (as the engine: MIXED reads these as encoded, unrefreshed)
         branches = []
         for j, (start, length, off) in enumerate(zip(starts, lengths, offsets)):
             block = kv[:, :, j, :, start:start + length]  # [L, 2, H, T, D]
