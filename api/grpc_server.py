@@ -18,12 +18,12 @@ from contextlib import aclosing
 
 import grpc
 import redis
-
 from braid.api.auth import ApiKeys
-from braid.api.service import AgentLogic
-from braid.api.workflow import WorkflowDriver, in_thread, run_in_thread
+from braid.api.workflow import WorkflowDriver
 from braid.engine.errors import BraidError
 from braid.protos import agent_pb2, agent_pb2_grpc
+from braid.runtime.aio import in_thread, run_in_thread
+from braid.runtime.sessions import AgentLogic
 
 log = logging.getLogger(__name__)
 

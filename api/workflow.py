@@ -13,26 +13,35 @@ done (the answer alone).
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
-from braid.api import convert
-from braid.api.auth import KeyLimits
 from braid.api.decision import choose_transport
-from braid.api.directory import Directory
-from braid.api.messages import (AnswerToken, BranchDone, BranchRequest, BranchToken, KVArrived, SynthesisDone,
-                                SynthesisOpened, SynthesisRequest, SynthesisRound, SynthesizerInfo)
 from braid.engine.errors import PreconditionError
-from braid.engine.staircase import StaircaseSchedule
-from braid.engine.synthesis import SynthesisMode
 from braid.kv.connector import TransferError, stream_name
 from braid.kv.grpc_transport import abandon
+from braid.methods.staircase import StaircaseSchedule
+from braid.methods.synthesis import SynthesisMode
 from braid.models.chat import WORKER_HEADER
 from braid.protos import agent_pb2 as pb
+from braid.runtime import convert
+from braid.runtime.aio import in_thread, merge
+from braid.runtime.directory import Directory
+from braid.runtime.messages import (
+    AnswerToken,
+    BranchDone,
+    BranchRequest,
+    BranchToken,
+    KVArrived,
+    SynthesisDone,
+    SynthesisRequest,
+    SynthesisRound,
+    SynthesizerInfo,
+)
+from braid.runtime.quotas import KeyLimits
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "grpc", "collective", "text")
@@ -75,7 +84,7 @@ def cause(exc: BaseException) -> BaseException:
 class WorkflowDriver:
     def __init__(self, roles: Roles, directory: Directory, config: WorkflowConfig, tokenize: Callable[[str], list]):
         self.roles, self.directory, self.config, self.tokenize = roles, directory, config, tokenize
-        self.metrics = None  # set by a Serve ingress: braid.api.metrics
+        self.metrics = None  # set by a Serve ingress: braid.runtime.metrics
 
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
         """One workflow for `caller` (the API key's name; "" on an open API): its session is the caller's, and
@@ -268,87 +277,6 @@ async def _chain(items: list, stream) -> AsyncIterator:
             yield item
 
 
-async def merge(streams) -> AsyncIterator:
-    """Items from several async iterators as they arrive; the first error ends it."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(stream):
-        try:
-            async for item in stream:
-                await queue.put(item)
-            await queue.put(None)
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put(e)
-        finally:
-            if hasattr(stream, "aclose"):
-                await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            if hasattr(s, "cancel"):
-                s.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # (each pump closes its stream as it ends)
-
-
-async def in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
-    """Iterate a blocking generator on its own thread (all of it on one thread, as Serve does)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stop = threading.Event()
-    end = object()
-
-    def put(item) -> bool:
-        """Hand an item to the consumer; False once it has gone (its loop closed)."""
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-            return True
-        except RuntimeError:
-            return False
-
-    def run():
-        items = None
-        try:
-            items = make()
-            for item in items:
-                if stop.is_set() or not put(item):
-                    return  # the consumer left: `finally` closes the generator, which ends its engine calls
-            put(end)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            put(e)
-        finally:
-            if hasattr(items, "close"):
-                items.close()
-
-    thread = threading.Thread(target=run, daemon=True, name="role")
-    thread.start()
-    try:
-        while (item := await queue.get()) is not end:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-
-
-async def run_in_thread(fn: Callable[[], object]) -> object:
-    """A blocking call on its own thread (not the default executor's few: many may wait on the engine)."""
-    results = [item async for item in in_thread(lambda: iter((fn(),)))]
-    return results[0]
-
-
 @dataclass
 class ThreadRoles:
     """The roles in this process: runners' blocking generators, each call on its own thread."""
@@ -365,24 +293,3 @@ class ThreadRoles:
 
     def synthesis(self, req: SynthesisRequest) -> AsyncIterator:
         return in_thread(lambda: self.synthesize(req))
-
-
-def iterate_blocking(agen: AsyncIterator) -> Iterator:
-    """An async iterator driven from blocking code, on a loop of its own run once per item (tests drive a
-    WorkflowDriver this way; the servers run it on their event loops)."""
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            try:
-                yield loop.run_until_complete(anext(agen))
-            except StopAsyncIteration:
-                return
-    finally:  # (the client left, or it ended): close it, then whatever it left running, then the loop
-        loop.run_until_complete(agen.aclose())
-        pending = asyncio.all_tasks(loop)
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()

@@ -1,6 +1,6 @@
 """Staircase nodes in agent workflows against waiting for whole replies, side by side in one run.
 
-MoA (layers of proposers, then an aggregator) and MADpar (debate rounds) from engine.presets, run as one
+MoA (layers of proposers, then an aggregator) and MADpar (debate rounds) from methods.presets, run as one
 RunGraph DAG on one engine: each reader waits for the whole replies it reads ("wait"), or is a staircase
 node that starts from their first chunks (seed 003), in the re-prefill or the append variant; the later layers
 and rounds are nested staircases. Both transports: cached KV chunks ("kv") and text chunks ("text").
@@ -18,13 +18,13 @@ import tempfile
 import time
 
 import torch
+from braid.engine import Engine, EngineConfig, SamplingParams
+from braid.methods.dag import NodeToken, run_dag
+from braid.methods.presets import mad_par, moa
+from braid.methods.staircase import Variant
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from tqdm import tqdm
 
-from braid.engine import Engine, EngineConfig, SamplingParams
-from braid.engine.dag import NodeToken, run_dag
-from braid.engine.presets import mad_par, moa
-from braid.engine.staircase import Variant
-from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import pyplot, write_json
 
 MODES = ("wait", "reprefill", "append")

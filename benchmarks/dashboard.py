@@ -1,5 +1,5 @@
 """Braid's Grafana dashboard drawn from a load test, without Grafana: a local cluster serves the load, a real
-Prometheus scrapes its metrics export, and every panel's own PromQL (braid.api.dashboard.PANELS, the queries the
+Prometheus scrapes its metrics export, and every panel's own PromQL (braid.runtime.dashboard.PANELS, the queries the
 chart's dashboard runs) is evaluated over the run and plotted in the dashboard's layout.
 
 Needs a prometheus binary (Debian: apt-get install prometheus).
@@ -17,15 +17,15 @@ import time
 import urllib.parse
 import urllib.request
 
-from braid.api.dashboard import PANELS, RATE
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import run_load
 from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
-from braid.results import pyplot, write_json
+from braid.runtime.dashboard import PANELS, RATE
 
+from braid.results import pyplot, write_json
 
 
 def start_prometheus(binary: str, target: str, workdir: str, scrape_s: float) -> tuple[subprocess.Popen, str]:

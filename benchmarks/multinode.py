@@ -18,17 +18,17 @@ import tempfile
 
 import grpc
 import yaml
-
-from braid.api.directory import Directory, EmbeddedRedis
 from braid.cluster.inprocess import start_in_process
 from braid.cluster.local import free_port
 from braid.cluster.multinode import NodeGroup, placement, serve_deploy, start_multinode
 from braid.engine import Engine, EngineConfig
-from braid.models import REFERENCE_MODEL
 from braid.loadtest.workload import task_request
+from braid.models import REFERENCE_MODEL
 from braid.models.tasks import generate
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
+from braid.runtime.directory import Directory, EmbeddedRedis
+
 from braid.results import pyplot, write_json
 
 CHART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helm", "braid")

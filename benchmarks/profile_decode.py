@@ -2,7 +2,7 @@
 
 All decode `--tokens` tokens greedily after a `--context`-token prompt; the engine through `decode_stream`
 (its scheduler thread, paged work cache and masks), once with its decode forwards replayed as CUDA graphs
-(engine.graphs; "eager" on CPU: the same padded forwards, uncaptured) and once as they come, on the same
+(engine.cuda_graphs; "eager" on CPU: the same padded forwards, uncaptured) and once as they come, on the same
 weights, side by side; transformers through the model's own forward with a DynamicCache and SDPA. Then
 `--concurrency` calls decoding at once (one thread each, batched by the scheduler): tokens/s, graphs on and
 off. Prints ms per token for each, the engine's forward alone (runner.step of one decode row, in this
@@ -12,18 +12,16 @@ time, and the host-device copies and synchronisations) and the launches of a gra
 
 import argparse
 import tempfile
+import threading
 import time
 
 import torch
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.engine.model_runner import GroupInput, WorkCache
+from braid.models.checkpoints import add_model_arguments, benchmark_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-import threading
-
-from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.runner import GroupInput, WorkCache
-from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, grouped_bars, write_json
-
 
 PROFILED = 4  # decode forwards under the profiler
 

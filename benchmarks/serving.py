@@ -20,11 +20,13 @@ import tempfile
 import threading
 from contextlib import nullcontext
 
-# (a server process may import another revision's braid (--against): only what every revision has, up here)
-from braid.api.directory import Directory, EmbeddedRedis
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.models import REFERENCE_MODEL
+
+# (a server process may import another revision's braid (--against): only what every revision has, up here)
+from braid.runtime.directory import Directory, EmbeddedRedis
+
 from braid.results import pyplot, write_json
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
@@ -190,9 +192,10 @@ def main(argv=None) -> int:
     if args.serve:
         return serve(args)
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision)
-    from benchmarks.revision import labels, sides
     from braid.loadtest.run import run_load
     from braid.loadtest.workload import Workload
+
+    from benchmarks.revision import labels, sides
 
     this, rev = labels(args.against) if args.against else (None, None)
     servers, rows, redis = {}, [], None

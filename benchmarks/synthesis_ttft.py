@@ -12,7 +12,7 @@ forwards) runs beside the uncalibrated one: with --checkpoint, the checkpoint's 
 calibration when it has one; otherwise a calibration of the same shape as a trained
 one (LoRA rank 16 on q/k/v/o, affine mapper) with random weights, since its cost does
 not depend on their values. So does the served cache path: calibrated, with each branch's first and last
-token refreshed (engine.synthesis.Refresh), whose overhead is measured against the sequential cache path,
+token refreshed (methods.synthesis.Refresh), whose overhead is measured against the sequential cache path,
 with the refreshed runs encoded in the synthesizer's own prefill (the engine's way) and, beside it, prefilled
 first in a call of their own ("apart"). The modes take turns, one run each per round.
 """
@@ -24,14 +24,14 @@ import tempfile
 import time
 
 import torch
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.methods.calibration import served_refresh
+from braid.methods.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
+from braid.models.checkpoints import add_model_arguments, benchmark_model
+from braid.train.calibrate import write_untrained
 from tqdm import tqdm
 
-from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.calibration import served_refresh
-from braid.engine.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
-from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, pyplot, write_json
-from braid.train.calibrate import write_untrained
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

@@ -1,6 +1,6 @@
 """Agent workflows as DAGs: choreographed (cached encodings) against the text re-prefill baseline, side by side.
 
-The seed's three workflows (engine.presets: MADiter, MADpar, ToT), each run as one RunGraph DAG on one engine,
+The seed's three workflows (methods.presets: MADiter, MADpar, ToT), each run as one RunGraph DAG on one engine,
 twice per repeat: every message read through its cached encoding ("kv"), and every message re-encoded in each
 reader's context ("text", the baseline; the engine's prefix cache still reuses identical prompt starts, as
 vLLM's would). The prefix cache is cleared before every run, so no run reuses another's work. TTFT is each
@@ -9,7 +9,7 @@ averaged over the workflow's decoding nodes; E2E is the whole DAG. Replies are `
 (ignore_eos: random weights). Writes JSON and a plot.
 
 With `--turns`, also what the calibration's turn LoRA costs: the reference tasks' debates (MADiter and MADpar
-over each solver's notes, engine.presets.notes_graph, `--turn-solvers` solvers) on the same weights with a
+over each solver's notes, methods.presets.notes_graph, `--turn-solvers` solvers) on the same weights with a
 calibration and a turn LoRA drawn at random (their cost does not depend on their values), choreographed
 ("kv"), calibrated with base-weight turns, and calibrated with the turn LoRA; TTFT averaged over the turns
 (the solvers that read other replies), side by side in the same repeats.
@@ -22,13 +22,13 @@ import tempfile
 import time
 
 import torch
-from tqdm import tqdm
-
 from braid.engine import Engine, EngineConfig, SamplingParams
-from braid.engine.dag import run_dag
-from braid.engine.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
+from braid.methods.dag import run_dag
+from braid.methods.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.models.tasks import generate
+from tqdm import tqdm
+
 from braid.results import pyplot, write_json
 
 SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # the seed's TTFT speedups (Llama-3.1-8B, GPU)

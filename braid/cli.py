@@ -37,9 +37,18 @@ def eval_cmd(args) -> int:
     import json
 
     from braid.engine import Engine, EngineConfig
-    from braid.engine.calibration import mode_name, served_refresh
-    from braid.evals.harness import (EvalConfig, engine_modes, evaluate, format_table, hooked_modes, load_hooks,
-                                     plot_accuracy, report, verify)
+    from braid.evals.harness import (
+        EvalConfig,
+        engine_modes,
+        evaluate,
+        format_table,
+        hooked_modes,
+        load_hooks,
+        plot_accuracy,
+        report,
+        verify,
+    )
+    from braid.methods.calibration import mode_name, served_refresh
 
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
@@ -85,8 +94,8 @@ def eval_cmd(args) -> int:
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
     from braid.engine import Engine, EngineConfig
-    from braid.engine.calibration import mode_name, served_refresh
     from braid.evals.harness import EvalConfig, engine_modes, run_task
+    from braid.methods.calibration import mode_name, served_refresh
     from braid.models.tasks import generate
 
     length = _length(args.length)
@@ -174,11 +183,11 @@ def serve_config_cmd(args) -> int:
 
 
 def run_preset(stub, args, metadata) -> None:
-    """A preset agent workflow (engine.presets) as RunGraph DAGs; each node's reply printed as it ends."""
-    from braid.api.convert import graph_request
+    """A preset agent workflow (methods.presets) as RunGraph DAGs; each node's reply printed as it ends."""
     from braid.engine import SamplingParams
-    from braid.engine.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
-    from braid.engine.staircase import Variant
+    from braid.methods.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
+    from braid.methods.staircase import Variant
+    from braid.runtime.convert import graph_request
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     output = "text" if args.transport == "text" else "kv"

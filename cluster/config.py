@@ -6,17 +6,16 @@ import types
 import typing
 from dataclasses import dataclass
 
-from braid.api.auth import KeyLimits
-from braid.api.service import ServiceConfig
-from braid.engine.kvcomm import KVCommConfig
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.engine.config import paths_elsewhere, paths_here
-from braid.engine.staircase import StaircaseSchedule
+from braid.methods.kvcomm import KVCommConfig
+from braid.methods.staircase import StaircaseSchedule
 from braid.models.chat import WORKER_HEADER
+from braid.runtime.quotas import KeyLimits
+from braid.runtime.sessions import ServiceConfig
 from braid.synthesizer.runner import SynthesizerConfig
 from braid.workers.runner import WorkerConfig
-
 
 # fields that must be >= 1 (checked here and in the JSON Schema the Helm chart's values are checked against)
 AT_LEAST_ONE = ("worker_replicas", "synthesizer_replicas", "store_budget_bytes", "session_ttl_s",
@@ -80,7 +79,7 @@ class ClusterConfig:
     # as KV); false, or colocated: on the session's Synthesizer replica, each wave in one batch
     graph_on_workers: bool = True
     # the cache path re-encodes this many tokens at each end of every shipped branch, with the earlier branches
-    # in view (engine.synthesis.Refresh); 0: off; unset: as the loaded calibration was trained (its manifest),
+    # in view (methods.synthesis.Refresh); 0: off; unset: as the loaded calibration was trained (its manifest),
     # one without a calibration
     refresh_tokens: int | None = None
     default_max_tokens: int = 128
@@ -112,6 +111,8 @@ class ClusterConfig:
         for name in AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url {self.redis_url!r} must start with redis://, rediss:// or unix://")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
         self.key_limits()  # (validates)

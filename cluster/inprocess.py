@@ -4,12 +4,12 @@ engine, so a workflow's branches reach the synthesis by the local transport."""
 from dataclasses import dataclass
 
 from braid.api.auth import ApiKeys
-from braid.api.directory import Directory
 from braid.api.grpc_server import AgentServer, start_server
-from braid.api.service import AgentLogic, ServiceConfig
 from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
 from braid.engine import Engine
 from braid.kv.receiver import KVReceiver
+from braid.runtime.directory import Directory
+from braid.runtime.sessions import AgentLogic, ServiceConfig
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
 

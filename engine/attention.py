@@ -72,7 +72,7 @@ def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_
 
 
 def decode_attention(query, key, value, mask, scale) -> torch.Tensor:
-    """The shared attention of decode-sized groups (engine.runner): queries [G, H, R, D] over keys and values
+    """The shared attention of decode-sized groups (engine.model_runner): queries [G, H, R, D] over keys and values
     [G, Hkv, T, D] with a mask [G, 1, R, T] (bool, or additive) -> [G, H, R, D]. The H / Hkv query heads that
     share a KV head go in as that head's rows, so the keys and values are read as they are; SDPA's GQA would
     repeat them for every query head first, which costs more than the attention itself at decode sizes."""
@@ -88,7 +88,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
 
-    `braid_step` (engine.runner): the forward holds rows of several engine calls; each attends its own cache
+    `braid_step` (engine.model_runner): the forward holds rows of several engine calls; each attends its own cache
     with its own mask, and `key`/`value` (this forward's new rows) are already in those caches."""
     if braid_step is not None:
         return _grouped(module, query, braid_step, scaling, dropout), None
@@ -132,7 +132,7 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
         q = q.view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
         k, v = step.shared_kv(layer)
         o = decode_attention(q, k, v, step.mask, scaling).transpose(1, 2).reshape(g * r, h, d)
-        if step.padded:  # (engine.graphs: the forward's rows are the padded rows)
+        if step.padded:  # (engine.cuda_graphs: the forward's rows are the padded rows)
             return o[None]
         out.index_copy_(0, step.rows, o.index_select(0, step.valid))
     return out[None]

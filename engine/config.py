@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-CALIBRATION_MANIFEST = "calibration.json"  # (engine.calibration.MANIFEST)
-DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.graphs)
+CALIBRATION_MANIFEST = "calibration.json"  # (methods.calibration.MANIFEST)
+DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.cuda_graphs)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _PATHS_HERE = contextvars.ContextVar("braid_paths_here", default=True)
@@ -55,10 +55,10 @@ class EngineConfig:
     mix_adapters: bool = True
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
-    # a calibration directory written by `braid calibrate` (engine.calibration); "auto": the model's own
+    # a calibration directory written by `braid calibrate` (methods.calibration); "auto": the model's own
     # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
     calibration: str = "auto"
-    # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.graphs): "auto": on CUDA, off on
+    # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.cuda_graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
     # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the

@@ -13,8 +13,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
-
 from braid.engine.config import EngineConfig
+from braid.engine.cuda_graphs import DecodeGraphs
 from braid.engine.errors import (
     BraidError,
     ContextOverflowError,
@@ -22,10 +22,9 @@ from braid.engine.errors import (
     FingerprintMismatchError,
     InvalidOffsetError,
 )
-from braid.engine.graphs import DecodeGraphs
 from braid.engine.model import LoadedModel, load_model
+from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
 from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.runner import KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Group, Scheduler, TokenEvent
 from braid.engine.store import Message, MessageStore, new_message_id
@@ -204,9 +203,9 @@ class Engine:
             graphs = config.decode_graphs
             if graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda"):
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
-            self.calibration = None  # engine.calibration.Attached: the trained cache mapper and synthesizer LoRA
+            self.calibration = None  # methods.calibration.Attached: the trained cache mapper and synthesizer LoRA
             if config.calibration != "none":
-                from braid.engine.calibration import attach  # (it builds on engine.synthesis, which imports this)
+                from braid.methods.calibration import attach  # (it builds on methods.synthesis, which imports this)
 
                 self.calibration = attach(self, config.calibration)
                 log.info("calibration %s attached (trained on %s)", config.calibration,
@@ -338,14 +337,14 @@ class Engine:
         """Decode all calls together, one row per call per step, masked so calls never see each other.
 
         Validation happens here, before the first event; `transform` and `adapter` are the
-        seams for a cache mapper and a LoRA adapter (see engine.synthesis). `tag`: the new messages were
+        seams for a cache mapper and a LoRA adapter (see methods.synthesis). `tag`: the new messages were
         encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
         model refuses as a parent. `readable`: its KV is read while it decodes (`DecodeStream.partial_kv`),
         so it holds work KV for all its `max_tokens` from the start and is never preempted; otherwise (with
         `kv_on_demand`) it may take its blocks as it decodes.
         `scratch`: prefill calls encoded in the same forwards, before the decode calls' headers, that a decode
         call reads by naming `Scratch(i)` among its parents (at scratch call i's new_offset): no call of their
-        own, no message stored, and base weights whatever the adapter (engine.synthesis's boundary refresh, in
+        own, no message stored, and base weights whatever the adapter (methods.synthesis's boundary refresh, in
         the synthesizer's own prefill). They read parents unmapped, and count against max_parallel_calls.
         """
         fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"

@@ -5,7 +5,7 @@ it through the scheduler as nano-vllm's Sequence does. One thread runs `Schedule
 schedule, run, postprocess: groups are admitted while their work KV fits the budget (they wait
 otherwise, first come first served), every running group contributes rows (decoding groups one per
 live call, groups still encoding their messages or headers a chunk, under a per-step token budget),
-and one forward encodes them all, attention staying within each group (engine.runner). A cancelled
+and one forward encodes them all, attention staying within each group (engine.model_runner). A cancelled
 group leaves at the next step; a failed one stores nothing.
 
 Work KV on demand: a group that may grow (`Group.grows`) is admitted with blocks for what it holds now
@@ -26,10 +26,9 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-
 from braid.engine.detokenize import Detokenizer
 from braid.engine.errors import StoreFullError
-from braid.engine.runner import GroupInput, KVPool, ModelRunner, WorkCache
+from braid.engine.model_runner import GroupInput, KVPool, ModelRunner, WorkCache
 from braid.engine.sampling import SamplingParams, greedy_rows, make_generator, sample_rows
 from braid.engine.threads import claim
 
@@ -419,8 +418,8 @@ class Scheduler:
         if not ready:
             return [], None
         # One adapter per forward, adapters taking turns. Base-weight calls join an adapter's forwards where it
-        # reads its weights on its own rows only (`mixes_rows`: engine.calibration.MergedLora); not where
-        # forwards may run as static graphs, which swap the adapter's weights in over every row (engine.graphs):
+        # reads its weights on its own rows only (`mixes_rows`: methods.calibration.MergedLora); not where
+        # forwards may run as static graphs, which swap the adapter's weights in over every row (engine.cuda_graphs):
         # there, as with any other adapter, base calls take their own turn.
         mix = self.mix_adapters and self.runner.graphs is None
         adapters = list(dict.fromkeys(g.adapter for g in ready))

@@ -16,17 +16,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from tqdm import tqdm
-
-from braid.engine import Engine, PrefillCall, SamplingParams, fan_out
-from braid.engine.calibration import Attached, mode_name
+from braid.engine import Engine, PrefillCall, SamplingParams
 from braid.engine.engine import TokenEvent
-from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT as TEXT_MODE
-from braid.engine.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
-from braid.models.chat import END, header, turn
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.methods.calibration import Attached, mode_name
+from braid.methods.fanout import fan_out
+from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.methods.synthesis import TEXT as TEXT_MODE
+from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
+from braid.models.chat import END, header, turn
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     python -m braid.evals.refresh_probe --tasks multiqa --branches 6 --samples 20 \
         --refresh 1-1,3-1,3-10,2-10,4-6,99-0 --json benchmarks/results/refresh_probe_cpu.json
 
-Each `head-tail` refresh (`engine.synthesis.Refresh`) runs twice on the same branches, uncalibrated and at
+Each `head-tail` refresh (`methods.synthesis.Refresh`) runs twice on the same branches, uncalibrated and at
 sequential placement: in parallel (every branch's runs read the earlier branches as shipped; what the served
 refresh does) and in order (each run reads the runs before it re-encoded; a whole-branch refresh in order is
 text re-prefill). Scored against text on the same tasks, paired, as `braid eval` scores (evals.harness).
@@ -14,10 +14,11 @@ import os
 import sys
 
 from braid.engine import Engine, EngineConfig
-from braid.engine.synthesis import Placement, Refresh, SynthesisMode
 from braid.evals.harness import TEXT, EvalConfig, Mode, evaluate, format_table, plot_accuracy, report, summarize
+from braid.methods.synthesis import Placement, Refresh, SynthesisMode
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import TASKS
+
 from braid.results import write_json
 
 

@@ -1,6 +1,6 @@
 """Agent workflows' answers on the reference model: ToT voting, iterative and parallel debate as RunGraph DAGs.
 
-The reference tasks as the seed's three workflow shapes (engine.dag), every worker reply a lookup in its own
+The reference tasks as the seed's three workflow shapes (methods.dag), every worker reply a lookup in its own
 notes and the final node the task's synthesis (vote: pick the most confident answer; chain: combine two
 lookups):
 - ToT: one solver per branch (its own notes, then a worker reply it decodes), then a voter that reads every
@@ -31,15 +31,15 @@ import logging
 import os
 from typing import NamedTuple
 
-from tqdm import tqdm
-
 from braid.engine import Engine, EngineConfig
-from braid.engine.dag import DagRun, Graph
-from braid.engine.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.methods.dag import DagRun, Graph
+from braid.methods.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
-from braid.models.tasks import Task, strip_reply, sample
+from braid.models.tasks import Task, sample, strip_reply
+from tqdm import tqdm
+
 from braid.results import pyplot, write_json
 
 MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")
@@ -47,7 +47,7 @@ WORKFLOWS = NOTES_WORKFLOWS
 
 
 def graph(task: Task, mode: str, workflow: str) -> Graph:
-    """The task as `workflow` (engine.presets.notes_graph), read as `mode` reads it."""
+    """The task as `workflow` (methods.presets.notes_graph), read as `mode` reads it."""
     return notes_graph(workflow, *task.workflow_texts(), output="text" if mode == "text" else "kv",
                        staircase=mode == "staircase", calibrated=mode.startswith("calibrated"),
                        turn_lora=mode == "calibrated+turns")

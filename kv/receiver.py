@@ -19,7 +19,6 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
-
 from braid.engine import Engine
 from braid.engine.config import DTYPES
 from braid.engine.errors import BraidError, FingerprintMismatchError
@@ -62,7 +61,7 @@ class _Stream:
 
 
 class BranchArrivals:
-    """One branch stream read while it arrives (a BranchFeed source: engine.staircase): how many tokens of the
+    """One branch stream read while it arrives (a BranchFeed source: methods.staircase): how many tokens of the
     branch message can be read, their tokens and KV, and whether it has ended or failed."""
 
     def __init__(self, stream_id: str, stream: _Stream):

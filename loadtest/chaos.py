@@ -27,7 +27,6 @@ import time
 from collections import Counter
 
 import grpc
-
 from braid.loadtest.run import run_load
 from braid.loadtest.workload import Workload
 from braid.protos import agent_pb2_grpc
@@ -119,11 +118,11 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
 
 
 def debate(max_tokens: int = 24):
-    """A MADpar debate (engine.presets) as a RunGraph request: 3 agents x 2 rounds and, with random or
+    """A MADpar debate (methods.presets) as a RunGraph request: 3 agents x 2 rounds and, with random or
     reference weights alike, `max_tokens` per reply."""
-    from braid.api.convert import graph_request
     from braid.engine import SamplingParams
-    from braid.engine.presets import mad_par
+    from braid.methods.presets import mad_par
+    from braid.runtime.convert import graph_request
 
     return graph_request(mad_par("which city is larger?", agents=3, rounds=2,
                                  sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
@@ -198,10 +197,9 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
     do. Uses the Serve app of this process's Ray."""
     import random
 
-    from ray import serve
-
     from braid.api.auth import client_metadata
     from braid.protos import agent_pb2 as pb
+    from ray import serve
 
     roles = [serve.get_deployment_handle(name, app_name="braid") for name in ("Worker", "Synthesizer")]
 
@@ -261,6 +259,7 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
 
 def main(argv=None) -> int:
     from braid.models import REFERENCE_MODEL
+
     from braid.results import write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -300,9 +299,9 @@ def main(argv=None) -> int:
         workload = Workload(branches=(4,), length=(8, 12), transports=("grpc",) if args.staircase else ("text", "grpc"),
                             staircase=args.staircase or "")
     if args.fault == "redis-restart":
-        from braid.api.directory import Directory, EmbeddedRedis
         from braid.cluster.inprocess import start_in_process
         from braid.engine import Engine, EngineConfig
+        from braid.runtime.directory import Directory, EmbeddedRedis
 
         redis = EmbeddedRedis()
         server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url))
@@ -341,6 +340,7 @@ def main(argv=None) -> int:
 def _clients_leave_main(args) -> int:
     from braid.cluster.config import ClusterConfig
     from braid.cluster.local import free_port, start_local_cluster
+
     from braid.results import write_json
 
     local = start_local_cluster(ClusterConfig(args.model, grpc_port=free_port(), kv_transport="grpc",

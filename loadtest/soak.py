@@ -15,13 +15,14 @@ import os
 import threading
 import time
 
-from braid.api.directory import Directory, EmbeddedRedis
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import format_summary, run_load
 from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
+from braid.runtime.directory import Directory, EmbeddedRedis
+
 from braid.results import pyplot, write_json
 
 

@@ -74,7 +74,7 @@ class Task:
         return turn("user", self.question) + header("synthesizer")
 
     def workflow_texts(self) -> tuple[str, list[str], str, str]:
-        """The task as an agent workflow's messages (engine.presets.notes_graph): the system turn, each solver's
+        """The task as an agent workflow's messages (methods.presets.notes_graph): the system turn, each solver's
         notes, the header its reply follows, and the final node's prompt."""
         return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
                 self.prompt())

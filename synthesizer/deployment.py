@@ -7,20 +7,19 @@ synthesis by the local transport.
 import logging
 
 import ray
-from ray import serve
-from ray.serve.handle import DeploymentHandle
-
-from braid.api.directory import Directory
-from braid.api.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
-from braid.api.metrics import metrics, report_engine
-from braid.api.service import AgentLogic, ServiceConfig
-from braid.api.workflow import in_thread, run_in_thread
 from braid.engine import Engine, EngineConfig
 from braid.engine.threads import serving_thread
 from braid.kv.receiver import KVReceiver
+from braid.runtime.aio import in_thread, run_in_thread
+from braid.runtime.directory import Directory
+from braid.runtime.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
+from braid.runtime.metrics import metrics, report_engine
+from braid.runtime.sessions import AgentLogic, ServiceConfig
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers.runner import BranchRunner, WorkerConfig
+from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 SESSIONS_ROUTED_PER_REPLICA = 4096  # sessions a replica is remembered as holding (LRU); beyond, calls may move

@@ -5,16 +5,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from braid.api.messages import (AnswerToken, KVArrived, SynthesisDone, SynthesisOpened, SynthesisRequest, SynthesisRound,
-                                SynthesizerInfo)
-from braid.api.service import AgentLogic
 from braid.engine import Engine, PrefillCall
-from braid.engine.calibration import served_refresh
 from braid.engine.errors import BraidError
-from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
-from braid.engine.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
+from braid.methods.calibration import served_refresh
+from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
+from braid.methods.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
+from braid.runtime.messages import (
+    AnswerToken,
+    KVArrived,
+    SynthesisDone,
+    SynthesisOpened,
+    SynthesisRequest,
+    SynthesisRound,
+    SynthesizerInfo,
+)
+from braid.runtime.sessions import AgentLogic
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +138,7 @@ class SynthesisRunner:
         yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
 
     def _staircase(self, req: SynthesisRequest) -> Iterator[KVArrived | SynthesisRound | AnswerToken | SynthesisDone]:
-        """The answer from the branches' KV chunks as they arrive (engine.staircase), then the whole branches'
+        """The answer from the branches' KV chunks as they arrive (methods.staircase), then the whole branches'
         receipts, and the branches stored and registered with the answer, as the waiting path stores them. A
         branch lost midway (its worker failed, or its KV; the ingress abandons the streams of a worker call that
         failed) is left out: the answer goes on with the others, and SynthesisDone says which were lost and why.

@@ -3,7 +3,7 @@ parents lent to the workers for the wave, and their outputs' KV shipped back and
 
 The replica that runs a graph (the session's Synthesizer replica, the holder) keeps the graph's logic: the
 waves, how each node reads its parents, leakage control, re-encoded copies, staircase nodes and calibrated
-reading (engine.dag). Only the decoding of plain waves moves: `WorkerWaves` is the run's `WaveExecutor`.
+reading (methods.dag). Only the decoding of plain waves moves: `WorkerWaves` is the run's `WaveExecutor`.
 For each wave it deals the decoding calls round-robin over at most `calls` worker calls, which Serve's router
 spreads over the Worker replicas. A worker fetches the parents it needs from this replica's KVExport (lent to
 the session for the wave only), decodes its calls together, streams their tokens, and ships each output
@@ -20,12 +20,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from braid.api.messages import BranchDone, BranchToken, NodesRequest
 from braid.engine import DecodeCall, Engine
 from braid.engine.errors import BraidError, StoppedError, UnknownMessageError
 from braid.engine.scheduler import TokenEvent
 from braid.kv.connector import TransferError, stream_name
 from braid.kv.receiver import KVReceiver
+from braid.runtime.messages import BranchDone, BranchToken, NodesRequest
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WaveWorkers:
 
 
 class WorkerWaves:
-    """A graph run's WaveExecutor (engine.dag) over Worker replicas, for one session."""
+    """A graph run's WaveExecutor (methods.dag) over Worker replicas, for one session."""
 
     def __init__(self, engine: Engine, receiver: KVReceiver, export_address: str, workers: WaveWorkers,
                  session: str, lend: Callable[[str, Iterable[str]], AbstractContextManager]):
@@ -72,7 +72,7 @@ class WorkerWaves:
 
 
 class WorkerWave:
-    """One wave on the workers, read as a DecodeStream (engine.dag.WaveStream). The worker calls start when it
+    """One wave on the workers, read as a DecodeStream (methods.dag.WaveStream). The worker calls start when it
     is made; iterating yields their tokens as they come (`call` is the index in `calls`) and, once every worker
     call has ended, stores the outputs here (`ids`; held from eviction until `close()`). A failed worker call
     fails the wave (with the worker's own status, or UNAVAILABLE), as does a wave whose workers say nothing for

@@ -5,18 +5,17 @@ import time
 import grpc
 import pytest
 import torch
-
-from braid.api.directory import Directory, EmbeddedRedis
-from braid.api.service import ServiceConfig
 from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.errors import UnknownMessageError
 from braid.engine.engine import CACHED_PREFIX
-from braid.engine.synthesis import synthesize
+from braid.engine.errors import UnknownMessageError
 from braid.kv.export import fetch
+from braid.methods.synthesis import synthesize
+from braid.models.chat import WORKER_HEADER
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.models.chat import WORKER_HEADER
+from braid.runtime.directory import Directory, EmbeddedRedis
+from braid.runtime.sessions import ServiceConfig
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,26 @@ import io
 
 import grpc
 import pytest
-
 from braid.api.auth import ApiKeys, client_metadata
-from braid.api.directory import Directory, EmbeddedRedis
-from braid.cli import main as braid_main
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
+from braid.runtime.directory import Directory, EmbeddedRedis
+
+from braid.cli import main as braid_main
 
 ALICE, BOB = "k-alice-0123456789abcdef", "k-bob-0123456789abcdef"
 
 
 def self_signed(tmp_path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "braid-test")])
@@ -156,8 +157,8 @@ def test_per_key_limits_are_answered_with_resource_exhausted(checkpoint):
     """Each key at its limit of open sessions, of KV bytes in them, or of running workflows is refused with
     RESOURCE_EXHAUSTED and a message saying what to do; other keys are untouched, and it recovers as soon as
     it is back under the limit."""
-    from braid.api.auth import KeyLimits
-    from braid.api.service import ServiceConfig
+    from braid.runtime.quotas import KeyLimits
+    from braid.runtime.sessions import ServiceConfig
 
     redis = EmbeddedRedis()
     engine = Engine(EngineConfig(checkpoint("llama")))

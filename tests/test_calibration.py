@@ -8,21 +8,22 @@ import os
 import grpc
 import pytest
 import torch
-from peft import get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from braid.cli import main
-from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams, fan_out
-from braid.engine.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig, mode_name
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.kernels import rerotate_keys_torch
+from braid.methods.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig, mode_name
+from braid.methods.fanout import fan_out
+from braid.methods.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import generate
 from braid.train.calibrate import CalibrateConfig, Encoder, synthesizer_logits, write_untrained
+from peft import get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from braid.cli import main
 
 REFERENCE_CALIBRATION = os.path.join(REFERENCE_MODEL, "calibration")
 
@@ -212,10 +213,9 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
     base weights, and each round's prompt and answer so far are encoded by the adapted ones. The answer is,
     token for token, what one forward of the adapted weights over the prompt and answer gives after the prefix
     and the chunks (base weights)."""
+    from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
+    from braid.methods.synthesis import SynthesisMode
     from peft import PeftModel
-
-    from braid.engine.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
-    from braid.engine.synthesis import SynthesisMode
 
     ckpt = checkpoint("llama")
     engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
@@ -324,7 +324,7 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
     """With refresh, the trainer's re-encoded boundary tokens are the engine's refreshed runs (same KV), the
     rest of each branch stays as shipped, and its synthesizer forward gives the engine's refreshed answer; also
     with more tokens refreshed at the end than at the start (--refresh-tail)."""
-    from braid.engine.synthesis import place_branches, refresh_branches
+    from braid.methods.synthesis import place_branches, refresh_branches
 
     ckpt = checkpoint("llama", initializer_range=0.3)  # (wide weights: the context visibly matters)
     engine = Engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
@@ -507,10 +507,10 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
     """The agent API on an engine with a calibration verified up to 2 branches: `auto` reuses the KV there (the
     reason names the calibration) and the answer is the calibrated cache path's, token for token; with more
     branches it re-prefills text."""
-    from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
+    from braid.runtime.directory import Directory, EmbeddedRedis
 
     ckpt = checkpoint("llama")
     path = make_calibration(ckpt, tmp_path / "cal", random=True)
@@ -615,8 +615,8 @@ def test_committed_calibration_reproduces_its_recorded_sample():
 def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkpoint, tmp_path):
     """A ToT voter in a `calibrated` graph gives the tokens of synthesis_stream over the same solutions with the
     calibration's mode (mapper, LoRA, its placement); its output is base KV that any later node may read."""
-    from braid.engine.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken
-    from braid.engine.synthesis import SynthesisMode, synthesis_stream
+    from braid.methods.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken
+    from braid.methods.synthesis import SynthesisMode, synthesis_stream
 
     ckpt = checkpoint("llama")
     engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
@@ -647,8 +647,8 @@ def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint,
     """A node a staircase streams is read as the wave decodes it, so it is not calibrated (found in review:
     the graph crashed and left a decode running); a calibrated graph on a model without a calibration is
     refused, not silently read uncalibrated."""
-    from braid.engine.dag import DagRun, Edge, Graph, Node, NodeToken
     from braid.engine.errors import PreconditionError
+    from braid.methods.dag import DagRun, Edge, Graph, Node, NodeToken
 
     ckpt = checkpoint("llama")
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -150,9 +150,9 @@ def test_workflow_benchmark_writes_json_and_plot(checkpoint, tmp_path):
     ("tot", "grpc", ""), ("mad-iter", "text", ""), ("mad-par", "grpc", ""), ("moa", "grpc", ""),
     ("moa", "grpc", "reprefill"), ("mad-par", "text", "append"), ("tot", "grpc", "append")])
 def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport, staircase):
-    from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.engine import Engine, EngineConfig
+    from braid.runtime.directory import Directory, EmbeddedRedis
 
     redis = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
@@ -191,9 +191,9 @@ def test_leakage_benchmark_control_never_lets_the_secret_through(tmp_path):
 
 
 def test_run_staircase_workflow_on_a_colocated_server_says_why_not(checkpoint, capsys):
-    from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.engine import Engine, EngineConfig
+    from braid.runtime.directory import Directory, EmbeddedRedis
 
     redis = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))

@@ -3,10 +3,9 @@ batched against alone, text outputs, and leakage control."""
 
 import pytest
 import torch
-
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
-from braid.engine.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken
 from braid.engine.errors import BraidError
+from braid.methods.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 

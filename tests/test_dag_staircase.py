@@ -5,12 +5,11 @@ import time
 
 import pytest
 import torch
-
 from braid.engine import SamplingParams
-from braid.engine.dag import DagRun, Edge, Graph, Node, NodeDone, NodeRound, NodeToken
-from braid.engine.errors import BraidError
 from braid.engine.engine import CACHED_PREFIX
-from braid.engine.staircase import StaircaseSchedule, Variant
+from braid.engine.errors import BraidError
+from braid.methods.dag import DagRun, Edge, Graph, Node, NodeDone, NodeRound, NodeToken
+from braid.methods.staircase import StaircaseSchedule, Variant
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -216,9 +215,9 @@ def test_nested_staircases_start_before_the_first_round_ends(llama_engine):
 
 
 def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it(checkpoint):
-    from braid.api import convert
     from braid.cluster.config import ClusterConfig
     from braid.protos import agent_pb2 as pb
+    from braid.runtime import convert
 
     config = ClusterConfig(checkpoint("llama"), kv_schedule=(4, 16), staircase_aggregator=(2,), staircase_redundancy=1)
     default = config.service_config().staircase
@@ -243,7 +242,7 @@ def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it
     with pytest.raises(ValueError, match="aggregator chunk sizes must be positive"):
         ClusterConfig(checkpoint("llama"), staircase_aggregator=(0,))
     # a client's graph leaves the schedule to the server unless it sets one
-    from braid.engine.presets import moa as moa_preset
+    from braid.methods.presets import moa as moa_preset
     sent = convert.graph_request(moa_preset("q", staircase=Variant.APPEND)).staircase
     assert sent.variant == "append" and not sent.proposer_chunks and not sent.HasField("redundancy")
     calibrated = Graph(moa_preset("q").nodes, calibrated=True)
@@ -255,10 +254,10 @@ class Separate:
     worker g (KV over gRPC on loopback, real Redis)."""
 
     def __init__(self, checkpoint, workers: int = 1):
-        from braid.api.directory import Directory, EmbeddedRedis
-        from braid.api.service import AgentLogic
         from braid.engine import Engine, EngineConfig
         from braid.kv.receiver import KVReceiver
+        from braid.runtime.directory import Directory, EmbeddedRedis
+        from braid.runtime.sessions import AgentLogic
         from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
         from braid.workers.runner import BranchRunner, WorkerConfig
 
@@ -276,7 +275,8 @@ class Separate:
         return self.workers[req.indices[0] % len(self.workers)].run(req)
 
     def run(self, request, transport="grpc"):
-        from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver, iterate_blocking
+        from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
+        from braid.runtime.aio import iterate_blocking
 
         driver = WorkflowDriver(ThreadRoles(self.run_branches, self.synth.run, self.synth.info), self.directory,
                                 WorkflowConfig(kv_transport=transport, branch_groups=len(self.workers)),

@@ -5,14 +5,23 @@ import json
 import os
 
 import pytest
+from braid.engine import Engine, EngineConfig
+from braid.evals.harness import (
+    BASE_MODES,
+    STAIRCASE_MODES,
+    TEXT,
+    EvalConfig,
+    evaluate,
+    hooked_modes,
+    report,
+    run_task,
+    summarize,
+)
+from braid.methods.synthesis import SynthesisHooks
+from braid.models import REFERENCE_MODEL
+from braid.models.tasks import TASKS, generate
 
 from braid.cli import main
-from braid.models import REFERENCE_MODEL
-from braid.engine import Engine, EngineConfig
-from braid.engine.synthesis import SynthesisHooks
-from braid.evals.harness import (BASE_MODES, STAIRCASE_MODES, TEXT, EvalConfig, evaluate, hooked_modes, report,
-                                 run_task, summarize)
-from braid.models.tasks import TASKS, generate
 
 # Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,7,12
 # --samples 4 --length 2,12 --device cpu --dtype float32 --json <this file>`.

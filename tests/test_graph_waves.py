@@ -5,19 +5,17 @@ Serve's response stream is played in-process (InThreadCall)."""
 
 import itertools
 import threading
-import time
 
 import pytest
 import torch
-
-from braid.api.directory import Directory, EmbeddedRedis
-from braid.api.service import AgentLogic, ServiceConfig
 from braid.engine import Engine, EngineConfig
 from braid.engine.errors import UnknownMessageError
 from braid.kv.connector import TransferError
 from braid.kv.export import fetch
 from braid.kv.receiver import KVReceiver
 from braid.protos import agent_pb2 as pb
+from braid.runtime.directory import Directory, EmbeddedRedis
+from braid.runtime.sessions import AgentLogic, ServiceConfig
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers import runner
 from braid.workers.runner import BranchRunner, WorkerConfig
@@ -193,9 +191,8 @@ def executor(cluster, session="s"):
 def test_a_staircase_node_streams_the_workers_replies_as_the_holder_does(cluster, output):
     """Chunks larger than any reply: the staircase node on the holder takes the workers' whole replies, as it does
     from its own engine's decode, and gives the same greedy tokens, node for node."""
+    from braid.methods.dag import DagRun, NodeRound
     from test_dag_staircase import WHOLE, moa, tokens_of
-
-    from braid.engine.dag import DagRun, NodeRound
 
     logic = cluster[0]
     here = DagRun(logic.engine, moa(True, output, schedule=WHOLE))
@@ -216,11 +213,10 @@ def test_a_staircase_node_streams_the_workers_replies_as_the_holder_does(cluster
 def test_a_staircase_node_answers_from_the_workers_first_chunks(cluster):
     """Small chunks: the staircase node's answer starts before the workers' replies end, from chunks they ship
     as they decode; the replies' outputs still arrive whole on the holder."""
-    from test_dag_staircase import moa
-
     from braid.engine import SamplingParams
-    from braid.engine.dag import DagRun, NodeRound, NodeToken
-    from braid.engine.staircase import StaircaseSchedule
+    from braid.methods.dag import DagRun, NodeRound, NodeToken
+    from braid.methods.staircase import StaircaseSchedule
+    from test_dag_staircase import moa
 
     logic = cluster[0]
     long = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -241,11 +237,10 @@ def test_a_staircase_node_answers_from_the_workers_first_chunks(cluster):
 def test_a_failed_worker_fails_a_staircase_wave_and_keeps_nothing(cluster):
     """A worker call that dies while a staircase node streams its wave fails the run (the staircase stops too),
     and neither the holder nor the workers keep anything of it; so does a run left midway."""
-    from test_dag_staircase import moa
-
     from braid.engine import SamplingParams
-    from braid.engine.dag import DagRun, NodeToken
-    from braid.engine.staircase import StaircaseSchedule
+    from braid.methods.dag import DagRun, NodeToken
+    from braid.methods.staircase import StaircaseSchedule
+    from test_dag_staircase import moa
 
     logic, workers, _, calls, plan = cluster
     graph = moa(True, sampling=SamplingParams(max_tokens=60, ignore_eos=True),
@@ -295,8 +290,8 @@ def test_a_worker_keeps_few_channels_to_holders_and_never_closes_one_in_use(clus
         busy.unary_unary("/braid.Test/Ping")(b"", timeout=1)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     # a fetch that fails leaves its channel idle (closable), and nothing opens one when no parent is missing
-    from braid.api.messages import NodesRequest
     from braid.engine import DecodeCall
+    from braid.runtime.messages import NodesRequest
 
     def fail(*args, **kwargs):
         raise TransferError("the holder went away")

@@ -1,18 +1,16 @@
-"""Static decode forwards (engine.graphs): the padded forward against the forward as it comes, what it writes,
+"""Static decode forwards (engine.cuda_graphs): the padded forward against the forward as it comes, what it writes,
 what it may not do under a CUDA graph, when it applies; on CUDA, the graphs' replays against it."""
 
 import pytest
 import torch
+from braid.engine import Engine, EngineConfig, attention
+from braid.engine import graphs as graphs_module
+from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
+from braid.engine.model_runner import GroupInput, WorkCache
+from braid.methods.synthesis import Placement
+from braid.models.tasks import generate
 from test_scheduler import REQUESTS, concurrently, workflow
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from braid.engine import Engine, EngineConfig
-from braid.engine import attention
-from braid.engine import graphs as graphs_module
-from braid.engine.graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
-from braid.engine.runner import GroupInput, WorkCache
-from braid.engine.synthesis import Placement
-from braid.models.tasks import generate
 
 CUDA = torch.cuda.is_available()
 
@@ -207,7 +205,7 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
     off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
     lora = padded.calibration.hooks.adapter
-    swaps = lora.swaps  # (engine.calibration.MergedLora: the adapted Linears, base and merged weights)
+    swaps = lora.swaps  # (methods.calibration.MergedLora: the adapted Linears, base and merged weights)
     graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
     def checked(groups, parts, shape, weights=None):
@@ -230,9 +228,8 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     """A debate's turns under a random turn LoRA (a second MergedLora beside the synthesizer's): the same turns
     with static forwards as without, the turn LoRA's decode steps static in buckets of their own."""
-    from test_turns import make_calibration, turn_tokens  # (peft: not on every GPU image)
-
     from braid.evals.workflows import graph as task_graph
+    from test_turns import make_calibration, turn_tokens  # (peft: not on every GPU image)
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "turns", 0.5)
@@ -307,7 +304,7 @@ def test_padded_keys_lays_each_part_in_its_row():
     """runner.padded_keys: each part's key slots [start, length) in order in its row of T, the rest `pad`."""
     from types import SimpleNamespace
 
-    from braid.engine.runner import _Part, padded_keys
+    from braid.engine.model_runner import _Part, padded_keys
 
     parts = [_Part(SimpleNamespace(index=torch.tensor(slots), length=len(slots), start=start), slice(0, 1),
                    torch.zeros(1, dtype=torch.long), None) for slots, start in (([5, 6, 7], 0), ([9, 10, 11, 12], 1),

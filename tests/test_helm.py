@@ -12,12 +12,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from braid.cluster.config import ClusterConfig
+from braid.runtime.dashboard import dashboard_json, grafana_dashboard
+from braid.runtime.metrics import metrics
 from ray.serve.schema import ServeDeploySchema
 
-from braid.api.dashboard import dashboard_json, grafana_dashboard
-from braid.api.metrics import metrics
 from braid.cli import main as braid_main
-from braid.cluster.config import ClusterConfig
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "helm")
 CHART = os.path.join(ROOT, "braid")
@@ -201,6 +201,7 @@ def test_autoscaling_and_colocated_shapes():
 
 def test_serve_config_cli_refuses_what_a_replica_would():
     for argv, message in [(["--set", "model_path=/m"], "needs redis_url"),
+                          (["--set", "model_path=/m", "--set", "redis_url=localhost:6379"], "must start with redis://"),
                           (["--set", "model_path=/m", "--set", "redis_url=redis://r", "--set", "colour=blue"],
                            "unknown cluster config field(s) colour"),
                           (["--set", "model_path=/m", "--set", "redis_url=redis://r", "--set",

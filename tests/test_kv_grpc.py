@@ -5,7 +5,6 @@ import time
 import zlib
 
 import pytest
-
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.kv.chunks import tensor_bytes
 from braid.kv.collective import CollectiveSender, open_link
@@ -131,9 +130,8 @@ def test_a_staircase_reads_a_stream_while_it_arrives_with_its_two_clocks(llama_e
     """A branch read while it arrives (KVReceiver.watch): its tokens received whole from the start are readable,
     bit for bit; the feed's queued clock runs until any branch has sent a chunk, the idle clock after."""
     import torch
-
     from braid.engine.errors import UnavailableError
-    from braid.engine.staircase import BranchFeed
+    from braid.methods.staircase import BranchFeed
 
     eng = llama_engine
     p, = eng.prefill([PrefillCall("User: add these.")])
@@ -200,8 +198,8 @@ def test_concurrent_worker_calls_each_take_their_own_collective_link(checkpoint)
     transport each takes a link no other call is using (payloads on a link are matched to receives in order),
     opened the first time and reused after; past IDLE_LINKS idle ones, a link is closed on both sides. Every
     branch arrives bit-identical to what the worker stored."""
-    from braid.api.messages import BranchDone, BranchRequest
     from braid.engine import Engine, EngineConfig
+    from braid.runtime.messages import BranchDone, BranchRequest
     from braid.workers.runner import BranchRunner, WorkerConfig
 
     eng = Engine(EngineConfig(checkpoint("llama")))

@@ -1,13 +1,22 @@
-"""KVComm (engine.kvcomm): gamma=0 / V=0 are dense prefill exactly, an anchor reproduces the KV it was
+"""KVComm (methods.kvcomm): gamma=0 / V=0 are dense prefill exactly, an anchor reproduces the KV it was
 measured on, the pool never exceeds V, and anchors stay within their scope and their engine's model."""
 
 import pytest
 import torch
-
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
-from braid.engine.kvcomm import (AgentPrompt, AnchorPool, KVComm, KVCommConfig, base_key, features, interpolate,
-                                 rotate, spread, unfeatures)
+from braid.methods.kvcomm import (
+    AgentPrompt,
+    AnchorPool,
+    KVComm,
+    KVCommConfig,
+    base_key,
+    features,
+    interpolate,
+    rotate,
+    spread,
+    unfeatures,
+)
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 ROLES = {"critic": "System: you are the critic. Be brief.", "solver": "System: you solve it step by step, then stop."}
@@ -97,7 +106,7 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
     """`recompute`: that fraction of a reused context's tokens, those with the most doubt, is re-encoded with
     the prefix and the context before it in view. All of them is dense prefill again (its KV, its reply) over
     an inexact approximation; a quarter re-encodes that many tokens; `free` takes everything prepare stored."""
-    from braid.engine.synthesis import Runs
+    from braid.methods.synthesis import Runs
 
     assert Runs.of([5, 1, 2, 3, 9, 9]).spans == ((1, 4), (5, 6), (9, 10))
     eng = fresh_engine
@@ -282,10 +291,9 @@ def test_bad_prompts_are_refused_with_what_to_fix(llama_engine):
 @pytest.fixture(scope="module")
 def api(checkpoint):
     import grpc
-
-    from braid.api.directory import Directory, EmbeddedRedis
     from braid.cluster.inprocess import start_in_process
     from braid.protos import agent_pb2_grpc
+    from braid.runtime.directory import Directory, EmbeddedRedis
 
     redis_server = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url))
@@ -343,7 +351,6 @@ def test_run_agents_with_kvcomm_reuses_within_a_session_only(api):
 
 def test_run_agents_refuses_bad_graphs_and_keeps_serving(api):
     import grpc
-
     from braid.protos import agent_pb2 as pb
 
     stub, _ = api
@@ -362,14 +369,13 @@ def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
     B, which takes them over (KVExport.FetchAnchors, checksummed) and reuses every text at once, as A would have;
     A lets go of them, and the directory names B. Another session, or a closed one, gets none."""
     import grpc
-
-    from braid.api.directory import Directory, EmbeddedRedis
-    from braid.api.service import ServiceConfig
     from braid.cluster.inprocess import start_in_process
     from braid.engine.errors import UnknownMessageError
     from braid.kv.export import fetch_anchors
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
+    from braid.runtime.directory import Directory, EmbeddedRedis
+    from braid.runtime.sessions import ServiceConfig
 
     redis_server = EmbeddedRedis()
     servers = [start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url),

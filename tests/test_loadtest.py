@@ -4,8 +4,6 @@ import json
 
 import grpc
 import pytest
-
-from braid.api.directory import Directory, EmbeddedRedis
 from braid.api.grpc_server import STREAMING
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
@@ -19,6 +17,7 @@ from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
+from braid.runtime.directory import Directory, EmbeddedRedis
 
 
 def test_metrics_follow_vllm_definitions():

@@ -6,9 +6,8 @@ import importlib.util
 import os
 
 import pytest
-
-from braid.api.directory import EmbeddedRedis
 from braid.protos import agent_pb2 as pb
+from braid.runtime.directory import EmbeddedRedis
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError, StoreFullError
 from braid.engine.threads import serving_thread
@@ -141,7 +140,7 @@ def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
 
 
 def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
-    from braid.engine.runner import KVPool, WorkCache
+    from braid.engine.model_runner import KVPool, WorkCache
 
     pool = KVPool(llama_engine.lm, 6, block_tokens=4)
     a, b = pool.allocate(9), pool.allocate(4)  # 9 tokens: 3 blocks

@@ -5,12 +5,11 @@ import threading
 import time
 
 import pytest
-
 from braid.engine import PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
-from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
-from braid.engine.workflow import fan_out
+from braid.methods.fanout import fan_out
+from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.methods.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 
 TASK, CONTEXTS, PROMPT = "User: add the parts.", ["Part 3.", "Part 4 and 5.", "Part 6, 7."], "Synthesizer:"
 WORKER = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -202,7 +201,7 @@ def test_append_keeps_nothing_but_its_answer(fresh_engine, refresh, leave_after)
 def test_append_maps_each_chunk_with_its_branch_length_so_far(fresh_engine):
     """The mapper was trained with whole-branch lengths: each round it sees every chunk with its branch's
     length so far, never the chunk's own length."""
-    from braid.engine.synthesis import SynthesisHooks
+    from braid.methods.synthesis import SynthesisHooks
 
     seen = []
 

@@ -2,16 +2,23 @@
 
 from contextlib import contextmanager
 
-import torch
-
-from braid.engine import DecodeCall, PrefillCall, SamplingParams
 import pytest
-
-from braid.engine.errors import BraidError
+import torch
+from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX
-from braid.engine.synthesis import (Placement, Refresh, SynthesisHooks, SynthesisMode, place_branches, synthesis_stream,
-                                   synthesize, synthesize_stream, synthesize_text)
+from braid.engine.errors import BraidError
 from braid.kernels import rerotate_keys_torch
+from braid.methods.synthesis import (
+    Placement,
+    Refresh,
+    SynthesisHooks,
+    SynthesisMode,
+    place_branches,
+    synthesis_stream,
+    synthesize,
+    synthesize_stream,
+    synthesize_text,
+)
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -244,7 +251,7 @@ def test_refresh_runs_beyond_one_prefills_worth_of_calls_go_in_turn(checkpoint):
     """More runs than one prefill takes at once (max_parallel_calls) are re-encoded a prefill's worth at a
     time: the same parts and KV as in one prefill."""
     from braid.engine import Engine, EngineConfig
-    from braid.engine.synthesis import Runs, refresh_branches
+    from braid.methods.synthesis import Runs, refresh_branches
 
     parts = {}
     for limit in (64, 2):

@@ -5,13 +5,12 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from braid.models import REFERENCE_MODEL
 from braid.engine import Engine, EngineConfig, PrefillCall
+from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, header, turn
 from braid.train.graph import graph_loss
 from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, lr_at, traces, train
+from transformers import AutoTokenizer
 
 TINY = dict(steps=3, tasks_per_step=3, row_tokens=512, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, device="cpu")
@@ -130,8 +129,8 @@ def test_parallel_graph_is_what_branch_point_synthesis_reads():
     """A MultiQA synthesizer trace as `parallel_graph` (branches encoded apart, each after the system prompt)
     predicts, teacher-forced, exactly the answer the engine decodes greedily from the branches' own KV under
     `cache:branch_point`, and not the text re-prefill's where the two differ: it trains what that mode serves."""
-    from braid.engine.synthesis import Placement, SynthesisMode
     from braid.evals.harness import TEXT, EvalConfig, Mode, run_task
+    from braid.methods.synthesis import Placement, SynthesisMode
     from braid.models.tasks import generate, synthesizer_trace
     from braid.train.graph import pack
     from braid.train.train import encode, parallel_graph

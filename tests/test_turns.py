@@ -1,4 +1,4 @@
-"""The turn LoRA (braid.train.turns, engine.dag): its training contexts are the ones the engine builds, it runs
+"""The turn LoRA (braid.train.turns, methods.dag): its training contexts are the ones the engine builds, it runs
 only in a calibrated graph's turns and only in their own forwards, and it is saved, loaded and refused like the
 rest of a calibration."""
 
@@ -7,19 +7,19 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from braid.cli import main
 from braid.engine import Engine, EngineConfig, attention
-from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
-from braid.engine.dag import DagRun, NodeToken
 from braid.engine.errors import FingerprintMismatchError
 from braid.evals.workflows import graph as task_graph
+from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
+from braid.methods.dag import DagRun, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import generate
 from braid.train.calibrate import Example, synthesizer_logits, write_untrained
 from braid.train.turns import TurnData, write_untrained_turns
+from transformers import AutoModelForCausalLM
+
+from braid.cli import main
 
 REFERENCE_TURNS = os.path.join(REFERENCE_MODEL, "calibration", TURNS_DIR)
 
@@ -195,8 +195,8 @@ def test_workflow_eval_pairs_the_fine_tuned_turns_with_text_and_records_a_sample
 
 def test_graph_requests_carry_the_turn_lora_choice():
     """RunGraph's `base_turns` is the Graph's turn_lora, both ways."""
-    from braid.api.convert import graph as from_request
-    from braid.api.convert import graph_request
+    from braid.runtime.convert import graph as from_request
+    from braid.runtime.convert import graph_request
 
     for turn_lora in (True, False):
         g = task_graph(generate("vote", 1, 2), "calibrated", "mad-par")

@@ -30,7 +30,6 @@ writes the calibration (mapper, adapter, manifest with the training record), `lo
 """
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -41,18 +40,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from braid.engine import attention
-from braid.engine.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.engine.model import fingerprint_checkpoint
-from braid.engine.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
 from braid.kernels import rerotate_keys_torch
+from braid.methods.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
+from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
 from braid.train.train import run_cli
+from safetensors.torch import load_file
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 log = logging.getLogger("braid.calibrate")
 SOURCES = ("parallel", "synthesis", "distill")
@@ -94,7 +92,7 @@ class CalibrateConfig:
     # lacks start at their init)
     init_from: str = ""
     # tokens at each end of every branch re-encoded with the earlier branches in view, as the served cache path
-    # does with refresh_tokens (engine.synthesis.Refresh): the synthesizer trains on what it will read
+    # does with refresh_tokens (methods.synthesis.Refresh): the synthesizer trains on what it will read
     refresh: int = 0
     # tokens re-encoded at the end of every branch, when that differs from refresh (-1: as many as refresh)
     refresh_tail: int = -1
@@ -289,7 +287,7 @@ class Encoder:
     @torch.no_grad()
     def refresh(self, prefix_kv: torch.Tensor, branches: list[torch.Tensor], replies: list[list[int]],
                 offsets: list[int], kept: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """What engine.synthesis.refresh_branches computes, in one forward: each branch's boundary runs
+        """What methods.synthesis.refresh_branches computes, in one forward: each branch's boundary runs
         re-encoded at their placed positions, a run starting at token a of branch j seeing the prefix, branches
         0..j-1 and branch j's tokens before a (as shipped), and its own run causally; none of a `kept` branch."""
         spec = self.cfg.refresh_spec

@@ -3,13 +3,13 @@
     braid calibrate-turns --model models/braid-reference     # writes models/braid-reference/calibration/turns
 
 A turn is an agent's call that reads other agents' replies through their cached encodings before its own notes
-(a debater's later rounds: engine.dag). The reference model was trained to answer from its notes alone; after
+(a debater's later rounds: methods.dag). The reference model was trained to answer from its notes alone; after
 other replies it drifts, repeating one of them. The turn LoRA is trained on the contexts the engine really
 builds for such turns, with the base weights frozen:
 
   - a step draws `tasks_per_step` tasks (families from `--tasks`, solver counts from `--solvers`, branch work of
     length 1..`--max-length`) and a workflow for each (`--workflows`: MADiter, MADpar, as
-    engine.presets.notes_graph builds them), and runs each graph choreographed (cached replies, base weights)
+    methods.presets.notes_graph builds them), and runs each graph choreographed (cached replies, base weights)
     on a braid Engine;
   - for every turn in it, the KV its decode call attended to (Engine.context_kv: its parents, each placed where
     the call read it) is the context, the worker header the prompt, and the turn's own lookup (what it says
@@ -18,7 +18,7 @@ builds for such turns, with the base weights frozen:
 
 It lives in the calibration directory (`turns/`: peft's adapter format and `turns.json`, its manifest with the
 base model's fingerprint and the training record), so it is bound to the same model. A calibrated graph runs
-its turns with it (engine.dag); their outputs are encoded again with base weights, so any reader may take them.
+its turns with it (methods.dag); their outputs are encoded again with base weights, so any reader may take them.
 Solver counts not in `--solvers` and lengths above `--max-length` are never trained on; task seeds lie in their
 own range, disjoint from every evaluation's. At every evaluation (teacher-forced held-out turns) the run writes
 the adapter, its manifest, `loss.png` and a resume state.
@@ -34,19 +34,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM
-
 from braid.engine import Engine, EngineConfig, attention
-from braid.engine.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.engine.config import CALIBRATION_MANIFEST
-from braid.engine.dag import DagRun
-from braid.engine.presets import NOTES_WORKFLOWS, notes_graph, notes_turns, solver
 from braid.engine.model import fingerprint_checkpoint
+from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
+from braid.methods.dag import DagRun
+from braid.methods.presets import NOTES_WORKFLOWS, notes_graph, notes_turns, solver
 from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
 from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss, teacher_forced
 from braid.train.train import run_cli
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 log = logging.getLogger("braid.calibrate_turns")
 TURN_SEEDS = 3 << 40  # [3 * 2^40, 4 * 2^40): disjoint from evaluation's, the calibration's and the base model's
@@ -69,7 +68,7 @@ class TurnsConfig:
     lora_rank: int = 16  # the turn LoRA's rank
     lora_alpha: int = 32  # its scale numerator (peft's lora_alpha)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the projections it adapts
-    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (engine.presets.notes_graph), uniformly
+    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (methods.presets.notes_graph), uniformly
     tasks: str = ",".join(FAMILIES)  # the task families drawn, uniformly
     solvers: str = "2,3,4,6,7"  # solver counts trained on (5 and 8 held out by default)
     max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)

@@ -1,13 +1,12 @@
 """The Worker deployment: hosts a BranchRunner on its own engine (one GPU when there is one)."""
 
-from ray import serve
-
-from braid.api.messages import BranchRequest, NodesRequest
-from braid.api.metrics import report_engine
-from braid.api.workflow import in_thread
 from braid.engine import Engine, EngineConfig
 from braid.engine.threads import serving_thread
+from braid.runtime.aio import in_thread
+from braid.runtime.messages import BranchRequest, NodesRequest
+from braid.runtime.metrics import report_engine
 from braid.workers.runner import BranchRunner, WorkerConfig
+from ray import serve
 
 
 @serve.deployment(name="Worker")
@@ -19,7 +18,7 @@ class Worker:
         report_engine(self.runner.engine)
 
     async def run_branches(self, req: BranchRequest):
-        """Streams BranchToken per token, then BranchDone per branch (braid.api.messages). Async, so the
+        """Streams BranchToken per token, then BranchDone per branch (braid.runtime.messages). Async, so the
         replica takes many calls at once; each runs on its own thread into the engine's scheduler."""
         async for item in in_thread(lambda: self.runner.run(req)):
             yield item

@@ -8,9 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import grpc
-
-from braid.api.messages import BranchDone, BranchRequest, BranchToken, NodesRequest
-from braid.engine import Engine, fan_out
+from braid.engine import Engine
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
 from braid.kv.collective import CollectiveLink, CollectiveSender, close_link, collective_backend, open_link
@@ -18,7 +16,9 @@ from braid.kv.connector import BranchChunk, KVSender, stream_name
 from braid.kv.export import fetch_many
 from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
 from braid.kv.peer_auth import peer_channel
+from braid.methods.fanout import fan_out
 from braid.models.chat import WORKER_HEADER
+from braid.runtime.messages import BranchDone, BranchRequest, BranchToken, NodesRequest
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class BranchRunner:
             branches.free(keep_branches=handed_over)
 
     def run_nodes(self, req: NodesRequest) -> Iterator[BranchToken | BranchDone]:
-        """A RunGraph wave's calls (engine.dag), decoded together on this engine. Each parent is read from a copy
+        """A RunGraph wave's calls (methods.dag), decoded together on this engine. Each parent is read from a copy
         here, fetched from the holder (checked there against the session) unless an earlier wave left one; when
         the calls end, each output message (its prompt and reply) is shipped to the holder's receiver. The
         outputs are freed when it returns, failed or not; the parents' copies stay for later waves."""

@@ -1,14 +1,13 @@
 """Workflow building blocks: branches fanned out from a shared task, decoding in parallel.
 
 The worker deployment, the colocated path and the evaluation harness all run their
-workers through `fan_out`; synthesis has its one entry point in engine.synthesis
+workers through `fan_out`; synthesis has its one entry point in methods.synthesis
 (`synthesis_stream`, text or KV by `SynthesisMode`).
 """
 
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, TokenEvent, Tokens
 from braid.engine.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The seed's three agent workflows (Prompt Choreography, seed 000, section 4) as DAGs for engine.dag.
+"""The seed's three agent workflows (Prompt Choreography, seed 000, section 4) as DAGs for methods.dag.
 
 - MADiter: two debaters speak in turn over a shared history, for some rounds; a moderator then answers.
 - MADpar: n identical agents answer in parallel, each round reading every agent's previous answer.
@@ -13,7 +13,7 @@ them, braid.train.turns fine-tunes their turns).
 
 With `staircase` (a variant of seed 003), MADpar's later rounds, ToT's voters and MoA's later layers and
 aggregator are staircase nodes: each starts from the first chunks of what it reads instead of waiting for it
-whole (engine.dag). MADiter has none: each turn reads every earlier turn, so its readers do not decode
+whole (methods.dag). MADiter has none: each turn reads every earlier turn, so its readers do not decode
 together.
 
 `output="kv"` is the choreographed workflow (every message read through its cached encoding); `"text"` is
@@ -24,9 +24,9 @@ private nodes for the leakage experiments.
 
 from collections.abc import Sequence
 
-from braid.engine.dag import Edge, Graph, Node
 from braid.engine.sampling import SamplingParams
-from braid.engine.staircase import Variant
+from braid.methods.dag import Edge, Graph, Node
+from braid.methods.staircase import Variant
 
 PRESETS = ("mad-iter", "mad-par", "tot", "moa")
 

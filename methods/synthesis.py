@@ -20,7 +20,6 @@ from enum import Enum
 from typing import Protocol
 
 import torch
-
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, KVTransform, PrefillCall, Scratch, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
@@ -134,8 +133,8 @@ class SynthesisHooks:
     mapper: CacheMapper | None = None
     # entered around the synthesizer's forwards; `adapter(rows=bool [rows])` for a forward whose other rows run
     # the base weights (the refresh runs in the synthesizer's prefill; with `adapter.mixes_rows` true, other
-    # calls' rows the scheduler puts in its forwards: engine.calibration.MergedLora).
-    # Its decode forwards may be replayed from CUDA graphs captured under it (engine.graphs), keyed by it: it
+    # calls' rows the scheduler puts in its forwards: methods.calibration.MergedLora).
+    # Its decode forwards may be replayed from CUDA graphs captured under it (engine.cuda_graphs), keyed by it: it
     # must be one stable object, and entered without rows it must put the same persistent tensors in place
     # each time, with no other effect on the forward (MergedLora does).
     adapter: Callable[..., AbstractContextManager] | None = None

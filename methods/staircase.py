@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
-
 from braid.engine.engine import DecodeCall, Engine, PrefillCall, TokenEvent, Tokens
 from braid.engine.errors import BraidError, StoppedError, UnavailableError
 from braid.engine.sampling import SamplingParams
-from braid.engine.synthesis import SynthesisMode, decode_with_hooks, refresh_branches, synthesis_stream
-from braid.engine.workflow import BranchStream
+from braid.methods.fanout import BranchStream
+from braid.methods.synthesis import SynthesisMode, decode_with_hooks, refresh_branches, synthesis_stream
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class BranchFeed:
     side (`decode`, `encoded(j)`, `partial_kv(j, start, end)`, `offsets`, `ids`, `header_length(j)`). Given
     fan-outs, the feed pumps each in its own thread; one that fails, or stops without finishing its branches,
     fails only its own branches. With `pump=False` the caller iterates the sources itself and reports to the
-    feed (`record` per token, `end` when a source stops), as engine.dag does for a wave several nodes stream.
+    feed (`record` per token, `end` when a source stops), as methods.dag does for a wave several nodes stream.
     """
 
     def __init__(self, fan_outs: Sequence, pump: bool = True, branches: Sequence[tuple[object, int]] | None = None):

@@ -47,12 +47,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
-from braid.engine.synthesis import Refresh, Runs, refresh_branches
 from braid.engine.errors import BraidError, PreconditionError
 from braid.engine.sampling import SamplingParams
 from braid.kernels import rerotate_keys
+from braid.methods.synthesis import Refresh, Runs, refresh_branches
 
 log = logging.getLogger(__name__)
 EARLIEST = 5  # pruning looks at this many of the oldest anchors and drops the least used of them
@@ -77,7 +76,7 @@ class KVCommConfig:
     # mean token norm; lower: nearer to one nearest token (more reuse, larger errors)
     temperature: float = 0.05
     # a reused context re-encodes this many tokens at each end with the agent's prefix in view
-    # (engine.synthesis.Refresh); 0: none, the seed's method as it is
+    # (methods.synthesis.Refresh); 0: none, the seed's method as it is
     refresh: int = 0
     # and this fraction of its tokens, those whose interpolated offsets are least certain (the widest spread of
     # the anchor tokens they interpolate from), each with the prefix and the context before it in view; 0: none,

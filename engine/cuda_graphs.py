@@ -12,13 +12,13 @@ reads, the masks) is copied into the bucket's static buffers, so one CUDA graph 
 first time the bucket is used, replays the whole decoder; lm_head then runs on the rows that need logits,
 as it does for forwards that run as they come.
 
-The padded forward computes what the scheduler's shared decode attention (engine.runner._Step) computes,
+The padded forward computes what the scheduler's shared decode attention (engine.model_runner._Step) computes,
 with more masked keys and rows: the same tokens, logits equal within rounding (the masked keys add exact
 zeros, but sums over longer rows may round differently). Tested on CPU, where mode "eager" runs the
 padded forward without capturing it.
 
 A graph replays the weights it was captured with. The scheduler's LoRA forwards swap merged copies of the
-adapted weights in (engine.calibration.MergedLora) over every row when there are no scratch rows, as in a
+adapted weights in (methods.calibration.MergedLora) over every row when there are no scratch rows, as in a
 static forward, so buckets are kept per weights: base, or each adapter, captured while it is in place.
 """
 
@@ -27,9 +27,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-
-from braid.engine.runner import (SHARED_ATTENTION_ROWS, GroupInput, KVPool, ModelRunner, _Part, _Step, fill_masks,
-                                 padded_keys)
+from braid.engine.model_runner import (
+    SHARED_ATTENTION_ROWS,
+    GroupInput,
+    KVPool,
+    ModelRunner,
+    _Part,
+    _Step,
+    fill_masks,
+    padded_keys,
+)
 
 log = logging.getLogger(__name__)
 

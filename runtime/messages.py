@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall
 from braid.engine.sampling import SamplingParams
-from braid.engine.staircase import StaircaseSchedule, Variant
-from braid.engine.synthesis import SynthesisMode
+from braid.methods.staircase import StaircaseSchedule, Variant
+from braid.methods.synthesis import SynthesisMode
 
 
 @dataclass

@@ -17,7 +17,7 @@ ancestors (each of its context's items kept where clean, dropped where private, 
 edge with `leak=True` reads the cached encoding anyway: the choice is explicit.
 
 Staircase nodes (seed 003). A node with `staircase=True` reads its decoding parents chunk by chunk while they
-decode, as an aggregator of Staircase Streaming does (engine.staircase, with the graph's schedule and
+decode, as an aggregator of Staircase Streaming does (methods.staircase, with the graph's schedule and
 variant): it runs alongside its parents' wave and answers from their first chunks. Its other parents are
 read whole first. Cached (kv) parents are read from their KV chunks, text parents from their tokens; a kv
 parent whose encoding saw another role's private node turns the node to text chunks, so the control above
@@ -44,12 +44,12 @@ from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from braid.engine.calibration import served_refresh
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall
 from braid.engine.errors import BraidError, PreconditionError, UnknownMessageError
 from braid.engine.sampling import SamplingParams
-from braid.engine.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
-from braid.engine.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
+from braid.methods.calibration import served_refresh
+from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, StaircaseSchedule, Variant, staircase
+from braid.methods.synthesis import TEXT, Placement, SynthesisMode, synthesis_stream
 
 MAX_NODES = 64
 OUTPUTS = ("kv", "text")
@@ -83,7 +83,7 @@ class Graph:
     # for staircase nodes; None: the server's default where the graph is sent (engine runs use the defaults)
     schedule: StaircaseSchedule | None = None
     variant: Variant = Variant.REPREFILL
-    # read cached replies through the engine's trained calibration (engine.calibration: cache mapper, synthesizer
+    # read cached replies through the engine's trained calibration (methods.calibration: cache mapper, synthesizer
     # LoRA, boundary refresh), in the nodes shaped as a synthesis: see DagRun._calibrated
     calibrated: bool = False
     # with calibrated: run the turns with the calibration's turn LoRA where it has one (see DagRun._turn); false:
@@ -598,7 +598,7 @@ class DagRun:
 
     def _synthesize(self, n: Node, notes: dict[str, list[str]], start: float) -> Iterator[NodeToken | NodeDone]:
         """Calibrated node n: its whole parents read as usual (the prefix), its replies read as the served cache
-        path reads branches (engine.synthesis); a reply whose encoding saw another role's private node is read
+        path reads branches (methods.synthesis); a reply whose encoding saw another role's private node is read
         through a copy re-encoded without it (through the mapper like the rest). The refresh is the one the
         calibration was trained with. Its output is encoded again with base weights."""
         edges = self.graph.replies(n)

@@ -3,13 +3,13 @@
 import secrets
 from dataclasses import dataclass
 
-from braid.api.messages import SynthesizerInfo
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
-from braid.engine.dag import Edge, Graph, Node
 from braid.engine.errors import BraidError, ContextOverflowError, PreconditionError
-from braid.engine.staircase import StaircaseSchedule, Variant
-from braid.engine.synthesis import Placement
+from braid.methods.dag import Edge, Graph, Node
+from braid.methods.staircase import StaircaseSchedule, Variant
+from braid.methods.synthesis import Placement
 from braid.protos import agent_pb2 as pb
+from braid.runtime.messages import SynthesizerInfo
 
 TRANSPORT_NAMES = ", ".join(pb.Transport.keys())
 

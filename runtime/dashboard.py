@@ -1,4 +1,4 @@
-"""Braid's Grafana dashboard: PromQL panels over the metrics of braid.api.metrics, as Grafana's JSON model."""
+"""Braid's Grafana dashboard: PromQL panels over the metrics of braid.runtime.metrics, as Grafana's JSON model."""
 
 import json
 from dataclasses import dataclass

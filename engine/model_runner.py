@@ -20,7 +20,6 @@ whose blocks go back to the pool once the scratch rows are encoded.
 from dataclasses import dataclass
 
 import torch
-
 from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
 
@@ -49,7 +48,7 @@ class KVPool:
         self.block_tokens = block_tokens
         self.blocks = blocks
         # one block more than it hands out: its first slot is where the padding rows of a static forward write
-        # their KV, which nothing reads (engine.graphs)
+        # their KV, which nothing reads (engine.cuda_graphs)
         self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
                               dtype=lm.dtype, device=lm.device)
         self.trash = blocks * block_tokens
@@ -301,7 +300,7 @@ class _Step:
     attend their own cache one by one; the others (decode steps) share one padded attention call, their
     caches read from the pool in one indexed gather per layer, padded to the longest and masked."""
 
-    padded = False  # (engine.graphs.PaddedStep: every row of the forward is a padded row of the shared call)
+    padded = False  # (engine.cuda_graphs.PaddedStep: every row of the forward is a padded row of the shared call)
 
     def __init__(self, parts: list[_Part]):
         self.parts = parts
@@ -353,13 +352,13 @@ class ModelRunner:
         self.lm = lm
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
-        self.graphs = None  # engine.graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
 
     @torch.inference_mode()
     def step(self, groups: list[GroupInput], weights=None) -> list[torch.Tensor | None]:
         """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
         over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
-        groups runs at a static shape when the runner has graphs (engine.graphs). `weights` names the weights
+        groups runs at a static shape when the runner has graphs (engine.cuda_graphs). `weights` names the weights
         in place for this forward when they are not the base ones (the scheduler's adapter; in a static
         forward, which has no scratch rows, it is in place over every row): a graph replays the weights it
         was captured with, so each has its own."""

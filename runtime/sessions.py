@@ -15,18 +15,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
-
-from braid.api import convert
-from braid.api.auth import KeyLimits
-from braid.api.directory import Directory, MessageRecord
 from braid.engine import DecodeCall, Engine
-from braid.engine.agent_graph import Agent, AgentGraph, AgentStarted, run_agent_graph
-from braid.engine.dag import NodeRound, NodeToken, WaveExecutor, run_dag
-from braid.engine.errors import BraidError, UnknownMessageError
-from braid.engine.kvcomm import KVComm, KVCommConfig
-from braid.engine.staircase import StaircaseSchedule
+from braid.engine.errors import UnknownMessageError
 from braid.kv.export import KVExporter, fetch, fetch_anchors
+from braid.methods.dag import NodeRound, NodeToken, WaveExecutor, run_dag
+from braid.methods.kvcomm import KVComm, KVCommConfig
+from braid.methods.kvcomm_agents import Agent, AgentGraph, AgentStarted, run_agent_graph
+from braid.methods.staircase import StaircaseSchedule
 from braid.protos import agent_pb2 as pb
+from braid.runtime import convert
+from braid.runtime.directory import Directory, MessageRecord
+from braid.runtime.quotas import KeyLimits
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +296,7 @@ class AgentLogic:
         return pb.CloseSessionResponse(freed_messages=freed)
 
     def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
-        """A fully connected agent graph (engine.agent_graph); its anchors are this session's alone."""
+        """A fully connected agent graph (methods.kvcomm_agents); its anchors are this session's alone."""
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
             if request.kvcomm:
@@ -310,7 +309,7 @@ class AgentLogic:
                     log.warning("could not record where the anchors of session %s are: %s", sid, e)
 
     def RunGraph(self, request: pb.GraphRequest, caller: str = "") -> Iterator[pb.GraphEvent]:
-        """Any DAG of agent calls (engine.dag), validated whole and its session messages resolved before
+        """Any DAG of agent calls (methods.dag), validated whole and its session messages resolved before
         anything runs. Node outputs stay in the session, except those that are private or were encoded with a
         private node in view: a later call could read them from any role, so they go when the graph ends (their
         node-done event names no message). A graph that fails or is left midway keeps nothing."""

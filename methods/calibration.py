@@ -27,11 +27,10 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.errors import BraidError, FingerprintMismatchError
-from braid.engine.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
+from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
+from safetensors.torch import load_file, save_file
 
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
@@ -69,7 +68,7 @@ class CacheMapper(torch.nn.Module):
     Each of a_K, b_K, a_V, b_V is w0 + w1 * log1p(T) / 4 + w2 * log1p(m) / 2 (T the branch's length, m the
     branch count) when conditioned, else w0 alone. With branch_slots, K and V also get a learned shift for
     the branch's index j among the synthesizer's branches: each branch was encoded as if it were the only
-    one, and this lets them differ as the text model's do. Every weight starts at zero. Implements engine.synthesis's
+    one, and this lets them differ as the text model's do. Every weight starts at zero. Implements methods.synthesis's
     CacheMapper protocol: `mapper(kv [L, 2, H, T, D], branch=j, num_branches=m)`.
     """
 
@@ -382,7 +381,7 @@ class Attached:
     calibration: Calibration
     peft_model: object
     hooks: SynthesisHooks  # mapper and LoRA
-    turns: SynthesisHooks | None = None  # the turn LoRA (no mapper), when the calibration has one (engine.dag)
+    turns: SynthesisHooks | None = None  # the turn LoRA (no mapper), when the calibration has one (methods.dag)
 
     def without(self, *, mapper: bool = False, lora: bool = False) -> SynthesisHooks:
         """The hooks with a part left out (for ablations)."""

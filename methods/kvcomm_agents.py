@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, TokenEvent
 from braid.engine.errors import BraidError
-from braid.engine.kvcomm import AgentPrompt, KVComm, KVCommConfig, Prepared
 from braid.engine.sampling import SamplingParams
+from braid.methods.kvcomm import AgentPrompt, KVComm, KVCommConfig, Prepared
 
 MAX_AGENTS, MAX_ROUNDS = 8, 4
 

@@ -1,0 +1,1 @@
+"""What the deployments share: typed messages between them, the Redis directory and sessions, metrics, async helpers."""
