@@ -1,8 +1,10 @@
-"""API keys for the agent API (loaded from a file or the environment, checked on every RPC), and what a client
-sends: its key, and TLS where the API sits behind a TLS endpoint."""
+"""API keys for the agent API (loaded from a file or the environment, checked on every RPC), the key `braid serve`
+makes when none is given, and what a client sends: its key, and TLS where the API sits behind a TLS endpoint."""
 
 import hashlib
+import ipaddress
 import os
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +24,68 @@ class UnauthenticatedError(BraidError):
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def local_key_path(port: int) -> str:
+    """Where `braid serve` on `port` leaves the API key it made (~/.braid/api-key-<port>: one per port, so two
+    clusters on one machine keep theirs apart)."""
+    return os.path.join(os.path.expanduser("~"), ".braid", f"api-key-{port}")
+
+
+def make_local_key(port: int) -> tuple[str, str]:
+    """A new API key for `braid serve` on `port` and the file it is in (local_key_path), readable by this user
+    only (0600, in a 0700 folder). The file is the cluster's key file too (one `local:<key>` line), and this
+    machine's clients find it there (local_key)."""
+    key, path = secrets.token_urlsafe(32), local_key_path(port)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        staged = f"{path}.{os.getpid()}"
+        if os.path.lexists(staged):
+            os.unlink(staged)
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (0600 before a byte is in it)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"# the API key braid serve made for port {port}; braid run and braid loadtest on this machine "
+                    f"send it\nlocal:{key}\n")
+        os.replace(staged, path)
+    except OSError as e:
+        raise ValueError(f"cannot write the API key to {path}: {e.strerror}; give keys (--api-keys-file or "
+                         f"${ENV_KEYS}) or serve without any (--open-api)") from None
+    return key, path
+
+
+def drop_local_key(port: int, key: str) -> None:
+    """Removes the key file of `port` when it still holds `key` (the cluster that made it has stopped)."""
+    path = local_key_path(port)
+    if _key_in(path) == key:
+        os.unlink(path)
+
+
+def _key_in(path: str) -> str | None:
+    """The first key of a `[name:]key` file, or None when there is no such file."""
+    try:
+        with open(path) as f:
+            entries = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except FileNotFoundError:
+        return None
+    return entries[0].rpartition(":")[2] if entries else None
+
+
+def local_key(address: str) -> str | None:
+    """The key `braid serve` made for `address`, when that is on this machine (a loopback host) and it left one
+    (local_key_path); None otherwise: a key made here is never sent anywhere else."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    return _key_in(local_key_path(int(port))) if loopback and port.isdigit() else None
+
+
+def client_key(key: str | None, address: str) -> str | None:
+    """The key a client sends to `address`: `key` (--api-key), else $BRAID_API_KEY, else the key `braid serve`
+    made for that address on this machine (local_key); None: none."""
+    return key or os.environ.get(ENV_CLIENT_KEY) or local_key(address)
 
 
 def client_metadata(key: str | None, timeout_s: float | None = None) -> tuple[tuple[str, str], ...]:
@@ -106,7 +170,8 @@ class ApiKeys:
         value = next((v for k, v in metadata or () if k.lower() == HEADER), None)
         if value is None:
             raise UnauthenticatedError(f"this API needs a key: send gRPC metadata '{HEADER}: Bearer <key>' "
-                                       f"(braid run --api-key, or ${ENV_CLIENT_KEY})")
+                                       f"(braid run --api-key, or ${ENV_CLIENT_KEY}; on the machine `braid serve` "
+                                       f"runs on, braid run finds the key it made)")
         value = value.decode() if isinstance(value, bytes) else value
         scheme, _, key = value.partition(" ")
         if scheme.lower() != "bearer" or not key:

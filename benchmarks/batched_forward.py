@@ -12,7 +12,7 @@ import time
 
 import torch
 from braid.engine import Engine, EngineConfig
-from braid.engine.model_runner import GroupInput, WorkCache
+from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
         def inputs(step):
             dev = pool.kv.device
-            return [GroupInput(c, visible.to(dev), torch.randint(3, lm.spec.vocab_size, (calls,), device=dev),
+            return [RequestInput(c, visible.to(dev), torch.randint(3, lm.spec.vocab_size, (calls,), device=dev),
                                torch.full((calls,), args.context + step, device=dev),
                                torch.arange(calls, device=dev), list(range(calls))) for c in caches]
 

@@ -1,9 +1,9 @@
 """Staircase nodes in agent workflows against waiting for whole replies, side by side in one run.
 
-MoA (layers of proposers, then an aggregator) and MADpar (debate rounds) from methods.presets, run as one
+MoA (layers of proposers, then an aggregator) and MADpar (debate rounds) from methods.dag.presets, run as one
 RunGraph DAG on one engine: each reader waits for the whole replies it reads ("wait"), or is a staircase
-node that starts from their first chunks (seed 003), in the re-prefill or the append variant; the later layers
-and rounds are nested staircases. Both transports: cached KV chunks ("kv") and text chunks ("text").
+node that starts from their first chunks (as in Staircase Streaming), in the re-prefill or the append variant;
+the later layers and rounds are nested staircases. Both transports: cached KV chunks ("kv") and text chunks ("text").
 Measured from the graph's start: the time to the final stage's first token (MoA: the aggregator; MADpar: the
 last round's agents, averaged), the final stage's own decode rate, and the whole DAG's end-to-end time. The
 prefix cache is cleared before every run; runs alternate, after a warm-up of each. Replies are `--max-tokens`
@@ -20,7 +20,7 @@ import time
 import torch
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.methods.dag import NodeToken, run_dag
-from braid.methods.presets import mad_par, moa
+from braid.methods.dag.presets import mad_par, moa
 from braid.methods.staircase import Variant
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from tqdm import tqdm

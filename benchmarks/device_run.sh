@@ -6,11 +6,15 @@
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
 # STEPS picks some of: graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all);
 # LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests.
+# tests/test_cli_and_bench.py runs the dry run (the install as pip's --dry-run, one engine test file).
 set -u
 OUT=${OUT:-/tmp/braid-device}
 SHAPE=${SHAPE:-llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
+if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape's 4096 positions, one timed run)
+  LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}
+fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
@@ -30,7 +34,8 @@ log "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
-$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+log "install"
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3; log "install rc=${PIPESTATUS[0]}"
 step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
   tests/test_graphs.py
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \

@@ -3,8 +3,8 @@
 One local cluster (Ray, Serve's gRPC proxy, embedded Redis) serves two Serve applications of one model side by
 side: `braid` decodes each graph's waves on the Worker replicas (cluster config `graph_on_workers`, the
 default: parents fetched from the synthesizer, outputs shipped back over gRPC), `braid-here` decodes them on
-the session's Synthesizer replica, each wave in one batch. The seed's workflows (methods.presets: MADiter,
-MADpar, ToT; choreographed, every message read through its cached encoding) alternate between the two, through
+the session's Synthesizer replica, each wave in one batch. Prompt Choreography's workflows (methods.dag.presets:
+MADiter, MADpar, ToT; choreographed, every message read through its cached encoding) alternate between the two, through
 the agent API as a client sends them. Per graph: E2E; TTFT per decoding node, from the arrival of its last
 parent's node-done event (the graph's start for the first wave) to its first token, averaged over the graph's
 decoding nodes; and which replicas decoded the nodes. Medians over --repeats after a warm-up. Writes JSON and a
@@ -24,7 +24,7 @@ from braid.cluster.app import build_app
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
 from braid.engine import SamplingParams
-from braid.methods.presets import mad_iter, mad_par, tot
+from braid.methods.dag.presets import mad_iter, mad_par, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc

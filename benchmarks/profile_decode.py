@@ -17,7 +17,7 @@ import time
 
 import torch
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.model_runner import GroupInput, WorkCache
+from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -59,7 +59,7 @@ def runner_steps(eng, context, steps, sync):
     sync()
     start = time.perf_counter()
     for step in range(steps):
-        eng.runner.step([GroupInput(cache, visible, torch.tensor([5], device=dev),
+        eng.runner.step([RequestInput(cache, visible, torch.tensor([5], device=dev),
                                     torch.tensor([context + step], device=dev), torch.zeros(1, dtype=torch.long,
                                                                                             device=dev),
                                     [0], plain=True)])  # (one call that sees its cache: as the engine runs it)

@@ -25,7 +25,10 @@ from braid.engine import Engine, EngineConfig
 from braid.models import REFERENCE_MODEL
 
 # (a server process may import another revision's braid (--against): only what every revision has, up here)
-from braid.runtime.directory import Directory, EmbeddedRedis
+try:
+    from braid.runtime.directory import Directory, EmbeddedRedis
+except ImportError:  # (a revision from before the runtime room)
+    from braid.api.directory import Directory, EmbeddedRedis
 
 from braid.results import pyplot, write_json
 
@@ -113,8 +116,8 @@ class Server:
 def serve(args) -> int:
     """(In a server process.) One engine and its API; counters per level, asked for on stdin. Another revision's
     engine (--against) may lack some counters (one from before the scheduler has none): they come back as zeros."""
-    engine = Engine(EngineConfig(args.model, device="cpu", dtype="float32",
-                                 **{**ENGINES, **APART, BEFORE: {}}[args.serve]))
+    engine = _engine(EngineConfig(args.model, device="cpu", dtype="float32",
+                                  **{**ENGINES, **APART, BEFORE: {}}[args.serve]))
     server = start_in_process(engine, Directory.connect(args.redis))
     print(f"PORT {server.port}", flush=True)
     print(f"KV {getattr(getattr(engine, 'scheduler', None), 'slot_bytes', 0)}", flush=True)  # (KV bytes per token)
@@ -141,6 +144,15 @@ def serve(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _engine(config: EngineConfig) -> Engine:
+    """The engine with its calibration attached, as the synthesizer deployment makes it."""
+    try:
+        from braid.methods.calibration import load_engine
+    except ImportError:  # (a revision from before the methods room, whose engine attaches it itself)
+        return Engine(config)
+    return load_engine(config)
 
 
 def _counters(engine: Engine) -> dict[str, float]:

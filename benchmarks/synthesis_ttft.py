@@ -24,8 +24,8 @@ import tempfile
 import time
 
 import torch
-from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.methods.calibration import served_refresh
+from braid.engine import DecodeCall, EngineConfig, PrefillCall, SamplingParams
+from braid.methods.calibration import calibration_of, load_engine, served_refresh
 from braid.methods.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.train.calibrate import write_untrained
@@ -110,12 +110,12 @@ def main(argv=None):
         trained = calibration != "none"
         if not trained:
             calibration = write_untrained(path, f"{tmp}/calibration", scale=0.02, name="random")
-        eng = Engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
-                                  calibration=calibration))
-    hooks = eng.calibration.hooks
+        eng = load_engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
+                                       calibration=calibration))
+    hooks = calibration_of(eng).hooks
     # the served cache path: a trained calibration's placement and refresh; for a random one, the committed
     # calibration's (sequential, a token refreshed at each end)
-    served = ((eng.calibration.calibration.placement, served_refresh(eng.calibration)) if trained
+    served = ((calibration_of(eng).calibration.placement, served_refresh(calibration_of(eng))) if trained
               else (Placement.SEQUENTIAL, Refresh(1, 1)))
     lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
     gen = torch.Generator().manual_seed(0)

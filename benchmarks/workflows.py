@@ -1,15 +1,15 @@
 """Agent workflows as DAGs: choreographed (cached encodings) against the text re-prefill baseline, side by side.
 
-The seed's three workflows (methods.presets: MADiter, MADpar, ToT), each run as one RunGraph DAG on one engine,
-twice per repeat: every message read through its cached encoding ("kv"), and every message re-encoded in each
-reader's context ("text", the baseline; the engine's prefix cache still reuses identical prompt starts, as
-vLLM's would). The prefix cache is cleared before every run, so no run reuses another's work. TTFT is each
+Prompt Choreography's three workflows (methods.dag.presets: MADiter, MADpar, ToT), each run as one RunGraph DAG
+on one engine, twice per repeat: every message read through its cached encoding ("kv"), and every message
+re-encoded in each reader's context ("text", the baseline; the engine's prefix cache still reuses identical prompt
+starts, as vLLM's would). The prefix cache is cleared before every run, so no run reuses another's work. TTFT is each
 decoding node's time from its wave's start (reading its parents, encoding its prompt) to its first token,
 averaged over the workflow's decoding nodes; E2E is the whole DAG. Replies are `--max-tokens` long
 (ignore_eos: random weights). Writes JSON and a plot.
 
 With `--turns`, also what the calibration's turn LoRA costs: the reference tasks' debates (MADiter and MADpar
-over each solver's notes, methods.presets.notes_graph, `--turn-solvers` solvers) on the same weights with a
+over each solver's notes, methods.dag.presets.notes_graph, `--turn-solvers` solvers) on the same weights with a
 calibration and a turn LoRA drawn at random (their cost does not depend on their values), choreographed
 ("kv"), calibrated with base-weight turns, and calibrated with the turn LoRA; TTFT averaged over the turns
 (the solvers that read other replies), side by side in the same repeats.
@@ -23,15 +23,16 @@ import time
 
 import torch
 from braid.engine import Engine, EngineConfig, SamplingParams
+from braid.methods.calibration import load_engine
 from braid.methods.dag import run_dag
-from braid.methods.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
+from braid.methods.dag.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.models.tasks import generate
 from tqdm import tqdm
 
 from braid.results import pyplot, write_json
 
-SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # the seed's TTFT speedups (Llama-3.1-8B, GPU)
+SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # Prompt Choreography's TTFT speedups (Llama-3.1-8B, GPU)
 
 
 def build(name: str, question: str, sampling: SamplingParams, output: str):
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     debates = [n for n in names if n != "tot"] if args.turns else []
     with tempfile.TemporaryDirectory() as tmp:
         path, device = benchmark_model(args, tmp)
-        eng = Engine(EngineConfig(path, device=device, calibration="none", store_budget_bytes=16 << 30))
+        eng = load_engine(EngineConfig(path, device=device, calibration="none", store_budget_bytes=16 << 30))
         calibrated = None  # (the same weights with a calibration and turn LoRA: the --turns runs' engine)
         if debates:
             from braid.train.calibrate import write_untrained
@@ -113,8 +114,8 @@ def main(argv=None) -> int:
 
             calibration = write_untrained(path, f"{tmp}/calibration", scale=0.02)
             write_untrained_turns(path, calibration, scale=0.02)
-            calibrated = Engine(EngineConfig(path, device=device, calibration=calibration,
-                                             store_budget_bytes=16 << 30))
+            calibrated = load_engine(EngineConfig(path, device=device, calibration=calibration,
+                                                  store_budget_bytes=16 << 30))
     rows, turn_rows = [], []
     runs_total = (len(names) * 2 + len(debates) * len(TURN_MODES)) * (args.repeats + 1)
     with tqdm(total=runs_total, desc="workflows", unit="run") as bar:

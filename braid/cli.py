@@ -36,7 +36,7 @@ def eval_cmd(args) -> int:
     """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
     import json
 
-    from braid.engine import Engine, EngineConfig
+    from braid.engine import EngineConfig
     from braid.evals.harness import (
         EvalConfig,
         engine_modes,
@@ -48,26 +48,26 @@ def eval_cmd(args) -> int:
         report,
         verify,
     )
-    from braid.methods.calibration import mode_name, served_refresh
+    from braid.methods.calibration import calibration_of, load_engine, mode_name, served_refresh
 
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
                         worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
     path = _model_path(args)
-    engine = Engine(EngineConfig(path, dtype=args.dtype, device=args.device, calibration=args.calibration))
+    engine = load_engine(EngineConfig(path, dtype=args.dtype, device=args.device, calibration=args.calibration))
     by_name = {m.name: m for m in engine_modes(engine)}
     names = list(by_name) if args.modes == "all" else args.modes.split(",")
     unknown = [m for m in names if m not in by_name]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(by_name)}"
-                         + ("" if engine.calibration else " (the calibrated modes need a calibration)"))
+                         + ("" if calibration_of(engine) else " (the calibrated modes need a calibration)"))
     modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
-    if args.verify and args.verify_mode is None and engine.calibration is not None:
+    if args.verify and args.verify_mode is None and calibration_of(engine) is not None:
         # the mode the synthesizer serves this calibration with by default: with the refresh it was trained with
-        args.verify_mode = mode_name(served_refresh(engine.calibration))
-    if args.verify and (engine.calibration is None or not {"text", args.verify_mode} <= set(names)):
+        args.verify_mode = mode_name(served_refresh(calibration_of(engine)))
+    if args.verify and (calibration_of(engine) is None or not {"text", args.verify_mode} <= set(names)):
         raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
                          "calibration and run both modes")
     results = evaluate(engine, config, modes)
@@ -79,9 +79,9 @@ def eval_cmd(args) -> int:
                         "length": list(config.length),
                         "max_branch_tokens": max(t for r in results for t in r.branch_tokens)}
         out["verification"] = verification
-        engine.calibration.calibration.record_verification(verification)
+        calibration_of(engine).calibration.record_verification(verification)
         print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "
-              f"{verification['max_branches']} branches; recorded in {engine.calibration.calibration.path}")
+              f"{verification['max_branches']} branches; recorded in {calibration_of(engine).calibration.path}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -93,18 +93,18 @@ def eval_cmd(args) -> int:
 
 def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
-    from braid.engine import Engine, EngineConfig
+    from braid.engine import EngineConfig
     from braid.evals.harness import EvalConfig, engine_modes, run_task
-    from braid.methods.calibration import mode_name, served_refresh
+    from braid.methods.calibration import calibration_of, load_engine, mode_name, served_refresh
     from braid.models.tasks import generate
 
     length = _length(args.length)
     task = generate(args.task, args.seed, args.branches, length)
-    engine = Engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device,
-                                 calibration=args.calibration))
+    engine = load_engine(EngineConfig(_model_path(args), dtype=args.dtype, device=args.device,
+                                      calibration=args.calibration))
     # the calibrated cache path as served (with the refresh it was trained with), and without the refresh; the
     # ablations and the other placement are braid eval's
-    served = mode_name(served_refresh(engine.calibration)) if engine.calibration is not None else None
+    served = mode_name(served_refresh(calibration_of(engine))) if calibration_of(engine) is not None else None
     modes = [m for m in engine_modes(engine) if m.name in ("calibrated", served) or not m.name.startswith("calibrated")]
     result = run_task(engine, task, modes, EvalConfig(tasks=(task.name,), branches=(args.branches,),
                                                            length=length))
@@ -120,36 +120,68 @@ def demo(args) -> int:
     return 0
 
 
+def _serve_keys(args) -> tuple[str | None, str | None, str]:
+    """The API keys `braid serve` takes: (the cluster's key file, the key it made, how the banner says it). Keys
+    given (--api-keys-file, $BRAID_API_KEYS) are used as they are; with none it makes one and leaves it for this
+    machine's clients (api.auth.make_local_key), unless --open-api serves everyone without a key."""
+    from braid.api.auth import ENV_CLIENT_KEY, ENV_KEYS, ApiKeys, make_local_key
+
+    given = " and ".join(([args.api_keys_file] if args.api_keys_file else [])
+                         + ([f"${ENV_KEYS}"] if os.environ.get(ENV_KEYS) else []))
+    if args.open_api:
+        if given:
+            raise ValueError(f"--open-api serves the agent API without keys, but keys are given ({given}): drop "
+                             "one or the other")
+        return None, None, (f"none (--open-api): anyone who can reach port {args.port} can run workflows and "
+                            "read sessions")
+    if given:
+        ApiKeys.load(args.api_keys_file)  # (refused here, in one line, rather than in a replica)
+        return args.api_keys_file, None, f"from {given}; every call needs one (--api-key or ${ENV_CLIENT_KEY})"
+    key, path = make_local_key(args.port)
+    return path, key, (f"{key}\n               every call needs it: braid run and braid loadtest on this machine read "
+                       f"it from {path}; elsewhere give --api-key or ${ENV_CLIENT_KEY}")
+
+
 def serve_cmd(args) -> int:
-    """Run the cluster on a local Ray: workers, synthesizer and the gRPC agent API."""
+    """Run the cluster on a local Ray: workers, synthesizer and the gRPC agent API. Every call needs an API key:
+    the ones given, or one it makes and prints (--open-api: none)."""
     import signal
     import threading
 
     if args.no_auth:
         os.environ["RAY_AUTH_MODE"] = "disabled"
+    from braid.api.auth import drop_local_key
     from braid.cluster.config import ClusterConfig
     from braid.cluster.local import APP, start_local_cluster
 
     path = _model_path(args)
-    config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
-                           synthesizer_replicas=args.synthesizers,
-                           kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port,
-                           calibration=args.calibration)
-    cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
+    keys_file, made, keys = _serve_keys(args)
     try:
-        print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on {cluster.address}\n"
-              f"  model        {path}\n  calibration  {config.engine_config().resolved().calibration}\n"
-              f"  redis        {cluster.redis_url}\n"
-              f"  dashboard    {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
-              f"  metrics      {cluster.metrics_url or 'unknown'} "
-              "(Prometheus text, braid metrics prefixed ray_braid_)\n"
-              "Ctrl-C stops", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        stop.wait()
+        config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
+                               synthesizer_replicas=args.synthesizers,
+                               kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port,
+                               calibration=args.calibration, api_keys_file=keys_file)
+        cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
+        try:
+            # (Serve's gRPC proxy binds every interface and has no option to bind fewer: the key is what guards it)
+            print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on every interface, "
+                  f"{cluster.listen_address} (from this machine: {cluster.address})\n"
+                  f"  api key      {keys}\n"
+                  f"  model        {path}\n  calibration  {config.engine_config().resolved().calibration}\n"
+                  f"  redis        {cluster.redis_url}\n"
+                  f"  dashboard    {cluster.dashboard_url or 'off (--dashboard starts it)'}\n"
+                  f"  metrics      {cluster.metrics_url or 'unknown'} "
+                  "(Prometheus text, braid metrics prefixed ray_braid_)\n"
+                  "Ctrl-C stops", flush=True)
+            stop = threading.Event()
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            stop.wait()
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
+        if made:
+            drop_local_key(args.port, made)
     return 0
 
 
@@ -183,9 +215,9 @@ def serve_config_cmd(args) -> int:
 
 
 def run_preset(stub, args, metadata) -> None:
-    """A preset agent workflow (methods.presets) as RunGraph DAGs; each node's reply printed as it ends."""
+    """A preset agent workflow (methods.dag.presets) as RunGraph DAGs; each node's reply printed as it ends."""
     from braid.engine import SamplingParams
-    from braid.methods.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
+    from braid.methods.dag.presets import count_votes, mad_iter, mad_par, moa, tot, tot_final
     from braid.methods.staircase import Variant
     from braid.runtime.convert import graph_request
 
@@ -235,7 +267,7 @@ def run_cmd(args) -> int:
     a synthesizer), or with --preset one of the seed's agent workflows as RunGraph DAGs."""
     import grpc
 
-    from braid.api.auth import client_credentials, client_metadata
+    from braid.api.auth import client_credentials, client_key, client_metadata
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
 
@@ -250,7 +282,8 @@ def run_cmd(args) -> int:
         with channel:
             try:
                 run_preset(agent_pb2_grpc.AgentServiceStub(channel), args,
-                           (("application", "braid"), *client_metadata(args.api_key, args.timeout)))
+                           (("application", "braid"),
+                            *client_metadata(client_key(args.api_key, args.address), args.timeout)))
             except grpc.RpcError as e:
                 print(f"braid: {e.code().name}: {e.details()}", file=sys.stderr)
                 return 1
@@ -267,7 +300,8 @@ def run_cmd(args) -> int:
     with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         try:
-            metadata = (("application", "braid"), *client_metadata(args.api_key, args.timeout))
+            metadata = (("application", "braid"), *client_metadata(client_key(args.api_key, args.address),
+                                                                   args.timeout))
             for event in stub.RunWorkflow(request, metadata=metadata, timeout=args.timeout):
                 kind = event.WhichOneof("event")
                 if kind == "decision":
@@ -333,6 +367,13 @@ def main(argv=None) -> int:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265")
     p.add_argument("--no-auth", action="store_true", help="turn Ray's token authentication off (local use only)")
+    p.add_argument("--api-keys-file",
+                   help="the API keys the agent API takes, one [name:]key per line (also $BRAID_API_KEYS; default: "
+                        "none given, so it makes one, prints it and leaves it in ~/.braid/api-key-PORT, where "
+                        "braid run and braid loadtest on this machine find it)")
+    p.add_argument("--open-api", action="store_true",
+                   help="serve the agent API without keys: anyone who can reach the port (it listens on every "
+                        "interface) can run workflows and read sessions")
     p.set_defaults(func=serve_cmd)
 
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
@@ -364,7 +405,8 @@ def main(argv=None) -> int:
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
-    p.add_argument("--api-key", help="the API key to send, when the cluster checks keys (default: $BRAID_API_KEY)")
+    p.add_argument("--api-key", help="the API key to send (default: $BRAID_API_KEY, else for an address on this "
+                                     "machine the key braid serve made, ~/.braid/api-key-PORT)")
     p.add_argument("--tls", action="store_true", help="connect over TLS (an Ingress that terminates it)")
     p.add_argument("--ca-cert", help="PEM file of the CA to trust for --tls (default: the system's roots)")
     p.set_defaults(func=run_cmd)

@@ -32,7 +32,14 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
+        """How this machine reaches the agent API."""
         return f"127.0.0.1:{self.config.grpc_port}"
+
+    @property
+    def listen_address(self) -> str:
+        """Where the agent API listens: Serve's gRPC proxy binds every interface, IPv4 and IPv6 ([::]), and has no
+        option to bind fewer."""
+        return f"[::]:{self.config.grpc_port}"
 
     def stop(self) -> None:
         serve.shutdown()

@@ -114,9 +114,9 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     layer = module.layer_idx
     out = None if step.padded else query.new_empty(n, h, d)
     for part in step.large:
-        rows, mask, r = part.rows, part.mask, part.scratch
-        if r:  # scratch calls' rows first: they attend [0, their last token), the rest [start, length)
-            end = part.scratch_end  # (not the slots claimed for scratch tokens of later forwards: not written yet)
+        rows, mask, r = part.rows, part.mask, part.lead
+        if r:  # leading prefill calls' rows first: they attend [0, their last token), the rest [start, length)
+            end = part.lead_end  # (not the slots claimed for leading prefill tokens of later forwards: not written yet)
             first = slice(rows.start, rows.start + r)
             k, v = part.layer_kv(layer, 0, end)
             out[first] = attention_forward(module, query[:, :, first], k, v, mask[:, :, :r, :end], scaling,

@@ -55,8 +55,8 @@ class EngineConfig:
     mix_adapters: bool = True
     prefix_caching: bool = True  # reuse encoded messages across requests (engine.prefix_cache)
     prefix_block_tokens: int = 16  # its hash granularity: a cached start is reused in whole blocks
-    # a calibration directory written by `braid calibrate` (methods.calibration); "auto": the model's own
-    # <model_path>/calibration when it has one; "none": the cache path runs uncalibrated
+    # a calibration directory written by `braid calibrate`, attached by methods.calibration.load_engine (the engine
+    # itself never reads it); "auto": the model's own <model_path>/calibration when it has one; "none": uncalibrated
     calibration: str = "auto"
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.cuda_graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)

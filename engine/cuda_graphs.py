@@ -2,7 +2,7 @@
 
 A batch-1 decode step of the 8B shape on an H200 took 35 ms, launching about 2100 kernels for 9.4 ms of
 device work (benchmarks/profile_decode.py); replayed as a graph, 11 ms. A forward whose groups are all
-decode-sized (at most SHARED_ATTENTION_ROWS rows each, no scratch rows) runs here at a bucketed shape: G
+decode-sized (at most SHARED_ATTENTION_ROWS rows each, no leading prefill rows) runs here at a bucketed shape: G
 groups of R rows (powers of two), each attending T keys (key_bucket). Group i's rows are rows
 [i*R, i*R + n) of the forward and its keys the first `length` of its T; the rest is padding, masked out.
 Padding rows attend their group's keys (padding groups: one key), write their KV to the pool's trash slot,
@@ -18,7 +18,7 @@ zeros, but sums over longer rows may round differently). Tested on CPU, where mo
 padded forward without capturing it.
 
 A graph replays the weights it was captured with. The scheduler's LoRA forwards swap merged copies of the
-adapted weights in (methods.calibration.MergedLora) over every row when there are no scratch rows, as in a
+adapted weights in (methods.calibration.MergedLora) over every row when there are no leading prefill rows, as in a
 static forward, so buckets are kept per weights: base, or each adapter, captured while it is in place.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from braid.engine.model_runner import (
     SHARED_ATTENTION_ROWS,
-    GroupInput,
+    RequestInput,
     KVPool,
     ModelRunner,
     _Part,
@@ -91,7 +91,7 @@ class PaddedStep(_Step):
         self.input_ids.zero_()
         self.positions.zero_()
 
-    def load(self, groups: list[GroupInput], parts: list[_Part]) -> None:
+    def load(self, groups: list[RequestInput], parts: list[_Part]) -> None:
         """This forward's groups into the buffers: group i's rows at [i*R, i*R + n), its keys at [i*T, i*T + length).
         A few copies for all the groups, not a few per group (the host time of a step of many calls)."""
         _, r, t = self.shape
@@ -129,19 +129,19 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None  # (one memory pool for every graph)
         self.replays = self.captures = 0
 
-    def shape(self, groups: list[GroupInput]) -> tuple[int, int, int] | None:
+    def shape(self, groups: list[RequestInput]) -> tuple[int, int, int] | None:
         """The bucket these groups' next forward runs in (asked before their rows claim slots), or None when it
         is not a static decode forward."""
         if not groups or len(groups) > MAX_GROUPS:
             return None
         rows = max(len(g.input_ids) for g in groups)
-        if rows > SHARED_ATTENTION_ROWS or any(g.scratch_rows for g in groups):
+        if rows > SHARED_ATTENTION_ROWS or any(g.lead_rows for g in groups):
             return None
         keys = max(g.cache.length + len(g.input_ids) - g.cache.start for g in groups)  # (after this step's rows)
         shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
-    def run(self, groups: list[GroupInput], parts: list[_Part], shape: tuple[int, int, int],
+    def run(self, groups: list[RequestInput], parts: list[_Part], shape: tuple[int, int, int],
             weights=None) -> torch.Tensor | None:
         """The forward of these groups in bucket `shape` (`shape(groups)` before their slots were claimed and
         masks built: ModelRunner._part), with the weights in place named by `weights` (None: the base ones):

@@ -1,18 +1,19 @@
-"""The choreography API over a message store: prefill and decode of parallel calls.
+"""The choreography API over a message store: requests of parallel calls, prefilled or decoded.
 
-Every call is validated and planned in the caller's thread before anything runs,
-then runs in the scheduler (engine.scheduler), batched with every other call in
-flight. Messages are inserted into the store only when the whole call has
-succeeded, so a failed call leaves the store exactly as it was.
+Every request is validated and planned in the caller's thread before anything runs, then runs in the
+scheduler (engine.scheduler), batched with every other request in flight. Messages are inserted into the
+store only when the whole request has succeeded, so a failed request leaves the store exactly as it was.
 """
 
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
+
+from braid.engine.call import Adapter, Call, TokenEvent
 from braid.engine.config import EngineConfig
 from braid.engine.cuda_graphs import DecodeGraphs
 from braid.engine.errors import (
@@ -21,18 +22,18 @@ from braid.engine.errors import (
     EmptyHeaderError,
     FingerprintMismatchError,
     InvalidOffsetError,
+    PreconditionError,
 )
 from braid.engine.model import LoadedModel, load_model
 from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
 from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.sampling import SamplingParams
-from braid.engine.scheduler import Group, Scheduler, TokenEvent
+from braid.engine.scheduler import Request, RequestStatus, Scheduler
 from braid.engine.store import Message, MessageStore, new_message_id
 from braid.engine.threads import one_thread
 from braid.kernels import rerotate_keys
 
 log = logging.getLogger(__name__)
-_SCRATCH = SamplingParams(max_tokens=1)  # a scratch call's place in a decode group's params: never sampled
 CACHED_PREFIX = "~cached-"  # ids of the prefix cache's own messages (never given to callers)
 
 Tokens = str | Sequence[int]
@@ -40,18 +41,18 @@ Tokens = str | Sequence[int]
 
 @dataclass(frozen=True)
 class KVTransform:
-    """The cache-mapper seam: `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of each parent in `ids`
-    (it may work in place: the copy is the engine's own) before a decode call attends to it. Scratch calls
-    (Engine.decode_stream) read the same parents unmapped."""
+    """A decode request's KV seam (a cache mapper): `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of
+    each parent in `ids` (it may work in place: the copy is the engine's own) before its decode calls attend to
+    it. The request's prefill calls read the same parents unmapped."""
 
     ids: frozenset[str]
     apply: Callable[[Message, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Scratch:
-    """A decode call's parent that is not a stored message: scratch call `index` of the same decode_stream,
-    encoded in the same forwards before the decode calls, at its own new_offset, and never stored."""
+class Sibling:
+    """A parent that is prefill call `index` of the same request: encoded in the same forwards, before the
+    decode calls that read it, at its own new_offset."""
 
     index: int
 
@@ -59,18 +60,23 @@ class Scratch:
 @dataclass
 class PrefillCall:
     message: Tokens
-    parents: Sequence[str] = ()
+    parents: Sequence[str | Sibling] = ()
     offsets: Sequence[int | None] | None = None  # None entries: directly after the previous parent
     new_offset: int | None = None  # None: directly after the last parent
+    # False: encoded only for its request's decode calls to read (as a Sibling), never stored
+    store: bool = True
+    adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
 
 
 @dataclass
 class DecodeCall:
     header: Tokens  # non-empty: the first generated token is predicted from its last token
-    parents: Sequence[str] = ()
+    parents: Sequence[str | Sibling] = ()
     offsets: Sequence[int | None] | None = None
     new_offset: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    store: bool = True
+    adapter: str | None = None  # its message is stored as encoded by "<fingerprint>+<adapter>"
 
 
 @dataclass
@@ -79,16 +85,16 @@ class _Plan:
     visible: torch.Tensor  # bool [calls, entries + calls]
     tokens: list[list[int]]  # the tokens each call encodes first (message or header)
     new_offsets: list[int]
-    parents: list[tuple[str, ...]]
+    parents: list[tuple[str, ...]]  # what each call read, as its message records it (no siblings, no lent views)
     parent_offsets: list[tuple[int, ...]]
     new_ids: list[str]
     seeds: list[bytes | None] = field(default_factory=list)  # (engine.prefix_cache) per call, when cacheable
     prefix: list[Message | None] = field(default_factory=list)  # a cached start of the call's tokens, reused
-    scratch: int = 0  # the first calls are scratch calls: encoded, read by the others, never stored
-    # With scratch calls, entries are ordered: those only scratch calls read (`scratch_only` of them), those both
-    # sides read, then (after the scratch tokens' slots) those only decode calls read: each side's one run.
-    scratch_only: int = 0
-    scratch_at: int = 0  # the entry before which the scratch tokens' slots go
+    lead: int = 0  # the first calls are prefill calls its decode calls read
+    # With lead calls, entries are ordered: those only lead calls read (`lead_only` of them), those both sides
+    # read, then (after the lead tokens' slots) those only decode calls read: each side's one run.
+    lead_only: int = 0
+    lead_at: int = 0  # the entry before which the lead tokens' slots go
     mapped: list[bool] = field(default_factory=list)  # per entry: a decode call's copy through the transform
 
     @property
@@ -97,17 +103,18 @@ class _Plan:
 
 
 class DecodeStream:
-    """Iterate for TokenEvents; `ids` holds the new message ids once iteration ends.
+    """Iterate for TokenEvents; `ids` holds the stored message ids (in call order) once iteration ends.
 
-    The call runs in the scheduler from the moment it is made; iterating reads its tokens as they come.
-    `timings` (seconds) fills in as it runs: `queued` (waiting for KV budget), `assemble` (placing parents
-    into the work cache), `first_token` (from the call to the first sampled token), `decode` (the rest).
+    The request runs in the scheduler from the moment it is made; iterating reads its tokens as they come.
+    Calls are numbered among its decode calls. `timings` (seconds) fills in as it runs: `queued` (waiting for KV
+    budget), `assemble` (placing parents into the work cache), `first_token` (from the request to the first
+    sampled token), `decode` (the rest).
     """
 
-    def __init__(self, group: Group, store: MessageStore):
-        self._group, self._store = group, store
-        self._events = group.results()
-        self.timings = group.timings
+    def __init__(self, request: Request, store: MessageStore):
+        self._request, self._store = request, store
+        self._events = request.results()
+        self.timings = request.timings
         self.ids: list[str] | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -117,58 +124,56 @@ class DecodeStream:
         """Stop a stream early: it leaves the batch, its messages are not stored (unless it had already
         ended), and its parents are unpinned by the time this returns."""
         self._events.close()
-        self._group.cancel()
-        if self.ids is None and self._group.stored_ids is not None:  # it had ended, stored, before the close
-            self.ids = self._group.stored_ids
+        self._request.cancel()
+        if self.ids is None and self._request.stored_ids is not None:  # it had ended, stored, before the close
+            self.ids = self._request.stored_ids
 
     def interrupt(self) -> None:
-        """From any thread: the call leaves the batch at the next step, and whoever iterates it sees it end
+        """From any thread: the request leaves the batch at the next step, and whoever iterates it sees it end
         with an error (`close` is for the thread that iterates it)."""
-        self._group.cancelled = True
-        self._group.wake()
+        self._request.request_cancel()
 
-    def _reused(self, call: int) -> int:
-        prefix = self._group.prefix[self._group.scratch + call]
-        return prefix.num_tokens if prefix is not None else 0
+    def _call(self, call: int) -> Call:
+        return self._request.decode_calls[call]
 
     def encoded(self, call: int) -> int:
         """How many of the call's tokens (header included) already have KV. It grows as the scheduler runs,
         which may be ahead of the events read so far: read it once per use. Only for a stream made with
         `readable=True` (a preempted call would have less)."""
-        self._readable()
-        return self._reused(call) + len(self._group.slots[self._group.scratch + call])
-
-    def _readable(self) -> None:
-        if self._group.grows and not self._group.committed:
+        r = self._request
+        if r.grows and r.status is not RequestStatus.STORED:
             raise BraidError("this decode stream's work KV is not readable while it runs (it may be preempted); "
                              "make it with Engine.decode_stream(..., readable=True)")
+        c = self._call(call)
+        return c.reused + len(c.slots)
 
     def offset(self, call: int) -> int:
         """Where the call's message starts (the position of its first token, a reused cached start included)."""
-        return self._group.offsets[self._group.scratch + call] - self._reused(call)
+        c = self._call(call)
+        return c.offset - c.reused
 
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         """Tokens [start, end) of the call's message and their KV [L, 2, H, T, D], while it decodes, or
         from the stored message once it has ended."""
-        g = self._group
-        with g.lock:  # (the work cache is not handed to another call while this reads it)
-            if g.committed:
-                msg = self._store.get(g.message_ids[g.scratch + call])
+        r, c = self._request, self._call(call)
+        with r.lock:  # (the work cache is not handed to another request while this reads it)
+            if r.status is RequestStatus.STORED:
+                msg = self._store.get(c.message_id)
                 return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
-            if g.ended:
+            if r.status.ended:
                 raise BraidError(f"call {call} ended without storing its message")
             if not 0 <= start <= end <= self.encoded(call):  # (encoded refuses a stream that may be preempted)
                 raise BraidError(f"call {call}: tokens {start}-{end} are not encoded yet ({self.encoded(call)} are)")
-            n, prefix, c = self._reused(call), g.prefix[g.scratch + call], g.scratch + call
+            n = c.reused
             tokens, parts = [], []
             if start < n:  # the cached start it reused
-                tokens += prefix.token_ids[start:min(end, n)]
-                parts.append(prefix.kv[:, :, :, start:min(end, n)])
+                tokens += c.prefix.token_ids[start:min(end, n)]
+                parts.append(c.prefix.kv[:, :, :, start:min(end, n)])
             if end > n:
                 lo = max(start, n) - n
-                slots = torch.tensor(g.slots[c][lo:end - n], dtype=torch.long, device=g.cache.index.device)
-                tokens += g.all_tokens(c)[lo:end - n]
-                parts.append(g.cache.gather(slots))
+                slots = torch.tensor(c.slots[lo:end - n], dtype=torch.long, device=r.cache.index.device)
+                tokens += c.all_tokens[lo:end - n]
+                parts.append(r.cache.gather(slots))
             return list(tokens), parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3)
 
 
@@ -192,6 +197,7 @@ class Engine:
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
+            self.adapters: dict[str, Adapter] = {}  # what calls may name as their adapter (add_adapter)
             s = self.spec
             slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
@@ -199,19 +205,26 @@ class Engine:
                                                            // config.kv_block_tokens), config.kv_block_tokens),
                                        config.max_running_calls, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
-                                       threads=_cpu_threads(config, self.lm, caller_threads))
+                                       threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters)
             graphs = config.decode_graphs
             if graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda"):
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
-            self.calibration = None  # methods.calibration.Attached: the trained cache mapper and synthesizer LoRA
-            if config.calibration != "none":
-                from braid.methods.calibration import attach  # (it builds on methods.synthesis, which imports this)
-
-                self.calibration = attach(self, config.calibration)
-                log.info("calibration %s attached (trained on %s)", config.calibration,
-                         self.calibration.calibration.base_model)
             log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
                      self.spec.max_positions)
+
+    def add_adapter(self, adapter_id: str, adapter: Adapter) -> None:
+        """Let calls name `adapter_id` as their adapter: their rows run on its weights, and their messages are
+        stored as encoded by "<fingerprint>+<adapter_id>", which no base-weight call takes as a parent. Adding
+        the same adapter again is a no-op; another one under a taken id is refused."""
+        if not adapter_id or "+" in adapter_id:
+            raise BraidError(f"adapter id {adapter_id!r} must be non-empty and hold no '+'")
+        if self.adapters.get(adapter_id, adapter) is not adapter:
+            raise BraidError(f"adapter id {adapter_id!r} is taken by another adapter")
+        self.adapters[adapter_id] = adapter
+
+    def encoded_by(self, adapter_id: str | None) -> str:
+        """The fingerprint messages encoded on these weights are stored under."""
+        return self.fingerprint if adapter_id is None else f"{self.fingerprint}+{adapter_id}"
 
     # ---- messages -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -306,18 +319,21 @@ class Engine:
 
     # ---- the choreography API -------------------------------------------------------------------
     def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
-        """Encode each call's message (all in one group of forwards); each message stays contiguous. A message
-        found in the prefix cache whole is not encoded again: it shares the cached KV."""
-        group, ready = self._submit([c.message for c in calls], calls, None, None, None, self.fingerprint)
+        """Encode each call's message (all in one request); each message stays contiguous. A message found in
+        the prefix cache whole is not encoded again: it shares the cached KV."""
+        if any(not c.store for c in calls):
+            raise BraidError("a prefill call that is not stored is read by its request's decode calls only: "
+                             "give it to decode_stream with them")
+        request, ready = self._submit(calls, None)
         encoded = []
-        if group is not None:
-            events = group.results()
+        if request is not None:
+            events = request.results()
             try:
                 while True:
                     next(events)
             except StopIteration as done:
                 encoded = done.value
-            except BaseException:  # the whole call fails: the messages found in the cache go too
+            except BaseException:  # the whole request fails: the messages found in the cache go too
                 self._drop(list(ready.values()))
                 raise
         encoded = iter(encoded)
@@ -330,29 +346,22 @@ class Engine:
                 on_token(event)
         return stream.ids
 
-    def decode_stream(self, calls: Sequence[DecodeCall], transform: KVTransform | None = None,
-                      adapter: Callable[..., AbstractContextManager] | None = None,
-                      tag: str | None = None, readable: bool = False,
-                      scratch: Sequence[PrefillCall] = ()) -> DecodeStream:
-        """Decode all calls together, one row per call per step, masked so calls never see each other.
+    def decode_stream(self, calls: Sequence[PrefillCall | DecodeCall], transform: KVTransform | None = None,
+                      readable: bool = False) -> DecodeStream:
+        """Decode the decode calls together, one row per call per step, masked so calls never see each other.
 
-        Validation happens here, before the first event; `transform` and `adapter` are the
-        seams for a cache mapper and a LoRA adapter (see methods.synthesis). `tag`: the new messages were
-        encoded by adapted weights; they are stored as encoded by "<fingerprint>+<tag>", which the base
-        model refuses as a parent. `readable`: its KV is read while it decodes (`DecodeStream.partial_kv`),
-        so it holds work KV for all its `max_tokens` from the start and is never preempted; otherwise (with
-        `kv_on_demand`) it may take its blocks as it decodes.
-        `scratch`: prefill calls encoded in the same forwards, before the decode calls' headers, that a decode
-        call reads by naming `Scratch(i)` among its parents (at scratch call i's new_offset): no call of their
-        own, no message stored, and base weights whatever the adapter (methods.synthesis's boundary refresh, in
-        the synthesizer's own prefill). They read parents unmapped, and count against max_parallel_calls.
+        Prefill calls may come first: they are encoded in the same forwards, before the decode calls' headers,
+        and a decode call reads one by naming `Sibling(i)` among its parents (at prefill call i's new_offset);
+        they sample nothing and read parents unmapped. Validation happens here, before the first event.
+        `transform`: the decode calls read its parents mapped (a cache mapper, methods.synthesis).
+        `readable`: its KV is read while it decodes (`DecodeStream.partial_kv`), so it holds work KV for all its
+        `max_tokens` from the start and is never preempted; otherwise (with `kv_on_demand`) it may take its
+        blocks as it decodes.
         """
-        fingerprint = self.fingerprint if tag is None else f"{self.fingerprint}+{tag}"
-        values = [c.message for c in scratch] + [c.header for c in calls]
-        params = [_SCRATCH] * len(scratch) + [c.sampling for c in calls]  # (a scratch call samples nothing)
-        group, _ = self._submit(values, [*scratch, *calls], params, transform, adapter, fingerprint,
-                                grows=self.config.kv_on_demand and not readable, scratch=len(scratch))
-        return DecodeStream(group, self.store)
+        if not any(isinstance(c, DecodeCall) for c in calls):
+            raise BraidError("a decode request needs at least one DecodeCall")
+        request, _ = self._submit(calls, transform, grows=self.config.kv_on_demand and not readable)
+        return DecodeStream(request, self.store)
 
     # ---- internals ------------------------------------------------------------------------------
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -365,51 +374,53 @@ class Engine:
             raise BraidError(f"call {call}: token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
         return tokens
 
-    def _submit(self, values: Sequence[Tokens], calls, params: list[SamplingParams] | None,
-                transform: KVTransform | None, adapter, fingerprint: str,
-                grows: bool = False, scratch: int = 0) -> tuple[Group | None, dict[int, str]]:
+    def _submit(self, calls: Sequence[PrefillCall | DecodeCall], transform: KVTransform | None,
+                grows: bool = False) -> tuple[Request | None, dict[int, str]]:
         """Validate and plan in the caller's thread (errors surface here), reuse what the prefix cache holds,
-        pin the parents, hand the rest to the scheduler. Returns the group (None: nothing left to encode)
+        pin the parents, hand the rest to the scheduler. Returns the request (None: nothing left to encode)
         and the ids of prefill calls found whole in the cache, by call index."""
-        extra = [0] * len(calls) if params is None else [0] * scratch + [p.max_tokens for p in params[scratch:]]
-        what = "header" if params is not None else "message"
+        lead = self._check_options(calls)
         with self._store_lock:
-            plan = self._plan(values, calls, extra, what, scratch, transform.ids if transform is not None else ())
+            plan = self._plan(calls, lead, transform.ids if transform is not None else ())
             ready: dict[int, str] = {}
             views: list[str] = []
             # A mapped or adapted call's KV is not what the base model gives for the same content: not cached;
-            # nor is a call that reads scratch calls (no stored content to key it by).
-            if self.prefix_cache is not None and transform is None and adapter is None and not scratch:
-                plan, ready, views, extra = self._reuse(plan, calls, extra, what, fingerprint)
+            # nor is a call that reads its siblings (no stored content to key it by).
+            if self.prefix_cache is not None and transform is None and not lead \
+                    and all(c.adapter is None for c in calls):
+                plan, calls, ready, views = self._reuse(plan, calls)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
-
-        def release():
-            with self._store_lock:
-                self.store.unpin(pins)
-                for v in views:  # the cached prefixes lent to this call
-                    self.store.free(v)
-
+        work = _RequestKV(self, plan, transform, pins, views)
         if plan is None:
-            release()
+            work.release()
             return None, ready
-        own = sum(map(len, plan.tokens)) + sum(extra)
-        in_place = self._in_place(plan, transform, own)
-        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, in_place) if yes]
-        capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, in_place) if not yes)
         try:
-            group = Group(plan.tokens, plan.new_offsets, plan.visible, plan.new_ids, params, capacity,
-                          lambda blocks, runs: self._assemble(plan, sum(extra), transform, blocks, in_place, runs),
-                          lambda tokens, slots: self._commit(plan, group.cache, tokens, slots, fingerprint,
-                                                             cache_prefill=params is None),
-                          release, self.spec.eos_token_ids, self.tokenizer, self.lm.device, adapter, shared, grows,
-                          scratch)
-            group.prefix = plan.prefix or group.prefix
-            self.scheduler.submit(group)
+            request = work.request(calls, grows)
+            self.scheduler.submit(request)
         except BaseException:
-            release()
+            work.release()
             self._drop(list(ready.values()))
             raise
-        return group, ready
+        return request, ready
+
+    def _check_options(self, calls: Sequence[PrefillCall | DecodeCall]) -> int:
+        """The calls' options, checked: returns how many prefill calls lead a decode request."""
+        if not calls:
+            raise BraidError("no calls given")
+        decodes = [isinstance(c, DecodeCall) for c in calls]
+        lead = decodes.index(True) if any(decodes) else 0
+        if any(decodes) and not all(decodes[lead:]):
+            raise BraidError(f"call {decodes.index(False, lead)}: a request's prefill calls come before its decode "
+                             "calls")
+        adapters = {c.adapter for c in calls} - {None}
+        for a in adapters:
+            if a not in self.adapters:
+                raise PreconditionError(f"adapter {a!r} is not loaded on this engine (loaded: "
+                                        f"{sorted(self.adapters) or 'none'})")
+        if len(adapters) > 1:
+            raise BraidError(f"one request runs on one adapter besides the base weights; these calls name "
+                             f"{sorted(adapters)}")
+        return lead
 
     def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
         """Which of the call's parents it reads in place (runs of the KV pool, one copy for every running call
@@ -432,25 +443,25 @@ class Engine:
                 if mid in self.store:
                     self.store.free(mid)
 
-    def _reuse(self, plan: _Plan, calls, extra: list[int], what: str, fingerprint: str):
+    def _reuse(self, plan: _Plan, calls: Sequence[PrefillCall | DecodeCall]):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
         message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
-        (a view, no copy) and encodes only the rest. Returns (plan of what is left or None, ready ids,
-        lent view ids, max new tokens of what is left)."""
+        (a view, no copy) and encodes only the rest. Returns (plan of what is left or None, its calls, ready ids
+        by call index, lent view ids)."""
         cache, n_calls = self.prefix_cache, len(calls)
-        seeds = [content_seed(fingerprint, [(self.store.get(p).content_key, off) for p, off in
-                                            zip(plan.parents[c], plan.parent_offsets[c])], plan.new_offsets[c])
+        seeds = [content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
+                                                 zip(plan.parents[c], plan.parent_offsets[c])], plan.new_offsets[c])
                  for c in range(n_calls)]
-        hits = [cache.lookup(seeds[c], plan.tokens[c], len(plan.tokens[c]) - (what == "header"), self.store)
-                for c in range(n_calls)]
+        hits = [cache.lookup(seeds[c], plan.tokens[c], len(plan.tokens[c]) - isinstance(calls[c], DecodeCall),
+                             self.store) for c in range(n_calls)]
         if not any(hits):
             plan.seeds, plan.prefix = seeds, [None] * n_calls
-            return plan, {}, [], extra
+            return plan, calls, {}, []
         ready, views, left, prefixes = {}, [], [], []
         for c, hit in enumerate(hits):
             toks, off = plan.tokens[c], plan.new_offsets[c]
             if hit is None:
-                left.append((c, calls[c], toks))
+                left.append((c, calls[c]))
                 prefixes.append(None)
                 continue
             msg, n = hit
@@ -466,49 +477,48 @@ class Engine:
             view = Message(f"~prefix-{new_message_id()}", tuple(toks[:n]), kv, off, (), (), msg.fingerprint)
             self.store.add([view])
             views.append(view.id)
-            call = replace(calls[c], parents=[*plan.parents[c], view.id], offsets=[*plan.parent_offsets[c], off],
-                           new_offset=off + n)
-            left.append((c, call, toks[n:]))
+            rest = {"header" if isinstance(calls[c], DecodeCall) else "message": toks[n:]}
+            left.append((c, replace(calls[c], parents=[*plan.parents[c], view.id],
+                                    offsets=[*plan.parent_offsets[c], off], new_offset=off + n, **rest)))
             prefixes.append(view)
         if not left:
-            return None, ready, views, []
-        keep = [c for c, _, _ in left]
-        rest = self._plan([t for _, _, t in left], [call for _, call, _ in left], [extra[c] for c in keep], what)
+            return None, [], ready, views
+        keep = [c for c, _ in left]
+        rest = self._plan([call for _, call in left], 0, ())
         rest.parents = [plan.parents[c] for c in keep]  # (what the messages record: not the lent views)
         rest.parent_offsets = [plan.parent_offsets[c] for c in keep]
         rest.new_ids = [plan.new_ids[c] for c in keep]
         rest.seeds, rest.prefix = [seeds[c] for c in keep], prefixes
-        return rest, ready, views, [extra[c] for c in keep]
+        return rest, [call for _, call in left], ready, views
 
-    def _plan(self, values: Sequence[Tokens], calls, extra_positions: list[int], what: str, scratch: int = 0,
-              mapped_ids=()) -> _Plan:
-        """Validate the calls and place their parents. The first `scratch` calls are scratch calls, which the
-        others may name as `Scratch(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls
-        and unmapped by scratch calls: an entry for each."""
+    def _plan(self, calls: Sequence[PrefillCall | DecodeCall], lead: int, mapped_ids=()) -> _Plan:
+        """Validate the calls and place their parents. The first `lead` calls are prefill calls that the
+        others may name as `Sibling(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls
+        and unmapped by the lead calls: an entry for each."""
         n = len(calls)
-        if n == 0:
-            raise BraidError("no calls given")
         if n > self.config.max_parallel_calls:
             raise BraidError(f"{n} parallel calls exceed max_parallel_calls={self.config.max_parallel_calls}")
         limit = self.spec.max_positions
         index: dict[tuple[str, int, bool], int] = {}
         entries: list[tuple[Message, int]] = []
         mapped: list[bool] = []
-        call_entries, call_scratch, tokens, new_offsets, parent_offsets = [], [], [], [], []
+        call_entries, call_siblings, tokens, new_offsets, parent_offsets = [], [], [], [], []
         for c, call in enumerate(calls):
-            toks = self._as_tokens(values[c], what, c)
+            decodes = isinstance(call, DecodeCall)
+            toks = self._as_tokens(call.header if decodes else call.message, "header" if decodes else "message", c)
+            extra = call.sampling.max_tokens if decodes else 0
             parents = list(call.parents)
             offsets = call.offsets
             if offsets is not None and len(offsets) != len(parents):
                 raise InvalidOffsetError(f"call {c}: {len(offsets)} offsets given for {len(parents)} parents")
             end, mine, reads, placed = 0, [], [], []
             for i, pid in enumerate(parents):
-                if isinstance(pid, Scratch):
-                    if c < scratch or not 0 <= pid.index < scratch:
-                        raise BraidError(f"call {c}: {pid} is not a scratch call this call can read")
+                if isinstance(pid, Sibling):
+                    if c < lead or not 0 <= pid.index < lead:
+                        raise BraidError(f"call {c}: {pid} is not a prefill call of this request that it can read")
                     off = new_offsets[pid.index]
                     if offsets is not None and offsets[i] not in (None, off):
-                        raise InvalidOffsetError(f"call {c}: scratch call {pid.index} is encoded at offset {off}, "
+                        raise InvalidOffsetError(f"call {c}: prefill call {pid.index} is encoded at offset {off}, "
                                                  f"not {offsets[i]}")
                     reads.append(pid.index)
                     placed.append(off)
@@ -524,7 +534,7 @@ class Engine:
                     raise InvalidOffsetError(
                         f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
                         f"it must be an int with 0 <= offset and offset + length <= {limit}")
-                key = (pid, off, c >= scratch and pid in mapped_ids)  # (mapped: an entry of its own)
+                key = (pid, off, c >= lead and pid in mapped_ids)  # (mapped: an entry of its own)
                 mine.append(index.setdefault(key, len(entries)))
                 if mine[-1] == len(entries):
                     entries.append((msg, off))
@@ -534,12 +544,13 @@ class Engine:
             new_off = end if call.new_offset is None else call.new_offset
             if not isinstance(new_off, int) or new_off < 0:
                 raise InvalidOffsetError(f"call {c}: new_offset {new_off!r} must be a non-negative int")
-            if new_off + len(toks) + extra_positions[c] > limit:
+            if new_off + len(toks) + extra > limit:
+                what = "header" if decodes else "message"
                 raise ContextOverflowError(
-                    f"call {c}: new_offset {new_off} + {len(toks)} {what} tokens + {extra_positions[c]} max new "
-                    f"tokens = {new_off + len(toks) + extra_positions[c]} exceeds the context of {limit} positions")
+                    f"call {c}: new_offset {new_off} + {len(toks)} {what} tokens + {extra} max new "
+                    f"tokens = {new_off + len(toks) + extra} exceeds the context of {limit} positions")
             call_entries.append(mine)
-            call_scratch.append(reads)
+            call_siblings.append(reads)
             tokens.append(toks)
             new_offsets.append(new_off)
             parent_offsets.append(tuple(placed))
@@ -547,36 +558,38 @@ class Engine:
         for c, mine in enumerate(call_entries):
             visible[c, mine] = True
             visible[c, len(entries) + c] = True
-            visible[c, [len(entries) + i for i in call_scratch[c]]] = True
-        side = [0] * len(entries)  # 0: only scratch calls read it, 1: both sides, 2: only decode calls
-        if scratch:
-            by_scratch, by_decode = visible[:scratch, :len(entries)].any(0), visible[scratch:, :len(entries)].any(0)
-            side = (by_decode.long() + (~by_scratch).long()).tolist()
+            visible[c, [len(entries) + i for i in call_siblings[c]]] = True
+        side = [0] * len(entries)  # 0: only lead calls read it, 1: both sides, 2: only decode calls
+        if lead:
+            by_lead, by_decode = visible[:lead, :len(entries)].any(0), visible[lead:, :len(entries)].any(0)
+            side = (by_decode.long() + (~by_lead).long()).tolist()
             order = sorted(range(len(entries)), key=side.__getitem__)
             entries, mapped = [entries[e] for e in order], [mapped[e] for e in order]
             visible = torch.cat([visible[:, order], visible[:, len(entries):]], dim=1)
             side = sorted(side)
+        read = [[(p, o) for p, o in zip(c.parents, offs) if not isinstance(p, Sibling)]
+                for c, offs in zip(calls, parent_offsets)]
         return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
-                     [tuple(c.parents) for c in calls], parent_offsets, [new_message_id() for _ in calls],
-                     scratch=scratch, mapped=mapped, scratch_only=side.count(0) if scratch else 0,
-                     scratch_at=side.count(0) + side.count(1) if scratch else 0)
+                     [tuple(p for p, _ in r) for r in read], [tuple(o for _, o in r) for r in read],
+                     [new_message_id() for _ in calls], lead=lead, mapped=mapped,
+                     lead_only=side.count(0) if lead else 0, lead_at=side.count(0) + side.count(1) if lead else 0)
 
     def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
                   in_place: list[bool], runs: list) -> WorkCache:
         """A work cache (over `blocks` of the pool) reading each parent in place (`runs`, in order, for the
         entries `in_place`) or holding a copy of it, re-rotated to its offset, and mapped for the decode calls'
-        entries of the parents the transform maps (from the unmapped copy placed for scratch calls, if any).
-        With scratch calls, their tokens' slots are claimed between the entries they read and the others."""
+        entries of the parents the transform maps (from the unmapped copy placed for lead calls, if any).
+        With lead calls, their tokens' slots are claimed between the entries they read and the others."""
         context = sum(m.num_tokens for m, _ in plan.entries)
         cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
-        cache.start = sum(m.num_tokens for m, _ in plan.entries[:plan.scratch_only])
+        cache.start = sum(m.num_tokens for m, _ in plan.entries[:plan.lead_only])
         unmapped: dict[tuple[str, int], torch.Tensor] = {}  # the slots of unmapped copies a mapped entry may take
         runs = iter(runs)
         for e, entry in enumerate(plan.entries + [None]):
-            if plan.scratch and e == plan.scratch_only:
+            if plan.lead and e == plan.lead_only:
                 cache.front = cache.claimed
-            if plan.scratch and e == plan.scratch_at:
-                cache.reserve_scratch(torch.tensor([len(plan.entries) + c for c in range(plan.scratch)
+            if plan.lead and e == plan.lead_at:
+                cache.reserve_lead(torch.tensor([len(plan.entries) + c for c in range(plan.lead)
                                                     for _ in plan.tokens[c]], device=cache.index.device))
             if entry is None:
                 break
@@ -605,25 +618,25 @@ class Engine:
         delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=msg.kv.device)
         return torch.stack([rerotate_keys(msg.kv[:, 0], delta, self.lm.inv_freq), msg.kv[:, 1]], dim=1)
 
-    def _commit(self, plan: _Plan, cache: WorkCache, tokens: list[list[int]], slots: list[list[int]],
-                fingerprint: str | None = None, cache_prefill: bool = False) -> list[str]:
-        """Store the call's messages (a reused cached start put back in front); with prefix caching, each gets
-        its content key, and prefills also a hidden twin over the same KV that the cache keeps after the
-        caller frees its message, until the store evicts it."""
+    def _commit(self, plan: _Plan, request: Request) -> list[str]:
+        """Store the messages of the request's stored calls (a reused cached start put back in front); with
+        prefix caching, each gets its content key, and prefills also a hidden twin over the same KV that the
+        cache keeps after the caller frees its message, until the store evicts it."""
         messages, twins = [], []
-        for c in range(plan.scratch, len(tokens)):  # (scratch calls store nothing)
-            kv = cache.gather(torch.tensor(slots[c], dtype=torch.long, device=self.lm.device))
-            toks, offset = tokens[c], plan.new_offsets[c]
-            prefix = plan.prefix[c] if plan.prefix else None
-            if prefix is not None:
-                kv, toks, offset = torch.cat([prefix.kv, kv], dim=3), [*prefix.token_ids, *toks], prefix.offset
+        for c, call in enumerate(request.calls):
+            if not call.store:
+                continue
+            kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
+            toks, offset = call.all_tokens, call.offset
+            if call.prefix is not None:
+                kv, toks, offset = torch.cat([call.prefix.kv, kv], dim=3), [*call.prefix.token_ids, *toks], \
+                    call.prefix.offset
             seed = plan.seeds[c] if plan.seeds else None
             keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once, used twice)
-            read = [(p, o) for p, o in zip(plan.parents[c], plan.parent_offsets[c]) if not isinstance(p, Scratch)]
-            messages.append(Message(plan.new_ids[c], tuple(toks), kv, offset, tuple(p for p, _ in read),
-                                    tuple(o for _, o in read), fingerprint or self.fingerprint,
+            messages.append(Message(call.message_id, tuple(toks), kv, offset, plan.parents[c],
+                                    plan.parent_offsets[c], self.encoded_by(call.adapter),
                                     keys[-1][1] if keys else None))
-            if cache_prefill and keys:
+            if not call.decodes and keys:
                 twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:
             self.store.add(messages + [t for _, t in twins])
@@ -633,6 +646,45 @@ class Engine:
             if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
                 self.prefix_cache.prune(self.store)
         return [m.id for m in messages]
+
+
+class _RequestKV:
+    """One request's KV on the engine's side (engine.scheduler.RequestKV): its plan, the pins on its parents,
+    the cached starts lent to it; its work cache assembled over the blocks the scheduler gives it."""
+
+    def __init__(self, engine: Engine, plan: _Plan | None, transform: KVTransform | None, pins: list[str],
+                 views: list[str]):
+        self.engine, self.plan, self.transform, self.pins, self.views = engine, plan, transform, pins, views
+
+    def request(self, calls: Sequence[PrefillCall | DecodeCall], grows: bool) -> Request:
+        """The scheduler's request for the planned calls (`calls`: what is left after the prefix cache)."""
+        eng, plan = self.engine, self.plan
+        own = sum(map(len, plan.tokens)) + sum(c.sampling.max_tokens for c in calls if isinstance(c, DecodeCall))
+        self.extra = own - sum(map(len, plan.tokens))
+        self.in_place = eng._in_place(plan, self.transform, own)
+        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes]
+        capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, self.in_place) if not yes)
+        made = []
+        for c, call in enumerate(calls):
+            decodes = isinstance(call, DecodeCall)
+            made.append(Call(plan.tokens[c], plan.new_offsets[c], plan.new_ids[c],
+                             call.sampling if decodes else None, call.store, call.adapter,
+                             plan.prefix[c] if plan.prefix else None))
+            made[-1].start(eng.spec.eos_token_ids, eng.tokenizer, eng.lm.device)
+        return Request(made, plan.visible, capacity, self, shared, grows)
+
+    def assemble(self, blocks: list[int], runs: list) -> WorkCache:
+        return self.engine._assemble(self.plan, self.extra, self.transform, blocks, self.in_place, runs)
+
+    def commit(self, request: Request) -> list[str]:
+        return self.engine._commit(self.plan, request)
+
+    def release(self) -> None:
+        eng = self.engine
+        with eng._store_lock:
+            eng.store.unpin(self.pins)
+            for v in self.views:  # the cached prefixes lent to this request
+                eng.store.free(v)
 
 
 def _cpu_threads(config: EngineConfig, lm: LoadedModel, caller_threads: int) -> int:

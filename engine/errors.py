@@ -49,3 +49,8 @@ class UnavailableError(BraidError):
 class StoppedError(BraidError):
     """The request's consumer went away, so its work was stopped."""
     code = "CANCELLED"
+
+
+class StepFailedError(BraidError):
+    """The engine's step failed outside any one request's forward; the requests it held fail with it."""
+    code = "INTERNAL"

@@ -10,11 +10,11 @@ c may attend slot s iff visible[c, segment[s]] and s <= its own slot, which give
 choreography masks of parallel prefill (each message contiguous) and parallel decode
 (tokens interleaved) from one rule.
 
-A decode with scratch calls (Engine.decode_stream) orders its cache so that each side reads one run of
-slots: the entries only the scratch calls read, those both read, the scratch calls' tokens (their slots
-claimed ahead), then the entries only the decode calls read and the decode calls' tokens. Scratch rows
+A decode request whose first calls are prefill calls its decode calls read (lead calls) orders its cache so that
+each side reads one run of slots: the entries only the lead calls read, those both read, the lead calls' tokens
+(their slots claimed ahead), then the entries only the decode calls read and the decode calls' tokens. Lead rows
 attend [0, end of their tokens); the other rows [start, length), so they never pay for the first part,
-whose blocks go back to the pool once the scratch rows are encoded.
+whose blocks go back to the pool once the lead rows are encoded.
 """
 
 from dataclasses import dataclass
@@ -129,12 +129,12 @@ class WorkCache:
         self.run_start = blocks[0] * b if ascending else None
         self.segment = torch.empty(capacity, dtype=torch.long, device=lm.device)
         self.length = 0
-        # With scratch calls (engine.Engine.decode_stream): the context only they read comes first, slots
-        # [0, start), which no other row attends; their own tokens' slots are claimed ahead, as `scratch`.
+        # With lead calls (a decode request's prefill calls, engine.call): the context only they read comes first, slots
+        # [0, start), which no other row attends; their own tokens' slots are claimed ahead, as `lead`.
         self.start = 0
-        self.scratch = slice(0, 0)
-        self._scratch_next = 0
-        self.front = 0  # slots of its own blocks that hold context only scratch calls read (the first ones)
+        self.lead_slots = slice(0, 0)
+        self._lead_next = 0
+        self.front = 0  # slots of its own blocks that hold context only leading prefill calls read (the first ones)
 
     @property
     def claimed(self) -> int:
@@ -189,19 +189,20 @@ class WorkCache:
         self.length = end
         return slice(start, end)
 
-    def reserve_scratch(self, segments: torch.Tensor) -> None:
-        """Claim the slots of the scratch calls' tokens (in the order they are encoded) here, ahead of the
+    def reserve_lead(self, segments: torch.Tensor) -> None:
+        """Claim the slots of the leading prefill calls' tokens (in the order they are encoded) here, ahead of the
         entries that only the decode calls read, so that each side attends one run of slots."""
         start = self.length
         self.reserve(segments)
-        self.scratch = slice(start, self.length)
-        self._scratch_next = start
+        self.lead_slots = slice(start, self.length)
+        self._lead_next = start
 
-    def next_scratch(self, n: int) -> torch.Tensor:
-        """The claimed slots of the next `n` scratch tokens."""
-        at, self._scratch_next = self._scratch_next, self._scratch_next + n
-        if self._scratch_next > self.scratch.stop:
-            raise RuntimeError(f"{n} scratch tokens past the {self.scratch.stop - self.scratch.start} claimed")
+    def next_lead(self, n: int) -> torch.Tensor:
+        """The claimed slots of the next `n` leading prefill tokens."""
+        at, self._lead_next = self._lead_next, self._lead_next + n
+        if self._lead_next > self.lead_slots.stop:
+            claimed = self.lead_slots.stop - self.lead_slots.start
+            raise RuntimeError(f"{n} leading prefill tokens past the {claimed} claimed")
         return torch.arange(at, at + n, device=self.index.device)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,7 @@ class WorkCache:
 
 
 @dataclass
-class GroupInput:
+class RequestInput:
     """One engine call's rows in a forward: its own work cache, masks and tokens.
 
     visible: bool [calls, segments]; row r belongs to call call_of_row[r]; logit_rows: which of its rows
@@ -228,24 +229,24 @@ class GroupInput:
     positions: torch.Tensor  # [rows]
     call_of_row: torch.Tensor  # [rows]
     logit_rows: list[int] | None  # (host indices: one copy for all the groups of a forward)
-    scratch_rows: int = 0  # how many of the rows (the first) are scratch calls' tokens
+    lead_rows: int = 0  # how many of the rows (the first) are leading prefill calls' tokens
     slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
     # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
-    # it, so its mask need not be built (Group.plain)
+    # it, so its mask need not be built (Request.plain)
     plain: bool = False
 
 
 @dataclass
 class _Part:
     """A group's place in one forward, for the cache writes and the attention (engine.attention). Its first
-    `scratch` rows (scratch calls' tokens) attend slots [0, scratch_end); the others [start, length)."""
+    `lead` rows (leading prefill calls' tokens) attend slots [0, lead_end); the others [start, length)."""
 
     cache: WorkCache
     rows: slice  # its rows among the forward's
     write_index: torch.Tensor  # where its rows' KV go in the pool: [rows]
-    mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with scratch rows, else [start, length)
-    scratch: int = 0  # its first rows that are scratch calls' tokens
-    scratch_end: int = 0  # one past the last of those rows' slots: they attend [0, scratch_end), all written
+    mask: torch.Tensor | None  # bool [1, 1, rows, keys]: keys [0, length) with lead rows, else [start, length)
+    lead: int = 0  # its first rows that are leading prefill calls' tokens
+    lead_end: int = 0  # one past the last of those rows' slots: they attend [0, lead_end), all written
     full: bool = False  # one row that attends every key [start, length): `mask` is None and not needed
 
     @property
@@ -308,7 +309,7 @@ class _Step:
         device = self.pool.kv.device
         self.write_index = torch.cat([p.write_index for p in parts])  # where each row's KV goes: [rows]
         small = [p for p in parts if p.rows.stop - p.rows.start <= SHARED_ATTENTION_ROWS and p.masked
-                 and not p.scratch]
+                 and not p.lead]
         self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         for p in self.large:
@@ -355,12 +356,12 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
 
     @torch.inference_mode()
-    def step(self, groups: list[GroupInput], weights=None) -> list[torch.Tensor | None]:
+    def step(self, groups: list[RequestInput], weights=None) -> list[torch.Tensor | None]:
         """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
         over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
         groups runs at a static shape when the runner has graphs (engine.cuda_graphs). `weights` names the weights
         in place for this forward when they are not the base ones (the scheduler's adapter; in a static
-        forward, which has no scratch rows, it is in place over every row): a graph replays the weights it
+        forward, which has no leading prefill rows, it is in place over every row): a graph replays the weights it
         was captured with, so each has its own."""
         graphs = self.graphs  # (read once)
         shape = graphs.shape(groups) if graphs is not None else None
@@ -380,7 +381,7 @@ class ModelRunner:
         hidden = self.forward(input_ids, positions, _Step(parts))
         return self._logits(groups, hidden, [p.rows for p in parts])
 
-    def _logits(self, groups: list[GroupInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
+    def _logits(self, groups: list[RequestInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
         """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
         every group's rows (its weight read once a forward, not once a group)."""
         wanted = [g.logit_rows for g in groups if g.logit_rows is not None]
@@ -398,19 +399,19 @@ class ModelRunner:
                            past_key_values=step, use_cache=True, braid_step=step)
         return out.last_hidden_state[0]
 
-    def _part(self, g: GroupInput, start: int, masked: bool) -> _Part:
+    def _part(self, g: RequestInput, start: int, masked: bool) -> _Part:
         """Claim the group's slots in its cache (setting g.slots) and build its mask, unless it needs none (one
         plain-causal group on flash-attn, and `masked` false; or one row of a `plain` group, which sees every
         key: `full`): its place in a forward whose rows so far end at `start`."""
         num_entries = g.visible.shape[1] - g.visible.shape[0]
-        r, cache = g.scratch_rows, g.cache
-        rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (scratch rows: their slots claimed ahead)
+        r, cache = g.lead_rows, g.cache
+        rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (leading prefill rows: their slots claimed ahead)
         g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
         write = cache.index[rest]  # (a view: its rows' slots are one run of its cache)
         if r:
-            scratch = cache.next_scratch(r)
-            g.slots = torch.cat([scratch, g.slots])
-            write = torch.cat([cache.index[scratch], write])
+            lead = cache.next_lead(r)
+            g.slots = torch.cat([lead, g.slots])
+            write = torch.cat([cache.index[lead], write])
         mask, full = None, False
         if masked or mask_needed(self.lm.device, self.lm.dtype, g.visible):
             if g.plain and not r and len(g.input_ids) == 1:

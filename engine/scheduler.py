@@ -1,20 +1,22 @@
-"""The step loop that owns the model: every engine call, from any request, batched step by step.
+"""The step loop that owns the model: every engine request, batched step by step.
 
-Each engine call (a prefill or a decode of parallel calls) becomes one `Group`, the object that carries
-it through the scheduler as nano-vllm's Sequence does. One thread runs `Scheduler.step`, which is
-schedule, run, postprocess: groups are admitted while their work KV fits the budget (they wait
-otherwise, first come first served), every running group contributes rows (decoding groups one per
-live call, groups still encoding their messages or headers a chunk, under a per-step token budget),
-and one forward encodes them all, attention staying within each group (engine.model_runner). A cancelled
-group leaves at the next step; a failed one stores nothing.
+Each engine request (a prefill or a decode of parallel calls) becomes one `Request`, whose calls
+(engine.call.Call) it carries from admission to completion, as nano-vllm's Sequence does. One thread runs
+`Scheduler.step`, which is schedule, run, postprocess: requests are admitted while their work KV fits the
+budget (they wait otherwise, first come first served), every running request contributes rows (decoding
+ones one per live call, ones still encoding their messages or headers a chunk, under a per-step token
+budget), and one forward encodes them all, attention staying within each request (engine.model_runner).
+A cancelled request leaves at the next step; a failed one stores nothing. Calls that name an adapter run on
+it: one adapter per forward, adapters taking turns (base-weight rows may join an adapter's forwards).
 
-Work KV on demand: a group that may grow (`Group.grows`) is admitted with blocks for what it holds now
-and takes more, a block at a time, as it decodes; any other group is admitted with blocks for all it
+Work KV on demand: a request that may grow (`Request.grows`) is admitted with blocks for what it holds now
+and takes more, a block at a time, as it decodes; any other request is admitted with blocks for all it
 may write. When no block is free, the newest request that may grow is preempted: its blocks go back,
 and it waits at the head of the queue to encode again what it had (recompute, as vLLM's default), then
 goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
 """
 
+import enum
 import logging
 import queue
 import threading
@@ -24,24 +26,16 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from braid.engine.detokenize import Detokenizer
-from braid.engine.errors import StoreFullError
-from braid.engine.model_runner import GroupInput, KVPool, ModelRunner, WorkCache
-from braid.engine.sampling import SamplingParams, greedy_rows, make_generator, sample_rows
+from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
+from braid.engine.errors import StepFailedError, StoreFullError
+from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
+from braid.engine.sampling import greedy_rows, sample_rows
 from braid.engine.threads import claim
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    call: int  # index of the call in the parallel batch
-    token_id: int
-    text: str  # text newly decodable with this token
-    finish_reason: str | None = None  # "stop" or "length" on a call's last token
-    message_id: str | None = None  # on a call's last token; stored once the whole stream has ended
 
 
 @dataclass
@@ -50,95 +44,123 @@ class _Done:
     error: BaseException | None = None
 
 
-class Group:
-    """One engine call through the scheduler: its rows still to encode, its work cache, what it generated.
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for its blocks (first, or again after a preemption)
+    RUNNING = "running"
+    CANCELLED = "cancelled"  # asked to stop: it leaves at the next step (unless it ends first)
+    STORED = "stored"  # ended with its messages stored
+    FAILED = "failed"  # ended without storing anything (an error, or cancelled)
 
-    Built by the engine after validation. `assemble(blocks)` makes its work cache (parents placed) over the
-    pool blocks it gets when it is admitted; `commit(tokens, slots)` stores its messages and returns their
-    ids; `release()` runs once at the end whatever happened (unpins its parents). Rows are (token, position,
-    call); a decode group samples a call's next token from the logits of the call's last encoded row."""
+    @property
+    def ended(self) -> bool:
+        return self in (RequestStatus.STORED, RequestStatus.FAILED)
 
-    def __init__(self, tokens: list[list[int]], offsets: list[int], visible: torch.Tensor, message_ids: list[str],
-                 params: list[SamplingParams] | None, capacity: int, assemble: Callable[..., WorkCache],
-                 commit: Callable, release: Callable, eos_ids: tuple[int, ...], tokenizer, device: torch.device,
-                 adapter: Callable[..., AbstractContextManager] | None = None,
-                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False, scratch: int = 0):
-        self.tokens, self.offsets, self.params = tokens, offsets, params
-        self.scratch = scratch
-        self.visible, self.message_ids = visible, message_ids  # bool [calls, entries + calls]; ids once stored
-        self.plain = visible.shape[0] == 1 and bool(visible.all())  # (GroupInput.plain: read once, here)
+
+class RequestKV(Protocol):
+    """The engine's side of a request's KV, which the scheduler calls from its thread: `assemble` when it is
+    admitted (and again after a preemption), `commit` when every call has finished, `release` once at the end
+    whatever happened."""
+
+    def assemble(self, blocks: list[int], runs: list) -> WorkCache:
+        """Its work cache over `blocks` of the pool, its parents placed (those read in place as `runs`)."""
+
+    def commit(self, request: "Request") -> list[str]:
+        """Store the messages of its calls that are stored; their ids."""
+
+    def release(self) -> None:
+        """Unpin its parents and give back what was lent to it."""
+
+
+class Request:
+    """One engine request through the scheduler: its calls (engine.call.Call), its work cache, its status.
+
+    Built by the engine after validation. Rows are (token, position, call index); a decode call samples its next
+    token from the logits of its last encoded row. A decode request's prefill calls come first (`lead` of them):
+    their rows are encoded before any other, attending a run of the cache of their own (engine.model_runner)."""
+
+    def __init__(self, calls: list[Call], visible: torch.Tensor, capacity: int, kv: RequestKV,
+                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False):
+        self.calls = calls
+        self.decodes = any(c.decodes for c in calls)
+        self.lead = sum(not c.decodes for c in calls) if self.decodes else 0
+        self.decode_calls = [c for c in calls if c.decodes]
+        adapters = {c.adapter for c in calls} - {None}
+        self.adapter = adapters.pop() if adapters else None  # (the engine allows one besides the base weights)
+        self.adapted = torch.tensor([c.adapter is not None for c in calls])  # bool [calls]: rows on the adapter
+        self.visible = visible  # bool [calls, entries + calls]
+        self.plain = visible.shape[0] == 1 and bool(visible.all())  # (RequestInput.plain: read once, here)
         self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
-        # it may run on fewer blocks than `capacity`, taking more as it decodes, and be preempted (a decode call
+        # it may run on fewer blocks than `capacity`, taking more as it decodes, and be preempted (a decode request
         # whose work KV nobody reads while it runs: see DecodeStream.partial_kv)
-        self.grows = grows and params is not None
+        self.grows = grows and self.decodes
         self.preempted = 0  # times it was preempted
         self.blocks: list[int] = []
         self.shared = shared or []  # (KV, offset) of the parents it reads in place, as SharedRuns of the pool
         self.runs: list = []  # their runs while it runs
-        self._assemble, self._commit, self._release = assemble, commit, release
-        self.adapter = adapter  # runs its forwards inside this context (a calibration's LoRA: synthesizer or turns)
-        self.prefix: list = [None] * len(tokens)  # per call, a cached start (a Message) its tokens follow
+        self.kv = kv
         self.cache: WorkCache | None = None
-        # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; `ended` is set
-        # under it before the cache's blocks are handed back, `committed` once the messages are stored.
+        # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; the status is set
+        # to an ended one under it before the cache's blocks are handed back.
         self.lock = threading.Lock()
-        self.ended = self.committed = False
-        self._done_seen = False
+        self.status = RequestStatus.WAITING
+        self.heard_end = False  # (its consumer has read its end)
         self.wake: Callable[[], None] = lambda: None  # (set by the scheduler: a cancel is noticed at once)
         self.on_end: Callable[[], None] = lambda: None  # (set by the scheduler: hands its blocks back)
         self.stored_ids: list[str] | None = None  # once it has ended with its messages stored
-        self.slots: list[list[int]] = [[] for _ in tokens]  # cache slot of each encoded token, per call
         self.pending: deque[tuple[int, int, int]] = deque(
-            (t, off + i, c) for c, (toks, off) in enumerate(zip(tokens, offsets)) for i, t in enumerate(toks))
+            (t, pos, i) for i, c in enumerate(calls) for t, pos in c.rows())
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled = False
         self.timings: dict[str, float] = {}
         self.submitted = time.perf_counter()
-        self.served = 0  # steps it took part in (fairness among decoding groups)
-        if params is not None:
-            self.stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)) for p in params]
-            self.generators = [make_generator(p, device) for p in params]
-            self.detok = [Detokenizer(tokenizer, p.stop) for p in params]
-            self.generated = [d.tokens for d in self.detok]
-            self.running = set(range(scratch, len(tokens)))
+        self.served = 0  # steps it took part in (fairness among decoding requests)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.status is RequestStatus.CANCELLED
+
+    def request_cancel(self) -> None:
+        """From any thread: it leaves the batch at the next step, unless it has ended."""
+        with self.lock:
+            if not self.status.ended:
+                self.status = RequestStatus.CANCELLED
+        self.wake()
 
     @property
     def decoding(self) -> bool:
         """Past its headers: it feeds one sampled token per live call each step (not encoding again after a
         preemption)."""
-        return (self.params is not None and self.timings.get("first_token") is not None
-                and len(self.pending) <= len(self.tokens))
+        return (self.decodes and self.timings.get("first_token") is not None
+                and len(self.pending) <= len(self.calls))
 
     def needed(self) -> int:
         """Tokens of its own blocks it must hold to run now: all but what its calls may still generate (all of
         `capacity` unless it grows)."""
         if not self.grows:
             return self.capacity
-        s = self.scratch  # (scratch calls generate nothing)
-        return self.capacity - sum(p.max_tokens - len(gen) for p, gen in zip(self.params[s:], self.generated[s:]))
+        return self.capacity - sum(c.may_generate for c in self.calls)
 
     def new_slots(self, rows: int) -> int:
-        """Slots its next `rows` pending rows claim: all but scratch calls' tokens, whose slots were claimed with
-        its work cache (they come first)."""
-        scratch = 0
+        """Slots its next `rows` pending rows claim: all but its prefill calls' tokens, whose slots were claimed
+        with its work cache (they come first)."""
+        lead = 0
         for _, _, c in self.pending:
-            if c >= self.scratch or scratch == rows:
+            if c >= self.lead or lead == rows:
                 break
-            scratch += 1
-        return rows - scratch
-
-    def all_tokens(self, call: int) -> list[int]:
-        return self.tokens[call] + (self.generated[call] if self.params is not None else [])
+            lead += 1
+        return rows - lead
 
     # ---- called by the scheduler ----------------------------------------------------------------
     def start(self, device: torch.device, blocks: list[int]) -> None:
         begin = time.perf_counter()
         self.timings.setdefault("queued", begin - self.submitted)  # (before it first ran)
         self.blocks = blocks
-        self.cache = self._assemble(blocks, self.runs)
+        self.cache = self.kv.assemble(blocks, self.runs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = self.timings.get("assemble", 0.0) + time.perf_counter() - begin
+        with self.lock:
+            if self.status is RequestStatus.WAITING:
+                self.status = RequestStatus.RUNNING
 
     def grow(self, blocks: list[int]) -> None:
         """More blocks for the rows it writes next."""
@@ -146,95 +168,90 @@ class Group:
         self.cache.grow(blocks)
 
     def restart(self) -> None:
-        """(preempted: its blocks already handed back) forget its work cache; every token it has, generated ones
-        included, is encoded again when it is admitted next. What it sampled stays: it samples on from there."""
+        """(preempted, under its lock: its blocks already handed back) forget its work cache; every token it has,
+        generated ones included, is encoded again when it is admitted next. What it sampled stays: it samples on
+        from there."""
         self.cache = None
-        self.slots = [[] for _ in self.tokens]
-        self.pending = deque((t, off + i, c) for c, off in enumerate(self.offsets)
-                             for i, t in enumerate(self.all_tokens(c)))
+        for c in self.calls:
+            c.slots = []
+        self.pending = deque((t, pos, i) for i, c in enumerate(self.calls) for t, pos in c.rows())
         self.preempted += 1
+        if self.status is RequestStatus.RUNNING:  # (the scheduler holds its lock)
+            self.status = RequestStatus.WAITING
 
     def take(self, budget: int) -> list[tuple[int, int, int]]:
         """Up to `budget` pending rows (token, position, call) for this step; `input` then makes them its input."""
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
         self._taken = rows
-        self._base = self.cache.length  # (rows other than scratch calls' take the slots from here on, in order)
+        self._base = self.cache.length  # (rows other than prefill calls' take the slots from here on, in order)
         self._logit_rows = None
-        if self.params is not None:  # logits where a call's encoded tokens end, while it still generates
+        if self.decodes:  # logits where a call's encoded tokens end, while it still samples
             last = {c: i for i, (_, _, c) in enumerate(rows)}
             unfinished = {c for _, _, c in self.pending}  # calls with rows left for later steps
-            ends = sorted(i for c, i in last.items() if c in self.running and c not in unfinished)
+            ends = sorted(i for c, i in last.items() if self.calls[c].sampling_now and c not in unfinished)
             self._logit_calls = [rows[i][2] for i in ends]
             self._logit_rows = ends or None
         return rows
 
-    def input(self, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> GroupInput:
-        """This step's input: the rows `take` gave, as tensors (the scheduler makes every group's in one copy)."""
-        self._input = GroupInput(self.cache, self.visible, ids, positions, calls, self._logit_rows,
-                                 sum(c < self.scratch for _, _, c in self._taken) if self.scratch else 0,  # (first)
-                                 plain=self.plain)
+    def input(self, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> RequestInput:
+        """This step's input: the rows `take` gave, as tensors (the scheduler makes every request's in one copy)."""
+        lead_rows = sum(c < self.lead for _, _, c in self._taken) if self.lead else 0  # (they come first)
+        self._input = RequestInput(self.cache, self.visible, ids, positions, calls, self._logit_rows, lead_rows,
+                                   plain=self.plain)
         return self._input
 
     def advance(self, logits: torch.Tensor | None, greedy: list[int] | None = None) -> bool:
         """After the forward: record slots, sample, queue the sampled tokens. True when it is complete. `greedy`:
         the argmax of each row of `logits`, if the caller read them for the whole step at once."""
-        slots = self._input.slots.tolist() if self._input.scratch_rows else range(self._base, self.cache.length)
+        slots = self._input.slots.tolist() if self._input.lead_rows else range(self._base, self.cache.length)
         for (_, _, c), slot in zip(self._taken, slots):  # (no device read on a plain decode step)
-            self.slots[c].append(slot)
-        if self.cache.front and not (self.pending and self.pending[0][2] < self.scratch):
-            # every scratch row is encoded: the blocks holding only what they read go back to the pool
+            self.calls[c].slots.append(slot)
+        if self.cache.front and not (self.pending and self.pending[0][2] < self.lead):
+            # every prefill call's row is encoded: the blocks holding only what they read go back to the pool
             k, self.cache.front = self.cache.front // self.cache.pool.block_tokens, 0
             self.cache.pool.release(self.blocks[:k])
             self.blocks = self.blocks[k:]
+        for _, _, c in self._taken:
+            call = self.calls[c]
+            if not call.decodes and len(call.slots) == len(call.tokens):
+                call.status = CallStatus.ENCODED
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
-            calls = self._logit_calls
-            sampled = sample_rows(logits, [self.params[c] for c in calls], [self.generators[c] for c in calls],
-                                  greedy)
-            self.events.put([self._emit(c, token) for c, token in zip(calls, sampled)])  # one put per step
-        if self.pending or (self.params is not None and self.running):
+            calls = [self.calls[c] for c in self._logit_calls]
+            sampled = sample_rows(logits, [c.sampling for c in calls], [c.generator for c in calls], greedy)
+            events = []
+            for c, call, token in zip(self._logit_calls, calls, sampled):
+                events.append(call.sampled(token, c - self.lead))
+                self.pending.append((token, call.offset + len(call.all_tokens) - 1, c))  # (fed once: it gets KV)
+            self.events.put(events)  # one put per step
+        if self.pending or any(c.sampling_now for c in self.decode_calls):
             return False
-        if self.params is not None:
+        if self.decodes:
             self.timings["decode"] = time.perf_counter() - self.submitted - self.timings["first_token"]
         return True
-
-    def _emit(self, c: int, token: int) -> TokenEvent:
-        detok = self.detok[c]
-        delta = detok.add(token)
-        reason = None
-        if token in self.stop_ids[c] or detok.hit_stop(delta):
-            reason = "stop"
-        elif len(self.generated[c]) == self.params[c].max_tokens:
-            reason = "length"
-        if reason is not None:
-            delta += detok.flush()
-            self.running.discard(c)
-        position = self.offsets[c] + len(self.tokens[c]) + len(self.generated[c]) - 1
-        self.pending.append((token, position, c))  # every sampled token is fed once, so it gets KV
-        return TokenEvent(c - self.scratch, token, delta, reason, self.message_ids[c] if reason else None)
 
     def finish(self) -> None:
         """Store its messages; its parents are unpinned before the consumer hears it is done."""
         try:
-            done = _Done(self._commit([self.all_tokens(c) for c in range(len(self.tokens))], self.slots))
+            done = _Done(self.kv.commit(self))
         except BaseException as e:  # e.g. the store is full: nothing is stored
             done = _Done(error=e)
         with self.lock:
-            self.ended, self.committed = True, done.error is None
+            self.status = RequestStatus.STORED if done.error is None else RequestStatus.FAILED
         self._end(done)
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
-            self.ended = True
+            self.status = RequestStatus.FAILED
         self._end(_Done(error=error))
 
     def _end(self, done: _Done) -> None:
         """Unpin, hand the blocks back, then tell the consumer: by the time it hears, nothing is held."""
         self.stored_ids = done.ids if done.error is None else None
         try:
-            self._release()
+            self.kv.release()
         except BaseException as e:  # pragma: no cover - the consumer must hear the end whatever happens
-            log.exception("releasing a call's pins failed")
+            log.exception("releasing a request's pins failed")
             done = _Done(error=done.error or e)
         finally:
             try:
@@ -244,49 +261,50 @@ class Group:
 
     # ---- called by the consumer ------------------------------------------------------------------
     def results(self) -> Iterator[TokenEvent]:
-        """Its events as they come; returns the stored message ids (or raises the group's error)."""
+        """Its events as they come; returns the stored message ids (or raises the request's error)."""
         try:
             while True:
                 item = self.events.get()
                 if isinstance(item, _Done):
-                    self._done_seen = True
+                    self.heard_end = True
                     if item.error is not None:
                         raise item.error
                     return item.ids
                 yield from item  # a step's events
         finally:
-            if not self._done_seen:  # a consumer that left: it leaves the batch at the next step
-                self.cancelled = True
-                self.wake()
+            if not self.heard_end:  # a consumer that left: it leaves the batch at the next step
+                self.request_cancel()
 
     def cancel(self, timeout: float = 60.0) -> None:
         """Take it out of the batch and wait until it has ended (its parents unpinned, nothing stored)."""
-        self.cancelled = True
-        self.wake()
+        self.request_cancel()
         deadline = time.monotonic() + timeout
-        while not self._done_seen:
+        while not self.heard_end:
             try:
                 item = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                log.warning("a cancelled call did not end within %.0f s", timeout)
+                log.warning("a cancelled request did not end within %.0f s", timeout)
                 return
-            self._done_seen = isinstance(item, _Done)
+            self.heard_end = isinstance(item, _Done)
 
 
 class Scheduler:
-    """Runs every Group on one model, continuously batched. `max_batched_tokens`: rows per forward; `pool`:
+    """Runs every Request on one model, continuously batched. `max_batched_tokens`: rows per forward; `pool`:
     where running groups' work caches live (a group waits until enough blocks are free); `max_running`:
-    groups at once (0: no cap); `mix_adapters`: base-weight groups join an adapter's forwards; `threads`: torch's
-    intra-op threads in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads)."""
+    groups at once (0: no cap); `adapters`: the adapters calls may name, by id (the engine's registry, read at
+    each step); `mix_adapters`: base-weight groups join an adapter's forwards; `threads`: torch's intra-op threads
+    in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads)."""
 
     def __init__(self, runner: ModelRunner, max_batched_tokens: int, pool: KVPool, max_running: int = 0,
-                 name: str = "engine", mix_adapters: bool = True, threads: int = 0):
+                 name: str = "engine", mix_adapters: bool = True, threads: int = 0,
+                 adapters: dict[str, Adapter] | None = None):
         self.runner, self.pool, self.mix_adapters = runner, pool, mix_adapters
+        self.adapters = adapters if adapters is not None else {}
         self.max_batched_tokens = max_batched_tokens
         self.slot_bytes = pool.kv[:, :, :, 0].numel() * pool.kv.element_size()
         self.max_running = max_running
-        self.waiting: deque[Group] = deque()
-        self.running: list[Group] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.steps = 0  # forwards run
         self.preemptions = 0  # groups preempted (their KV dropped, encoded again later) for lack of blocks
         self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
@@ -302,7 +320,7 @@ class Scheduler:
         self._thread.start()
         claimed.wait()
 
-    def submit(self, group: Group) -> None:
+    def submit(self, group: Request) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
         shared = sum(self.pool.blocks_for(kv.shape[3]) for kv, _ in group.shared)  # (at most: none in the pool)
         if self.pool.blocks_for(group.capacity) + shared > self.pool.blocks:
@@ -326,16 +344,16 @@ class Scheduler:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "reserved_bytes": (self.pool.blocks - self.pool.free_blocks) * self.pool.block_tokens * self.slot_bytes}
 
-    def _admit(self, g: Group) -> list[int] | None:
+    def _admit(self, g: Request) -> list[int] | None:
         """Its blocks: what it needs now if it grows (leaving a block per call free to decode into), else all it
         may write; None: it waits."""
         also = self.pool.blocks_to_share(g.shared)
         if g.grows:  # (the spare blocks never more than it could grow by: what fits the pool is admitted)
-            spare = min(len(g.tokens), self.pool.blocks_for(g.capacity) - self.pool.blocks_for(g.needed()))
+            spare = min(len(g.calls), self.pool.blocks_for(g.capacity) - self.pool.blocks_for(g.needed()))
             return self.pool.allocate(g.needed(), also=also + spare)
         return self.pool.allocate(g.capacity, also=also)
 
-    def _room(self, g: Group, rows: int, taken: list[tuple[Group, GroupInput]]) -> bool:
+    def _room(self, g: Request, rows: int, taken: list[tuple[Request, RequestInput]]) -> bool:
         """Blocks for `rows` more of g's rows. While the pool is short, the newest request that grows (by when it
         was made, g included; never one already in this step's batch) is preempted, so the oldest go on.
         False: that was g, which skips this step."""
@@ -353,9 +371,9 @@ class Scheduler:
         g.grow(blocks)
         return True
 
-    def _preempt(self, g: Group) -> None:
+    def _preempt(self, g: Request) -> None:
         """Hand g's blocks and runs back and queue it first, to encode again what it had."""
-        log.debug("preempting a call of %d calls: %d blocks back to the pool", len(g.tokens), len(g.blocks))
+        log.debug("preempting a request of %d calls: %d blocks back to the pool", len(g.calls), len(g.blocks))
         self.running.remove(g)
         with g.lock:  # (nobody reads the work cache of a group that grows; the lock keeps that true meanwhile)
             self.pool.release(g.blocks)
@@ -371,65 +389,27 @@ class Scheduler:
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
         start = time.perf_counter()
-        batch, adapter = self.schedule()
-        if batch:
-            logits = self.run(batch, adapter)
-            self.postprocess(batch, logits)
-        self.busy_s += time.perf_counter() - start
+        try:
+            batch, adapter = self.schedule()
+            if batch:
+                logits = self.run(batch, adapter)
+                self.postprocess(batch, logits)
+        except Exception as e:  # a step that failed before failing its requests: they fail now, not wait forever
+            log.exception("scheduler step failed")
+            for g in list(self.running):
+                g.fail(StepFailedError(f"the engine's step failed: {type(e).__name__}: {e}"))
+        finally:
+            self.busy_s += time.perf_counter() - start
 
-    def schedule(self) -> tuple[list[tuple[Group, GroupInput]], Callable | None]:
-        """Admit what fits, drop what was cancelled, and pick this step's rows."""
+    def schedule(self) -> tuple[list[tuple[Request, RequestInput]], str | None]:
+        """Admit what fits, drop what was cancelled, and pick this step's rows and adapter."""
         for g in [g for g in self.running if g.cancelled]:
             g.fail(RuntimeError("cancelled"))
-        with self._cv:
-            waiting, self.waiting = list(self.waiting), deque()
-        admitted = []
-        for i, g in enumerate(waiting):
-            if g.cancelled:
-                g.fail(RuntimeError("cancelled"))
-                continue
-            blocks = None
-            if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
-                blocks = self._admit(g)
-                if blocks is not None:  # (at once, in this thread: the next group sees what these took)
-                    try:
-                        for kv, off in g.shared:
-                            g.runs.append(self.pool.share(kv, off))
-                    except Exception as e:  # (e.g. out of device memory copying a run in): it fails alone
-                        g.blocks = blocks
-                        g.fail(e)  # (its blocks and runs go back with it)
-                        continue
-            if blocks is None:  # first come, first served: the rest wait behind it
-                rest = waiting[i:]
-                for w in rest[1:]:
-                    if w.cancelled:
-                        w.fail(RuntimeError("cancelled"))
-                with self._cv:
-                    self.waiting.extendleft(reversed([g] + [w for w in rest[1:] if not w.cancelled]))
-                break
-            admitted.append((g, blocks))
-        for g, blocks in admitted:
-            try:
-                g.start(self.runner.lm.device, blocks)
-                self.running.append(g)
-            except Exception as e:
-                g.fail(e)
+        self._admit_waiting()
         ready = [g for g in self.running if g.pending]
         if not ready:
             return [], None
-        # One adapter per forward, adapters taking turns. Base-weight calls join an adapter's forwards where it
-        # reads its weights on its own rows only (`mixes_rows`: methods.calibration.MergedLora); not where
-        # forwards may run as static graphs, which swap the adapter's weights in over every row (engine.cuda_graphs):
-        # there, as with any other adapter, base calls take their own turn.
-        mix = self.mix_adapters and self.runner.graphs is None
-        adapters = list(dict.fromkeys(g.adapter for g in ready))
-        if mix and None in adapters and len(adapters) > 1 and all(getattr(a, "mixes_rows", False)
-                                                                  for a in adapters if a is not None):
-            adapters.remove(None)  # base calls join every adapter's forwards
-        adapter = adapters[self._turn % len(adapters)]
-        self._turn += 1
-        joins = mix and getattr(adapter, "mixes_rows", False)
-        ready = [g for g in ready if g.adapter == adapter or (joins and g.adapter is None)]
+        adapter, ready = self._adapter_turn(ready)
         ready.sort(key=lambda g: (not g.decoding, g.served if g.decoding else 0))  # decodes first, fairly
         budget, batch = self.max_batched_tokens, []
         for g in ready:
@@ -447,25 +427,76 @@ class Scheduler:
             batch.sort(key=lambda b: b[0].adapter != adapter)
         return batch, adapter
 
-    def run(self, batch: list[tuple[Group, GroupInput]], adapter) -> list[torch.Tensor | None]:
+    def _admit_waiting(self) -> None:
+        """Start the waiting requests, in order, while their blocks fit (and `max_running` allows)."""
+        with self._cv:
+            waiting, self.waiting = list(self.waiting), deque()
+        admitted = []
+        for i, g in enumerate(waiting):
+            if g.cancelled:
+                g.fail(RuntimeError("cancelled"))
+                continue
+            blocks = None
+            if not (self.max_running and len(self.running) + len(admitted) >= self.max_running):
+                try:  # (at once, in this thread: the next request sees what these took)
+                    blocks = self._admit(g)
+                    if blocks is not None:
+                        g.blocks = blocks
+                        for kv, off in g.shared:
+                            g.runs.append(self.pool.share(kv, off))
+                except Exception as e:  # (e.g. out of device memory copying a run in): it fails alone
+                    g.fail(e)  # (its blocks and runs go back with it)
+                    continue
+            if blocks is None:  # first come, first served: the rest wait behind it
+                rest = waiting[i:]
+                for w in rest[1:]:
+                    if w.cancelled:
+                        w.fail(RuntimeError("cancelled"))
+                with self._cv:
+                    self.waiting.extendleft(reversed([g] + [w for w in rest[1:] if not w.cancelled]))
+                break
+            admitted.append((g, blocks))
+        for g, blocks in admitted:
+            try:
+                g.start(self.runner.lm.device, blocks)
+                self.running.append(g)
+            except Exception as e:
+                g.fail(e)
+
+    def _adapter_turn(self, ready: list[Request]) -> tuple[str | None, list[Request]]:
+        """This forward's adapter (adapters take turns, one per forward) and the requests that may join it.
+        Base-weight requests join an adapter's forwards where it reads its weights on its own rows only
+        (`mixes_rows`); not where forwards may run as static graphs, which swap the adapter's weights in over
+        every row (engine.cuda_graphs): there, as with any other adapter, base requests take their own turn."""
+        mix = self.mix_adapters and self.runner.graphs is None
+        ids = list(dict.fromkeys(g.adapter for g in ready))
+        if mix and None in ids and len(ids) > 1 and all(_mixes_rows(self.adapters[a]) for a in ids if a is not None):
+            ids.remove(None)  # base requests join every adapter's forwards
+        adapter = ids[self._turn % len(ids)]
+        self._turn += 1
+        joins = mix and adapter is not None and _mixes_rows(self.adapters[adapter])
+        return adapter, [g for g in ready if g.adapter == adapter or (joins and g.adapter is None)]
+
+    def run(self, batch: list[tuple[Request, RequestInput]], adapter: str | None) -> list[torch.Tensor | None]:
         self.steps += 1
         self.groups_stepped += len(batch)
         self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
+        weights = self.adapters[adapter] if adapter is not None else None
         try:
-            with _adapted(adapter, batch):
-                # (a static forward has no scratch rows, so the adapter, if any, is swapped in over every row)
-                return self.runner.step([inp for _, inp in batch], weights=adapter)
-        except Exception as e:  # a failed forward fails its groups; nothing of theirs is stored
-            log.exception("forward failed for %d group(s)", len(batch))
+            with _adapted(weights, adapter, batch):
+                # (a static forward has no prefill calls' rows, so the adapter, if any, is in place over every row)
+                return self.runner.step([inp for _, inp in batch], weights=weights)
+        except Exception as e:  # a failed forward fails its requests; nothing of theirs is stored
+            log.exception("forward failed for %d request(s)", len(batch))
             for g, _ in batch:
                 g.fail(e)
             return []
 
-    def postprocess(self, batch: list[tuple[Group, GroupInput]], logits: list[torch.Tensor | None]) -> None:
+    def postprocess(self, batch: list[tuple[Request, RequestInput]], logits: list[torch.Tensor | None]) -> None:
         try:
             greedy = greedy_rows(logits)
-        except Exception:  # (e.g. out of memory for the step's logits): each group samples its own, failing alone
-            log.exception("reading the step's greedy tokens at once failed; sampling group by group")
+        except Exception:  # (e.g. out of memory for the step's logits): each request samples its own, failing alone
+            log.exception("reading the step's greedy tokens at once failed; sampling request by request")
             greedy = [None] * len(logits)
         for (g, _), lg, top in zip(batch, logits, greedy):
             g.served += 1
@@ -474,11 +505,11 @@ class Scheduler:
             except Exception as e:
                 g.fail(e)
                 continue
-            if done:  # (stored, and `ended` set, before its blocks can go to another call)
+            if done:  # (stored, and its status ended, before its blocks can go to another call)
                 g.finish()
 
-    def _retire(self, g: Group) -> None:
-        """(Group.on_end, in this thread) out of the batch, its blocks back to the pool."""
+    def _retire(self, g: Request) -> None:
+        """(Request.on_end, in this thread) out of the batch, its blocks back to the pool."""
         if g in self.running:
             self.running.remove(g)
         if g.blocks:
@@ -489,8 +520,8 @@ class Scheduler:
         g.runs = []
 
 
-def _inputs(taken: list[tuple[Group, list[tuple[int, int, int]]]], device) -> list[tuple[Group, GroupInput]]:
-    """Each group's rows (token, position, call) as its GroupInput: one tensor for the whole step, copied to the
+def _inputs(taken: list[tuple[Request, list[tuple[int, int, int]]]], device) -> list[tuple[Request, RequestInput]]:
+    """Each group's rows (token, position, call) as its RequestInput: one tensor for the whole step, copied to the
     device once, each group's input views of it (not a few small tensors per group)."""
     if not taken:
         return []
@@ -498,16 +529,22 @@ def _inputs(taken: list[tuple[Group, list[tuple[int, int, int]]]], device) -> li
     return [(g, g.input(*part.unbind(0))) for (g, _), part in zip(taken, flat.split([len(r) for _, r in taken], 1))]
 
 
-def _adapted(adapter, batch: list[tuple[Group, GroupInput]]) -> AbstractContextManager:
-    """The adapter's context for one forward: over every row, or, when base-weight rows are among them (other
-    calls', or scratch calls' of its own), over its own calls' rows only: `adapter(rows=bool [rows])`."""
-    if adapter is None:
+def _mixes_rows(adapter: Adapter) -> bool:
+    return getattr(adapter, "mixes_rows", False)  # (an adapter that does not say cannot share its forwards)
+
+
+def _adapted(weights: Adapter | None, adapter: str | None, batch: list[tuple[Request, RequestInput]]
+             ) -> AbstractContextManager:
+    """The adapter's weights in place for one forward: over every row, or, when base-weight rows are among them
+    (other requests', or calls of its own on the base weights), over its own calls' rows only:
+    `weights(rows=bool [rows])`."""
+    if weights is None:
         return nullcontext()
-    if all(g.adapter == adapter and not g.scratch for g, _ in batch):
-        return adapter()
-    rows = torch.cat([inp.call_of_row >= g.scratch if g.adapter == adapter
+    if all(g.adapter == adapter and bool(g.adapted.all()) for g, _ in batch):
+        return weights()
+    rows = torch.cat([g.adapted.to(inp.call_of_row.device)[inp.call_of_row] if g.adapter == adapter
                       else torch.zeros_like(inp.call_of_row, dtype=torch.bool) for g, inp in batch])
-    return adapter() if bool(rows.all()) else adapter(rows=rows)
+    return weights() if bool(rows.all()) else weights(rows=rows)
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, claimed: threading.Event) -> None:
@@ -533,7 +570,7 @@ def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, 
         if scheduler is None:
             return
         try:
-            scheduler.step()
-        except Exception:  # pragma: no cover - step() fails groups itself; this keeps the loop alive
+            scheduler.step()  # (a step that fails fails its requests itself)
+        except Exception:  # pragma: no cover - (failing them failed too): this keeps the loop alive
             log.exception("scheduler step failed")
         del scheduler

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from braid.engine import Engine, PrefillCall, SamplingParams
 from braid.engine.engine import TokenEvent
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from braid.methods.calibration import Attached, mode_name
+from braid.methods.calibration import Attached, calibration_of, mode_name
 from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.methods.synthesis import TEXT as TEXT_MODE
@@ -89,7 +89,7 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
 def engine_modes(engine: Engine) -> list[Mode]:
     """Every mode this engine can run: text, the untrained cached modes and, with a calibration, its modes."""
     return [*BASE_MODES, *STAIRCASE_MODES,
-            *(calibrated_modes(engine.calibration) if engine.calibration is not None else [])]
+            *(calibrated_modes(calibration_of(engine)) if calibration_of(engine) is not None else [])]
 
 
 def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:

@@ -1,7 +1,7 @@
 """Agent workflows' answers on the reference model: ToT voting, iterative and parallel debate as RunGraph DAGs.
 
-The reference tasks as the seed's three workflow shapes (methods.dag), every worker reply a lookup in its own
-notes and the final node the task's synthesis (vote: pick the most confident answer; chain: combine two
+The reference tasks as Prompt Choreography's three workflow shapes (methods.dag), every worker reply a lookup in
+its own notes and the final node the task's synthesis (vote: pick the most confident answer; chain: combine two
 lookups):
 - ToT: one solver per branch (its own notes, then a worker reply it decodes), then a voter that reads every
   solution and answers the task's question;
@@ -17,8 +17,8 @@ model's trained calibration ("calibrated": cache mapper, synthesizer LoRA and bo
 cache path's reading; the fine-tune on baseline traces, done by `braid calibrate`). In MADiter and MADpar
 the earlier readers (later turns, the second round) read the same way as the final node (text in the
 baseline, cached encodings otherwise); "calibrated+turns" also runs those turns with the calibration's turn
-LoRA (the debaters fine-tuned, `braid calibrate-turns`), where "calibrated" runs them with base weights: the
-seed's before and after fine-tuning. Accuracy per mode, with
+LoRA (the debaters fine-tuned, `braid calibrate-turns`), where "calibrated" runs them with base weights: Prompt
+Choreography's before and after fine-tuning. Accuracy per mode, with
 a paired bootstrap interval and McNemar's p against text, on task seeds that no training run used, and the
 share of worker turns that said their own lookup (where a debate loses it: in its turns or its final reading).
 
@@ -32,9 +32,11 @@ import os
 from typing import NamedTuple
 
 from braid.engine import Engine, EngineConfig
+
+from braid.methods.calibration import calibration_of, load_engine
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.methods.dag import DagRun, Graph
-from braid.methods.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
+from braid.methods.dag.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import Task, sample, strip_reply
@@ -47,7 +49,7 @@ WORKFLOWS = NOTES_WORKFLOWS
 
 
 def graph(task: Task, mode: str, workflow: str) -> Graph:
-    """The task as `workflow` (methods.presets.notes_graph), read as `mode` reads it."""
+    """The task as `workflow` (methods.dag.presets.notes_graph), read as `mode` reads it."""
     return notes_graph(workflow, *task.workflow_texts(), output="text" if mode == "text" else "kv",
                        staircase=mode == "staircase", calibrated=mode.startswith("calibrated"),
                        turn_lora=mode == "calibrated+turns")
@@ -56,7 +58,7 @@ def graph(task: Task, mode: str, workflow: str) -> Graph:
 def runs(engine: Engine, mode: str, workflow: str) -> bool:
     """Whether a mode applies: the calibrated ones need a calibration (and "calibrated+turns" its turn LoRA, and
     turns: ToT has none), a staircase needs readers that decode together."""
-    attached = engine.calibration
+    attached = calibration_of(engine)
     if mode == "calibrated+turns":
         return attached is not None and attached.turns is not None and workflow != "tot"
     return (mode != "calibrated" or attached is not None) and (mode != "staircase" or workflow in NOTES_STREAMING)
@@ -107,8 +109,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown workflow {unknown[0]!r}: choose from {', '.join(WORKFLOWS)}")
     logging.basicConfig(level=logging.WARNING)
-    engine = Engine(EngineConfig(args.model))  # (with its calibration when it has one: "calibrated" reads through it)
-    if engine.calibration is None:
+    engine = load_engine(EngineConfig(args.model))  # (with its calibration, if any: "calibrated" reads through it)
+    if calibration_of(engine) is None:
         print(f"{args.model} has no calibration: the calibrated mode is left out")
     rows, recorded = [], []
     for workflow in workflows:

@@ -7,8 +7,10 @@ Implementations of the sending side: gRPC (payload inline), collective (payload 
 NCCL/gloo link, header on gRPC) and local (same process: the message changes hands, no copy).
 
 Integrity: every chunk carries the CRC-32 of its bytes, checked once where it is received;
-a stream's digest is the CRC-32 of its chunks' CRC-32s in sending order, so the two sides
-can compare what was sent with what arrived without touching the tensors again.
+a stream's digest is the CRC-32 of its chunks' CRC-32s in sending order. The sending side
+puts its digest and byte count on a stream's last chunk and the receiving side checks what
+arrived against them, without touching the tensors again (the local hand-over copies
+nothing, so it has nothing to check).
 """
 
 import struct
@@ -71,7 +73,7 @@ class ReceivedStream:
     kv: torch.Tensor | None  # None when it arrived locally: the message is already in the engine
     offset: int
     bytes: int
-    digest: int
+    digest: int  # of the chunks that arrived; the receiver checked it against the sender's
     transport: str
     tail_bytes: int = 0  # the final burst, sent once the message was complete
     tail_seconds: float = 0.0  # from the final burst's first chunk to its last: what shipping adds after decode

@@ -20,6 +20,8 @@ class GrpcSender(KVSender):
 
     send() only queues the tensor: serialising, checksumming and (for the collective subclass)
     the tensor sends happen on a background thread, in one order, off the caller's decode loop.
+    A stream's last chunk (of the BranchChunk that carries its total) also carries the stream's
+    digest and byte count as sent, so the receiver checks the whole stream itself.
     """
 
     transport = "grpc"
@@ -48,14 +50,19 @@ class GrpcSender(KVSender):
                     continue
                 c: BranchChunk = item
                 stats = self.sent.setdefault(c.stream_id, SentStream(c.stream_id))
+                end = c.token_start + c.kv.shape[3]
                 for chunk, piece in iter_chunks(c.message_id, self.fingerprint, c.kv, self.max_chunk_bytes,
                                                 c.token_start, c.total_tokens, c.token_ids, c.offset, c.stream_id,
                                                 self.link_id):
-                    self._queue.put(chunk)
-                    self._send_piece(piece)
                     stats.chunks += 1
                     stats.bytes += piece.numel() * piece.element_size()
                     stats.digest = chain_digest(stats.digest, chunk.crc32)
+                    # the stream's last chunk (the closing BranchChunk's last tokens and layers) closes it: the
+                    # receiver checks what arrived against these
+                    if c.total_tokens and chunk.token_end == end and chunk.layer_end == chunk.total_layers:
+                        chunk.stream_digest, chunk.stream_bytes = stats.digest, stats.bytes
+                    self._queue.put(chunk)
+                    self._send_piece(piece)
         except Exception as e:  # noqa: BLE001 - surfaced by finish()
             self._error = e
 

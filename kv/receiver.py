@@ -8,6 +8,10 @@ locally. The synthesizer calls `wait` for each branch stream of a workflow, then
 Time limits count the stream's own work: a stream waits without a clock while its worker
 has not started (up to `queue_timeout`), then fails if nothing arrives for `idle_timeout`.
 A broken sender connection or an `Abandon` call fails the streams at once.
+
+Integrity is checked here, not by whoever relays the receipts: each chunk against its CRC-32,
+and a copied stream as a whole against the digest and byte count its sender put on its last
+chunk, so a stream that arrived otherwise fails and never reaches `import_message`.
 """
 
 import logging
@@ -61,12 +65,12 @@ class _Stream:
 
 
 class BranchArrivals:
-    """One branch stream read while it arrives (a BranchFeed source: methods.staircase): how many tokens of the
-    branch message can be read, their tokens and KV, and whether it has ended or failed."""
+    """One branch stream read while it arrives (a BranchFeed source that reports itself: methods.staircase's
+    ArrivingSource): how many tokens of the branch message can be read, their tokens and KV, and whether it has
+    ended or failed."""
 
     def __init__(self, stream_id: str, stream: _Stream):
         self.stream_id, self._stream = stream_id, stream
-        self.decode = self  # (BranchFeed's reading side: it is decoding from the start)
 
     def listen(self, listener) -> None:
         """Call `listener()` now, after each chunk, and when the stream completes or fails (from the thread
@@ -95,6 +99,15 @@ class BranchArrivals:
     def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         with self._stream.lock:
             return self._stream.assembler.read(start, end)
+
+
+def _check_sent(last: kv_pb2.KVChunk, got: KVAssembler) -> None:
+    """A stream's last chunk says what its sender put on the stream: what arrived must be that (a chunk changed
+    with its CRC-32, lost, repeated or reordered changes the digest)."""
+    if got.digest != last.stream_digest or got.bytes_received != last.stream_bytes:
+        raise TransferError(f"KV stream {last.stream_id!r} arrived corrupted: digest {got.digest:#010x} over "
+                            f"{got.bytes_received} bytes, its sender sent digest {last.stream_digest:#010x} over "
+                            f"{last.stream_bytes} bytes")
 
 
 class _PendingLink:
@@ -177,7 +190,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             self._give_up([sid], f"KV stream {sid!r} abandoned: {reason}")
 
     def wait(self, stream_id: str, idle_timeout: float, queue_timeout: float = 3600.0) -> ReceivedStream:
-        """Block until the stream's message is complete; raises TransferError on error or timeout."""
+        """Block until the stream's message is complete; raises TransferError on error or timeout, or if it
+        arrived unlike what its sender sent (the digests differ)."""
         stream = self._stream(stream_id)
         late = None  # why it timed out
         try:
@@ -269,6 +283,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                 stream.transport = "collective" if chunk.link_id else "grpc"
                 with stream.lock:
                     stream.assembler.add(chunk, piece)
+                if chunk.HasField("stream_digest"):  # (its last chunk: before the stream can be complete)
+                    _check_sent(chunk, stream.assembler)
                 chunks += 1
                 if chunk.total_tokens:
                     stream.tail_start = stream.tail_start or time.perf_counter()

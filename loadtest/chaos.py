@@ -2,13 +2,15 @@
 
 `python -m braid.loadtest.chaos redis-restart` serves the reference model in process on an embedded Redis,
 sends workflows at a fixed concurrency and, once they are under way, stops Redis (losing everything it
-held: no persistence) and starts it again on the same port. It passes when every workflow completed.
+held: no persistence) and starts it again on the same port. It passes when workflows were under way when Redis
+stopped (started, not yet ended) and every workflow completed.
 
 `python -m braid.loadtest.chaos kill-worker` starts a local Ray cluster (two Worker replicas), sends
-workflows and kills one Worker replica while they run. It passes when none hung, each either completed or
-failed with UNAVAILABLE (its branches were on the killed replica), and a new workflow completes afterwards
-without anyone restarting anything. With `--graphs`, the load is RunGraph debates (MADpar, whose waves decode on
-the Worker replicas) instead, under the same bar, and afterwards a new graph must complete too.
+workflows and kills one Worker replica while they run. It passes when workflows were under way at the kill,
+none hung, each either completed or failed with UNAVAILABLE (its branches were on the killed replica), and a
+new workflow completes afterwards without anyone restarting anything. With `--graphs`, the load is RunGraph
+debates (MADpar, whose waves decode on the Worker replicas) instead, under the same bar, and afterwards a new
+graph must complete too.
 
 `python -m braid.loadtest.chaos client-leaves` starts a local Ray cluster and, one workflow at a time, stops
 each mid-stream from the client's side, three ways: the client cancels the call; its gRPC deadline passes;
@@ -33,28 +35,46 @@ from braid.protos import agent_pb2_grpc
 
 
 def _load_in_background(address: str, requests, concurrency: int, timeout: float):
-    """Run the load on its own thread; returns (thread, result dict filled with 'records' when done)."""
-    out: dict = {}
+    """Run the load on its own thread; returns (thread, result dict filled with 'records' when done, and with
+    'live': each record as its request starts)."""
+    out: dict = {"live": []}
 
     def go():
         out["records"], out["seconds"] = asyncio.run(run_load(address, requests, max_concurrency=concurrency,
-                                                              timeout=timeout, progress=False))
+                                                              timeout=timeout, progress=False, live=out["live"]))
 
     thread = threading.Thread(target=go, daemon=True, name="chaos-load")
     thread.start()
     return thread, out
 
 
+def _under_way(thread, out: dict, after_s: float, within_s: float = 60.0) -> None:
+    """Waits `after_s` into the load, then until a workflow is under way (started, not ended), so that the fault
+    meets work; gives up when the load has ended (a fault then meets nothing: the run fails) or after `within_s`."""
+    time.sleep(after_s)
+    deadline = time.monotonic() + within_s
+    while thread.is_alive() and time.monotonic() < deadline and not any(r.end is None for r in list(out["live"])):
+        time.sleep(0.005)
+
+
+def _outcome(record) -> str:
+    """OK, the status it failed with, or INCOMPLETE (its stream ended without an answer)."""
+    return "OK" if record.ok else (record.error.split(":", 1)[0] or "INCOMPLETE")
+
+
 def _outcomes(records) -> dict:
-    codes = Counter("OK" if r.ok else (r.error.split(":", 1)[0] or "INCOMPLETE") for r in records)
+    codes = Counter(_outcome(r) for r in records)
     return {"workflows": len(records), "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"],
             "completed_with_lost_branches": sum(r.ok and r.lost_branches > 0 for r in records),
             "lost_branches": sum(r.lost_branches for r in records),
             "errors": sorted({r.error for r in records if r.error})[:20]}
 
 
-def _in_flight(records, at: float) -> int:
-    return sum(r.start < at and (r.end is None or r.end > at) for r in records)
+def _hit(records, at: float) -> dict:
+    """What the fault at `at` met: how many workflows were under way (started before it, not ended by then;
+    one that never ended counts), and how each of those ended. A run where it met none tested nothing."""
+    hit = [r for r in records if r.start < at and (r.end is None or r.end > at)]
+    return {"in_flight_at_fault": len(hit), "in_flight_outcomes": dict(Counter(_outcome(r) for r in hit))}
 
 
 def recovers(address: str, within_s: float = 90.0, metadata=(("application", "braid"),)) -> float | None:
@@ -77,30 +97,32 @@ def recovers(address: str, within_s: float = 90.0, metadata=(("application", "br
 def redis_restart_under_load(address: str, redis_server, workflows: int = 40, concurrency: int = 8,
                              after_s: float = 2.0, down_s: float = 1.0, timeout: float = 300.0,
                              workload: Workload = Workload()) -> dict:
-    """Stop the agent API's Redis `after_s` into the load for `down_s`, then start it again (empty)."""
+    """Stop the agent API's Redis `after_s` into the load (once a workflow is under way) for `down_s`, then start
+    it again (empty)."""
     thread, out = _load_in_background(address, workload.requests(workflows), concurrency, timeout)
-    time.sleep(after_s)
+    _under_way(thread, out, after_s)
     redis_server.stop()
     stopped = time.perf_counter()  # (records are timed by perf_counter)
     time.sleep(down_s)
     redis_server.start()
     thread.join(timeout + 60)
     records = out.get("records", [])
-    result = {**_outcomes(records), "after_s": after_s, "down_s": down_s,
-              "in_flight_at_fault": _in_flight(records, stopped), "recovered_s": recovers(address, metadata=())}
+    result = {**_outcomes(records), "after_s": after_s, "down_s": down_s, **_hit(records, stopped),
+              "recovered_s": recovers(address, metadata=())}
     result["passed"] = (not thread.is_alive() and result["outcomes"].get("OK", 0) == workflows
-                        and result["recovered_s"] is not None)
+                        and result["in_flight_at_fault"] > 0 and result["recovered_s"] is not None)
     return result
 
 
 def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int = 20, after_s: float = 2.0,
                            timeout: float = 300.0, workload: Workload = Workload(), recover_within_s: float = 120.0,
                            metadata=(("application", "braid"),)) -> dict:
-    """Kill one Worker replica of the Serve app in this process's Ray `after_s` into the load."""
+    """Kill one Worker replica of the Serve app in this process's Ray `after_s` into the load (once a workflow is
+    under way)."""
     import ray
 
     thread, out = _load_in_background(address, workload.requests(workflows), concurrency, timeout)
-    time.sleep(after_s)
+    _under_way(thread, out, after_s)
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Worker" in a["name"]]
     if not workers:
         raise RuntimeError("no Worker replica to kill: is the cluster colocated?")
@@ -110,18 +132,19 @@ def kill_worker_under_load(address: str, workflows: int = 20, concurrency: int =
     back = recovers(address, recover_within_s, metadata)
     records = out.get("records", [])
     result = {**_outcomes(records), "replicas_before": len(workers), "after_s": after_s,
-              "in_flight_at_fault": _in_flight(records, killed_clock),
+              **_hit(records, killed_clock),
               "recovered_s": None if back is None else time.monotonic() - killed_at}  # (from the kill)
     other = {k: n for k, n in result["outcomes"].items() if k not in ("OK", "UNAVAILABLE")}
-    result["passed"] = not thread.is_alive() and not other and result["recovered_s"] is not None
+    result["passed"] = (not thread.is_alive() and len(records) == workflows and not other
+                        and result["in_flight_at_fault"] > 0 and result["recovered_s"] is not None)
     return result
 
 
 def debate(max_tokens: int = 24):
-    """A MADpar debate (methods.presets) as a RunGraph request: 3 agents x 2 rounds and, with random or
+    """A MADpar debate (methods.dag.presets) as a RunGraph request: 3 agents x 2 rounds and, with random or
     reference weights alike, `max_tokens` per reply."""
     from braid.engine import SamplingParams
-    from braid.methods.presets import mad_par
+    from braid.methods.dag.presets import mad_par
     from braid.runtime.convert import graph_request
 
     return graph_request(mad_par("which city is larger?", agents=3, rounds=2,
@@ -135,11 +158,12 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
     Each debate's outcome is its status (DEADLINE_EXCEEDED: it hung past `timeout`)."""
     import ray
 
-    outcomes: list[str] = []
+    ended: list[tuple[float, float, str]] = []  # (start, end, outcome) per debate, perf_counter
     lock = threading.Lock()
     request = debate(max_tokens)
 
     def one():
+        start = time.perf_counter()
         try:
             with grpc.insecure_channel(address) as channel:
                 events = list(agent_pb2_grpc.AgentServiceStub(channel).RunGraph(request, metadata=metadata,
@@ -148,7 +172,7 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
         except grpc.RpcError as e:
             code = e.code().name
         with lock:
-            outcomes.append(code)
+            ended.append((start, time.perf_counter(), code))
 
     threads = [threading.Thread(target=one, daemon=True, name="chaos-graph") for _ in range(graphs)]
     for t in threads:
@@ -157,12 +181,14 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Worker" in a["name"]]
     if not workers:
         raise RuntimeError("no Worker replica to kill: is the cluster colocated?")
-    with lock:
-        in_flight = graphs - len(outcomes)
     ray.kill(ray.get_actor(workers[0]["name"], namespace=workers[0]["namespace"]), no_restart=False)
-    killed_at = time.monotonic()
+    killed_at, killed_clock = time.monotonic(), time.perf_counter()
     for t in threads:
         t.join(timeout + 60)
+    with lock:
+        outcomes = [code for *_, code in ended]
+        hung = sum(t.is_alive() for t in threads)  # (never ended: in flight at the kill, and counted as such)
+        hit = [code for start, end, code in ended if start < killed_clock < end] + ["HUNG"] * hung
     back = recovers(address, recover_within_s, metadata)
     recovered = None if back is None else time.monotonic() - killed_at  # (from the kill)
     graph_back = None
@@ -175,12 +201,12 @@ def kill_worker_under_graphs(address: str, graphs: int = 20, after_s: float = 3.
             except grpc.RpcError:
                 pass
     codes = Counter(outcomes)
-    result = {"workflows": graphs, "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"] + sum(
-        t.is_alive() for t in threads), "in_flight_at_fault": in_flight, "replicas_before": len(workers),
-        "after_s": after_s, "completed_with_lost_branches": 0, "lost_branches": 0,
-        "recovered_s": recovered, "graph_recovered_s": graph_back}
+    result = {"workflows": graphs, "outcomes": dict(codes), "hung": codes["DEADLINE_EXCEEDED"] + hung,
+              "in_flight_at_fault": len(hit), "in_flight_outcomes": dict(Counter(hit)),
+              "replicas_before": len(workers), "after_s": after_s, "completed_with_lost_branches": 0,
+              "lost_branches": 0, "recovered_s": recovered, "graph_recovered_s": graph_back}
     other = {k: n for k, n in codes.items() if k not in ("OK", "UNAVAILABLE")}
-    result["passed"] = not result["hung"] and not other and graph_back is not None
+    result["passed"] = (not result["hung"] and not other and len(hit) > 0 and graph_back is not None)
     return result
 
 
@@ -300,11 +326,12 @@ def main(argv=None) -> int:
                             staircase=args.staircase or "")
     if args.fault == "redis-restart":
         from braid.cluster.inprocess import start_in_process
-        from braid.engine import Engine, EngineConfig
+        from braid.engine import EngineConfig
+        from braid.methods.calibration import load_engine
         from braid.runtime.directory import Directory, EmbeddedRedis
 
         redis = EmbeddedRedis()
-        server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url))
+        server = start_in_process(load_engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url))
         try:
             result = redis_restart_under_load(f"127.0.0.1:{server.port}", redis, workflows, concurrency,
                                               after, args.down, workload=workload)
@@ -326,8 +353,9 @@ def main(argv=None) -> int:
     if args.graphs:
         back += ("; a new debate: never" if result["graph_recovered_s"] is None else
                  f"; a new debate: {result['graph_recovered_s']:.1f} s later")
-    print(f"{args.fault}: {result['workflows']} {'debates' if args.graphs else 'workflows'} ({result['in_flight_at_fault']} in flight at the "
-          f"fault), outcomes {result['outcomes']} ({result['completed_with_lost_branches']} answered without a lost "
+    print(f"{args.fault}: {result['workflows']} {'debates' if args.graphs else 'workflows'} "
+          f"({result['in_flight_at_fault']} in flight at the fault, which ended {result['in_flight_outcomes']}), "
+          f"outcomes {result['outcomes']} ({result['completed_with_lost_branches']} answered without a lost "
           f"branch; {result['lost_branches']} branches lost), hung {result['hung']}; a new workflow completed: {back}")
     print("PASS" if result["passed"] else "FAIL")
     suffix = "_staircase" if args.staircase else "_graphs" if args.graphs else ""

@@ -348,12 +348,13 @@ def main(argv=None) -> int:
     if address is None:
         from braid.api.auth import ApiKeys
         from braid.cluster.inprocess import start_in_process
-        from braid.engine import Engine, EngineConfig
+        from braid.engine import EngineConfig
+        from braid.methods.calibration import load_engine
         from braid.runtime.directory import Directory, EmbeddedRedis
 
         redis = EmbeddedRedis()
         keys = [secrets.token_urlsafe(24) for _ in range(2)]  # two tenants: requests also cross between them
-        server = start_in_process(Engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url),
+        server = start_in_process(load_engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url),
                                   keys=ApiKeys.parse([f"tenant{i}:{k}" for i, k in enumerate(keys)], "fuzz"))
         address = f"127.0.0.1:{server.port}"
     try:

@@ -19,7 +19,7 @@ class RequestRecord:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)  # answer tokens
     branch_tokens: int = 0
-    end: float | None = None
+    end: float | None = None  # its last event, or its failure (None: it has not ended)
     error: str = ""
     transport: str = ""
     lost_branches: int = 0  # branches a staircase answered without (their worker or KV failed)

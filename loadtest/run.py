@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from braid.api.auth import client_credentials, client_metadata
+from braid.api.auth import client_credentials, client_key, client_metadata
 from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
 from braid.loadtest.workload import TRANSPORT_CHOICES, Workload
 from braid.protos import agent_pb2 as pb
@@ -24,9 +24,11 @@ from braid.protos import agent_pb2_grpc
 from braid.results import pyplot, write_json
 
 
-async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem, bar) -> RequestRecord:
+async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem, bar,
+               live: list[RequestRecord]) -> RequestRecord:
     async with sem:
         rec = RequestRecord(time.perf_counter())
+        live.append(rec)
         try:
             async for event in stub.RunWorkflow(request, metadata=metadata, timeout=timeout):
                 kind = event.WhichOneof("event")
@@ -42,7 +44,7 @@ async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem,
                     rec.transport = pb.Transport.Name(event.decision.transport).removeprefix("TRANSPORT_").lower()
             rec.end = time.perf_counter()
         except grpc.aio.AioRpcError as e:
-            rec.error = f"{e.code().name}: {e.details()}"
+            rec.error, rec.end = f"{e.code().name}: {e.details()}", time.perf_counter()
         bar.update()
         return rec
 
@@ -63,20 +65,24 @@ def check_loopback(address: str) -> None:
 
 async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int = 0, timeout: float = 600, seed: int = 0,
-                   application: str = "braid", progress: bool = True,
-                   api_key: str | None = None, credentials=None) -> tuple[list[RequestRecord], float]:
-    """Send every request; returns each one's record and the run's duration (first send to last end)."""
+                   application: str = "braid", progress: bool = True, api_key: str | None = None,
+                   credentials=None, live: list[RequestRecord] | None = None) -> tuple[list[RequestRecord], float]:
+    """Send every request; returns each one's record and the run's duration (first send to last end). The key
+    sent is `api_key`, else $BRAID_API_KEY, else the one `braid serve` made on this machine (api.auth.client_key).
+    `live` gets each record as its request starts, for a caller that watches the run (the chaos script's faults
+    wait for work under way: a record whose `end` is None)."""
     check_loopback(address)
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency or len(requests))
-    metadata = (("application", application), *client_metadata(api_key, timeout))
+    metadata = (("application", application), *client_metadata(client_key(api_key, address), timeout))
     channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
     async with channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
             start, tasks = time.perf_counter(), []
             for i, request in enumerate(requests):
-                tasks.append(asyncio.create_task(_one(stub, request, metadata, timeout, sem, bar)))
+                tasks.append(asyncio.create_task(_one(stub, request, metadata, timeout, sem, bar,
+                                                      [] if live is None else live)))
                 if math.isfinite(request_rate) and i < len(requests) - 1:
                     await asyncio.sleep(rng.gamma(burstiness, 1 / (request_rate * burstiness)))
             records = await asyncio.gather(*tasks)
@@ -113,7 +119,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="braid loadtest", description=__doc__.splitlines()[0].strip("`"))
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
     p.add_argument("--application", default="braid", help="Serve application metadata (default: braid)")
-    p.add_argument("--api-key", help="the API key to send, when the cluster checks keys (default: $BRAID_API_KEY)")
+    p.add_argument("--api-key", help="the API key to send (default: $BRAID_API_KEY, else the key braid serve made "
+                                     "on this machine, ~/.braid/api-key-PORT)")
     p.add_argument("--tls", action="store_true", help="connect over TLS (an Ingress that terminates it)")
     p.add_argument("--ca-cert", help="PEM file of the CA to trust for --tls (default: the system's roots)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")

@@ -16,7 +16,8 @@ import threading
 import time
 
 from braid.cluster.inprocess import start_in_process
-from braid.engine import Engine, EngineConfig
+from braid.engine import EngineConfig
+from braid.methods.calibration import load_engine
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import format_summary, run_load
 from braid.loadtest.workload import Workload
@@ -34,8 +35,8 @@ def rss_bytes() -> int:
 def soak(model: str, seconds: float, concurrency: int, store_budget_bytes: int, workload: Workload,
          progress: bool = False, kv_budget_bytes: int = 0) -> dict:
     redis = EmbeddedRedis()
-    engine = Engine(EngineConfig(model, device="cpu", store_budget_bytes=store_budget_bytes,
-                                 kv_budget_bytes=kv_budget_bytes))
+    engine = load_engine(EngineConfig(model, device="cpu", store_budget_bytes=store_budget_bytes,
+                                      kv_budget_bytes=kv_budget_bytes))
     server = start_in_process(engine, Directory.connect(redis.url))
     samples, stop = [], threading.Event()
     start = time.perf_counter()

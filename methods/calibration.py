@@ -18,8 +18,10 @@ also on a colocated engine that does both.
 
 import hashlib
 import json
+import logging
 import math
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -27,10 +29,13 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from braid.engine.config import CALIBRATION_MANIFEST
+from braid.engine.config import CALIBRATION_MANIFEST, EngineConfig
+from braid.engine.engine import Engine
 from braid.engine.errors import BraidError, FingerprintMismatchError
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
 
 MANIFEST = CALIBRATION_MANIFEST
 MAPPER_FILE = "mapper.safetensors"
@@ -310,10 +315,6 @@ class MergedLora:
                     self.swaps.append((base, base.weight, torch.nn.Parameter(merged, requires_grad=False)))
         peft_model.base_model.disable_adapter_layers()  # the LoRA path itself stays off: the swaps replace it
 
-    @property
-    def extra_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for _, _, m in self.swaps)
-
     def __call__(self, rows: torch.Tensor | None = None):
         return self.active(rows)
 
@@ -321,9 +322,9 @@ class MergedLora:
     def active(self, rows: torch.Tensor | None = None) -> Iterator[None]:
         """The adapted weights for a forward's rows: all of them (the merged copies swapped in), or those `rows`
         (bool [rows]) marks, the others running the base weights (other calls' rows batched into the same
-        forward by the scheduler, and scratch calls in the synthesizer's own prefill): each adapted Linear then
-        runs each run of like rows through its own weight, merged or base (the scheduler puts the adapter's calls
-        together, so there are a few)."""
+        forward by the scheduler, and the unstored prefill calls of the synthesizer's own request): each adapted
+        Linear then runs each run of like rows through its own weight, merged or base (the scheduler puts the
+        adapter's calls together, so there are a few)."""
         if rows is not None:
             # the rows as runs [start, end) of one kind (a few: the scheduler puts a forward's adapted calls together)
             starts = [0, *((rows[1:] != rows[:-1]).nonzero().squeeze(1) + 1).tolist()]
@@ -385,13 +386,28 @@ class Attached:
 
     def without(self, *, mapper: bool = False, lora: bool = False) -> SynthesisHooks:
         """The hooks with a part left out (for ablations)."""
-        return SynthesisHooks(None if mapper else self.hooks.mapper, None if lora else self.hooks.adapter,
-                              None if lora else self.hooks.tag)
+        return SynthesisHooks(None if mapper else self.hooks.mapper, None if lora else self.hooks.adapter)
 
 
-def attach(engine, path: str) -> Attached:
-    """Load the calibration at `path` onto `engine` (checked against its model); the LoRA (and the turn LoRA,
-    when it has one) stays off except inside the returned hooks' adapter contexts."""
+def load_engine(config: EngineConfig) -> Engine:
+    """An engine for `config`, with the calibration it names attached (`calibration_of`); "none": none."""
+    engine = Engine(config)
+    path = engine.config.calibration  # (resolved: "auto" is the model's own, or none)
+    if path != "none":
+        attached = attach(engine, path)
+        log.info("calibration %s attached (trained on %s)", path, attached.calibration.base_model)
+    return engine
+
+
+def calibration_of(engine: Engine) -> Attached | None:
+    """The calibration attached to `engine` (load_engine, attach), or None."""
+    return _ATTACHED.get(engine)
+
+
+def attach(engine: Engine, path: str) -> Attached:
+    """Load the calibration at `path` onto `engine` (checked against its model): its LoRA (and the turn LoRA,
+    when it has one) become adapters of the engine, which the returned hooks name; the base weights stay as
+    they are."""
     from peft import PeftModel
 
     calibration = Calibration.load(path)
@@ -405,8 +421,13 @@ def attach(engine, path: str) -> Attached:
         peft_model.to(lm.device)
         with open(os.path.join(calibration.turns_path, "adapter_model.safetensors"), "rb") as f:
             digest = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
-        turns = SynthesisHooks(None, MergedLora(peft_model, TURNS_DIR), f"turns:{digest}")
-    lora = MergedLora(peft_model, "default")
-    mapper = calibration.mapper.to(lm.device)
-    tag = f"calibrated:{calibration.digest}"
-    return Attached(calibration, peft_model, SynthesisHooks(mapper, lora, tag), turns)
+        engine.add_adapter(f"turns:{digest}", MergedLora(peft_model, TURNS_DIR))
+        turns = SynthesisHooks(None, f"turns:{digest}")
+    adapter = f"calibrated:{calibration.digest}"
+    engine.add_adapter(adapter, MergedLora(peft_model, "default"))
+    attached = _ATTACHED[engine] = Attached(calibration, peft_model,
+                                            SynthesisHooks(calibration.mapper.to(lm.device), adapter), turns)
+    return attached
+
+
+_ATTACHED: "weakref.WeakKeyDictionary[Engine, Attached]" = weakref.WeakKeyDictionary()  # (calibration_of)

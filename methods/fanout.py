@@ -19,7 +19,8 @@ class BranchStream:
     Iterate for TokenEvents (`event.call` is the branch index); its calls run in the engine's
     scheduler, batched with whatever else is running. `on_start(self)` runs when iteration starts.
     After iteration: `prefix`, `contexts`, `ids` (the branch messages, header + reply) and `offsets`
-    (where each branch message begins).
+    (where each branch message begins). A staircase reads the branches as they decode (a BranchFeed source that
+    its feed pumps: methods.staircase's ReportedSource).
     """
 
     def __init__(self, engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens,

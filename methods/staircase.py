@@ -1,16 +1,16 @@
-"""Staircase streaming (seed 003): the aggregator answers from the branches' first chunks and takes in later
+"""Staircase Streaming: the aggregator answers from the branches' first chunks and takes in later
 chunks as they arrive, from their text or their KV, re-prefilled into each branch's slot or appended after its
 own output so far.
 
 A round: wait for the branch chunks the schedule asks for, take in what every branch has decoded up to its
 last chunk boundary (all of it once it ended), then decode one aggregator chunk. Round 0 waits for the first
 chunk of m - r branches (`redundancy` r skips the slowest); every later round waits until each live branch has
-a new chunk or has ended, as the seed's aggregator does.
+a new chunk or has ended, as the paper's aggregator does.
 
 Two variants:
 - re-prefill: each round is one synthesis over every branch's tokens so far, each in its own slot, with the
   prompt and the answer so far as the header (recomputed; the prefix cache reuses what it can);
-- append (the seed's prefix-caching template): the new chunks go after the chunks taken so far, in the order
+- append (the paper's prefix-caching template): the new chunks go after the chunks taken so far, in the order
   they came, and are never encoded again; the prompt and the answer so far follow them, re-encoded each round
   as in re-prefill. In KV mode the chunks' keys are re-rotated there, with the calibration's mapper applied
   when a mode carries one; in text mode each round's chunks are prefilled once, as one message.
@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 from braid.engine.engine import DecodeCall, Engine, PrefillCall, TokenEvent, Tokens
@@ -95,18 +96,56 @@ class StaircaseResult:
     # last is kept (the answer), the earlier ones are freed as the run goes
 
 
+class BranchSource(Protocol):
+    """Calls whose messages a BranchFeed reads while they decode (call j: a branch), its message starting at
+    position `offsets[j]`: `encoded(j)` of its tokens can be read so far, `partial_kv(j, start, end)` reads tokens
+    [start, end) and their KV (None from a source that has only tokens: read as text)."""
+
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+    def encoded(self, call: int) -> int: ...
+
+    def partial_kv(self, call: int, start: int, end: int) -> tuple[list[int], torch.Tensor | None]: ...
+
+
+class ReportedSource(BranchSource, Protocol):
+    """A source whose token events someone iterates and reports to the feed (`BranchFeed.record` per token, `end`
+    when it stops): a worker fan-out (`BranchStream`), a wave's decode call, a staircase's answer. The feed counts
+    call j's message as its `header_length(j)` tokens and the tokens reported; `ids` is None until the source has
+    ended with every call's message whole (a call that fails stores nothing: its last tokens never get their KV)."""
+
+    @property
+    def ids(self) -> list[str] | None: ...
+
+    def header_length(self, call: int) -> int: ...
+
+
+class ArrivingSource(BranchSource, Protocol):
+    """A source that reports itself as it arrives from elsewhere (`BranchFeed.arrived`), such as a branch's KV
+    received from its worker (kv.receiver.BranchArrivals): its message's whole `length` once it has all come
+    (None before), its `error` once it failed."""
+
+    @property
+    def length(self) -> int | None: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+
 class BranchFeed:
     """The branches the aggregator reads while they decode, numbered in order: how many of each branch message's
     tokens have KV, which have ended, which failed.
 
-    A branch is call j of a source: a `BranchStream` (a worker fan-out), or any object with the same reading
-    side (`decode`, `encoded(j)`, `partial_kv(j, start, end)`, `offsets`, `ids`, `header_length(j)`). Given
-    fan-outs, the feed pumps each in its own thread; one that fails, or stops without finishing its branches,
-    fails only its own branches. With `pump=False` the caller iterates the sources itself and reports to the
-    feed (`record` per token, `end` when a source stops), as methods.dag does for a wave several nodes stream.
+    A branch is call j of a BranchSource. Given fan-outs (`BranchStream`), the feed pumps each in its own thread;
+    one that fails, or stops without finishing its branches, fails only its own branches. With `pump=False` the
+    caller iterates the sources itself and reports to the feed (`record` per token, `end` when a source stops:
+    ReportedSource), as methods.dag.streaming does for a wave several nodes stream, or the sources report
+    themselves as they arrive (`arrived`: ArrivingSource).
     """
 
-    def __init__(self, fan_outs: Sequence, pump: bool = True, branches: Sequence[tuple[object, int]] | None = None):
+    def __init__(self, fan_outs: Sequence[BranchStream], pump: bool = True,
+                 branches: Sequence[tuple[BranchSource, int]] | None = None):
         # branch -> (source, its call index there): every call of each source, or the `branches` given
         self.where = list(branches) if branches is not None else [(s, j) for s in fan_outs for j in range(len(s))]
         self.ended = [False] * len(self.where)
@@ -127,11 +166,11 @@ class BranchFeed:
     def __len__(self) -> int:
         return len(self.where)
 
-    def branch(self, source, call: int) -> int | None:
+    def branch(self, source: BranchSource, call: int) -> int | None:
         """The feed's number for call `call` of `source` (None: the feed does not read it)."""
         return next((b for b, (s, j) in enumerate(self.where) if s is source and j == call), None)
 
-    def record(self, source, call: int, finished: bool) -> None:
+    def record(self, source: ReportedSource, call: int, finished: bool) -> None:
         """One more token of call `call` of `source` (the pump's side: called as each token event arrives)."""
         b = self.branch(source, call)
         if b is None:
@@ -144,7 +183,7 @@ class BranchFeed:
                 self.ended[b] = True
             self.cv.notify_all()
 
-    def end(self, source, why: str) -> None:
+    def end(self, source: ReportedSource, why: str) -> None:
         """`source` stopped (the pump's side): its branches that had not ended with their KV stored fail, `why`."""
         with self.cv:
             self.progressed = time.monotonic()
@@ -154,7 +193,7 @@ class BranchFeed:
                     self.failed[b] = why
             self.cv.notify_all()
 
-    def arrived(self, source, call: int = 0) -> None:
+    def arrived(self, source: ArrivingSource, call: int = 0) -> None:
         """More of call `call` of `source` can be read (the receiving side's report, for a source read as it
         arrives from elsewhere: it knows its whole `length` once it has ended, and its `error` if it failed)."""
         b = self.branch(source, call)
@@ -193,7 +232,7 @@ class BranchFeed:
 
     def available(self, branch: int) -> int:
         stream, j = self.where[branch]
-        return stream.encoded(j) if stream.decode is not None else 0
+        return stream.encoded(j)
 
     def live(self, branch: int) -> bool:
         return not self.ended[branch] and branch not in self.failed

@@ -13,14 +13,13 @@ starts do: a branch encoded alone never saw the others, and its boundary tokens 
 records that it follows them.
 """
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
 import torch
-from braid.engine.engine import DecodeCall, DecodeStream, Engine, KVTransform, PrefillCall, Scratch, Tokens
+from braid.engine.engine import DecodeCall, DecodeStream, Engine, KVTransform, PrefillCall, Sibling, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams
 from braid.engine.store import Message
@@ -131,17 +130,10 @@ class SynthesisHooks:
     """Where a trained cache mapper and a synthesizer LoRA adapter plug in."""
 
     mapper: CacheMapper | None = None
-    # entered around the synthesizer's forwards; `adapter(rows=bool [rows])` for a forward whose other rows run
-    # the base weights (the refresh runs in the synthesizer's prefill; with `adapter.mixes_rows` true, other
-    # calls' rows the scheduler puts in its forwards: methods.calibration.MergedLora).
-    # Its decode forwards may be replayed from CUDA graphs captured under it (engine.cuda_graphs), keyed by it: it
-    # must be one stable object, and entered without rows it must put the same persistent tensors in place
-    # each time, with no other effect on the forward (MergedLora does).
-    adapter: Callable[..., AbstractContextManager] | None = None
-    # With an adapter: what the synthesized message is marked as encoded by, since its KV came from adapted
-    # weights. The engine stores it under "<model fingerprint>+<tag>", so no base-model call takes it as a
-    # parent (FAILED_PRECONDITION: re-encode its text).
-    tag: str | None = None
+    # The synthesizer's adapter (a LoRA), by the id it was added to the engine under (Engine.add_adapter): its
+    # rows run on those weights, and the synthesized message is stored as encoded by "<fingerprint>+<id>", so
+    # no base-model call takes it as a parent (FAILED_PRECONDITION: re-encode its text).
+    adapter: str | None = None
 
 
 def _check_branches(branches: Sequence[str]) -> None:
@@ -153,8 +145,8 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
                       placement: Placement = Placement.BRANCH_POINT, sampling: SamplingParams = SamplingParams(),
                       hooks: SynthesisHooks | None = None, refresh: Refresh | None = None) -> DecodeStream:
     """Cache path: re-encoded branch KV (its boundary tokens refreshed, with `refresh`) + prefilled prompt,
-    then decode. The refreshed runs are encoded in the synthesizer's own prefill, as scratch calls of its
-    call (base weights, the branches unmapped), so refreshing costs no forward of its own; with more runs
+    then decode. The refreshed runs are encoded in the synthesizer's own prefill, as unstored prefill calls of
+    its request (base weights, the branches unmapped), so refreshing costs no forward of its own; with more runs
     than one call takes (max_parallel_calls), they are prefilled first instead, a prefill's worth at a time."""
     _check_branches(branches)
     prefix_msgs = [engine.message(m) for m in prefix]
@@ -163,15 +155,15 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     decoded_at = [m.offset for m in branch_msgs]
     offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement, decoded_at)
     kept = kept_apart(branch_point, decoded_at, placement)
-    scratch: list[PrefillCall] = []
+    lead: list[PrefillCall] = []
     if refresh is None or not (refresh.head or refresh.tail) or all(kept):
         parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]
         temporary: list[str] = []
     else:
         calls, layout, temporary = _refresh_calls(engine, prefix, branch_msgs, offsets, refresh, kept)
         if len(calls) < engine.config.max_parallel_calls:  # (none left: a sequential refresh encoded its runs)
-            scratch = calls
-            parts = [(Scratch(p) if isinstance(p, int) else p, off, j) for p, off, j in layout]
+            lead = [replace(c, store=False) for c in calls]
+            parts = [(Sibling(p) if isinstance(p, int) else p, off, j) for p, off, j in layout]
         else:
             parts, runs = _prefill_runs(engine, calls, layout, temporary)
             temporary += runs
@@ -181,7 +173,7 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
                           sampling=sampling)
         index = {p: j for p, _, j in reversed(parts) if j is not None}
         lengths = {p: branch_msgs[j].num_tokens for p, j in index.items()}
-        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths, scratch)
+        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths, lead)
     finally:
         for mid in temporary:  # the call pins what it reads: they go when it ends (now, if it failed to start)
             engine.free(mid, when_unpinned=True)
@@ -259,11 +251,11 @@ def _prefill_runs(engine: Engine, calls: list[PrefillCall], layout, views: list[
 
 def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | None, branch_of: dict[str, int],
                       num_branches: int, lengths: dict[str, int] | None = None,
-                      scratch: Sequence[PrefillCall] = ()) -> DecodeStream:
+                      lead: Sequence[PrefillCall] = ()) -> DecodeStream:
     """One synthesizer call through the hooks: the mapper on the branch messages (`branch_of`: id -> branch;
     `lengths`: id -> its whole branch's length, where a message is a part of one), never on the rest (the
-    shared prefix, the synthesizer's own context, scratch calls); the adapter around its forwards (scratch
-    calls run base weights)."""
+    shared prefix, the synthesizer's own context, the `lead` prefill calls of its request); its rows on the
+    hooks' adapter (the lead calls run base weights)."""
     hooks = hooks or SynthesisHooks()
     transform = None
     if hooks.mapper is not None:
@@ -272,8 +264,7 @@ def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | 
                                 length=(lengths or {}).get(msg.id))
 
         transform = KVTransform(frozenset(branch_of), apply)
-    return engine.decode_stream([call], transform=transform, adapter=hooks.adapter,
-                                tag=hooks.tag if hooks.adapter is not None else None, scratch=scratch)
+    return engine.decode_stream([*lead, replace(call, adapter=hooks.adapter)], transform=transform)
 
 
 def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,

@@ -3,8 +3,8 @@
 A task is a workflow: a shared system prompt (the branch point), one branch per
 worker (its own context, of its own length, and the reply the worker should
 write), and a synthesizer question whose answer needs the branches together.
-They cover Parallel-Synthesis's three scenarios (seed 004) and Prompt
-Choreography's MultiQA (seed 000):
+They cover Parallel-Synthesis's three scenarios and Prompt Choreography's
+MultiQA:
 
 - chain (distinct sub-tasks): each worker looks up one fact in its own records;
   the answer chains a person's city from one branch with that city's country
@@ -74,7 +74,7 @@ class Task:
         return turn("user", self.question) + header("synthesizer")
 
     def workflow_texts(self) -> tuple[str, list[str], str, str]:
-        """The task as an agent workflow's messages (methods.presets.notes_graph): the system turn, each solver's
+        """The task as an agent workflow's messages (methods.dag.presets.notes_graph): the system turn, each solver's
         notes, the header its reply follows, and the final node's prompt."""
         return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
                 self.prompt())
@@ -242,7 +242,7 @@ MULTIQA_SYSTEM = "answer every question."
 
 @dataclass(frozen=True)
 class SharedTextTask:
-    """KVComm's reference task (seed 002): agents with fixed roles read the same user text, each under its own
+    """KVComm's reference task: agents with fixed roles read the same user text, each under its own
     prefix. Agent j's role is its own question (a MultiQA turn fixed for that agent, of its own length, so
     the shared text starts at a different position with different context in each agent); the user's text is
     `questions` more MultiQA turns. Each agent answers its own question and all of the user's; its answer is

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62raid/protos/kv.proto\x12\x08\x62raid.v1\"\xe7\x02\n\x07KVChunk\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x11\n\ttoken_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\r\n\x05\x63rc32\x18\n \x01(\r\x12\x14\n\x0ctotal_layers\x18\x0b \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x0c \x01(\r\x12\x11\n\tstream_id\x18\r \x01(\t\x12\x11\n\ttoken_ids\x18\x0e \x03(\r\x12\x0e\n\x06offset\x18\x0f \x01(\x03\x12\x0f\n\x07link_id\x18\x10 \x01(\t\x12\x0c\n\x04open\x18\x11 \x01(\x08\x12\x0f\n\x07parents\x18\x12 \x03(\t\x12\x16\n\x0eparent_offsets\x18\x13 \x03(\x03\"4\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nstream_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"/\n\x0bLinkRequest\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"&\n\x08LinkInfo\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"6\n\x0c\x46\x65tchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\")\n\x13\x46\x65tchAnchorsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"C\n\x0c\x41nchorsChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"(\n\x07PushAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r2\xe2\x01\n\nKVTransfer\x12.\n\x04Push\x12\x11.braid.v1.KVChunk\x1a\x11.braid.v1.PushAck(\x01\x12\x35\n\x08OpenLink\x12\x15.braid.v1.LinkRequest\x1a\x12.braid.v1.LinkInfo\x12\x35\n\tCloseLink\x12\x15.braid.v1.LinkRequest\x1a\x11.braid.v1.PushAck\x12\x36\n\x07\x41\x62\x61ndon\x12\x18.braid.v1.AbandonRequest\x1a\x11.braid.v1.PushAck2\x89\x01\n\x08KVExport\x12\x34\n\x05\x46\x65tch\x12\x16.braid.v1.FetchRequest\x1a\x11.braid.v1.KVChunk0\x01\x12G\n\x0c\x46\x65tchAnchors\x12\x1d.braid.v1.FetchAnchorsRequest\x1a\x16.braid.v1.AnchorsChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62raid/protos/kv.proto\x12\x08\x62raid.v1\"\xab\x03\n\x07KVChunk\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x11\n\ttoken_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\r\n\x05\x63rc32\x18\n \x01(\r\x12\x14\n\x0ctotal_layers\x18\x0b \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x0c \x01(\r\x12\x11\n\tstream_id\x18\r \x01(\t\x12\x11\n\ttoken_ids\x18\x0e \x03(\r\x12\x0e\n\x06offset\x18\x0f \x01(\x03\x12\x0f\n\x07link_id\x18\x10 \x01(\t\x12\x0c\n\x04open\x18\x11 \x01(\x08\x12\x0f\n\x07parents\x18\x12 \x03(\t\x12\x16\n\x0eparent_offsets\x18\x13 \x03(\x03\x12\x1a\n\rstream_digest\x18\x14 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cstream_bytes\x18\x15 \x01(\x04\x42\x10\n\x0e_stream_digest\"4\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nstream_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"/\n\x0bLinkRequest\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"&\n\x08LinkInfo\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"6\n\x0c\x46\x65tchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\")\n\x13\x46\x65tchAnchorsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"C\n\x0c\x41nchorsChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"(\n\x07PushAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r2\xe2\x01\n\nKVTransfer\x12.\n\x04Push\x12\x11.braid.v1.KVChunk\x1a\x11.braid.v1.PushAck(\x01\x12\x35\n\x08OpenLink\x12\x15.braid.v1.LinkRequest\x1a\x12.braid.v1.LinkInfo\x12\x35\n\tCloseLink\x12\x15.braid.v1.LinkRequest\x1a\x11.braid.v1.PushAck\x12\x36\n\x07\x41\x62\x61ndon\x12\x18.braid.v1.AbandonRequest\x1a\x11.braid.v1.PushAck2\x89\x01\n\x08KVExport\x12\x34\n\x05\x46\x65tch\x12\x16.braid.v1.FetchRequest\x1a\x11.braid.v1.KVChunk0\x01\x12G\n\x0c\x46\x65tchAnchors\x12\x1d.braid.v1.FetchAnchorsRequest\x1a\x16.braid.v1.AnchorsChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'braid.protos.kv_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCHUNK']._serialized_start=36
-  _globals['_KVCHUNK']._serialized_end=395
-  _globals['_ABANDONREQUEST']._serialized_start=397
-  _globals['_ABANDONREQUEST']._serialized_end=449
-  _globals['_LINKREQUEST']._serialized_start=451
-  _globals['_LINKREQUEST']._serialized_end=498
-  _globals['_LINKINFO']._serialized_start=500
-  _globals['_LINKINFO']._serialized_end=538
-  _globals['_FETCHREQUEST']._serialized_start=540
-  _globals['_FETCHREQUEST']._serialized_end=594
-  _globals['_FETCHANCHORSREQUEST']._serialized_start=596
-  _globals['_FETCHANCHORSREQUEST']._serialized_end=637
-  _globals['_ANCHORSCHUNK']._serialized_start=639
-  _globals['_ANCHORSCHUNK']._serialized_end=706
-  _globals['_PUSHACK']._serialized_start=708
-  _globals['_PUSHACK']._serialized_end=748
-  _globals['_KVTRANSFER']._serialized_start=751
-  _globals['_KVTRANSFER']._serialized_end=977
-  _globals['_KVEXPORT']._serialized_start=980
-  _globals['_KVEXPORT']._serialized_end=1117
+  _globals['_KVCHUNK']._serialized_end=463
+  _globals['_ABANDONREQUEST']._serialized_start=465
+  _globals['_ABANDONREQUEST']._serialized_end=517
+  _globals['_LINKREQUEST']._serialized_start=519
+  _globals['_LINKREQUEST']._serialized_end=566
+  _globals['_LINKINFO']._serialized_start=568
+  _globals['_LINKINFO']._serialized_end=606
+  _globals['_FETCHREQUEST']._serialized_start=608
+  _globals['_FETCHREQUEST']._serialized_end=662
+  _globals['_FETCHANCHORSREQUEST']._serialized_start=664
+  _globals['_FETCHANCHORSREQUEST']._serialized_end=705
+  _globals['_ANCHORSCHUNK']._serialized_start=707
+  _globals['_ANCHORSCHUNK']._serialized_end=774
+  _globals['_PUSHACK']._serialized_start=776
+  _globals['_PUSHACK']._serialized_end=816
+  _globals['_KVTRANSFER']._serialized_start=819
+  _globals['_KVTRANSFER']._serialized_end=1045
+  _globals['_KVEXPORT']._serialized_start=1048
+  _globals['_KVEXPORT']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

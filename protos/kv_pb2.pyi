@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset", "link_id", "open", "parents", "parent_offsets")
+    __slots__ = ("message_id", "fingerprint", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "data", "crc32", "total_layers", "total_tokens", "stream_id", "token_ids", "offset", "link_id", "open", "parents", "parent_offsets", "stream_digest", "stream_bytes")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class KVChunk(_message.Message):
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     PARENT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     fingerprint: str
     layer_start: int
@@ -46,7 +48,9 @@ class KVChunk(_message.Message):
     open: bool
     parents: _containers.RepeatedScalarFieldContainer[str]
     parent_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., link_id: _Optional[str] = ..., open: _Optional[bool] = ..., parents: _Optional[_Iterable[str]] = ..., parent_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    stream_digest: int
+    stream_bytes: int
+    def __init__(self, message_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_layers: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., link_id: _Optional[str] = ..., open: _Optional[bool] = ..., parents: _Optional[_Iterable[str]] = ..., parent_offsets: _Optional[_Iterable[int]] = ..., stream_digest: _Optional[int] = ..., stream_bytes: _Optional[int] = ...) -> None: ...
 
 class AbandonRequest(_message.Message):
     __slots__ = ("stream_ids", "reason")

@@ -7,7 +7,8 @@ synthesis by the local transport.
 import logging
 
 import ray
-from braid.engine import Engine, EngineConfig
+from braid.engine import EngineConfig
+from braid.methods.calibration import load_engine
 from braid.engine.threads import serving_thread
 from braid.kv.receiver import KVReceiver
 from braid.runtime.aio import in_thread, run_in_thread
@@ -30,7 +31,7 @@ class Synthesizer:
     def __init__(self, engine_config: EngineConfig, config: SynthesizerConfig, service: ServiceConfig,
                  redis_url: str, session_ttl_s: int, colocated_worker: WorkerConfig | None = None,
                  workers: DeploymentHandle | None = None):
-        self.engine = Engine(engine_config)
+        self.engine = load_engine(engine_config)
         serving_thread(self.engine.lm.device)  # (this thread serves requests: engine.threads)
         replica = serve.get_replica_context().replica_id.unique_id
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())

@@ -9,7 +9,7 @@ from braid.engine import Engine, PrefillCall
 from braid.engine.errors import BraidError
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
-from braid.methods.calibration import served_refresh
+from braid.methods.calibration import calibration_of, served_refresh
 from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
 from braid.methods.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.runtime.messages import (
@@ -70,7 +70,7 @@ class SynthesisRunner:
         return rates[-1]
 
     def info(self) -> SynthesizerInfo:
-        s, attached = self.engine.spec, self.engine.calibration
+        s, attached = self.engine.spec, calibration_of(self.engine)
         return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
                                s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
@@ -82,11 +82,11 @@ class SynthesisRunner:
     def refresh(self) -> Refresh | None:
         """The boundary refresh the cache path is served with (None: off): the config's, else the one the
         calibration was trained to read, else a token at each end."""
-        return served_refresh(self.engine.calibration, self.config.refresh_tokens)
+        return served_refresh(calibration_of(self.engine), self.config.refresh_tokens)
 
     @property
     def calibration_name(self) -> str:
-        attached = self.engine.calibration
+        attached = calibration_of(self.engine)
         return attached.calibration.path if attached is not None else ""
 
     def _receive(self, stream_id: str) -> ReceivedStream:
@@ -100,8 +100,8 @@ class SynthesisRunner:
     def _mode(self, req: SynthesisRequest) -> SynthesisMode:
         """The request's mode as served: the cache path calibrated and its branch boundaries re-encoded."""
         mode, eng = req.mode, self.engine
-        if not mode.text and mode.hooks is None and eng.calibration is not None:
-            mode = replace(mode, hooks=eng.calibration.hooks)
+        if not mode.text and mode.hooks is None and calibration_of(eng) is not None:
+            mode = replace(mode, hooks=calibration_of(eng).hooks)
         if not mode.text and mode.refresh is None:
             mode = replace(mode, refresh=self.refresh)
         return mode

@@ -3,10 +3,12 @@
 import contextlib
 import datetime
 import io
+import os
 
 import grpc
 import pytest
-from braid.api.auth import ApiKeys, client_metadata
+from braid.api.auth import (ENV_CLIENT_KEY, ApiKeys, client_key, client_metadata, drop_local_key, local_key,
+                            local_key_path, make_local_key)
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.protos import agent_pb2 as pb
@@ -88,19 +90,74 @@ def test_every_rpc_needs_a_valid_key(server):
     assert events[-1].HasField("done")
 
 
-def test_braid_run_sends_its_key_over_tls(server, monkeypatch):
+def test_braid_run_sends_its_key_over_tls(server, monkeypatch, tmp_path):
+    """`braid run` sends no key unless it has one: --api-key, $BRAID_API_KEY, or the file `braid serve` leaves on
+    this machine for the address's port."""
     _, srv, cert = server
+    monkeypatch.setenv("HOME", str(tmp_path))  # (no key file of a real `braid serve` here)
+    monkeypatch.delenv(ENV_CLIENT_KEY, raising=False)
     argv = ["run", "--address", f"127.0.0.1:{srv.port}", "--tls", "--ca-cert", cert, "--task", "User: add.",
             "--branch", "Part 3.", "--prompt", "Synthesizer:", "--max-tokens", "2", "--transport", "text"]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         assert braid_main(argv) == 1
     assert "UNAUTHENTICATED" in err.getvalue()
-    monkeypatch.setenv("BRAID_API_KEY", ALICE)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert braid_main(argv) == 0
-    assert "[done]" in out.getvalue()
+    for where in ("file", "env"):
+        if where == "file":  # (as `braid serve` leaves it for its port)
+            os.makedirs(os.path.dirname(local_key_path(srv.port)))
+            with open(local_key_path(srv.port), "w") as f:
+                f.write(f"# made by braid serve\nlocal:{ALICE}\n")
+        else:
+            os.unlink(local_key_path(srv.port))
+            monkeypatch.setenv(ENV_CLIENT_KEY, ALICE)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert braid_main(argv) == 0, where
+        assert "[done]" in out.getvalue()
+
+
+def test_braid_serve_makes_a_key_for_this_machine_only(tmp_path, monkeypatch, capsys):
+    """With no keys given, `braid serve` makes one (api.auth.make_local_key): in a file only its user can read,
+    which is the cluster's key file too, and which clients send only to that port on this machine. Keys given and
+    --open-api together, or a key file without a key, are refused before anything starts."""
+    import stat
+
+    import braid.cluster.local
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in (ENV_CLIENT_KEY, "BRAID_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    key, path = make_local_key(9123)
+    assert path == str(tmp_path / ".braid" / "api-key-9123") and len(key) >= 32
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path / ".braid").st_mode) == 0o700
+    assert ApiKeys.load(path, env={}).check(client_metadata(key)) == "local"  # (the cluster reads the same file)
+    for address in ("127.0.0.1:9123", "localhost:9123", "[::1]:9123"):
+        assert local_key(address) == key == client_key(None, address), address
+    for address in ("10.0.0.7:9123", "braid.example.com:9123", "127.0.0.1:9124", "[::]:9123"):
+        assert local_key(address) is None, address  # (another machine, or another port: never sent there)
+    assert client_key(BOB, "127.0.0.1:9123") == BOB
+    monkeypatch.setenv(ENV_CLIENT_KEY, BOB)
+    assert client_key(None, "127.0.0.1:9123") == BOB
+    again, _ = make_local_key(9123)  # (a new start: a new key, the old one gone)
+    assert again != key and local_key("127.0.0.1:9123") == again and os.listdir(tmp_path / ".braid") == ["api-key-9123"]
+    drop_local_key(9123, key)  # (not the key it holds: kept)
+    assert local_key("127.0.0.1:9123") == again
+    drop_local_key(9123, again)
+    assert not os.path.exists(path)
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("the cluster started")
+
+    monkeypatch.setattr(braid.cluster.local, "start_local_cluster", no_start)
+    empty = tmp_path / "empty"
+    empty.write_text("# no key yet\n")
+    monkeypatch.setenv("BRAID_API_KEYS", f"ci:{ALICE}")
+    for argv, message in ((["--open-api"], "--open-api serves the agent API without keys, but keys are given "
+                                           "($BRAID_API_KEYS)"),
+                          (["--api-keys-file", str(empty)], "holds no key")):
+        assert braid_main(["serve", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert os.listdir(tmp_path / ".braid") == []  # (no key made for a start refused)
 
 
 def test_key_sources_and_bad_key_files(tmp_path):

@@ -13,7 +13,8 @@ from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
 from braid.kernels import rerotate_keys_torch
-from braid.methods.calibration import CacheMapper, Calibration, LoraSettings, MapperConfig, mode_name
+from braid.methods.calibration import (CacheMapper, Calibration, LoraSettings, MapperConfig, calibration_of, load_engine,
+                                      mode_name)
 from braid.methods.fanout import fan_out
 from braid.methods.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.models import REFERENCE_MODEL
@@ -56,15 +57,15 @@ def test_identity_calibration_leaves_cached_synthesis_bit_identical(checkpoint, 
     merged into a copy of the weights: the same values, summed in another order by the matmul kernels) gives
     the same tokens and KV within 1e-6."""
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=False)))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=False)))
     task = generate("chain", 3, 3)
     workers = run_workers(engine, task)
-    mapper_only = engine.calibration.without(lora=True)
+    mapper_only = calibration_of(engine).without(lora=True)
     for placement in (Placement.BRANCH_POINT, Placement.SEQUENTIAL, Placement.NONE):
         tokens, kv = answer(engine, workers, task, placement, None)
         tokens_mapped, kv_mapped = answer(engine, workers, task, placement, mapper_only)
         assert tokens_mapped == tokens and torch.equal(kv_mapped, kv)
-        tokens_cal, kv_cal = answer(engine, workers, task, placement, engine.calibration.hooks)
+        tokens_cal, kv_cal = answer(engine, workers, task, placement, calibration_of(engine).hooks)
         assert tokens_cal == tokens and torch.allclose(kv_cal, kv, atol=1e-6)
     workers.free()
 
@@ -104,8 +105,8 @@ def test_mapper_in_place_serving_path_equals_the_training_path(rank):
 def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_path):
     """One engine does both roles (as colocated): workers and branch encodings stay unadapted."""
     ckpt = checkpoint("llama")
-    plain = Engine(EngineConfig(ckpt, calibration="none"))
-    calibrated = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    plain = load_engine(EngineConfig(ckpt, calibration="none"))
+    calibrated = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
     task = generate("vote", 5, 3)
     base = run_workers(plain, task)
     for _ in range(2):  # before and after a calibrated synthesis on the same engine
@@ -113,12 +114,12 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         assert [calibrated.message(m).token_ids for m in got.ids] == [plain.message(m).token_ids for m in base.ids]
         for a, b in zip([*got.prefix, *got.contexts, *got.ids], [*base.prefix, *base.contexts, *base.ids]):
             assert torch.equal(calibrated.message(a).kv, plain.message(b).kv)
-        _, kv_cal = answer(calibrated, got, task, Placement.BRANCH_POINT, calibrated.calibration.hooks)
+        _, kv_cal = answer(calibrated, got, task, Placement.BRANCH_POINT, calibration_of(calibrated).hooks)
         _, kv_plain = answer(plain, base, task, Placement.BRANCH_POINT, None)
         assert not torch.allclose(kv_cal, kv_plain, atol=1e-3)  # the synthesizer's forwards were adapted
         got.free()
     # each part alone changes the synthesis too (the ablations are real)
-    for part in (calibrated.calibration.without(mapper=True), calibrated.calibration.without(lora=True)):
+    for part in (calibration_of(calibrated).without(mapper=True), calibration_of(calibrated).without(lora=True)):
         got = run_workers(calibrated, task)
         _, kv_part = answer(calibrated, got, task, Placement.BRANCH_POINT, part)
         assert not torch.allclose(kv_part, kv_cal, atol=1e-3)
@@ -133,12 +134,12 @@ def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoin
     beside a calibrated synthesis give the tokens and KV they give alone on an uncalibrated engine, and the
     synthesis gives its answer alone, with the same KV."""
     ckpt = checkpoint("llama")
-    plain = Engine(EngineConfig(ckpt, calibration="none"))
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True),
-                                 mix_adapters=mix))
-    hooks, task, other = engine.calibration.hooks, generate("chain", 5, 3), generate("vote", 6, 4)
-    assert hooks.adapter.mixes_rows  # (its targets are the decoder layers')
-    hooks.adapter.mixes_rows = row_safe
+    plain = load_engine(EngineConfig(ckpt, calibration="none"))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True),
+                                      mix_adapters=mix))
+    hooks, task, other = calibration_of(engine).hooks, generate("chain", 5, 3), generate("vote", 6, 4)
+    assert engine.adapters[hooks.adapter].mixes_rows  # (its targets are the decoder layers')
+    engine.adapters[hooks.adapter].mixes_rows = row_safe
     mix = mix and row_safe
     workers, sampling = run_workers(engine, task), SamplingParams(max_tokens=24, ignore_eos=True)
     alone = engine.message(synthesize(engine, workers.ids, task.prompt(), workers.prefix, Placement.BRANCH_POINT,
@@ -176,8 +177,8 @@ def test_adapted_rows_read_the_merged_weight_and_the_others_the_base(checkpoint,
     """MergedLora over some rows of a forward: each row of an adapted linear layer's output is that row alone
     through the merged weight where marked, the base weight where not."""
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
-    lora = engine.calibration.hooks.adapter
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    lora = engine.adapters[calibration_of(engine).hooks.adapter]
     module, base, merged = lora.swaps[0]
     rows = torch.tensor([c == "1" for c in pattern])
     x = torch.randn(1, len(pattern), module.in_features)
@@ -193,17 +194,18 @@ def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_
     """The synthesizer's answer was encoded with the LoRA: it is stored as such, and a base-model call
     refuses it as a parent instead of reading adapted KV as its own."""
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
     task = generate("vote", 2, 2)
     workers = run_workers(engine, task)
     mid = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
-                     hooks=engine.calibration.hooks)
-    assert engine.message(mid).fingerprint == f"{engine.fingerprint}+calibrated:{engine.calibration.calibration.digest}"
+                     hooks=calibration_of(engine).hooks)
+    digest = calibration_of(engine).calibration.digest
+    assert engine.message(mid).fingerprint == f"{engine.fingerprint}+calibrated:{digest}"
     with pytest.raises(FingerprintMismatchError, match="re-encode its text") as err:
         engine.decode([DecodeCall("more", parents=[mid], sampling=SamplingParams(max_tokens=2))])
     assert err.value.code == "FAILED_PRECONDITION"
     plain = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
-                       hooks=engine.calibration.without(lora=True))  # the mapper alone adapts no weights
+                       hooks=calibration_of(engine).without(lora=True))  # the mapper alone adapts no weights
     assert engine.message(plain).fingerprint == engine.fingerprint
     engine.free(mid), engine.free(plain), workers.free()
 
@@ -218,8 +220,8 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
     from peft import PeftModel
 
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
-    hooks = engine.calibration.without(mapper=True)
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    hooks = calibration_of(engine).without(mapper=True)
     task, prompt, answer = "User: add the parts.", "Synthesizer:", SamplingParams(max_tokens=10, ignore_eos=True)
     workers = fan_out(engine, task, ["Part 3.", "Part 4 and 5."], "W:", SamplingParams(max_tokens=6, ignore_eos=True))
     prefix = engine.prefill([PrefillCall(task)])
@@ -228,12 +230,12 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
                    SynthesisMode(None, hooks), answer, result=result))
     feed.join()
     last = engine.message(result.message_ids[-1])
-    assert last.fingerprint == f"{engine.fingerprint}+{hooks.tag}" and len(result.rounds) == 3
+    assert last.fingerprint == f"{engine.fingerprint}+{hooks.adapter}" and len(result.rounds) == 3
     chunks = [t for mid in workers.ids for t in engine.message(mid).token_ids]
     body = engine.tokenize(prompt) + result.answer
     base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa"),
-                                        engine.calibration.calibration.adapter_path).merge_and_unload().eval()
+                                        calibration_of(engine).calibration.adapter_path).merge_and_unload().eval()
     where = slice(len(body) - len(result.answer) - 1, len(body) - 1)  # (the positions whose logits chose them)
     with torch.no_grad():
         context = torch.tensor([list(engine.message(prefix[0]).token_ids) + chunks])
@@ -248,15 +250,15 @@ def test_bf16_engine_keeps_its_dtypes_and_base_workers(checkpoint, tmp_path):
     """Attaching a calibration moves nothing to another dtype (RoPE's inv_freq stays fp32), so a bf16
     engine's workers are bit-identical to an uncalibrated one's."""
     ckpt = checkpoint("llama")
-    plain = Engine(EngineConfig(ckpt, dtype="bfloat16", calibration="none"))
-    calibrated = Engine(EngineConfig(ckpt, dtype="bfloat16",
-                                     calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    plain = load_engine(EngineConfig(ckpt, dtype="bfloat16", calibration="none"))
+    calibrated = load_engine(EngineConfig(ckpt, dtype="bfloat16",
+                                          calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
     assert calibrated.lm.model.model.rotary_emb.inv_freq.dtype == plain.lm.model.model.rotary_emb.inv_freq.dtype
     task = generate("vote", 5, 2)
     base, got = run_workers(plain, task), run_workers(calibrated, task)
     for a, b in zip(got.ids, base.ids):
         assert torch.equal(calibrated.message(a).kv, plain.message(b).kv)
-    tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibrated.calibration.hooks)
+    tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibration_of(calibrated).hooks)
     assert kv.dtype == torch.bfloat16 and len(tokens) > 0
 
 
@@ -269,20 +271,20 @@ def test_save_load_round_trip(checkpoint, tmp_path):
     assert loaded.fingerprint == fingerprint_checkpoint(ckpt) and loaded.base_model == "tiny-llama"
     assert sorted(os.listdir(path)) == ["adapter", "calibration.json", "mapper.safetensors"]
     again = tmp_path / "again"
-    engine = Engine(EngineConfig(ckpt, calibration=path))
-    loaded.save(str(again), engine.calibration.peft_model)
+    engine = load_engine(EngineConfig(ckpt, calibration=path))
+    loaded.save(str(again), calibration_of(engine).peft_model)
     for name in loaded.mapper.state_dict():
         assert torch.equal(Calibration.load(str(again)).mapper.state_dict()[name], loaded.mapper.state_dict()[name])
-    saved = get_peft_model_state_dict(engine.calibration.peft_model)
-    assert saved and all(torch.equal(v, get_peft_model_state_dict(Engine(EngineConfig(
-        ckpt, calibration=str(again))).calibration.peft_model)[k]) for k, v in saved.items())
+    saved = get_peft_model_state_dict(calibration_of(engine).peft_model)
+    reloaded = calibration_of(load_engine(EngineConfig(ckpt, calibration=str(again))))
+    assert saved and all(torch.equal(v, get_peft_model_state_dict(reloaded.peft_model)[k]) for k, v in saved.items())
 
 
 def test_another_models_calibration_is_refused(checkpoint, tmp_path):
     ckpt, other = checkpoint("llama"), checkpoint("llama", seed=1)
     path = make_calibration(ckpt, tmp_path / "cal", random=False)
     with pytest.raises(FingerprintMismatchError) as err:
-        Engine(EngineConfig(other, calibration=path))
+        load_engine(EngineConfig(other, calibration=path))
     assert err.value.code == "FAILED_PRECONDITION"
     assert fingerprint_checkpoint(ckpt) in str(err.value) and fingerprint_checkpoint(other) in str(err.value)
     with pytest.raises(ValueError, match="braid calibrate"):
@@ -293,7 +295,7 @@ def test_trainer_sees_what_the_cache_path_sees(checkpoint):
     """The trainer's no-grad encodings (worker replies the model decodes itself, placed branch KV) and its
     synthesizer forward agree with the engine's workers and cache path."""
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
+    engine = load_engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
     cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6)
     encoder = Encoder(model, AutoTokenizer.from_pretrained(ckpt), model.model.rotary_emb.inv_freq.float(), cfg)
@@ -327,7 +329,7 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
     from braid.methods.synthesis import place_branches, refresh_branches
 
     ckpt = checkpoint("llama", initializer_range=0.3)  # (wide weights: the context visibly matters)
-    engine = Engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
+    engine = load_engine(EngineConfig(ckpt, calibration="none", device="cpu"))  # (the trainer's model is on the CPU)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="braid")
     cfg = CalibrateConfig(model=ckpt, worker_max_tokens=6, refresh=1, refresh_tail=tail)
     spec = Refresh(1, 1 if tail == -1 else tail)
@@ -383,47 +385,47 @@ def test_trainer_places_mixed_as_the_cache_path_does(checkpoint):
 
 @pytest.mark.parametrize("refresh", [Refresh(1, 1), Refresh(1, 2)])
 def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_first(checkpoint, tmp_path, refresh):
-    """The served path encodes the refreshed runs as scratch calls of the synthesizer's own call (base weights,
-    the branches unmapped, in the same forward as the prompt under the LoRA); an engine that takes fewer
+    """The served path encodes the refreshed runs as unstored prefill calls of the synthesizer's own request
+    (base weights, the branches unmapped, in the same forward as the prompt under the LoRA); an engine that takes fewer
     parallel calls than that prefills them first, in calls of their own, as before. With a random mapper and
     LoRA (so a run read mapped, or encoded adapted, would show: their KV then differs by 1 or more), both give
     the same answer and KV, and leave nothing behind. (Three layers: in two, the runs' context reaches only their last layer's KV, which the
     answer's stored KV never reads.)"""
     ckpt = checkpoint("llama", initializer_range=0.3, num_hidden_layers=3)
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
-    fused = Engine(EngineConfig(ckpt, calibration=cal, kv_block_tokens=4))  # (small blocks: some are freed early)
+    fused = load_engine(EngineConfig(ckpt, calibration=cal, kv_block_tokens=4))  # (small blocks: some are freed early)
     task = generate("chain", 5, 3)
     workers = run_workers(fused, task)
     runs = sum(len(refresh.runs(fused.message(m).num_tokens)) for m in workers.ids)
-    apart = Engine(EngineConfig(ckpt, calibration=cal, max_parallel_calls=runs))  # (runs + the synthesizer's)
+    apart = load_engine(EngineConfig(ckpt, calibration=cal, max_parallel_calls=runs))  # (runs + the synthesizer's)
     moved = [apart.import_message(m.token_ids, m.kv, m.offset, m.fingerprint)
              for m in (fused.message(i) for i in [*workers.prefix, *workers.ids])]
     prefix, branches = moved[:len(workers.prefix)], moved[len(workers.prefix):]
     # and in forwards of 3 rows (the runs split over several), over a pool whose unwritten slots are NaN
-    chunked = Engine(EngineConfig(ckpt, calibration=cal, max_batched_tokens=3))
+    chunked = load_engine(EngineConfig(ckpt, calibration=cal, max_batched_tokens=3))
     chunked.scheduler.pool.kv.fill_(float("nan"))
     for mid in [*prefix, *branches]:
         chunked.import_message(apart.message(mid).token_ids, apart.message(mid).kv, apart.message(mid).offset,
                                apart.fingerprint, message_id=mid)
-    for hooks in (None, fused.calibration.hooks):
+    for hooks in (None, calibration_of(fused).hooks):
         before = set(fused.store.ids())
         tokens, kv = answer(fused, workers, task, Placement.SEQUENTIAL, hooks, refresh)
         for other in (apart, chunked):
             mid = synthesize(other, branches, task.prompt(), prefix, Placement.SEQUENTIAL,
-                             SamplingParams(max_tokens=6), other.calibration.hooks if hooks is not None else None,
+                             SamplingParams(max_tokens=6), calibration_of(other).hooks if hooks is not None else None,
                              refresh=refresh)
             assert other.message(mid).token_ids == tokens
             # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
             torch.testing.assert_close(other.message(mid).kv, kv, rtol=1e-4, atol=1e-4)
         assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
-    _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, fused.calibration.hooks)
+    _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, calibration_of(fused).hooks)
     assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)
     # once the runs are encoded, the blocks holding what only they read (the unmapped branches) go back
     stream = synthesize_stream(fused, workers.ids, task.prompt(), workers.prefix, Placement.SEQUENTIAL,
-                               SamplingParams(max_tokens=6, ignore_eos=True), fused.calibration.hooks, refresh)
+                               SamplingParams(max_tokens=6, ignore_eos=True), calibration_of(fused).hooks, refresh)
     events = iter(stream)
     next(events)
-    group, pool = stream._group, fused.scheduler.pool
+    group, pool = stream._request, fused.scheduler.pool
     unmapped = sum(fused.message(m).num_tokens for m in workers.ids)  # (about: less the runs' own ends)
     assert group.cache.start >= unmapped - 2 * len(workers.ids) and group.cache.front == 0
     freed = group.cache.start // pool.block_tokens  # (a block more may have been taken for the next token)
@@ -457,7 +459,7 @@ def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint
         _trained_with(path, **config)
         assert Calibration.load(path).refresh == expected, config
     Calibration.load(path).record_verification({"mode": "calibrated+refresh0-3", "max_branches": 3})
-    engine = Engine(EngineConfig(ckpt, calibration=path))
+    engine = load_engine(EngineConfig(ckpt, calibration=path))
     from braid.evals.harness import engine_modes
 
     names = [m.name for m in engine_modes(engine)]  # the trained refresh, and the default a deployment may pin
@@ -470,7 +472,7 @@ def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint
         assert pinned.refresh == Refresh(1, 1) and pinned.info().verified_branches == 0  # (a check of another mode)
         off = SynthesisRunner(engine, receiver, None, SynthesizerConfig(refresh_tokens=0))
         assert off.refresh is None
-        bare = Engine(EngineConfig(ckpt, calibration="none"))
+        bare = load_engine(EngineConfig(ckpt, calibration="none"))
         assert SynthesisRunner(bare, receiver, None, SynthesizerConfig()).refresh == Refresh(1, 1)
     finally:
         receiver.stop()
@@ -493,8 +495,8 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     assert main([*args, "--steps", "3"]) == 0  # resumes at step 2
     record = json.load(open(out / "calibration.json"))["record"]
     assert record["steps"] == 3 and record["loss"][:2] == first["loss"] and (out / "loss.png").stat().st_size > 0
-    engine = Engine(EngineConfig(ckpt, calibration=str(out)))
-    assert engine.calibration.calibration.lora.rank == 2
+    engine = load_engine(EngineConfig(ckpt, calibration=str(out)))
+    assert calibration_of(engine).calibration.lora.rank == 2
     assert main([*args, "--steps", "3", "--branches", "1"]) == 2  # bad input: one clear line
     # a run to resume that did not start from --init-from is not silently resumed in its place
     assert main([*args, "--steps", "4", "--init-from", str(out)]) == 2
@@ -518,7 +520,7 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
     # (of the mode the synthesizer serves: calibrated, with each branch's first and last token refreshed)
     Calibration.load(path).record_verification({"mode": "calibrated+refresh", "max_branches": 2,
                                                 "max_branch_tokens": 40})
-    engine = Engine(EngineConfig(ckpt, calibration=path))
+    engine = load_engine(EngineConfig(ckpt, calibration=path))
     redis_server = EmbeddedRedis()
     server = start_in_process(engine, Directory.connect(redis_server.url))
     try:
@@ -549,7 +551,7 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         ctx = engine.prefill([PrefillCall(p, parents=prefix) for p in ["Part 3.", "Part 4 and 5."]])
         branches = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=sampling) for c in ctx])
         calibrated = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling,
-                                hooks=engine.calibration.hooks, refresh=Refresh(1, 1))
+                                hooks=calibration_of(engine).hooks, refresh=Refresh(1, 1))
         plain = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling)
         assert answer == list(engine.message(calibrated).token_ids[-6:])
         assert engine.message(calibrated).token_ids != engine.message(plain).token_ids  # it did change the answer
@@ -597,9 +599,9 @@ def test_committed_calibration_reproduces_its_recorded_sample():
     from braid.evals.harness import EvalConfig, engine_modes, evaluate, report
 
     recorded = json.load(open(os.path.join(REFERENCE_CALIBRATION, "eval_sample.json")))
-    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))  # calibration "auto"
-    assert engine.calibration is not None and engine.fingerprint == recorded["fingerprint"]
-    assert engine.calibration.calibration.fingerprint == engine.fingerprint
+    engine = load_engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))  # calibration "auto"
+    assert calibration_of(engine) is not None and engine.fingerprint == recorded["fingerprint"]
+    assert calibration_of(engine).calibration.fingerprint == engine.fingerprint
     cfg = recorded["config"]
     config = EvalConfig(tasks=tuple(cfg["tasks"]), branches=tuple(cfg["branches"]), samples=cfg["samples"],
                         seed=cfg["seed"], length=tuple(cfg["length"]), worker_max_tokens=cfg["worker_max_tokens"],
@@ -619,7 +621,7 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
     from braid.methods.synthesis import SynthesisMode, synthesis_stream
 
     ckpt = checkpoint("llama")
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
     greedy = SamplingParams(max_tokens=5, ignore_eos=True)
     nodes = [Node("system", "System: vote."),
              *[Node(f"s{j}", f"Solution {j}:", role=f"s{j}", sampling=greedy, parents=(Edge("system"),))
@@ -632,7 +634,7 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         events = list(dag)
         voter = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "voter"]
         # (written untrained, it is read as served by default: a token refreshed at each end)
-        mode = SynthesisMode(engine.calibration.calibration.placement, engine.calibration.hooks, Refresh(1, 1))
+        mode = SynthesisMode(calibration_of(engine).calibration.placement, calibration_of(engine).hooks, Refresh(1, 1))
         by_hand = synthesis_stream(engine, [dag.outputs[f"s{j}"] for j in range(3)], "Best:", [dag.outputs["system"]],
                                    mode, greedy)
         expected = [e.token_id for e in by_hand]
@@ -657,7 +659,7 @@ def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint,
              Node("c", "Best:", sampling=greedy, parents=(Edge("system"), Edge("s0"), Edge("s1"))),
              Node("d", "Other:", sampling=greedy, parents=(Edge("system"), Edge("s0"))),
              Node("s", "Then:", sampling=greedy, staircase=True, parents=(Edge("system"), Edge("c"), Edge("d")))]
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
     got = {}
     for calibrated in (True, False):
         dag = DagRun(engine, Graph(nodes, calibrated=calibrated))
@@ -666,6 +668,6 @@ def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint,
         dag.free(keep=())
     assert got[True] == got[False] and len(got[True]) == 4
     assert engine.scheduler.load["running"] == 0
-    plain = Engine(EngineConfig(ckpt, calibration="none"))
+    plain = load_engine(EngineConfig(ckpt, calibration="none"))
     with pytest.raises(PreconditionError, match="no calibration loaded"):
         list(DagRun(plain, Graph(nodes, calibrated=True)))

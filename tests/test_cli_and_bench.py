@@ -278,3 +278,30 @@ def test_serving_benchmark_runs_a_revision_s_engine_beside_this_tree_s(checkpoin
     assert ratio["against"] == bench.compare(rows["scheduler"], rows["before"])
     assert ratio["token_throughput_x"] == bench.compare(rows["scheduler"], rows["serial"])["token_throughput_x"]
     assert (tmp_path / "serving_cpu_against.png").exists()
+
+
+def test_device_run_dry_run_takes_every_step(tmp_path):
+    """benchmarks/device_run.sh, the script a lent GPU's few minutes go to, as its dry run (SHAPE=tiny DEVICE=cpu):
+    the install (as pip's --dry-run, so this environment stays as it is), every benchmark and both test steps
+    (the engine tests cut to one file) exit 0 and the benchmarks leave their JSON, so a GPU run never meets a
+    broken step."""
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(ROOT, "benchmarks", "device_run.sh")
+    env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "OUT": str(tmp_path), "PY": sys.executable,
+           "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py"}
+    for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS"):
+        env.pop(name, None)  # (the script's own defaults)
+    done = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    with open(script) as f:
+        steps = re.search(r"STEPS=\$\{STEPS:-([^}]*)\}", f.read()).group(1).split()
+    returned = dict(re.findall(r"^== \S+ (\w+) rc=(\d+)$", log, re.MULTILINE))
+    assert returned == {name: "0" for name in ["install", "checkpoint", *steps]}, log[-4000:]
+    for name in ("profile_decode", "synthesis_ttft", "kvcomm", "batched_forward"):
+        assert (tmp_path / f"{name}_cpu.json").exists(), name
+    engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
+    assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)
+    assert log.rstrip().endswith("done") and (tmp_path / "device.log").exists()

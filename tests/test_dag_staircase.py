@@ -242,7 +242,7 @@ def test_the_cluster_config_sets_the_default_schedule_and_a_request_overrides_it
     with pytest.raises(ValueError, match="aggregator chunk sizes must be positive"):
         ClusterConfig(checkpoint("llama"), staircase_aggregator=(0,))
     # a client's graph leaves the schedule to the server unless it sets one
-    from braid.methods.presets import moa as moa_preset
+    from braid.methods.dag.presets import moa as moa_preset
     sent = convert.graph_request(moa_preset("q", staircase=Variant.APPEND)).staircase
     assert sent.variant == "append" and not sent.proposer_chunks and not sent.HasField("redundancy")
     calibrated = Graph(moa_preset("q").nodes, calibrated=True)

@@ -40,7 +40,8 @@ def test_hooks_plug_into_every_cached_mode(llama_engine):
         entered.append(True)
         yield
 
-    hooked = hooked_modes("identity", SynthesisHooks(identity, adapter))
+    llama_engine.add_adapter("identity", adapter)
+    hooked = hooked_modes("identity", SynthesisHooks(identity, "identity"))
     assert [m.name for m in hooked] == ["cache:none+identity", "cache:branch_point+identity",
                                         "cache:sequential+identity", "cache:sequential+refresh+identity",
                                         "cache:mixed+refresh+identity"]

@@ -4,9 +4,10 @@ what it may not do under a CUDA graph, when it applies; on CUDA, the graphs' rep
 import pytest
 import torch
 from braid.engine import Engine, EngineConfig, attention
-from braid.engine import graphs as graphs_module
+from braid.methods.calibration import calibration_of, load_engine
+from braid.engine import cuda_graphs as graphs_module
 from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
-from braid.engine.model_runner import GroupInput, WorkCache
+from braid.engine.model_runner import RequestInput, WorkCache
 from braid.methods.synthesis import Placement
 from braid.models.tasks import generate
 from test_scheduler import REQUESTS, concurrently, workflow
@@ -15,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 CUDA = torch.cuda.is_available()
 
 
-def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> list[GroupInput]:
+def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> list[RequestInput]:
     """One decode group per length: a work cache holding `length` slots of random KV in one segment (the context
     entry) and `rows` parallel calls that see it, each with one new token."""
     gen = torch.Generator().manual_seed(seed)
@@ -28,12 +29,12 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
         visible = torch.ones(n, 1 + n, dtype=torch.bool, device=dev)
         visible[:, 1:] = torch.eye(n, dtype=torch.bool, device=dev)  # (each call sees its own tokens)
         ids = torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).to(dev)
-        out.append(GroupInput(cache, visible, ids, torch.full((n,), length, device=dev),
+        out.append(RequestInput(cache, visible, ids, torch.full((n,), length, device=dev),
                               torch.arange(n, device=dev), list(range(n))))
     return out
 
 
-def as_they_come(eng: Engine, groups: list[GroupInput]) -> list[torch.Tensor | None]:
+def as_they_come(eng: Engine, groups: list[RequestInput]) -> list[torch.Tensor | None]:
     """The runner's forward of these groups without its static path."""
     graphs, eng.runner.graphs = eng.runner.graphs, None
     try:
@@ -42,7 +43,7 @@ def as_they_come(eng: Engine, groups: list[GroupInput]) -> list[torch.Tensor | N
         eng.runner.graphs = graphs
 
 
-def release(eng: Engine, groups: list[GroupInput]) -> None:
+def release(eng: Engine, groups: list[RequestInput]) -> None:
     for g in groups:
         eng.scheduler.pool.release(g.cache.blocks)
 
@@ -52,7 +53,7 @@ BUDGET = 64 << 20  # the work KV of these tests' engines (on CUDA the default ta
 
 @pytest.fixture(scope="module")
 def padded_engine(checkpoint):
-    return Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    return load_engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
 
 
 def test_config_and_buckets(checkpoint):
@@ -61,9 +62,9 @@ def test_config_and_buckets(checkpoint):
         64, 128, KEY_STEP, 2 * KEY_STEP, 3 * KEY_STEP, 6144]  # (past 2 * KEY_STEP: steps of a quarter of 2^k)
     with pytest.raises(ValueError, match="decode_graphs 'always' is not one of auto, off, eager"):
         EngineConfig(checkpoint("llama"), decode_graphs="always")
-    assert Engine(EngineConfig(checkpoint("llama"), decode_graphs="off")).runner.graphs is None
+    assert load_engine(EngineConfig(checkpoint("llama"), decode_graphs="off")).runner.graphs is None
     if not CUDA:  # (auto: graphs on CUDA only)
-        assert Engine(EngineConfig(checkpoint("llama"))).runner.graphs is None
+        assert load_engine(EngineConfig(checkpoint("llama"))).runner.graphs is None
 
 
 def test_which_forwards_are_static(padded_engine, monkeypatch):
@@ -73,7 +74,7 @@ def test_which_forwards_are_static(padded_engine, monkeypatch):
     assert graphs.shape(groups) == (4, 8, 128)  # (G, R, T): 3 groups, 8 rows at most, 108 keys at most
     many = groups_over(padded_engine, [3], [9], 1)  # (more rows than a decode step has: a prefill chunk)
     assert graphs.shape(many) is None
-    groups[1].scratch_rows = 1
+    groups[1].lead_rows = 1
     assert graphs.shape(groups) is None
     assert graphs.shape(groups[:1] * (MAX_GROUPS + 1)) is None
     long = groups_over(padded_engine, [1023], [1], 2)  # (with its new row: T = 1024)
@@ -83,7 +84,7 @@ def test_which_forwards_are_static(padded_engine, monkeypatch):
 
 def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
     monkeypatch.setattr(graphs_module, "MAX_BUCKETS", 2)
-    eng = Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    eng = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
     for lengths in ([10], [100], [10], [300]):  # T: 64, 128, 64 again, 512
         groups = groups_over(eng, lengths, [1], 6)
         eng.runner.step(groups)
@@ -91,7 +92,7 @@ def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
     assert list(eng.runner.graphs.buckets) == [(None, (1, 1, 64)), (None, (1, 1, 512))]
 
 
-def nan_outside(eng: Engine, groups: list[GroupInput]) -> torch.Tensor:
+def nan_outside(eng: Engine, groups: list[RequestInput]) -> torch.Tensor:
     """Fill every pool slot the groups' caches do not hold with NaN, but the trash slot (as a pool whose slots
     were used and freed may hold anything); returns the pool as it is then."""
     pool = eng.scheduler.pool
@@ -110,7 +111,7 @@ def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows
     (nothing written to its trash slot yet): the padded forward runs in the bucket its groups need after their
     new rows, gives the same logits (within rounding) and writes the same KV into each group's slots; outside
     them it writes only the trash slot."""
-    eng = Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    eng = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
     pool = eng.scheduler.pool
     assert not pool.kv[..., pool.trash:, :].any()  # (a new pool's trash block is zeros, not what memory held)
     a, b = groups_over(eng, lengths, rows, 3), groups_over(eng, lengths, rows, 3)
@@ -135,7 +136,7 @@ def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows
 def test_padded_forward_in_other_families(checkpoint, family):
     """The other model families (attention biases, q/k norms, sliding windows): the padded forward's logits
     are the forward as it comes."""
-    eng = Engine(EngineConfig(checkpoint(family), decode_graphs="eager", kv_budget_bytes=BUDGET))
+    eng = load_engine(EngineConfig(checkpoint(family), decode_graphs="eager", kv_budget_bytes=BUDGET))
     a, b = groups_over(eng, [11, 70], [2, 1], 8), groups_over(eng, [11, 70], [2, 1], 8)
     for s, d in zip(eng.runner.step(a), as_they_come(eng, b)):
         assert torch.allclose(s, d, atol=1e-5, rtol=1e-5)
@@ -157,7 +158,7 @@ def test_the_bucket_is_the_one_the_groups_need_at_its_bounds(padded_engine, monk
 def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, padded_engine):
     """Whole workflows, alone and from many threads at once: the same greedy tokens with static decode
     forwards as without them, and the batched ones did run in buckets of several groups."""
-    off = Engine(EngineConfig(checkpoint("llama"), decode_graphs="off"))
+    off = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="off"))
     alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
     assert [workflow(padded_engine, task, contexts) for task, contexts in REQUESTS] == alone
     assert concurrently(lambda t, c: workflow(padded_engine, t, c), REQUESTS * 2) == alone * 2
@@ -203,8 +204,8 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
-    off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
-    lora = padded.calibration.hooks.adapter
+    off, padded = (load_engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
+    lora = padded.adapters[calibration_of(padded).hooks.adapter]
     swaps = lora.swaps  # (methods.calibration.MergedLora: the adapted Linears, base and merged weights)
     graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
@@ -219,7 +220,8 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 
     graphs.run = checked
     task = generate("chain", 3, 3)
-    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks) for e in (off, padded)]
+    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
+           for e in (off, padded)]
     assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-5)
     assert None in keys and lora in keys  # (workers' decodes with base weights, the synthesizer's with the LoRA)
     assert {w for w, _ in graphs.buckets} == {None, lora}
@@ -233,19 +235,19 @@ def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "turns", 0.5)
-    off, padded = (Engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m, kv_budget_bytes=BUDGET))
+    off, padded = (load_engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m, kv_budget_bytes=BUDGET))
                    for m in ("off", "eager"))
     graph = task_graph(generate("vote", 3, 3), "calibrated+turns", "mad-iter")
     assert turn_tokens(padded, graph) == turn_tokens(off, graph)
-    assert padded.calibration.turns.adapter in {w for w, _ in padded.runner.graphs.buckets}
+    assert padded.adapters[calibration_of(padded).turns.adapter] in {w for w, _ in padded.runner.graphs.buckets}
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_graph_replays_equal_the_padded_forward(checkpoint):
     """On CUDA: each bucket's captured graph gives bit-identical logits to the padded forward run as it comes,
     and whole workflows the same tokens as without static forwards."""
-    graphed, eager, off = (Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs=mode,
-                                               kv_budget_bytes=BUDGET)) for mode in ("auto", "eager", "off"))
+    graphed, eager, off = (load_engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs=mode,
+                                                    kv_budget_bytes=BUDGET)) for mode in ("auto", "eager", "off"))
     for seed, (lengths, rows) in enumerate((([7, 33, 90], [1, 3, 2]), ([200], [1]), ([9, 40, 77], [2, 1, 3]))):
         a, b = groups_over(graphed, lengths, rows, seed), groups_over(eager, lengths, rows, seed)
         for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
@@ -266,14 +268,14 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
-    graphed, off = (Engine(EngineConfig(ckpt, device="cuda", dtype="float32", calibration=cal, decode_graphs=mode,
-                                        kv_budget_bytes=BUDGET)) for mode in ("auto", "off"))
+    graphed, off = (load_engine(EngineConfig(ckpt, device="cuda", dtype="float32", calibration=cal, decode_graphs=mode,
+                                             kv_budget_bytes=BUDGET)) for mode in ("auto", "off"))
     for seed in range(3):
         task = generate("chain", seed, 3)
-        got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks)
+        got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
                for e in (off, graphed)]
         assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-4)
-    lora = graphed.calibration.hooks.adapter
+    lora = graphed.adapters[calibration_of(graphed).hooks.adapter]
     buckets = graphed.runner.graphs.buckets
     assert {w for w, _ in buckets} == {None, lora}
     for weights in (None, lora):  # (both sets of weights replayed from graphs of their own)
@@ -281,7 +283,7 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
 
 
 def test_a_plain_call_s_decode_row_builds_no_mask_and_reads_the_same(padded_engine):
-    """One row of a call that sees its whole cache (GroupInput.plain) builds no mask (its part is `full`), and
+    """One row of a call that sees its whole cache (RequestInput.plain) builds no mask (its part is `full`), and
     gives the logits of the same row with its mask built, bit for bit: beside other groups in the shared attention
     and in the static forward, and alone."""
     eng = padded_engine

@@ -3,12 +3,15 @@ proxy's wait for the replica (where the proxy cancels the replica's work)."""
 
 import asyncio
 import enum
+from concurrent import futures
 from unittest.mock import Mock
 
 import grpc
 import pytest
 
 from braid.cluster.grpc_proxy import add_agent_service, decoupled
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
 
 
 class Replica:
@@ -77,7 +80,7 @@ def test_a_client_that_leaves_cancels_the_wait_for_the_replica(how):
 
 def test_registration_decouples_only_the_proxys_streaming_handlers():
     """With Serve's handler factory on the server, the unary-stream handlers it makes are wrapped (and the factory
-    is restored); any other server gets the generated registration unchanged."""
+    is restored); the unary ones are Serve's own."""
     made = []
 
     class ServeLikeServer:
@@ -105,8 +108,37 @@ def test_registration_decouples_only_the_proxys_streaming_handlers():
     assert server.service_handler_factory == original and len(made) == 2
     assert server.handlers["/braid.v1.AgentService/RunWorkflow"].__qualname__.startswith("decoupled.")
     assert server.handlers["/braid.v1.AgentService/Prefill"].__name__ == "handler"
-    plain = grpc.server(None)  # (a plain gRPC server: the generated registration, untouched)
-    add_agent_service(Mock(), plain)
+
+
+def test_a_plain_server_gets_the_generated_registration():
+    """A gRPC server without Serve's handler factory (the in-process server's kind) gets the service as the
+    generated code registers it: its servicer's own methods answer, unary and streaming, as plain sync handlers
+    (a decoupled handler is a coroutine, which a sync server could not run)."""
+
+    class Servicer(agent_pb2_grpc.AgentServiceServicer):
+        def Health(self, request, context):
+            return pb.HealthResponse(status="SERVING", model_fingerprint="plain")
+
+        def Generate(self, request, context):
+            for i, word in enumerate(request.prompt.split()):
+                yield pb.TokenEvent(token_id=i, text=word)
+
+    plain = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_agent_service(Servicer(), plain)
+    assert not hasattr(plain, "service_handler_factory")  # (nothing of Serve's left on it)
+    port = plain.add_insecure_port("127.0.0.1:0")
+    plain.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            assert stub.Health(pb.HealthRequest(), timeout=10).model_fingerprint == "plain"
+            events = list(stub.Generate(pb.GenerateRequest(prompt="one two three"), timeout=10))
+            assert [(e.token_id, e.text) for e in events] == [(0, "one"), (1, "two"), (2, "three")]
+            with pytest.raises(grpc.RpcError) as err:  # (a method it does not implement: the generated default)
+                stub.ListSessions(pb.ListSessionsRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        plain.stop(0)
 
 
 class _Type(str, enum.Enum):  # (Serve's gRPCStreamingType, as far as the factory's callers use it)

@@ -230,6 +230,26 @@ def test_image_and_chart_match_the_package():
         assert yaml.safe_load(f)["rayVersion"] == pins["ray[serve]"]
 
 
+def test_package_data_ships_every_file_of_the_reference_model():
+    """A non-editable install (the image's `pip install /opt/braid`) holds only what pyproject's package-data
+    globs name: every file under models/braid-reference must match one, as setuptools globs them (from the
+    package's folder, `*` within one folder), or an install misses it (the turn LoRA once did)."""
+    import glob
+    import tomllib
+
+    with open(os.path.join(ROOT, "..", "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    models = os.path.join(ROOT, "..", setuptools["package-dir"]["braid.models"])
+    shipped = {os.path.normpath(path) for pattern in setuptools["package-data"]["braid.models"]
+               for path in glob.glob(pattern, root_dir=models, recursive=True)
+               if os.path.isfile(os.path.join(models, path))}
+    files = {os.path.relpath(os.path.join(folder, name), models)
+             for folder, _, names in os.walk(os.path.join(models, "braid-reference"))
+             if "__pycache__" not in folder for name in names}
+    assert os.path.join("braid-reference", "calibration", "turns", "adapter_model.safetensors") in files
+    assert not files - shipped, f"not in pyproject's package-data for braid.models: {sorted(files - shipped)}"
+
+
 def test_every_pod_reads_the_cluster_token_from_one_secret():
     """The replicas' shared secret for their internal KV ports: the chart's own Secret (48 random characters)
     unless values name one, read into $BRAID_CLUSTER_TOKEN on every Ray pod."""
@@ -240,12 +260,44 @@ def test_every_pod_reads_the_cluster_token_from_one_secret():
     for values, secret, key in (({}, "braid-cluster-token", "token"),
                                 ({"clusterToken": {"secretName": "mine", "secretKey": "t"}}, "mine", "t")):
         docs = render(values)
-        made = [d for d in docs if d["kind"] == "Secret"]
+        made = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
         if values:
-            assert not made
+            assert set(made) == {"braid-api-keys"}  # (the API key's, which the next test checks)
         else:
-            (own,) = made
-            assert own["metadata"]["name"] == secret and len(base64.b64decode(own["data"][key])) == 48
+            own = made[secret]
+            assert len(base64.b64decode(own["data"][key])) == 48
         for template in pod_templates(one(docs, "RayService")):
             env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
             assert env[ENV]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}
+
+
+def test_the_agent_api_needs_a_key_unless_values_open_it():
+    """By default the chart keeps a key Secret of its own (48 random characters, a valid key file) mounted on every
+    Ray pod at the file the app reads its keys from; a Secret named in values takes its place; apiKeys.open serves
+    without keys (no Secret, no mount, no key file), and refuses a Secret named beside it."""
+    import base64
+
+    from braid.api.auth import ApiKeys, client_metadata
+
+    for values, secret in (({}, "braid-api-keys"), ({"apiKeys": {"secretName": "mine", "secretKey": "keys"}}, "mine"),
+                           ({"apiKeys": {"open": True}}, None)):
+        docs = render(values)
+        config = serve_config(docs)["applications"][0]["args"]["config"]
+        made = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+        assert ("braid-api-keys" in made) == (not values)
+        if not values:  # (its entry is a key file as the ingress reads it, holding one key)
+            key = base64.b64decode(made["braid-api-keys"]["data"]["keys"]).decode()
+            assert len(key) == 48 and ApiKeys.parse([key], "the chart's Secret").check(client_metadata(key))
+        assert config.get("api_keys_file") == (secret and "/etc/braid/api-keys/keys")
+        for template in pod_templates(one(docs, "RayService")):
+            volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+            mounts = {m["name"]: m for m in template["spec"]["containers"][0]["volumeMounts"]}
+            if secret is None:
+                assert "api-keys" not in volumes and "api-keys" not in mounts
+            else:
+                assert volumes["api-keys"]["secret"] == {"secretName": secret}
+                assert mounts["api-keys"] == {"name": "api-keys", "mountPath": "/etc/braid/api-keys",
+                                              "readOnly": True}
+    with pytest.raises(helm.HelmError) as e:
+        render({"apiKeys": {"open": True, "secretName": "mine"}})
+    assert "apiKeys.open serves the agent API without keys, but apiKeys.secretName names Secret mine" in str(e.value)

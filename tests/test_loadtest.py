@@ -94,17 +94,20 @@ def test_fuzzed_requests_get_meant_statuses_and_lose_nothing(checkpoint, tmp_pat
 
 def test_a_redis_restart_under_load_loses_no_workflow(checkpoint):
     """The chaos script's short version: Redis stops (losing what it held) and starts again while workflows
-    run; each completes (commands wait, retrying, for Redis to come back) and a new one works at once."""
+    run (some were under way when it stopped: started, not yet ended); each completes, those too (commands wait,
+    retrying, for Redis to come back), and a new one works at once."""
     redis = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
     try:
         result = redis_restart_under_load(f"127.0.0.1:{server.port}", redis, workflows=12, concurrency=4,
-                                          after_s=0.3, down_s=1.0, timeout=120,
-                                          workload=Workload(worker_max_tokens=8, answer_max_tokens=8))
+                                          after_s=0.2, down_s=1.0, timeout=120,  # (long enough to be under way)
+                                          workload=Workload(worker_max_tokens=32, answer_max_tokens=8))
     finally:
         server.stop()
         redis.stop()
     assert result["passed"] and result["outcomes"] == {"OK": 12}, result
+    hit = result["in_flight_at_fault"]
+    assert hit >= 1 and result["in_flight_outcomes"] == {"OK": hit}, result
 
 
 def test_fuzzed_requests_across_two_api_keys_reach_nothing_of_the_other(checkpoint):

@@ -8,7 +8,7 @@ from braid.engine.errors import UnknownMessageError
 from braid.kv import peer_auth
 from braid.kv.collective import open_link
 from braid.kv.export import KVExporter, fetch
-from braid.kv.grpc_transport import GrpcSender, abandon
+from braid.kv.grpc_transport import GrpcSender
 from braid.kv.receiver import KVReceiver
 from braid.protos import kv_pb2, kv_pb2_grpc
 from tests.test_kv_grpc import ship_two_branches
@@ -35,7 +35,9 @@ def test_internal_ports_refuse_calls_without_the_cluster_token(llama_engine, mon
         assert got.token_ids == list(eng.message(mid).token_ids)
         messages, _ = ship_two_branches(eng, receiver, GrpcSender(receiver.address, eng.fingerprint))
         assert receiver.wait("wf:0", idle_timeout=10).token_ids == list(messages[0].token_ids)
-        abandon(receiver.address, ["nothing"], "test")  # (unary: no error logged means it was served)
+        with peer_auth.peer_channel(receiver.address) as channel:  # (unary: answered, not refused)
+            assert kv_pb2_grpc.KVTransferStub(channel).Abandon(
+                kv_pb2.AbandonRequest(stream_ids=["nothing"], reason="test"), timeout=10) == kv_pb2.PushAck()
         # anyone else: refused, whatever the RPC's kind
         for metadata in (None, [(peer_auth.HEADER, "guess")]):
             with grpc.insecure_channel(exporter.address) as channel:
@@ -64,9 +66,26 @@ def test_internal_ports_refuse_calls_without_the_cluster_token(llama_engine, mon
         eng.free(mid)
 
 
-def test_without_a_token_nothing_is_checked(monkeypatch):
+def test_without_a_token_nothing_is_checked(llama_engine, monkeypatch, caplog):
+    """With no $BRAID_CLUSTER_TOKEN (a process of its own, the in-process server), an internal port serves a call
+    that carries no token, and says so in the log when it is not on loopback only; ensure_cluster_token makes one."""
     monkeypatch.setenv(peer_auth.ENV, "")  # (unset, and put back as it was after the test)
-    assert peer_auth.peer_check("127.0.0.1") == []
+    eng = llama_engine
+    (mid,) = eng.prefill([PrefillCall("User: anyone may fetch this.")])
+    exporter = KVExporter(eng, owned_by("s1"))
+    try:
+        with grpc.insecure_channel(exporter.address) as channel:  # (no metadata at all)
+            chunks = list(kv_pb2_grpc.KVExportStub(channel).Fetch(kv_pb2.FetchRequest(session_id="s1", message_id=mid),
+                                                                  timeout=10))
+        assert [t for c in chunks for t in c.token_ids] == list(eng.message(mid).token_ids)
+    finally:
+        exporter.stop()
+        eng.free(mid)
+    with caplog.at_level("WARNING", logger=peer_auth.log.name):
+        peer_auth.peer_check("127.0.0.1")
+        assert caplog.records == []
+        assert peer_auth.peer_check("0.0.0.0") == []
+    assert "takes calls from anyone" in caplog.text and peer_auth.ENV in caplog.text
     assert peer_auth.ensure_cluster_token() == peer_auth.cluster_token() and len(peer_auth.cluster_token()) >= 32
     monkeypatch.setenv(peer_auth.ENV, "from-a-file\n")  # (a Secret made with --from-file ends in a newline)
     assert peer_auth.cluster_token() == "from-a-file"

@@ -208,10 +208,10 @@ def test_closing_a_stream_that_has_just_ended_keeps_its_messages_known(llama_eng
     p = eng.prefill([PrefillCall("User: short.")])
     stream = eng.decode_stream([DecodeCall("Assistant:", parents=p, sampling=SamplingParams(max_tokens=2))])
     deadline = time.time() + 30
-    while stream._group.stored_ids is None and time.time() < deadline:  # ended, stored; nothing read yet
+    while stream._request.stored_ids is None and time.time() < deadline:  # ended, stored; nothing read yet
         time.sleep(0.01)
     stream.close()
-    assert stream.ids == stream._group.stored_ids and stream.ids[0] in eng.store
+    assert stream.ids == stream._request.stored_ids and stream.ids[0] in eng.store
     assert eng.scheduler.load["reserved_bytes"] == 0  # its blocks were back before the end was told
     eng.free(stream.ids[0])
     eng.free(p[0])
@@ -408,9 +408,9 @@ def test_a_step_reads_its_greedy_tokens_at_once():
 
 
 def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
-    """Group.plain (its decode rows build no mask): one call, yes; parallel calls, or a call beside scratch calls
-    (which see less than all the group holds), no. Each stream still gives its tokens."""
-    from braid.engine.engine import Scratch
+    """Request.plain (its decode rows build no mask): one call, yes; parallel calls, or a call beside prefill
+    calls of its request (which see less than all the request holds), no. Each stream still gives its tokens."""
+    from braid.engine.engine import Sibling
 
     eng = llama_engine
     ctx, = eng.prefill([PrefillCall("Some context.")])
@@ -419,11 +419,41 @@ def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
     streams = [eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy)]),
                eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy),
                                   DecodeCall("R:", parents=[ctx], sampling=greedy)]),
-               eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], sampling=greedy)],
-                                 scratch=[PrefillCall("a b", parents=[ctx], new_offset=n)])]
-    assert [s._group.plain for s in streams] == [True, False, False]
+               eng.decode_stream([PrefillCall("a b", parents=[ctx], new_offset=n, store=False),
+                                  DecodeCall("Q:", parents=[ctx, Sibling(0)], sampling=greedy)])]
+    assert [s._request.plain for s in streams] == [True, False, False]
     for s in streams:
         assert len(list(s)) == 3 * len(s.ids)
         for mid in s.ids:
             eng.free(mid)
     eng.free(ctx)
+
+
+@pytest.mark.parametrize("where", ["admit", "inputs"])
+def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next(checkpoint, monkeypatch, where):
+    """A step that raises outside any one request's forward (admitting it; building the step's inputs) fails the
+    request it held, with a status, instead of leaving its consumer waiting; the next request is served, with the
+    same tokens as on a fresh engine."""
+    from braid.engine import scheduler as scheduler_module
+    from braid.engine.errors import StepFailedError
+
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    prefix = eng.prefill([PrefillCall("User: short.")])
+    want = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
+    failures = []
+
+    def broken(*args, **kwargs):  # (the first call fails, as a bug or a device error would)
+        failures.append(where)
+        raise RuntimeError("step broke")
+
+    target = (eng.scheduler, "_admit") if where == "admit" else (scheduler_module, "_inputs")
+    real = getattr(*target)
+    monkeypatch.setattr(*target, lambda *a, **k: broken() if not failures else real(*a, **k))
+    stream = eng.decode_stream([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
+    error = StepFailedError if where == "inputs" else RuntimeError
+    with pytest.raises(error, match="step broke") as info:
+        list(stream)
+    assert failures == [where] and getattr(info.value, "code", "INTERNAL") == "INTERNAL"
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    again = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
+    assert eng.message(again[0]).token_ids == eng.message(want[0]).token_ids

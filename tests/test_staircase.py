@@ -156,8 +156,7 @@ def test_a_failed_worker_call_leaves_the_answer_to_the_others(fresh_engine):
         def later():
             while stream.decode is None or stream.encoded(0) < 6:
                 time.sleep(0.01)
-            stream.decode._group.cancelled = True  # what a client going away does to its call
-            stream.decode._group.wake()
+            stream.decode.interrupt()  # what a client going away does to its call
         threading.Thread(target=later, daemon=True).start()
 
     lost.on_start = stop_soon

@@ -2,6 +2,8 @@
 
 from contextlib import contextmanager
 
+from dataclasses import replace
+
 import pytest
 import torch
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
@@ -129,9 +131,16 @@ def test_mapper_and_adapter_plug_in(llama_engine):
         out[:, 1] = 0
         return out
 
+    eng.add_adapter("counted", adapter)
     stream = synthesize_stream(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY,
-                               hooks=SynthesisHooks(mapper=silence_values, adapter=adapter))
+                               hooks=SynthesisHooks(mapper=silence_values, adapter="counted"))
     events = list(stream)
+    # its message is marked as encoded by the adapted weights: no base-weight call takes it as a parent
+    assert eng.message(stream.ids[0]).fingerprint == f"{eng.fingerprint}+counted"
+    with pytest.raises(BraidError, match="encoded by model"):
+        eng.decode([DecodeCall("Q:", parents=[stream.ids[0]], sampling=GREEDY)])
+    with pytest.raises(BraidError, match="not loaded"):
+        eng.decode([DecodeCall("Q:", parents=prefix, sampling=GREEDY, adapter="missing")])
     # the scheduler enters the adapter around each of the call's forwards: the header's, then one per token
     assert entered == ["in", "out"] * (1 + GREEDY.max_tokens) and len(events) == GREEDY.max_tokens
     plain = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
@@ -267,29 +276,33 @@ def test_refresh_runs_beyond_one_prefills_worth_of_calls_go_in_turn(checkpoint):
         torch.testing.assert_close(a[3], b[3], rtol=0, atol=1e-6)
 
 
-def test_scratch_calls_are_checked_and_store_nothing(llama_engine):
-    """A decode call may read only its own stream's scratch calls, where they are encoded; they store nothing."""
-    from braid.engine.engine import Scratch
+def test_unstored_prefill_calls_are_checked_and_store_nothing(llama_engine):
+    """A decode call may read only its own request's prefill calls (Sibling), where they are encoded; a prefill
+    call with store=False stores nothing, and a prefill call after a decode call, or alone, is refused."""
+    from braid.engine.engine import Sibling
 
     eng = llama_engine
     ctx, = eng.prefill([PrefillCall("Some context.")])
     n = eng.message(ctx).num_tokens
-    scratch = [PrefillCall("a b", parents=[ctx], new_offset=n)]
+    lead = [PrefillCall("a b", parents=[ctx], new_offset=n, store=False)]
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)
     with pytest.raises(BraidError, match="offset"):
-        eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], offsets=[0, n + 1], sampling=greedy)],
-                          scratch=scratch)
-    with pytest.raises(BraidError, match="scratch call"):
-        eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(1)], sampling=greedy)], scratch=scratch)
+        eng.decode_stream([*lead, DecodeCall("Q:", parents=[ctx, Sibling(0)], offsets=[0, n + 1], sampling=greedy)])
+    with pytest.raises(BraidError, match="prefill call of this request"):
+        eng.decode_stream([*lead, DecodeCall("Q:", parents=[ctx, Sibling(1)], sampling=greedy)])
+    with pytest.raises(BraidError, match="come before"):
+        eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy), *lead])
+    with pytest.raises(BraidError, match="not stored"):
+        eng.prefill(lead)
     before = set(eng.store.ids())
-    stream = eng.decode_stream([DecodeCall("Q:", parents=[ctx, Scratch(0)], sampling=greedy)], scratch=scratch)
+    stream = eng.decode_stream([*lead, DecodeCall("Q:", parents=[ctx, Sibling(0)], sampling=greedy)])
     events = list(stream)
     assert {e.call for e in events} == {0} and len(events) == 3
     assert set(eng.store.ids()) - before == {stream.ids[0]}
     msg = eng.message(stream.ids[0])
     assert msg.parents == (ctx,) and msg.offset == n + len(eng.tokenize("a b"))
-    # the same as reading the scratch call's message, prefilled first
-    part, = eng.prefill(scratch)
+    # the same as reading the prefill call's message, prefilled first
+    part, = eng.prefill([replace(c, store=True) for c in lead])
     again = eng.decode([DecodeCall("Q:", parents=[ctx, part], sampling=greedy)])
     assert eng.message(again[0]).token_ids == msg.token_ids
     torch.testing.assert_close(eng.message(again[0]).kv, msg.kv, rtol=0, atol=1e-5)

@@ -10,7 +10,7 @@ import torch
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine.errors import FingerprintMismatchError
 from braid.evals.workflows import graph as task_graph
-from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
+from braid.methods.calibration import LoraSettings, TURNS_DIR, TURNS_MANIFEST, calibration_of, load_engine
 from braid.methods.dag import DagRun, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
@@ -95,14 +95,14 @@ def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     task = generate("vote", 3, 3)
     g = lambda mode: task_graph(task, mode, "mad-iter")  # noqa: E731
-    identity = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "id", 0.0)))
-    assert identity.calibration.turns is not None
+    identity = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "id", 0.0)))
+    assert calibration_of(identity).turns is not None
     base = turn_tokens(identity, g("calibrated"))  # (calibrated, base turns)
     assert turn_tokens(identity, g("calibrated+turns")) == base
     turns = {k: v for k, v in base.items() if k != "final"}  # (the final node: read through the calibration)
     assert {k: v for k, v in turn_tokens(identity, g("kv")).items() if k != "final"} == turns
 
-    engine = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "rand", 0.5)))
+    engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "rand", 0.5)))
     assert turn_tokens(engine, g("calibrated")) == base
     assert {k: v for k, v in turn_tokens(engine, g("kv")).items() if k != "final"} == turns
     adapted = turn_tokens(engine, g("calibrated+turns"))
@@ -110,8 +110,8 @@ def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
     assert adapted["turn1"] != base["turn1"] and adapted["turn2"] != base["turn2"]
 
     # a random synthesizer LoRA answers the same with a turn LoRA loaded beside it (base turns)
-    without = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "s", None, synthesizer=0.2)))
-    beside = Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "st", 0.5, synthesizer=0.2)))
+    without = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "s", None, synthesizer=0.2)))
+    beside = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "st", 0.5, synthesizer=0.2)))
     assert turn_tokens(beside, g("calibrated")) == turn_tokens(without, g("calibrated"))
     assert turn_tokens(without, g("calibrated"))["final"] != base["final"]
 
@@ -119,15 +119,15 @@ def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
 def test_turn_lora_round_trip_and_fingerprint(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "ok", 0.3)
-    engine = Engine(EngineConfig(ckpt, calibration=cal))
+    engine = load_engine(EngineConfig(ckpt, calibration=cal))
     manifest = json.load(open(os.path.join(cal, TURNS_DIR, TURNS_MANIFEST)))
-    assert engine.calibration.calibration.turns == manifest and manifest["lora"]["rank"] == 4
-    assert engine.calibration.turns.tag.startswith("turns:")
-    assert Engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "none", None))
-                  ).calibration.turns is None
+    assert calibration_of(engine).calibration.turns == manifest and manifest["lora"]["rank"] == 4
+    assert calibration_of(engine).turns.adapter.startswith("turns:")
+    assert calibration_of(load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "none",
+                                                                                       None)))).turns is None
     bad = make_calibration(ckpt, tmp_path / "bad", 0.3, fingerprint="0" * 32)
     with pytest.raises(FingerprintMismatchError, match="turn LoRA"):
-        Engine(EngineConfig(ckpt, calibration=bad))
+        load_engine(EngineConfig(ckpt, calibration=bad))
 
 
 def test_calibrate_turns_cli_trains_saves_and_resumes(checkpoint, tmp_path):
@@ -144,7 +144,7 @@ def test_calibrate_turns_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     record = json.load(open(path))["record"]
     assert record["steps"] == 3 and record["loss"][:2] == first["loss"]
     assert os.path.getsize(os.path.join(cal, TURNS_DIR, "loss.png")) > 0
-    assert Engine(EngineConfig(ckpt, calibration=cal)).calibration.turns is not None
+    assert calibration_of(load_engine(EngineConfig(ckpt, calibration=cal))).turns is not None
     assert main([*args, "--steps", "3", "--solvers", "1"]) == 2  # bad input: one clear line
     assert main([*args, "--steps", "3", "--workflows", "tot"]) == 2  # (ToT has no turns)
     assert main([*args, "--steps", "4", "--lora-rank", "4"]) == 2  # a run of another shape is not resumed
@@ -158,8 +158,8 @@ def test_committed_turn_lora_reproduces_its_recorded_sample():
     from braid.evals.workflows import answer
 
     recorded = json.load(open(os.path.join(REFERENCE_TURNS, "eval_sample.json")))
-    engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))
-    assert engine.calibration.turns is not None and engine.fingerprint == recorded["fingerprint"]
+    engine = load_engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))
+    assert calibration_of(engine).turns is not None and engine.fingerprint == recorded["fingerprint"]
     for row in recorded["rows"]:
         task = generate(row["task"], row["seed"], row["branches"])
         assert list(answer(engine, task, row["mode"], row["workflow"])) == row["answer"], row
@@ -184,7 +184,7 @@ def test_workflow_eval_pairs_the_fine_tuned_turns_with_text_and_records_a_sample
         ("tot", m) for m in ("text", "kv", "staircase", "calibrated")] + [
         ("mad-par", m) for m in ("text", "kv", "staircase", "calibrated", "calibrated+turns")]
     recorded = json.load(open(sample))
-    engine = Engine(EngineConfig(model))
+    engine = load_engine(EngineConfig(model))
     assert len(recorded["rows"]) == len(rows) and recorded["fingerprint"] == engine.fingerprint
     for row in recorded["rows"][-2:]:
         assert list(answer(engine, generate(row["task"], row["seed"], 2), row["mode"], row["workflow"])) == \

@@ -1,4 +1,4 @@
-"""Fine-tune the debaters (Prompt Choreography's fine-tuning, seed 000): a turn LoRA: `braid calibrate-turns`.
+"""Fine-tune the debaters (Prompt Choreography's fine-tuning): a turn LoRA: `braid calibrate-turns`.
 
     braid calibrate-turns --model models/braid-reference     # writes models/braid-reference/calibration/turns
 
@@ -9,7 +9,7 @@ builds for such turns, with the base weights frozen:
 
   - a step draws `tasks_per_step` tasks (families from `--tasks`, solver counts from `--solvers`, branch work of
     length 1..`--max-length`) and a workflow for each (`--workflows`: MADiter, MADpar, as
-    methods.presets.notes_graph builds them), and runs each graph choreographed (cached replies, base weights)
+    methods.dag.presets.notes_graph builds them), and runs each graph choreographed (cached replies, base weights)
     on a braid Engine;
   - for every turn in it, the KV its decode call attended to (Engine.context_kv: its parents, each placed where
     the call read it) is the context, the worker header the prompt, and the turn's own lookup (what it says
@@ -39,7 +39,7 @@ from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.model import fingerprint_checkpoint
 from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings
 from braid.methods.dag import DagRun
-from braid.methods.presets import NOTES_WORKFLOWS, notes_graph, notes_turns, solver
+from braid.methods.dag.presets import NOTES_WORKFLOWS, notes_graph, notes_turns, solver
 from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
 from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss, teacher_forced
@@ -68,7 +68,7 @@ class TurnsConfig:
     lora_rank: int = 16  # the turn LoRA's rank
     lora_alpha: int = 32  # its scale numerator (peft's lora_alpha)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the projections it adapts
-    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (methods.presets.notes_graph), uniformly
+    workflows: str = "mad-iter,mad-par"  # the debate shapes drawn (methods.dag.presets.notes_graph), uniformly
     tasks: str = ",".join(FAMILIES)  # the task families drawn, uniformly
     solvers: str = "2,3,4,6,7"  # solver counts trained on (5 and 8 held out by default)
     max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)

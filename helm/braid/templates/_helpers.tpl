@@ -35,13 +35,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{- define "braid.apiKeysFile" -}}/etc/braid/api-keys/{{ .Values.apiKeys.secretKey }}{{- end -}}
 
+{{/* Whether the agent API checks keys: unless apiKeys.open, which must not name a Secret too. */}}
+{{- define "braid.apiKeysOn" -}}
+{{- if .Values.apiKeys.open -}}
+{{- if .Values.apiKeys.secretName -}}{{- fail (printf "apiKeys.open serves the agent API without keys, but apiKeys.secretName names Secret %s: set one or the other" .Values.apiKeys.secretName) -}}{{- end -}}
+{{- else -}}true{{- end -}}
+{{- end -}}
+
 {{/* The cluster config the Serve application gets: the user's `config` values plus what the chart owns. */}}
 {{- define "braid.clusterConfig" -}}
 {{- $c := deepCopy .Values.config -}}
 {{- $_ := set $c "model_path" .Values.model.path -}}
 {{- $_ := set $c "redis_url" (include "braid.redisUrl" .) -}}
 {{- $_ := set $c "grpc_port" (int .Values.grpcPort) -}}
-{{- if .Values.apiKeys.secretName -}}{{- $_ := set $c "api_keys_file" (include "braid.apiKeysFile" .) -}}{{- end -}}
+{{- if include "braid.apiKeysOn" . -}}{{- $_ := set $c "api_keys_file" (include "braid.apiKeysFile" .) -}}{{- end -}}
 {{- $_ := set $c "synthesizer_resources" (dict "braid_synthesizer" 1) -}}
 {{- if not $c.colocate -}}{{- $_ := set $c "worker_resources" (dict "braid_worker" 1) -}}{{- end -}}
 {{- /* GPUs per replica decided here, from the groups' GPUs, not on whichever node builds the app */ -}}
@@ -132,7 +139,7 @@ spec:
     {{- if or $root.Values.model.persistentVolumeClaim $root.Values.model.hostPath }}
     - {name: model, mountPath: {{ $root.Values.model.path | quote }}, readOnly: true}
     {{- end }}
-    {{- if $root.Values.apiKeys.secretName }}
+    {{- if include "braid.apiKeysOn" $root }}
     - {name: api-keys, mountPath: /etc/braid/api-keys, readOnly: true}
     {{- end }}
   volumes:
@@ -145,9 +152,9 @@ spec:
   - name: model
     hostPath: {path: {{ $root.Values.model.hostPath | quote }}, type: Directory}
   {{- end }}
-  {{- if $root.Values.apiKeys.secretName }}
+  {{- if include "braid.apiKeysOn" $root }}
   - name: api-keys
-    secret: {secretName: {{ $root.Values.apiKeys.secretName }}}
+    secret: {secretName: {{ include "braid.apiKeysSecret" $root }}}
   {{- end }}
 {{- end -}}
 
@@ -158,6 +165,11 @@ spec:
 {{- if hasKey .root.Values.config .key -}}{{ $set }}
 {{- else -}}{{ ternary 1 0 (gt (int (index .root.Values.workerGroups .group).gpus) 0) }}{{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the API keys: the one named in values, else the chart's own. */}}
+{{- define "braid.apiKeysSecret" -}}
+{{- .Values.apiKeys.secretName | default (printf "%s-api-keys" (include "braid.fullname" .)) -}}
+{{- end }}
 
 {{/* The Secret holding the cluster token: the one named in values, else the chart's own. */}}
 {{- define "braid.clusterTokenSecret" -}}

@@ -1,31 +1,31 @@
-"""The seed's three agent workflows (Prompt Choreography, seed 000, section 4) as DAGs for methods.dag.
+"""Prompt Choreography's three agent workflows (its section 4), and Mixture-of-Agents, as DAGs (methods.dag).
 
 - MADiter: two debaters speak in turn over a shared history, for some rounds; a moderator then answers.
 - MADpar: n identical agents answer in parallel, each round reading every agent's previous answer.
 - ToT (depth 1): b solutions in parallel, v voters each reading all of them, then a final answer from the
   winning solution (a second graph, `tot_final`, once the votes are counted).
-- MoA (Mixture-of-Agents, the staircase seed's workflow): layers of n proposers, each layer reading every
-  answer of the layer before, then one aggregator.
+- MoA (Mixture-of-Agents, the workflow Staircase Streaming speeds up): layers of n proposers, each layer reading
+  every answer of the layer before, then one aggregator.
 
 The same three shapes over agents' own notes (`notes_graph`: each solver reads its notes and replies; the
 debaters read earlier replies first) are the reference model's workflows (braid.evals.workflows measures
 them, braid.train.turns fine-tunes their turns).
 
-With `staircase` (a variant of seed 003), MADpar's later rounds, ToT's voters and MoA's later layers and
+With `staircase` (a variant of Staircase Streaming), MADpar's later rounds, ToT's voters and MoA's later layers and
 aggregator are staircase nodes: each starts from the first chunks of what it reads instead of waiting for it
-whole (methods.dag). MADiter has none: each turn reads every earlier turn, so its readers do not decode
+whole (methods.dag.streaming). MADiter has none: each turn reads every earlier turn, so its readers do not decode
 together.
 
 `output="kv"` is the choreographed workflow (every message read through its cached encoding); `"text"` is
 the baseline: every message re-encoded in each reader's context (prefix caching still reuses identical
-prompt starts). The presets mark nothing private (debate roles are public, as in the seed's timings); add
-private nodes for the leakage experiments.
+prompt starts). The presets mark nothing private (debate roles are public, as in Prompt Choreography's
+timings); add private nodes for the leakage experiments.
 """
 
 from collections.abc import Sequence
 
 from braid.engine.sampling import SamplingParams
-from braid.methods.dag import Edge, Graph, Node
+from braid.methods.dag.graph import Edge, Graph, Node
 from braid.methods.staircase import Variant
 
 PRESETS = ("mad-iter", "mad-par", "tot", "moa")
@@ -93,7 +93,7 @@ def tot_final(solve: str, problem: str, winner: str, sampling: SamplingParams = 
 def moa(question: str, proposers: int = 3, layers: int = 2, sampling: SamplingParams = SamplingParams(),
         output: str = "kv", staircase: Variant | None = None) -> Graph:
     """With `staircase`, every layer after the first, and the aggregator, reads the layer before as it is
-    written (nested staircases, seed 003)."""
+    written (nested staircases, as Staircase Streaming's MoA)."""
     nodes = [Node("system", "Answer the question. Use the earlier answers where they help.\n", output=output),
              Node("question", f"Question: {question}\n", output=output)]
     previous: list[str] = []
