@@ -29,7 +29,7 @@ from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
 from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Request, RequestStatus, Scheduler
-from braid.engine.store import Message, MessageStore, new_message_id
+from braid.engine.store import DenseKV, Message, MessageStore, new_message_id
 from braid.engine.threads import one_thread
 from braid.kernels import rerotate_keys
 
@@ -159,7 +159,7 @@ class DecodeStream:
         with r.lock:  # (the work cache is not handed to another request while this reads it)
             if r.status is RequestStatus.STORED:
                 msg = self._store.get(c.message_id)
-                return list(msg.token_ids[start:end]), msg.kv[:, :, :, start:end].contiguous()
+                return list(msg.token_ids[start:end]), msg.kv.read(start, end).contiguous()
             if r.status.ended:
                 raise BraidError(f"call {call} ended without storing its message")
             if not 0 <= start <= end <= self.encoded(call):  # (encoded refuses a stream that may be preempted)
@@ -168,7 +168,7 @@ class DecodeStream:
             tokens, parts = [], []
             if start < n:  # the cached start it reused
                 tokens += c.prefix.token_ids[start:min(end, n)]
-                parts.append(c.prefix.kv[:, :, :, start:min(end, n)])
+                parts.append(c.prefix.kv.read(start, min(end, n)))
             if end > n:
                 lo = max(start, n) - n
                 slots = torch.tensor(c.slots[lo:end - n], dtype=torch.long, device=r.cache.index.device)
@@ -199,9 +199,11 @@ class Engine:
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
             self.adapters: dict[str, Adapter] = {}  # what calls may name as their adapter (add_adapter)
             s = self.spec
-            slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+            # one token's keys and values over every layer: what a message costs per token, stored or shipped
+            self.kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
-                                       KVPool(self.lm, max(1, _kv_budget(config, self.lm.device) // slot_bytes
+                                       KVPool(self.lm, max(1, _kv_budget(config, self.lm.device)
+                                                           // self.kv_bytes_per_token
                                                            // config.kv_block_tokens), config.kv_block_tokens),
                                        config.max_running_calls, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
@@ -241,6 +243,18 @@ class Engine:
         as soon as no call uses it."""
         with self._store_lock:
             self.store.free(message_id, when_unpinned)
+
+    def discard(self, message_ids: Sequence[str], when_unpinned: bool = True) -> int:
+        """Free each of these messages that is still stored (one already freed or evicted is skipped); one a
+        running call uses goes as soon as no call uses it (`when_unpinned`; false: MessageInUseError). Returns
+        how many were still stored."""
+        freed = 0
+        with self._store_lock:
+            for mid in message_ids:
+                if mid in self.store:
+                    self.store.free(mid, when_unpinned)
+                    freed += 1
+        return freed
 
     def hold(self, message_ids: Sequence[str]) -> list[str]:
         """Keep messages from eviction between calls, until `release(returned)` (they can still be freed)."""
@@ -284,7 +298,8 @@ class Engine:
         if message_id is not None and message_id in self.store:
             raise BraidError(f"message id {message_id!r} already exists")
         msg = Message(message_id or new_message_id(), tuple(int(t) for t in token_ids),
-                      kv.to(self.lm.device).contiguous(), offset, tuple(parents), tuple(parent_offsets), fingerprint)
+                      DenseKV(kv.to(self.lm.device).contiguous()), offset, tuple(parents), tuple(parent_offsets),
+                      fingerprint)
         with self._store_lock:
             self.store.add([msg])
         return msg.id
@@ -312,7 +327,7 @@ class Engine:
             if not 0 <= start < end <= msg.num_tokens:
                 raise BraidError(f"view [{start}, {end}) of message {message_id!r} is out of range: it has "
                                  f"{msg.num_tokens} tokens")
-            part = Message(new_message_id(), msg.token_ids[start:end], msg.kv[:, :, :, start:end],
+            part = Message(new_message_id(), msg.token_ids[start:end], msg.kv.part(start, end),
                            msg.offset + start, (message_id,), (msg.offset,), msg.fingerprint)
             self.store.add([part])
         return part.id
@@ -334,7 +349,7 @@ class Engine:
             except StopIteration as done:
                 encoded = done.value
             except BaseException:  # the whole request fails: the messages found in the cache go too
-                self._drop(list(ready.values()))
+                self.discard(list(ready.values()), when_unpinned=False)
                 raise
         encoded = iter(encoded)
         return [ready[c] if c in ready else next(encoded) for c in range(len(calls))]
@@ -399,7 +414,7 @@ class Engine:
             self.scheduler.submit(request)
         except BaseException:
             work.release()
-            self._drop(list(ready.values()))
+            self.discard(list(ready.values()), when_unpinned=False)
             raise
         return request, ready
 
@@ -437,12 +452,6 @@ class Engine:
         fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.blocks
         return yes if fits and sum(shared) >= copied else none
 
-    def _drop(self, message_ids: list[str]) -> None:
-        with self._store_lock:
-            for mid in message_ids:
-                if mid in self.store:
-                    self.store.free(mid)
-
     def _reuse(self, plan: _Plan, calls: Sequence[PrefillCall | DecodeCall]):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
         message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
@@ -465,7 +474,7 @@ class Engine:
                 prefixes.append(None)
                 continue
             msg, n = hit
-            kv = msg.kv if n == msg.num_tokens else msg.kv[:, :, :, :n]  # a view: the same memory
+            kv = msg.kv.part(0, n)  # the same memory (itself when whole)
             self.store.touch([msg.id])
             if n == len(toks):  # a prefill found whole
                 mine = Message(plan.new_ids[c], tuple(toks), kv, off, plan.parents[c], plan.parent_offsets[c],
@@ -603,7 +612,7 @@ class Engine:
             # one message's copy, which the allocator then reuses)
             placed = cache.gather(slots) if slots is not None else self._placed(msg, off)
             if mapped:
-                placed = placed.clone() if placed is msg.kv else placed  # (a transform may work in place)
+                placed = placed.clone() if placed is msg.kv.read() else placed  # (a transform may work in place)
                 placed = transform.apply(msg, placed)
             elif transform is not None and msg.id in transform.ids:
                 unmapped[(msg.id, off)] = torch.arange(cache.length, cache.length + msg.num_tokens,
@@ -613,10 +622,11 @@ class Engine:
 
     def _placed(self, msg: Message, off: int) -> torch.Tensor:
         """The message's KV [L, 2, H, T, D] at offset `off`: its own (not a copy) where it was encoded there."""
+        kv = msg.kv.read()
         if off == msg.offset:
-            return msg.kv
-        delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=msg.kv.device)
-        return torch.stack([rerotate_keys(msg.kv[:, 0], delta, self.lm.inv_freq), msg.kv[:, 1]], dim=1)
+            return kv
+        delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=kv.device)
+        return torch.stack([rerotate_keys(kv[:, 0], delta, self.lm.inv_freq), kv[:, 1]], dim=1)
 
     def _commit(self, plan: _Plan, request: Request) -> list[str]:
         """Store the messages of the request's stored calls (a reused cached start put back in front); with
@@ -629,11 +639,11 @@ class Engine:
             kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
             toks, offset = call.all_tokens, call.offset
             if call.prefix is not None:
-                kv, toks, offset = torch.cat([call.prefix.kv, kv], dim=3), [*call.prefix.token_ids, *toks], \
+                kv, toks, offset = torch.cat([call.prefix.kv.read(), kv], dim=3), [*call.prefix.token_ids, *toks], \
                     call.prefix.offset
             seed = plan.seeds[c] if plan.seeds else None
             keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once, used twice)
-            messages.append(Message(call.message_id, tuple(toks), kv, offset, plan.parents[c],
+            messages.append(Message(call.message_id, tuple(toks), DenseKV(kv), offset, plan.parents[c],
                                     plan.parent_offsets[c], self.encoded_by(call.adapter),
                                     keys[-1][1] if keys else None))
             if not call.decodes and keys:

@@ -78,9 +78,8 @@ class BranchStream:
         self.engine.release(self._held)
         self._held = []
         keep = set(self.ids or ()) if keep_branches else set()
-        for mid in [*self.prefix, *self.contexts, *(self.ids or ())]:
-            if mid not in keep and mid in self.engine.store:
-                self.engine.free(mid)
+        self.engine.discard([m for m in [*self.prefix, *self.contexts, *(self.ids or ())] if m not in keep],
+                            when_unpinned=False)
 
 
 def fan_out(engine: Engine, task: Tokens, contexts: Sequence[Tokens], header: Tokens, sampling: SamplingParams,

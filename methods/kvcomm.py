@@ -515,8 +515,8 @@ class KVComm:
         try:
             mid = eng.prefill([PrefillCall(tokens, parents=ids)])[0]
             msg = eng.message(mid)
-            rows = features(rotate(msg.kv, -torch.arange(msg.offset, msg.end), eng.lm.inv_freq))
-            self._like = msg.kv[:, :, :, :0]
+            rows = features(rotate(msg.kv.read(), -torch.arange(msg.offset, msg.end), eng.lm.inv_freq))
+            self._like = msg.kv.read(0, 0)
             eng.free(mid)
         finally:
             self._free(ids)
@@ -581,7 +581,7 @@ class KVComm:
             return [SlotDecision(n, len(t), False) for n, t in zip(names, texts)]
         eng = self.engine
         kv = eng.message(ctx_id).kv
-        real = lambda s, e: features(rotate(kv[:, :, :, s:e], -torch.arange(P + s, P + e), eng.lm.inv_freq))  # noqa: E731
+        real = lambda s, e: features(rotate(kv.read(s, e), -torch.arange(P + s, P + e), eng.lm.inv_freq))  # noqa: E731
         slots, b = [], iter(bounds)
         for i, (name, text, base) in enumerate(zip(names, texts, bases)):
             d_text = real(*next(b)) - base
@@ -607,6 +607,4 @@ class KVComm:
         self._free(prepared.owned)
 
     def _free(self, ids: Sequence[str]) -> None:
-        for mid in ids:
-            if mid in self.engine.store:
-                self.engine.free(mid, when_unpinned=True)
+        self.engine.discard(ids)

@@ -351,13 +351,9 @@ def staircase(engine: Engine, feed: BranchFeed, prompt: Tokens, prefix: Sequence
     finally:
         if stream is not None:  # stopped mid-round (an error, or the consumer left): the call leaves the batch
             stream.close()      # and unpins what it used before anything here is freed
-            for mid in stream.ids or ():  # (it had ended and stored its message, never handed out: it goes)
-                if mid in engine.store:
-                    engine.free(mid, when_unpinned=True)
+            engine.discard(stream.ids or ())  # (it had ended and stored its message, never handed out: it goes)
         keep = set(result.message_ids[-1:])
-        for mid in held:
-            if mid not in keep and mid in engine.store:
-                engine.free(mid, when_unpinned=True)
+        engine.discard([mid for mid in held if mid not in keep])
         engine.release(held)  # (the imported chunks' holds; releasing what was never held is a no-op)
 
 

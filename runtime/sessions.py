@@ -201,12 +201,7 @@ class AgentLogic:
             self.kvcomm.drop(sid)  # (RunAgents' anchors: this session's alone)
             with self._held_lock:
                 ids = self._held.pop(sid, set())
-            for mid in ids:
-                try:  # (one a running call uses goes when the call ends)
-                    self.engine.free(mid, when_unpinned=True)
-                    freed += 1
-                except UnknownMessageError:  # freed by CloseSession here, or evicted
-                    pass
+            freed += self.engine.discard(ids)  # (gone already: freed by CloseSession here, or evicted)
         if freed:
             log.info("freed %d messages of %d closed or expired sessions", freed, len(gone))
         return freed
@@ -229,11 +224,7 @@ class AgentLogic:
             return True
         except UnknownMessageError as e:
             log.warning("%s", e)
-            for mid in ids:
-                try:
-                    self.engine.free(mid, when_unpinned=True)
-                except UnknownMessageError:
-                    pass
+            self.engine.discard(ids)
             return False
         except redis.RedisError as e:
             log.warning("control plane unavailable, %d messages of session %s not registered: %s",
@@ -284,14 +275,9 @@ class AgentLogic:
                            created_unix=s.created_unix) for s in self.directory.list_sessions(caller)])
 
     def CloseSession(self, request: pb.CloseSessionRequest, caller: str = "") -> pb.CloseSessionResponse:
-        freed = 0
         with self.engine.lock:
-            for rec in self.directory.close_session(request.session_id, caller):
-                try:  # (one a running call uses goes when the call ends)
-                    self.engine.free(rec.message_id, when_unpinned=True)
-                    freed += 1
-                except UnknownMessageError:  # evicted already
-                    pass
+            records = self.directory.close_session(request.session_id, caller)
+            freed = self.engine.discard([rec.message_id for rec in records])
         self.kvcomm.drop(request.session_id)  # (reached only by the session's owner: close_session checks)
         return pb.CloseSessionResponse(freed_messages=freed)
 

@@ -71,8 +71,7 @@ class SynthesisRunner:
 
     def info(self) -> SynthesizerInfo:
         s, attached = self.engine.spec, calibration_of(self.engine)
-        return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size,
-                               s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.engine.lm.dtype.itemsize,
+        return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size, self.engine.kv_bytes_per_token,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
                                attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
                                attached.calibration.verified_for(self.refresh) if attached else 0,
@@ -177,9 +176,7 @@ class SynthesisRunner:
         finally:
             if not done:
                 self.receiver.forget(ids)
-                for mid in prefix + list(stored.values()) + result.message_ids[-1:]:
-                    if mid in eng.store:
-                        eng.free(mid, when_unpinned=True)
+                eng.discard(prefix + list(stored.values()) + result.message_ids[-1:])
         if failed:
             log.warning("workflow %s: the staircase answered without branches %s: %s", req.workflow, sorted(failed),
                         "; ".join(failed[j] for j in sorted(failed)))

@@ -305,3 +305,25 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
     assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)
     assert log.rstrip().endswith("done") and (tmp_path / "device.log").exists()
+
+
+def test_ab_benchmark_runs_each_side_s_own_script_in_turns(tmp_path):
+    """benchmarks/ab.py: each repeat runs the benchmark under this tree and under the other revision (here HEAD,
+    checked out beside it), and the JSON holds every run's figures and the medians compared."""
+    import subprocess
+
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("no git history to check out beside this tree")
+    spec = importlib.util.spec_from_file_location("ab_bench", os.path.join(ROOT, "benchmarks", "ab.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--against", "HEAD", "--repeats", "1", "--out", str(tmp_path), "synthesis_ttft", "--",
+                       "--shape", "tiny", "--lengths", "16", "--repeats", "1", "--decode-tokens", "0"]) == 0
+    with open(tmp_path / "ab_synthesis_ttft.json") as f:
+        result = json.load(f)
+    assert set(result["runs"]) == {result["this"], result["against"]}
+    assert all(len(runs) == 1 for runs in result["runs"].values())
+    assert {"text@16", "cache_served@16"} <= set(result["compared"])
+    for figure in result["compared"].values():
+        assert figure["this_median"] > 0 and figure["against_median"] > 0 and not figure["higher_is_better"]
+    assert (tmp_path / "ab_synthesis_ttft.png").exists()

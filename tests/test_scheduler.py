@@ -69,7 +69,7 @@ def test_chunked_prefill_and_waiting_for_kv_budget_change_nothing(checkpoint, ll
     assert concurrently(lambda t, c: workflow(small, t, c), REQUESTS) == want
     task = REQUESTS[1][0]
     chunked, whole = small.prefill([PrefillCall(task)]), llama_engine.prefill([PrefillCall(task)])
-    torch.testing.assert_close(small.message(chunked[0]).kv, llama_engine.message(whole[0]).kv, rtol=1e-5,
+    torch.testing.assert_close(small.message(chunked[0]).kv.read(), llama_engine.message(whole[0]).kv.read(), rtol=1e-5,
                                atol=1e-5)
     # a call bigger than the whole budget is refused at once, with what it needs; the engine goes on
     with pytest.raises(StoreFullError, match="kv_budget_bytes"):  # (when the call is made: before any event)
@@ -198,7 +198,7 @@ def test_partial_kv_reads_the_stored_message_once_the_call_has_ended(llama_engin
     events = list(stream)
     msg = eng.message(stream.ids[0])
     tokens, kv = stream.partial_kv(0, 2, msg.num_tokens)  # (the work cache may belong to another call now)
-    assert tokens == list(msg.token_ids[2:]) and torch.equal(kv, msg.kv[:, :, :, 2:]) and len(events) == 10
+    assert tokens == list(msg.token_ids[2:]) and torch.equal(kv, msg.kv.read(2)) and len(events) == 10
 
 
 def test_closing_a_stream_that_has_just_ended_keeps_its_messages_known(llama_engine):
@@ -312,7 +312,7 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
         prefix = eng.prefill([PrefillCall(text)])
         (mid,) = eng.decode([DecodeCall("Assistant:", parents=prefix, sampling=sampling)])
         msg = eng.message(mid)
-        return list(msg.token_ids), msg.kv
+        return list(msg.token_ids), msg.kv.read()
 
     alone = [run(upfront, *c) for c in calls]
     assert upfront.scheduler.preemptions == 0
@@ -449,11 +449,21 @@ def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next
     target = (eng.scheduler, "_admit") if where == "admit" else (scheduler_module, "_inputs")
     real = getattr(*target)
     monkeypatch.setattr(*target, lambda *a, **k: broken() if not failures else real(*a, **k))
-    stream = eng.decode_stream([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
-    error = StepFailedError if where == "inputs" else RuntimeError
-    with pytest.raises(error, match="step broke") as info:
-        list(stream)
-    assert failures == [where] and getattr(info.value, "code", "INTERNAL") == "INTERNAL"
+    stream, outcome = eng.decode_stream([DecodeCall("A:", parents=prefix, sampling=GREEDY)]), []
+
+    def consume():  # (on a thread: a request the step lost would leave it waiting forever)
+        try:
+            list(stream)
+        except Exception as e:  # noqa: BLE001 - what the consumer hears
+            outcome.append(e)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(timeout=60)
+    assert not consumer.is_alive(), "the request's consumer was never told its step failed"
+    error, = outcome
+    assert isinstance(error, StepFailedError if where == "inputs" else RuntimeError) and "step broke" in str(error)
+    assert failures == [where] and getattr(error, "code", "INTERNAL") == "INTERNAL"
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
     again = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
     assert eng.message(again[0]).token_ids == eng.message(want[0]).token_ids

@@ -101,7 +101,5 @@ def _adapted(run: "DagRun", stream: DecodeStream, nodes: Sequence[Node], start: 
             yield NodeToken(nodes[ev.call].name, ev.token_id, ev.text, ev.finish_reason)
     finally:
         stream.close()
-        for mid in stream.ids or ():
-            if mid in run.engine.store:
-                run.engine.free(mid, when_unpinned=True)
+        run.engine.discard(stream.ids or ())
     return tokens

@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, Engine, PrefillCall
-from braid.engine.errors import PreconditionError, UnknownMessageError
+from braid.engine.errors import PreconditionError
 from braid.methods.calibration import calibration_of
 from braid.methods.dag import adapted
 from braid.methods.dag.context import Reader
@@ -76,11 +76,7 @@ class DagRun:
         `keep`, its outputs not in `keep` go too (`keep=()`: all of them)."""
         if keep is not None:
             self.temporary += [mid for mid in self.outputs.values() if mid not in keep]
-        for mid in self.temporary:
-            try:
-                self.engine.free(mid, when_unpinned=True)
-            except UnknownMessageError:
-                pass
+        self.engine.discard(self.temporary)
         self.temporary = []
         self.engine.release(self._held)
         self._held = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from braid.engine.engine import DecodeStream
-from braid.engine.errors import BraidError, UnknownMessageError
+from braid.engine.errors import BraidError
 from braid.methods.dag.events import NodeDone, NodeRound, NodeToken
 from braid.methods.dag.graph import Node
 from braid.methods.staircase import BranchFeed, BranchSource, RoundTaken, StaircaseResult, staircase
@@ -272,11 +272,7 @@ class StreamedWave:
                 t.join()
         try:
             for s in self.aggregators:
-                for mid in s.result.message_ids[-1:]:
-                    try:
-                        self.engine.free(mid, when_unpinned=True)
-                    except UnknownMessageError:
-                        pass  # (evicted meanwhile: nothing holds it)
+                self.engine.discard(s.result.message_ids[-1:])
             for n, mid in zip(self.decode, self.stream.ids or ()):
                 if mid in self.engine.store:
                     self.run.store_output(n, mid)
