@@ -15,8 +15,10 @@ COPY evals evals
 COPY kernels kernels
 COPY kv kv
 COPY loadtest loadtest
+COPY methods methods
 COPY models models
 COPY protos protos
+COPY runtime runtime
 COPY synthesizer synthesizer
 COPY train train
 COPY workers workers

@@ -13,8 +13,8 @@ def choose_transport(requested: int, configured: str, colocated: bool, calibrati
     can hold; shipping wins when moving that KV takes less time than re-prefilling its text.
 
     `auto` reads branches from KV only where that gives the answers text would: with a calibration loaded
-    and verified at this many branches. Elsewhere the cache path answers tasks that read branches together
-    wrongly (README, answer quality)."""
+    and verified at this many branches (`braid eval --verify`). Elsewhere the cache path may answer tasks that
+    read branches together wrongly."""
     if requested != pb.TRANSPORT_UNSPECIFIED:
         return requested, "requested by the client"
     override = "ask for a KV transport to override"

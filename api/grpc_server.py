@@ -6,7 +6,7 @@ role threads to that loop and out, with no server thread per call between them. 
 message crosses takes Python's lock, and the scheduler's thread, which gives it up at every tensor op, waits
 for each of them; a thread-pool server (a handler thread per call driving its own loop per message, and a
 completion-queue thread) slowed a step of 16 concurrent workflows by more than the handlers' own work
-(README, the serving engine). The session-level methods, which block on the engine, run on a thread of their
+(benchmarks/serving.py). The session-level methods, which block on the engine, run on a thread of their
 own per call, as a Serve replica runs them (braid.api.workflow.in_thread).
 """
 

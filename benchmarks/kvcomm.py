@@ -1,6 +1,6 @@
 """KVComm against dense prefill, side by side in one run: TTFT of agents 1-5 reading one shared text.
 
-The seed's workload (seed 002: 1K input tokens, 512-token agent prefixes), scaled by the CLI: each agent has
+KVComm's workload (1K input tokens, 512-token agent prefixes), scaled by the CLI: each agent has
 its own role prefix (prefix-cached in both methods, as a serving engine would), then the user's text, then a
 short reply header. Dense prefill encodes the text after each agent's prefix. KVComm encodes the text's base
 once, behind the first agent's prefix, as an agent graph does (the first agent pays it and reads it as it
@@ -11,7 +11,7 @@ every pass, and neither method reads the text's KV from the other's run. TTFT ru
 agent's call to its first token (one token is decoded: the output length does not enter TTFT). The
 measured texts are new to the pool; gamma=1, so the reuse path is always the one timed: how often it is
 taken, and at what accuracy, is evals/kvcomm.py's business. Default model: a random-weight 100M-shape
-Llama (the CPU proxy); --shape llama-3.1-8b is the seed's scale (bf16 on CUDA), --model another checkpoint.
+Llama (the CPU proxy); --shape llama-3.1-8b is the paper's scale (bf16 on CUDA), --model another checkpoint.
 """
 
 import argparse

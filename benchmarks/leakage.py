@@ -1,12 +1,12 @@
-"""Information leakage through cached encodings (seed 000, section 3.4), with and without Braid's control.
+"""Information leakage through cached encodings (Prompt Choreography, section 3.4), with and without Braid's control.
 
 Alice holds private records (a chain worker's lookup table: where a person lives). She says, in a message
 everyone reads, only "<person> lives in", without the city. Her message is prefilled with the same text
-for every secret, as the seed pairs its games, so only its encoding can carry the secret: it attended to
+for every secret, as the paper pairs its games, so only its encoding can carry the secret: it attended to
 her records. Bob, another role, reads the shared task and Alice's message and is asked where the person
 lives. Three ways for Bob to read Alice's message, each a RunGraph DAG on the reference model:
 
-- leak: Alice's cached encoding (an edge with leak=True: the seed's choreographed default);
+- leak: Alice's cached encoding (an edge with leak=True: the paper's choreographed default);
 - control: Braid's default, a copy re-encoded without Alice's private records;
 - text: the baseline, her text re-encoded in Bob's context.
 

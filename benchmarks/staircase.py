@@ -2,7 +2,7 @@
 aggregator share the model, as in `braid serve --colocate`).
 
 For each branch length, 4 workers decode that many tokens (greedy, EOS ignored) after a shared task; the
-aggregator answers 64 tokens. Wait-for-all synthesizes once every branch has ended; staircase (seed 003)
+aggregator answers 64 tokens. Wait-for-all synthesizes once every branch has ended; staircase (Staircase Streaming)
 answers from the first chunks and takes in later ones between its own chunks, in the re-prefill and append
 variants, from text and from KV. "slow": one worker's call starts --slow-delay seconds late (an injected
 delay). TTFT runs from the start of the workers to the first answer token; tokens/s is the answer's rate after

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         fig, ax = plt.subplots(figsize=(6, 3.4))
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["ttft_ratio"] for r in rows], 0.4, label="Braid (this run)")
-        ax.bar([i + 0.2 for i in x], [r["seed_ttft_ratio"] for r in rows], 0.4, label="seed 000 (8B, GPU)")
+        ax.bar([i + 0.2 for i in x], [r["seed_ttft_ratio"] for r in rows], 0.4, label="Prompt Choreography (8B, GPU)")
         ax.set_xticks(list(x), [r["workflow"] for r in rows])
         ax.set(ylabel="TTFT speedup over text re-prefill", title=f"choreographed workflows ({device})")
         ax.axhline(1, color="gray", lw=0.8)

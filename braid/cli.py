@@ -264,7 +264,7 @@ def run_preset(stub, args, metadata) -> None:
 
 def run_cmd(args) -> int:
     """Run a workflow on a running cluster and stream its events: a parallel-synthesis workflow (workers, then
-    a synthesizer), or with --preset one of the seed's agent workflows as RunGraph DAGs."""
+    a synthesizer), or with --preset one of Prompt Choreography's agent workflows as RunGraph DAGs."""
     import grpc
 
     from braid.api.auth import client_credentials, client_key, client_metadata
@@ -470,11 +470,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.set_defaults(func=demo)
     # (listed here for --help; its options live with the trainer, which `braid calibrate ...` runs directly)
-    sub.add_parser("calibrate", help="train a cache mapper and synthesizer LoRA for a model (seed 004); "
+    sub.add_parser("calibrate", help="train a cache mapper and synthesizer LoRA for a model (Parallel-Synthesis); "
                                      "braid calibrate --help lists its options", add_help=False)
     sub.add_parser("calibrate-turns", help="train the calibration's turn LoRA: debaters that speak after other "
-                                           "agents' cached replies (seed 000's fine-tuning; --help lists its "
-                                           "options)", add_help=False)
+                                           "agents' cached replies (Prompt Choreography's fine-tuning; --help lists "
+                                           "its options)", add_help=False)
     sub.add_parser("loadtest", help="drive a running agent API with a workflow mix; TTFT, TPOT, ITL, E2EL, "
                                     "throughput and goodput (braid loadtest --help)", add_help=False)
     args = parser.parse_args(argv)

@@ -100,7 +100,7 @@ class ClusterConfig:
     key_max_store_bytes: int = 0
     key_max_workflows: int = 0
     # KVComm (RunAgents): the entropy threshold gamma (0: never reuse), anchors per placeholder pool (V), and
-    # the fraction of a reused text re-encoded, its tokens with the least certain offsets (0: the seed's method)
+    # the fraction of a reused text re-encoded, its tokens with the least certain offsets (0: KVComm's method)
     kvcomm_gamma: float = KVCommConfig.gamma
     kvcomm_capacity: int = 20
     kvcomm_recompute: float = KVCommConfig.recompute

@@ -12,16 +12,12 @@ yet shown it paying on these masks.
 
 On CUDA, masked queries of at most DECODE_ROWS rows (decode steps) skip SDPA's
 cuDNN backend, which builds a graph for every new key length, and the key length
-changes every decode step. Measured on an H200 (benchmarks/profile_decode.py, 8B
-shape cut to 8 layers, 1024-token context): 47 ms per decode token with cuDNN's
-graph builds, 12 ms without, the GPU busy 2-3 ms of it; 8B batch-1 decode went
-from 11.7 to 26.1 tokens/s. With GQA and a mask no other fused kernel applies
-(flash takes no mask, the efficient kernel no GQA), so those queries call SDPA's
-math kernel directly, which is where SDPA lands with cuDNN switched off (that was
-the measured setting), without touching the process-wide backend switches that
-another thread's attention would see. Longer queries keep SDPA's own choice:
-with cuDNN off for every forward, a 16K-token prefill of the 8B shape took 4694
-ms against 972.
+changes every decode step (benchmarks/profile_decode.py measures both). With GQA
+and a mask no other fused kernel applies (flash takes no mask, the efficient kernel
+no GQA), so those queries call SDPA's math kernel directly, which is where SDPA lands
+with cuDNN switched off, without touching the process-wide backend switches that
+another thread's attention would see. Longer queries keep SDPA's own choice: cuDNN
+off for every forward slows long prefills several times over.
 """
 
 import torch

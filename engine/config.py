@@ -64,8 +64,8 @@ class EngineConfig:
     # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the
     # engine has (torch's default: the cores). The engine keeps the scheduler's thread the only one with several
     # (engine.threads: libgomp slows every pool down once the process's pooled threads outnumber the cores), so a
-    # process that also runs heavy torch work of its own beside the engine (training) should give it 1. Measured
-    # in server-like processes on 2 cores (benchmarks/cpu_threads.py; README, the serving engine). Not used on CUDA.
+    # process that also runs heavy torch work of its own beside the engine (training) should give it 1
+    # (benchmarks/cpu_threads.py measures the settings). Not used on CUDA.
     cpu_threads: int = 0
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """Decode forwards at static shapes, replayed as CUDA graphs: a decode step's host time becomes one replay.
 
-A batch-1 decode step of the 8B shape on an H200 took 35 ms, launching about 2100 kernels for 9.4 ms of
-device work (benchmarks/profile_decode.py); replayed as a graph, 11 ms. A forward whose groups are all
+An eager decode step launches thousands of small kernels (about 2100 at the 8B shape), so its host time,
+not the device's work, sets the step's time (benchmarks/profile_decode.py measures both). A forward whose groups are all
 decode-sized (at most SHARED_ATTENTION_ROWS rows each, no leading prefill rows) runs here at a bucketed shape: G
 groups of R rows (powers of two), each attending T keys (key_bucket). Group i's rows are rows
 [i*R, i*R + n) of the forward and its keys the first `length` of its T; the rest is padding, masked out.

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
+from braid.engine.store import DenseKV
 
 
 @dataclass(eq=False)
@@ -32,7 +33,7 @@ class SharedRun:
     key: tuple  # KVPool.share_key: its KV's address, shape, strides, type, device, and its offset
     blocks: list[int]
     index: torch.Tensor  # [T]: its tokens' slots in the pool
-    source: torch.Tensor  # the message's KV: kept alive, so that its address (the key) is not reused meanwhile
+    source: DenseKV  # the message's KV: kept alive, so that its address (the key) is not reused meanwhile
     refs: int = 0
 
 
@@ -57,27 +58,27 @@ class KVPool:
         self.shared: dict[tuple, SharedRun] = {}
 
     @staticmethod
-    def share_key(kv: torch.Tensor, offset: int) -> tuple:
+    def share_key(kv: DenseKV, offset: int) -> tuple:
         """What identifies a parent's placed KV: a message's KV never changes, and while a run holds it its
-        memory is its own (its address, layout and type say which KV it is)."""
-        return kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, kv.device, offset
+        memory is its own (its address, layout and type say which KV it is: DenseKV.key)."""
+        return *kv.key, offset
 
-    def blocks_to_share(self, parents: list[tuple[torch.Tensor, int]]) -> int:
+    def blocks_to_share(self, parents: list[tuple[DenseKV, int]]) -> int:
         """Blocks that sharing these (KV, offset) parents would take: those not in the pool already."""
-        keys = {self.share_key(kv, off): kv.shape[3] for kv, off in parents}
+        keys = {self.share_key(kv, off): kv.num_tokens for kv, off in parents}
         return sum(self.blocks_for(n) for key, n in keys.items() if key not in self.shared)
 
-    def share(self, kv: torch.Tensor, offset: int) -> SharedRun:
+    def share(self, kv: DenseKV, offset: int) -> SharedRun:
         """The parent's run, copied into the pool if no running call has it (its blocks must be free: see
         `blocks_to_share`); one more reader until `unshare`."""
         key = self.share_key(kv, offset)
         run = self.shared.get(key)
         if run is None:
-            blocks = self.allocate(kv.shape[3])
+            blocks = self.allocate(kv.num_tokens)
             if blocks is None:
-                raise RuntimeError(f"no room in the KV pool to share a {kv.shape[3]}-token parent")
-            index = _slots(blocks, self.block_tokens, self.kv.device)[:kv.shape[3]]
-            self.kv.index_copy_(3, index, kv.to(self.kv.dtype))
+                raise RuntimeError(f"no room in the KV pool to share a {kv.num_tokens}-token parent")
+            index = _slots(blocks, self.block_tokens, self.kv.device)[:kv.num_tokens]
+            self.kv.index_copy_(3, index, kv.read().to(self.kv.dtype))
             run = self.shared[key] = SharedRun(key, blocks, index, kv)
         run.refs += 1
         return run

@@ -33,6 +33,7 @@ from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
 from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
 from braid.engine.sampling import greedy_rows, sample_rows
+from braid.engine.store import DenseKV
 from braid.engine.threads import claim
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Request:
     their rows are encoded before any other, attending a run of the cache of their own (engine.model_runner)."""
 
     def __init__(self, calls: list[Call], visible: torch.Tensor, capacity: int, kv: RequestKV,
-                 shared: list[tuple[torch.Tensor, int]] | None = None, grows: bool = False):
+                 shared: list[tuple[DenseKV, int]] | None = None, grows: bool = False):
         self.calls = calls
         self.decodes = any(c.decodes for c in calls)
         self.lead = sum(not c.decodes for c in calls) if self.decodes else 0
@@ -322,10 +323,10 @@ class Scheduler:
 
     def submit(self, group: Request) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
-        shared = sum(self.pool.blocks_for(kv.shape[3]) for kv, _ in group.shared)  # (at most: none in the pool)
+        shared = sum(self.pool.blocks_for(kv.num_tokens) for kv, _ in group.shared)  # (at most: none in the pool)
         if self.pool.blocks_for(group.capacity) + shared > self.pool.blocks:
             total = self.pool.blocks * self.pool.block_tokens * self.slot_bytes
-            need = group.capacity + sum(kv.shape[3] for kv, _ in group.shared)
+            need = group.capacity + sum(kv.num_tokens for kv, _ in group.shared)
             raise StoreFullError(
                 f"this call needs {need * self.slot_bytes} bytes of work KV (context, tokens and "
                 f"max_tokens), more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")

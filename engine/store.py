@@ -1,7 +1,9 @@
 """The message store: encoded messages with their KV, under a byte budget with LRU eviction.
 
-Messages may share KV memory (a prefix-cache hit is a new message over the same tensor): bytes are
-counted once per tensor storage, and freed when its last message goes."""
+A message's KV is an opaque handle (DenseKV today): everything outside this module reads it through the handle's
+few methods, so that where KV lives (a paged home in the engine's pool, recomputed from lineage) can change without
+changing the store's API. Messages may share KV memory (a prefix-cache hit or a view is a new message over part of
+another's KV): bytes are counted once per memory they live in, and freed when its last message goes."""
 
 import secrets
 from collections import Counter, OrderedDict
@@ -17,16 +19,79 @@ def new_message_id() -> str:
     return secrets.token_hex(12)  # unguessable: ids double as capabilities in the cluster
 
 
+class DenseKV:
+    """A message's KV in one tensor [layers, 2 (k, v), kv_heads, tokens, head_dim], keys rotated to the message's
+    positions: the store's one kind of KV handle today (a paged kind, in the engine's pool, is to come). Immutable:
+    callers read it, never write to what `read` returns."""
+
+    __slots__ = ("_kv",)
+
+    def __init__(self, kv: torch.Tensor):
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+            raise TypeError(f"DenseKV holds a tensor [layers, 2, kv_heads, tokens, head_dim], not "
+                            f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+        self._kv = kv
+
+    def __repr__(self) -> str:
+        return f"DenseKV({tuple(self._kv.shape)}, {self._kv.dtype}, {self._kv.device})"
+
+    @property
+    def num_tokens(self) -> int:
+        return self._kv.shape[3]
+
+    def _range(self, start: int, end: int | None) -> tuple[int, int]:
+        n = self._kv.shape[3]
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
+            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
+        return start, end
+
+    def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: a view, no copy; the stored
+        tensor itself for the whole range (callers may test identity to know it is not a copy)."""
+        start, end = self._range(start, end)
+        return self._kv if start == 0 and end == self._kv.shape[3] else self._kv[:, :, :, start:end]
+
+    def part(self, start: int, end: int | None = None) -> "DenseKV":
+        """A handle over tokens [start, end) sharing this one's memory (a view or a prefix-cache hit); itself for
+        the whole range."""
+        start, end = self._range(start, end)
+        return self if start == 0 and end == self._kv.shape[3] else DenseKV(self._kv[:, :, :, start:end])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its own tokens' KV (a part counts its tokens only)."""
+        return self._kv.numel() * self._kv.element_size()
+
+    @property
+    def storage(self) -> tuple[int, int]:
+        """(address, bytes) of the memory it lives in, which other handles (its parts) may share: what the
+        store counts once."""
+        st = self._kv.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+
+    @property
+    def key(self) -> tuple:
+        """What tells this KV from any other live one (engine.model_runner.KVPool.share_key): its address and
+        layout, equal for two handles over the same tokens of the same memory."""
+        kv = self._kv
+        return kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, kv.device
+
+
 @dataclass(eq=False)
 class Message:
     id: str
     token_ids: tuple[int, ...]
-    kv: torch.Tensor  # [layers, 2 (k, v), kv_heads, tokens, head_dim]; keys rotated to `positions`
+    kv: DenseKV  # keys rotated to `positions`; read through the handle, never as a tensor
     offset: int  # logical position of the first token
     parents: tuple[str, ...]
     parent_offsets: tuple[int, ...]
     fingerprint: str
     content_key: bytes | None = None  # what its KV is a function of (engine.prefix_cache); None: not cacheable
+
+    def __post_init__(self):
+        if not isinstance(self.kv, DenseKV):
+            raise TypeError(f"a message's KV is a handle (DenseKV), not {type(self.kv).__name__}")
 
     @property
     def num_tokens(self) -> int:
@@ -42,13 +107,12 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.nbytes
 
     @property
     def storage(self) -> tuple[int, int]:
         """(address, bytes) of the memory its KV lives in, which other messages may share."""
-        st = self.kv.untyped_storage()
-        return st.data_ptr(), st.nbytes()
+        return self.kv.storage
 
 
 class MessageStore:

@@ -4,7 +4,7 @@ torch's CPU ops run on OpenMP (libgomp), which keeps one pool of worker threads 
 parallel op on more than one thread, for that thread's life. Once the process's pooled threads outnumber the
 cores, libgomp lets its workers spin only briefly at each barrier before they sleep, so every parallel op waits
 on a wake-up. On 2 cores a forward on two threads then ran up to 1.9x slower than on one: the pool of the thread
-that loaded the model, idle, was enough (README, the serving engine: "CPU threads"). So the engine makes sure
+that loaded the model, idle, was enough (benchmarks/cpu_threads.py measures it). So the engine makes sure
 the step loop's thread is the only one with a pool:
 
 - `one_thread()`: the thread that builds an engine loads and allocates on one thread (it makes no pool), and

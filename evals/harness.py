@@ -5,7 +5,7 @@ their own contexts (MultiQA's branches are its questions, prefilled instead). Th
 same branch messages then go to each mode: text re-prefill, or the cached KV with
 no re-encoding or re-encoded per placement, optionally through SynthesisHooks (a
 trained calibration's cache mapper and LoRA adapter, and its ablations). The staircase
-modes run the workers again and answer while they decode (seed 003). Answers are
+modes run the workers again and answer while they decode (Staircase Streaming). Answers are
 scored by exact match; results are paired across modes.
 """
 
@@ -32,7 +32,7 @@ from tqdm import tqdm
 @dataclass(frozen=True)
 class Mode:
     """A named synthesis mode, as the tables show it. With a staircase variant, the answer starts from the
-    workers' first chunks (seed 003) and reads the branches as `synthesis` says; where a task has no workers
+    workers' first chunks (Staircase Streaming) and reads the branches as `synthesis` says; where a task has no workers
     (its branches are given whole), there is nothing to stream and it is plain synthesis."""
 
     name: str
@@ -61,7 +61,7 @@ def hooked_modes(name: str, hooks: SynthesisHooks) -> list[Mode]:
 
 
 def calibrated_modes(attached: Attached) -> list[Mode]:
-    """A trained calibration (seed 004's full method: re-encoding to the placement it was trained for, mapper
+    """A trained calibration (Parallel-Synthesis's full method: re-encoding to the placement it was trained for, mapper
     and LoRA) and its ablations, each leaving one part out with the rest on: `calibrated`,
     `calibrated-no-reencode` (branches where they were decoded), `calibrated-no-mapper`, `calibrated-no-lora`;
     and `calibrated:<placement>` for each other re-encoding placement; `calibrated+refresh` adds the boundary

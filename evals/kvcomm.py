@@ -4,7 +4,7 @@ Agents with fixed roles read the same user text under their own prefixes (models
 Requests come one after another, as in serving, so each config's anchor pool grows online from the
 requests it fell back on. Each config starts from an empty pool; the dense answers are shared by all.
 Reports accuracy with a paired bootstrap interval against dense, the reuse rate and the pool's memory,
-for a sweep of gamma and capacity (seed 002, Table 3).
+for a sweep of gamma and capacity (KVComm, Table 3).
 
     python -m braid.evals.kvcomm --out benchmarks/results/eval_kvcomm_cpu.json
 """

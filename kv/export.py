@@ -70,7 +70,7 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
             context.abort(grpc.StatusCode[e.code], str(e))
         first = True
         # (a message is immutable; holding `msg` keeps its KV alive even if it is freed meanwhile)
-        for chunk, _ in iter_chunks(msg.id, msg.fingerprint, msg.kv, self.max_chunk_bytes,
+        for chunk, _ in iter_chunks(msg.id, msg.fingerprint, msg.kv.read(), self.max_chunk_bytes,
                                     total_tokens=msg.num_tokens, token_ids=msg.token_ids, offset=msg.offset):
             if first:
                 chunk.parents.extend(msg.parents)

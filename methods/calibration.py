@@ -1,4 +1,4 @@
-"""The trained calibration of the cache path (seed 004): a cache mapper over branch KV and a synthesizer LoRA.
+"""The trained calibration of the cache path (Parallel-Synthesis): a cache mapper over branch KV and a synthesizer LoRA.
 
 A calibration is a directory:
 

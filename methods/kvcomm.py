@@ -1,4 +1,4 @@
-"""KVComm (seed 002): reuse a shared text's KV under each agent's own prefix, offset by interpolated anchors.
+"""KVComm: reuse a shared text's KV under each agent's own prefix, offset by interpolated anchors.
 
 An agent's prompt is its fixed role prefix, then placeholders (texts that change per request: the user's
 text, other agents' replies), each followed by a fixed join; the last join opens the agent's reply and is
@@ -8,18 +8,18 @@ the prefix cache) and adds the offset it would have under this agent's prefix, i
 earlier texts of the same placeholder whose real KV under this agent was measured. The join after a
 placeholder gets the same treatment (its own base KV plus the anchors' join offsets).
 
-The base prefix is the prompt's `base_prefix`: in an agent graph, the first agent's role prefix (the seed's
+The base prefix is the prompt's `base_prefix`: in an agent graph, the first agent's role prefix (the paper's
 base is the text "under its initial context"; its code encodes it behind a role header). Agents' prompts
 share a template, so offsets between two of them are small next to offsets from a bare context: on the
-reference task a fifth to a third as large, with half the interpolation error per layer; with nothing
-recomputed, 2 points lost at 72% reuse instead of 16 at 90% (README, KVComm). The first agent's prompt is
+reference task a fifth to a third as large, with half the interpolation error per layer, and fewer answers
+lost for the reuse (evals/kvcomm.py measures it). The first agent's prompt is
 the base itself: it prefills the text, which the others then find in the prefix cache. Anchors are kept
 per base prefix.
 
 Keys are compared and offset in frame 0: every key de-rotated to position 0 (`kernels.rerotate_keys`), then
 rotated to where it goes. Values carry no position and are offset directly. Braid matches per token: each
 token of a new text interpolates the offsets of the pool's tokens whose base KV is nearest its own, where
-the seed aligns texts by index (on the reference task this leaves half the residual offset error).
+the paper aligns texts by index (on the reference task this leaves half the residual offset error).
 
 One pool per (scope, placeholder, base prefix); `scope` keeps tenants apart (a request only ever matches
 anchors made by requests of its own scope). An anchor holds the base KV of its text (also its embedding), its
@@ -67,21 +67,21 @@ RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context cut into 
 
 @dataclass(frozen=True)
 class KVCommConfig:
-    # entropy threshold, as a fraction of log(#pool tokens); 0: never reuse. The seed's 0.3 is for its own
-    # per-text weights; on Braid's per-token ones, development seeds (9000-9039 of the reference task) reused 5%
-    # of texts at 0.3 and all it could from 0.4 up, with dense prefill's accuracy (README, KVComm)
+    # entropy threshold, as a fraction of log(#pool tokens); 0: never reuse. KVComm's 0.3 is for its own
+    # per-text weights; Braid's are per token, which reuse little at 0.3 (chosen on development seeds 9000-9039
+    # of the reference task with evals/kvcomm.py's sweep)
     gamma: float = 0.5
     capacity: int = 20  # V: anchors per pool; 0: never reuse
     # of the softmax over distances between a token's base KV and the pool's tokens', relative to the text's
     # mean token norm; lower: nearer to one nearest token (more reuse, larger errors)
     temperature: float = 0.05
     # a reused context re-encodes this many tokens at each end with the agent's prefix in view
-    # (methods.synthesis.Refresh); 0: none, the seed's method as it is
+    # (methods.synthesis.Refresh); 0: none, the paper's method as it is
     refresh: int = 0
     # and this fraction of its tokens, those whose interpolated offsets are least certain (the widest spread of
     # the anchor tokens they interpolate from), each with the prefix and the context before it in view; 0: none,
-    # the seed's method as it is (README, KVComm: on held-out seeds 0.1 kept dense prefill's accuracy on the
-    # reference task, and 0.2 on a harder setting of 8 agents and 5 questions)
+    # the paper's method as it is (chosen on held-out seeds with evals/kvcomm.py, on the reference task and on a
+    # harder setting of 8 agents and 5 questions)
     recompute: float = 0.2
 
     def __post_init__(self):
@@ -224,7 +224,7 @@ class AnchorPool:
 
     def match(self, tokens: tuple[int, ...], sketch: torch.Tensor, agent: str, config: KVCommConfig) -> Match:
         """Which anchor tokens the text `tokens` (its token embeddings `sketch` [T, SKETCH]) interpolates from
-        for `agent`, and whether it is shareable (seed 002, eq. 5: the length, then the entropy, criterion)."""
+        for `agent`, and whether it is shareable (KVComm, eq. 5: the length, then the entropy, criterion)."""
         n = len(tokens)
         same = self.find(tokens)
         if same is not None:  # its own measured KV, or (without this agent's offsets) an anchor still filling in
@@ -273,7 +273,7 @@ def rotate(kv: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> tor
 
 def interpolate(base: torch.Tensor, offsets: Sequence[torch.Tensor], m: Match) -> torch.Tensor:
     """Token rows base [T, F] plus, per token, the match's weighted sum of anchor tokens' offsets (offsets[a]
-    [T_a, F] for anchor a) (seed 002, eq. 6): one sparse [T, T_a] by dense [T_a, F] product per anchor."""
+    [T_a, F] for anchor a) (KVComm, eq. 6): one sparse [T, T_a] by dense [T_a, F] product per anchor."""
     out = base.clone()
     j = torch.arange(base.shape[0])[:, None].expand_as(m.anchor)
     for a, d in enumerate(offsets):
@@ -297,7 +297,7 @@ def spread(norms: Sequence[torch.Tensor], m: Match, mean: torch.Tensor) -> torch
 
 
 def interpolate_join(base: torch.Tensor, offsets: Sequence[torch.Tensor], share: torch.Tensor) -> torch.Tensor:
-    """Token rows base [T, F] + sum_a share[a] * offsets[a] (seed 002, eq. 7: the same text in every anchor)."""
+    """Token rows base [T, F] + sum_a share[a] * offsets[a] (KVComm, eq. 7: the same text in every anchor)."""
     out = base.clone()
     for w, d in zip(share.tolist(), offsets):
         out += w * d

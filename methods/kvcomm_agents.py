@@ -1,4 +1,4 @@
-"""A fully connected agent graph (seed 002's setting): N agents answer the user's text, then, each round,
+"""A fully connected agent graph (the KVComm paper's setting): N agents answer the user's text, then, each round,
 answer again having read every other agent's previous reply; shared texts go through KVComm or dense prefill.
 
 Agent m's prompt in round r: its role prefix, the user's text (placeholder "user"), then from round 2 each

@@ -1,4 +1,4 @@
-"""Parallel-Synthesis (seed 004, Algorithm 1) and its text re-prefill baseline.
+"""Parallel-Synthesis (Algorithm 1) and its text re-prefill baseline.
 
 Branches are worker output messages: each was decoded after the shared prefix and
 its own branch context, so its KV sits at positions n + |c_j| + r. The cache path
@@ -75,8 +75,9 @@ class Refresh:
     """Re-encode the first `head` and last `tail` tokens of every branch after the branch's placement, with the
     shared prefix, every earlier branch and the branch's own earlier tokens in view (parallel prefills, base
     weights, no mapper), and let the synthesizer read those instead of the branch's own KV for them. The rest
-    of each branch is read as shipped (through the mapper, when there is one). Measured on the reference model
-    (README, Calibration): one token at each end brings chain and trail from shipped KV to text's accuracy."""
+    of each branch is read as shipped (through the mapper, when there is one). Why: a branch's ends are where
+    shipped KV differs most from text's (they never saw the other branches), and `braid eval` measures what
+    re-encoding them gives back."""
 
     head: int = 1
     tail: int = 1

@@ -75,7 +75,7 @@ class SynthesisRequest:
     branches: int
     transport: str  # text, grpc, collective or local: as decided (metrics are tagged with it)
     branch_tokens: list[list[int]] = field(default_factory=list)  # text mode: the workers' replies
-    # a staircase (seed 003): answer from the branches' KV chunks as they arrive, in this variant and schedule
+    # a staircase (Staircase Streaming): answer from the branches' KV chunks as they arrive, in this variant and schedule
     staircase: tuple[StaircaseSchedule, Variant] | None = None
 
 

@@ -182,7 +182,7 @@ def test_session_calls_work_on_any_replica_by_moving_messages(two_replicas):
     for m in ids:
         here, there = logic_a.engine.message(m), logic_b.engine.message(m)
         assert here.token_ids == there.token_ids and here.offset == there.offset
-        assert torch.equal(here.kv, there.kv)
+        assert torch.equal(here.kv.read(), there.kv.read())
         assert logic_b.directory.lookup(sid, m).replica == "B"  # later moves fetch from B
     # B's answer moves to A for the next call; GetMessage on A shows it as B stored it
     answer = on_b[-1].message_id

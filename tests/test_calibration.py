@@ -47,7 +47,7 @@ def answer(engine: Engine, workers, task, placement, hooks, refresh=None) -> tup
     mid = synthesize(engine, workers.ids, task.prompt(), workers.prefix, placement, SamplingParams(max_tokens=6),
                      hooks, refresh=refresh)
     msg = engine.message(mid)
-    out = msg.token_ids, msg.kv.clone()
+    out = msg.token_ids, msg.kv.read().clone()
     engine.free(mid)
     return out
 
@@ -113,7 +113,7 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         got = run_workers(calibrated, task)
         assert [calibrated.message(m).token_ids for m in got.ids] == [plain.message(m).token_ids for m in base.ids]
         for a, b in zip([*got.prefix, *got.contexts, *got.ids], [*base.prefix, *base.contexts, *base.ids]):
-            assert torch.equal(calibrated.message(a).kv, plain.message(b).kv)
+            assert torch.equal(calibrated.message(a).kv.read(), plain.message(b).kv.read())
         _, kv_cal = answer(calibrated, got, task, Placement.BRANCH_POINT, calibration_of(calibrated).hooks)
         _, kv_plain = answer(plain, base, task, Placement.BRANCH_POINT, None)
         assert not torch.allclose(kv_cal, kv_plain, atol=1e-3)  # the synthesizer's forwards were adapted
@@ -166,10 +166,10 @@ def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoin
         assert {True} in forwards and {False} in forwards
     assert [engine.message(m).token_ids for m in beside.ids] == [plain.message(m).token_ids for m in base.ids]
     for a, b in zip([*beside.contexts, *beside.ids], [*base.contexts, *base.ids]):
-        torch.testing.assert_close(engine.message(a).kv, plain.message(b).kv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.message(a).kv.read(), plain.message(b).kv.read(), rtol=1e-5, atol=1e-5)
     synthesized = engine.message(stream.ids[0])
     assert synthesized.token_ids == alone.token_ids and rest
-    torch.testing.assert_close(synthesized.kv, alone.kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(synthesized.kv.read(), alone.kv.read(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pattern", ["0000", "1111", "1", "0", "0110", "1010", "0011"])
@@ -257,7 +257,7 @@ def test_bf16_engine_keeps_its_dtypes_and_base_workers(checkpoint, tmp_path):
     task = generate("vote", 5, 2)
     base, got = run_workers(plain, task), run_workers(calibrated, task)
     for a, b in zip(got.ids, base.ids):
-        assert torch.equal(calibrated.message(a).kv, plain.message(b).kv)
+        assert torch.equal(calibrated.message(a).kv.read(), plain.message(b).kv.read())
     tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibration_of(calibrated).hooks)
     assert kv.dtype == torch.bfloat16 and len(tokens) > 0
 
@@ -303,15 +303,16 @@ def test_trainer_sees_what_the_cache_path_sees(checkpoint):
     workers = run_workers(engine, task)
     for placement in (Placement.BRANCH_POINT, Placement.SEQUENTIAL):
         example = encoder.example(task, "synthesis", placement)
-        assert torch.allclose(example.prefix_kv, engine.message(workers.prefix[0]).kv, atol=1e-5)
+        assert torch.allclose(example.prefix_kv, engine.message(workers.prefix[0]).kv.read(), atol=1e-5)
         branch_point = engine.message(workers.prefix[0]).num_tokens
         at = branch_point
         for b, mid in zip(example.branches, workers.ids):
             msg = engine.message(mid)
             off = branch_point if placement is Placement.BRANCH_POINT else at
-            keys = rerotate_keys_torch(msg.kv[:, 0], torch.full((msg.num_tokens,), off - msg.offset), encoder.inv_freq)
-            assert b.shape == msg.kv.shape  # the reply the model decoded: same tokens as the engine's worker
-            assert torch.allclose(b[:, 0], keys, atol=1e-4) and torch.allclose(b[:, 1], msg.kv[:, 1], atol=1e-5)
+            kv = msg.kv.read()
+            keys = rerotate_keys_torch(kv[:, 0], torch.full((msg.num_tokens,), off - msg.offset), encoder.inv_freq)
+            assert b.shape == kv.shape  # the reply the model decoded: same tokens as the engine's worker
+            assert torch.allclose(b[:, 0], keys, atol=1e-4) and torch.allclose(b[:, 1], kv[:, 1], atol=1e-5)
             at += msg.num_tokens
         tokens, _ = answer(engine, workers, task, placement, None)
         prompt = engine.tokenize(task.prompt())
@@ -346,7 +347,7 @@ def test_trainer_refreshes_branch_boundaries_as_the_cache_path_does(checkpoint, 
         assert where.nonzero().flatten().tolist() == [t for a, b in spec.runs(msg.num_tokens) for t in range(a, b)]
         runs = [engine.message(p) for p, off, b in parts
                 if b is None and offsets[j] <= off < offsets[j] + msg.num_tokens]
-        got = torch.cat([r.kv for r in runs], dim=3)
+        got = torch.cat([r.kv.read() for r in runs], dim=3)
         assert torch.allclose(fixed[:, :, :, where], got, atol=1e-4)
         assert torch.equal(fixed[:, :, :, ~where], example.branches[j][:, :, :, ~where])
         assert (fixed[:, :, :, 0] - example.branches[j][:, :, :, 0]).abs().max() > 1e-3 or j == 0
@@ -398,14 +399,14 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
     workers = run_workers(fused, task)
     runs = sum(len(refresh.runs(fused.message(m).num_tokens)) for m in workers.ids)
     apart = load_engine(EngineConfig(ckpt, calibration=cal, max_parallel_calls=runs))  # (runs + the synthesizer's)
-    moved = [apart.import_message(m.token_ids, m.kv, m.offset, m.fingerprint)
+    moved = [apart.import_message(m.token_ids, m.kv.read(), m.offset, m.fingerprint)
              for m in (fused.message(i) for i in [*workers.prefix, *workers.ids])]
     prefix, branches = moved[:len(workers.prefix)], moved[len(workers.prefix):]
     # and in forwards of 3 rows (the runs split over several), over a pool whose unwritten slots are NaN
     chunked = load_engine(EngineConfig(ckpt, calibration=cal, max_batched_tokens=3))
     chunked.scheduler.pool.kv.fill_(float("nan"))
     for mid in [*prefix, *branches]:
-        chunked.import_message(apart.message(mid).token_ids, apart.message(mid).kv, apart.message(mid).offset,
+        chunked.import_message(apart.message(mid).token_ids, apart.message(mid).kv.read(), apart.message(mid).offset,
                                apart.fingerprint, message_id=mid)
     for hooks in (None, calibration_of(fused).hooks):
         before = set(fused.store.ids())
@@ -416,7 +417,7 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
                              refresh=refresh)
             assert other.message(mid).token_ids == tokens
             # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
-            torch.testing.assert_close(other.message(mid).kv, kv, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(other.message(mid).kv.read(), kv, rtol=1e-4, atol=1e-4)
         assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
     _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, calibration_of(fused).hooks)
     assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)

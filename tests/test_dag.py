@@ -95,7 +95,7 @@ def test_a_text_output_is_read_re_encoded_in_the_readers_context(llama_engine):
 
 def test_leakage_control_reencodes_without_another_roles_private_nodes(llama_engine):
     """Alice's utterance was encoded with her private system prompt in view; Bob reads it re-encoded
-    without it (the default), or cached when the edge says leak=True (the seed's choreographed default)."""
+    without it (the default), or cached when the edge says leak=True (the paper's choreographed default)."""
     eng = llama_engine
 
     def graph(leak: bool):
@@ -118,8 +118,8 @@ def test_leakage_control_reencodes_without_another_roles_private_nodes(llama_eng
     topic = dag._context["alice_says"][1]
     manual, = eng.prefill([PrefillCall(list(said.token_ids), parents=[topic.message], offsets=[topic.offset],
                                        new_offset=said.offset)])
-    assert torch.allclose(eng.message(read).kv, eng.message(manual).kv, atol=1e-5)
-    assert not torch.allclose(eng.message(read).kv, said.kv, atol=1e-3)  # the private prompt mattered
+    assert torch.allclose(eng.message(read).kv.read(), eng.message(manual).kv.read(), atol=1e-5)
+    assert not torch.allclose(eng.message(read).kv.read(), said.kv.read(), atol=1e-3)  # the private prompt mattered
     leaky, events = run(eng, graph(leak=True))
     assert leaky._context["bob_says"][2].message == leaky.outputs["alice_says"]
     assert [e.reencoded for e in events if isinstance(e, NodeDone) and e.node == "bob_says"] == [[]]

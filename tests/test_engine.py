@@ -49,7 +49,7 @@ def test_parallel_decode_equals_separate_decodes(llama_engine):
     for a, b in zip(together, alone):
         ma, mb = eng.message(a), eng.message(b)
         assert ma.token_ids == mb.token_ids and ma.offset == mb.offset
-        assert (ma.kv - mb.kv).abs().max() < 1e-5
+        assert (ma.kv.read() - mb.kv.read()).abs().max() < 1e-5
 
 
 def test_parallel_prefill_equals_separate_prefills(llama_engine):
@@ -60,7 +60,7 @@ def test_parallel_prefill_equals_separate_prefills(llama_engine):
     for a, b in zip(eng.prefill(calls), [eng.prefill([c])[0] for c in calls]):
         ma, mb = eng.message(a), eng.message(b)
         assert ma.token_ids == mb.token_ids and ma.positions == mb.positions
-        assert (ma.kv - mb.kv).abs().max() < 1e-5
+        assert (ma.kv.read() - mb.kv.read()).abs().max() < 1e-5
 
 
 def test_prefilled_and_decoded_kv_agree(llama_engine):
@@ -69,7 +69,7 @@ def test_prefilled_and_decoded_kv_agree(llama_engine):
     p, = eng.prefill([PrefillCall("User: hello")])
     d, = eng.decode([DecodeCall("Assistant:", parents=[p], sampling=GREEDY)])
     again, = eng.prefill([PrefillCall(list(eng.message(d).token_ids), parents=[p])])
-    assert (eng.message(d).kv - eng.message(again).kv).abs().max() < 1e-5
+    assert (eng.message(d).kv.read() - eng.message(again).kv.read()).abs().max() < 1e-5
 
 
 def test_streaming_and_stopping(llama_engine):
@@ -166,7 +166,7 @@ def test_partial_kv_while_decoding_equals_final_and_import_round_trips(llama_eng
     pieces.append(stream.partial_kv(0, shipped, final.num_tokens))
     tokens = [t for toks, _ in pieces for t in toks]
     kv = torch.cat([k for _, k in pieces], dim=3)
-    assert tuple(tokens) == final.token_ids and torch.equal(kv, final.kv)
+    assert tuple(tokens) == final.token_ids and torch.equal(kv, final.kv.read())
 
     copy = eng.import_message(tokens, kv, final.offset, eng.fingerprint, parents=[p])
     again, = eng.decode([DecodeCall("More:", parents=[p, copy], sampling=GREEDY)])
@@ -180,13 +180,13 @@ def test_import_rejects_foreign_or_misshapen_kv(llama_engine):
     m = eng.message(eng.prefill([PrefillCall("one two")])[0])
     before = eng.store.ids()
     with pytest.raises(FingerprintMismatchError, match="other"):
-        eng.import_message(m.token_ids, m.kv, 0, "other")
+        eng.import_message(m.token_ids, m.kv.read(), 0, "other")
     with pytest.raises(BraidError, match="shape"):
-        eng.import_message(m.token_ids[:-1], m.kv, 0, eng.fingerprint)
+        eng.import_message(m.token_ids[:-1], m.kv.read(), 0, eng.fingerprint)
     with pytest.raises(BraidError, match="dtype"):
-        eng.import_message(m.token_ids, m.kv.double(), 0, eng.fingerprint)
+        eng.import_message(m.token_ids, m.kv.read().double(), 0, eng.fingerprint)
     with pytest.raises(BraidError, match="does not fit"):
-        eng.import_message(m.token_ids, m.kv, eng.spec.max_positions, eng.fingerprint)
+        eng.import_message(m.token_ids, m.kv.read(), eng.spec.max_positions, eng.fingerprint)
     assert eng.store.ids() == before
 
 

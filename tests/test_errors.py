@@ -16,7 +16,7 @@ from braid.engine.errors import (
 
 
 def snapshot(eng):
-    return eng.store.ids(), eng.store.used_bytes, {m: eng.message(m).kv.clone() for m in eng.store.ids()}
+    return eng.store.ids(), eng.store.used_bytes, {m: eng.message(m).kv.read().clone() for m in eng.store.ids()}
 
 
 def assert_unchanged(eng, before):

@@ -132,7 +132,7 @@ def test_waves_on_workers_answer_as_the_holder_does(cluster, monkeypatch):
         a, b = logic.engine.message(here[n].message_id), logic.engine.message(there[n].message_id)
         assert a.token_ids == b.token_ids and a.offset == b.offset and len(a.parents) == len(b.parents)
         assert a.parent_offsets == b.parent_offsets
-        torch.testing.assert_close(b.kv, a.kv, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.kv.read(), a.kv.read(), atol=1e-4, rtol=1e-4)
         assert logic.directory.lookup(sid, there[n].message_id).replica == "H"
     # the workers kept only copies of the parents they read (one per message, for later waves), and nothing
     # stays lent

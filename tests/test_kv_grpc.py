@@ -8,7 +8,7 @@ import pytest
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.kv.chunks import tensor_bytes
 from braid.kv.collective import CollectiveSender, open_link
-from braid.kv.connector import BranchChunk, TransferError
+from braid.kv.connector import BranchChunk, TransferError, chain_digest
 from braid.kv.grpc_transport import GrpcSender, abandon
 from braid.kv.receiver import KVReceiver
 from braid.models.chat import WORKER_HEADER
@@ -57,7 +57,7 @@ def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine, collective
             assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
             assert got.transport == ("collective" if collective else "grpc")
             assert got.digest == sent[f"wf:{c}"].digest != 0  # the chunks the worker sent are the ones checked here
-            assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv))
+            assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv.read()))
     finally:
         receiver.stop()
 
@@ -66,7 +66,7 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
     eng = llama_engine
     receiver = KVReceiver(eng.fingerprint)
     try:
-        kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv
+        kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv.read()
         half = GrpcSender(receiver.address, eng.fingerprint)
         half.send(BranchChunk("s1", "m", 0, 0, [1, 2], kv[:, :, :, :2]))  # total never announced
         with pytest.raises(TransferError, match="DATA_LOSS.*incomplete"):
@@ -93,13 +93,82 @@ def test_incomplete_or_foreign_streams_fail_cleanly(llama_engine):
         receiver.stop()
 
 
+@pytest.mark.parametrize("transport,tamper", [("grpc", "chunk"), ("grpc", "closing digest"), ("gloo", "closing digest"),
+                                              ("grpc", "older sender")])
+def test_a_stream_unlike_what_its_sender_sent_fails_at_the_receiver(llama_engine, transport, tamper):
+    """The receiver checks a copied stream against the digest and byte count its sender put on the stream's last
+    chunk. A chunk changed in flight together with its CRC-32 (so that only the stream's digest can notice), or a
+    closing digest unlike what arrived, fails the stream with both digests named: the sender's call fails, `wait`
+    raises, and nothing reaches the engine. A sender that puts no closing digest (older than the check) is let in."""
+    eng = llama_engine
+    p, = eng.prefill([PrefillCall("User: add these.")])
+    msg = eng.message(p)
+    receiver = KVReceiver(eng.fingerprint)
+    try:
+        if transport == "gloo":
+            sender = CollectiveSender(receiver.address, eng.fingerprint, open_link(receiver.address, "t1", "gloo"),
+                                      "t1", max_chunk_bytes=700)
+        else:
+            sender = GrpcSender(receiver.address, eng.fingerprint, max_chunk_bytes=700)
+        put, seen = sender._queue.put, []
+
+        def in_flight(chunk):  # between the sender's own accounting and the wire
+            if chunk is not None and not chunk.open:
+                seen.append(chunk)
+                if tamper == "chunk" and len(seen) == 2:
+                    data = bytearray(chunk.data)
+                    data[0] ^= 1
+                    chunk.data, chunk.crc32 = bytes(data), zlib.crc32(data)
+                elif tamper == "closing digest" and chunk.HasField("stream_digest"):
+                    chunk.stream_digest ^= 1
+                elif tamper == "older sender":
+                    chunk.ClearField("stream_digest")
+                    chunk.ClearField("stream_bytes")
+            put(chunk)
+
+        sender._queue.put = in_flight
+        stored = set(eng.store.ids())
+        sender.open(["wf:0"])
+        sender.send(BranchChunk("wf:0", p, msg.offset, 0, list(msg.token_ids[:3]), msg.kv.read(0, 3).clone()))
+        sender.send(BranchChunk("wf:0", p, msg.offset, 3, list(msg.token_ids[3:]), msg.kv.read(3).clone(),
+                                total_tokens=msg.num_tokens))
+        if tamper == "older sender":
+            sent = sender.finish()["wf:0"]
+            got = receiver.wait("wf:0", idle_timeout=5)
+            assert got.digest == sent.digest and got.bytes == sent.bytes == msg.nbytes
+            assert not any(c.HasField("stream_digest") for c in seen)
+            mid = receiver.import_message(eng, got)
+            assert zlib.crc32(tensor_bytes(eng.message(mid).kv.read())) == zlib.crc32(tensor_bytes(msg.kv.read()))
+            eng.free(mid)
+            return
+        with pytest.raises(TransferError, match="arrived corrupted"):
+            sender.finish()
+        sent = sender.sent["wf:0"]
+        assert len(seen) >= 3 and [c.HasField("stream_digest") for c in seen] == [False] * (len(seen) - 1) + [True]
+        arrived, closing = 0, seen[-1].stream_digest  # over the chunks as they went on the wire; as it came
+        for c in seen:
+            arrived = chain_digest(arrived, c.crc32)
+        if tamper == "chunk":  # an honest closing digest, and a chunk that passes its own CRC-32 check
+            assert closing == sent.digest != arrived
+        else:  # the chunks as sent, a closing digest that is not theirs
+            assert arrived == sent.digest != closing
+        with pytest.raises(TransferError, match="arrived corrupted") as failed:
+            got = receiver.wait("wf:0", idle_timeout=5)
+            receiver.import_message(eng, got)  # (never reached)
+        assert f"digest {arrived:#010x} over {sent.bytes} bytes" in str(failed.value)
+        assert f"its sender sent digest {closing:#010x} over {sent.bytes} bytes" in str(failed.value)
+        assert set(eng.store.ids()) == stored and receiver._streams == {}  # nothing was imported, nothing kept
+    finally:
+        receiver.stop()
+
+
 def test_wait_clock_starts_when_the_worker_starts_and_abandon_ends_it(llama_engine):
     """Queued time is not counted against the idle limit; an opened stream that goes quiet fails; Abandon
     (from whoever gave the workflow up) wakes the waiter at once."""
     eng = llama_engine
     receiver = KVReceiver(eng.fingerprint)
     try:
-        kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv
+        kv = eng.message(eng.prefill([PrefillCall("one two three")])[0]).kv.read()
         sender = GrpcSender(receiver.address, eng.fingerprint)
 
         def late_worker():
@@ -141,28 +210,28 @@ def test_a_staircase_reads_a_stream_while_it_arrives_with_its_two_clocks(llama_e
     receiver = KVReceiver(eng.fingerprint)
     try:
         arrivals = receiver.watch("wf:0")
+        start = time.monotonic()  # (before the feed: its queued clock starts when it is made)
         feed = BranchFeed([], pump=False, branches=[(arrivals, 0)])
         arrivals.listen(lambda: feed.arrived(arrivals))
-        start = time.monotonic()
         with pytest.raises(UnavailableError, match="no branch started for 0.4 s"):
             feed.wait(lambda: False, idle_s=0.05, queued_s=0.4)  # (the idle clock does not run yet)
         assert time.monotonic() - start >= 0.4
         sender = GrpcSender(receiver.address, eng.fingerprint)
         sender.open(["wf:0"])
-        sender.send(BranchChunk("wf:0", branch, msg.offset, 0, list(msg.token_ids[:6]), msg.kv[:, :, :, :6].clone()))
+        sender.send(BranchChunk("wf:0", branch, msg.offset, 0, list(msg.token_ids[:6]), msg.kv.read(0, 6).clone()))
         feed.wait(lambda: arrivals.encoded() >= 6, idle_s=5)
         tokens, kv = arrivals.partial_kv(0, 2, 6)
-        assert tokens == list(msg.token_ids[2:6]) and torch.equal(kv, msg.kv[:, :, :, 2:6])
+        assert tokens == list(msg.token_ids[2:6]) and torch.equal(kv, msg.kv.read(2, 6))
         assert feed.ended == [False]
         with pytest.raises(UnavailableError, match="no branch made progress for 0.1 s"):
             feed.wait(lambda: False, idle_s=0.1, queued_s=30)
-        sender.send(BranchChunk("wf:0", branch, msg.offset, 6, list(msg.token_ids[6:]), msg.kv[:, :, :, 6:].clone(),
+        sender.send(BranchChunk("wf:0", branch, msg.offset, 6, list(msg.token_ids[6:]), msg.kv.read(6).clone(),
                                 total_tokens=msg.num_tokens))
         sender.finish()
         feed.wait(lambda: feed.settled(0), idle_s=5)
         assert feed.length == [msg.num_tokens]
         got = receiver.wait("wf:0", idle_timeout=5)
-        assert torch.equal(got.kv, msg.kv) and receiver._streams == {}
+        assert torch.equal(got.kv, msg.kv.read()) and receiver._streams == {}
     finally:
         receiver.stop()
 
@@ -179,7 +248,7 @@ def test_a_given_up_stream_is_not_started_over_by_late_chunks(llama_engine):
         for sid in ("wf:late", "wf:gone"):
             sender = GrpcSender(receiver.address, eng.fingerprint)
             sender.open([sid])
-            sender.send(BranchChunk(sid, p, msg.offset, 0, list(msg.token_ids), msg.kv.clone(),
+            sender.send(BranchChunk(sid, p, msg.offset, 0, list(msg.token_ids), msg.kv.read().clone(),
                                     total_tokens=msg.num_tokens))
             with pytest.raises(TransferError):
                 sender.finish()

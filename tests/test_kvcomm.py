@@ -38,7 +38,7 @@ def dense_tokens(engine: Engine, p: AgentPrompt) -> tuple[list[int], torch.Tenso
     pre = engine.prefill([PrefillCall(tok(p.prefix))])
     ctx = engine.prefill([PrefillCall(context, parents=pre)])
     ids = engine.decode([DecodeCall(tok(p.joins[-1]), parents=pre + ctx, sampling=p.sampling)])
-    return list(engine.message(ids[0]).token_ids), engine.message(ctx[0]).kv
+    return list(engine.message(ids[0]).token_ids), engine.message(ctx[0]).kv.read()
 
 
 def pool_of(comm: KVComm, scope: str = "tenant", base: str | None = None) -> AnchorPool:
@@ -51,7 +51,7 @@ def run(comm: KVComm, p: AgentPrompt, scope: str = "tenant"):
     prep, stream = comm.decode_stream(p, scope)
     for _ in stream:
         pass
-    return prep, list(comm.engine.message(stream.ids[0]).token_ids), comm.engine.message(prep.parents[1]).kv
+    return prep, list(comm.engine.message(stream.ids[0]).token_ids), comm.engine.message(prep.parents[1]).kv.read()
 
 
 @pytest.mark.parametrize("config", [KVCommConfig(gamma=0.0), KVCommConfig(capacity=0)])
@@ -68,7 +68,7 @@ def test_gamma_zero_or_no_capacity_is_dense_prefill(llama_engine, config):
 
 
 def test_an_anchor_reproduces_the_kv_it_was_measured_on(fresh_engine):
-    comm = KVComm(fresh_engine, KVCommConfig(gamma=0.3, recompute=0.0), base_prefix="Text:")  # (the seed's method)
+    comm = KVComm(fresh_engine, KVCommConfig(gamma=0.3, recompute=0.0), base_prefix="Text:")  # (the paper's method)
     p = prompt("solver", TEXTS[0], TEXTS[1])
     first, dense_reply, dense_kv = run(comm, p)  # no anchors: dense, and the offsets are recorded
     assert not first.reused and [s.new_anchor for s in first.slots] == [True, True]
@@ -127,7 +127,7 @@ def test_recompute_re_encodes_the_least_certain_tokens(fresh_engine):
         assert prep.reused and recomputed == (n if fraction == 1.0 else -(-n // 4))
         if fraction == 1.0:
             assert reply == want_reply[-GREEDY.max_tokens:]
-            torch.testing.assert_close(eng.message(prep.parents[1]).kv, want_kv, rtol=0, atol=1e-5)
+            torch.testing.assert_close(eng.message(prep.parents[1]).kv.read(), want_kv, rtol=0, atol=1e-5)
         comm.free(prep)
         eng.free(stream.ids[0])
         assert own() <= before
@@ -178,7 +178,7 @@ def test_the_reference_agent_reads_its_own_base_exactly_and_recomputes_nothing(f
     assert prep.reused and len({a for a, _ in prep.slots[0].anchors}) > 1
     assert torch.isinf(chosen[-1][0][:n]).all()  # (the peer's text is in every anchor: exact too)
     assert all(a >= n for a, _ in chosen[-1][1].spans)  # (only the join between them may be re-encoded)
-    first = eng.message(prep.held[0] if prep.held else prep.parents[1]).kv[:, :, :, :n]
+    first = eng.message(prep.held[0] if prep.held else prep.parents[1]).kv.read(0, n)
     torch.testing.assert_close(first, want_kv[:, :, :, :n], rtol=0, atol=2e-5)
     other = run(comm, with_base("critic", TEXTS[4], TEXTS[5]))[0]
     assert other.reused and torch.isfinite(chosen[-1][0][:n]).all() and len(other.parents) > 2

@@ -32,7 +32,7 @@ def test_a_repeated_prompt_shares_the_cached_kv_and_answers_the_same(engines):
     again, = cached.prefill([PrefillCall(TASK)])
     assert cached.prefix_cache.hits == hits + 1 and cached.store.used_bytes == used  # no new KV
     want, = plain.prefill([PrefillCall(TASK)])
-    torch.testing.assert_close(cached.message(again).kv, plain.message(want).kv, rtol=0, atol=0)
+    torch.testing.assert_close(cached.message(again).kv.read(), plain.message(want).kv.read(), rtol=0, atol=0)
     ctx = "records: ann lima; bob oslo. who: bob"
     c1, = cached.prefill([PrefillCall(ctx, parents=[again])])
     c2, = plain.prefill([PrefillCall(ctx, parents=[want])])
@@ -52,7 +52,7 @@ def test_a_shared_start_is_reused_in_whole_blocks(engines):
                   if a != b)
     assert n == shared // 4 * 4 and n > 0  # the whole 4-token blocks of the common start
     assert cached.message(got).token_ids == plain.message(want).token_ids
-    torch.testing.assert_close(cached.message(got).kv, plain.message(want).kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached.message(got).kv.read(), plain.message(want).kv.read(), rtol=1e-5, atol=1e-5)
     assert answer(cached, [got]) == answer(plain, [want])
     # a decode header starting with a cached prompt reuses it too, and decodes the same
     hits = cached.prefix_cache.hits
@@ -71,10 +71,10 @@ def test_no_hit_across_different_context_or_position(engines):
     after_b, = cached.prefill([PrefillCall(text, parents=[b])])
     moved, = cached.prefill([PrefillCall(text, parents=[a], new_offset=40)])
     assert cached.prefix_cache.hits == hits  # what came before differs, or where it starts
-    assert not torch.equal(cached.message(after_a).kv, cached.message(after_b).kv)
+    assert not torch.equal(cached.message(after_a).kv.read(), cached.message(after_b).kv.read())
     # imported KV (encoded elsewhere, in a context this engine never saw) is never a cache key
     m = cached.message(a)
-    imported = cached.import_message(m.token_ids, m.kv.clone(), m.offset, cached.fingerprint)
+    imported = cached.import_message(m.token_ids, m.kv.read().clone(), m.offset, cached.fingerprint)
     assert cached.message(imported).content_key is None
     cached.prefill([PrefillCall(text, parents=[imported])])
     assert cached.prefix_cache.hits == hits
@@ -90,7 +90,7 @@ def test_the_cache_yields_to_the_store_budget(checkpoint):
         eng.free(mid)
     assert eng.store.used_bytes <= eng.config.store_budget_bytes and eng.store.evictions > 0
     mid, = eng.prefill([PrefillCall(f"{TASK} Case 0.")])  # evicted: encoded again, correctly
-    torch.testing.assert_close(eng.message(mid).kv[:, :, :, :10], probe.message(one).kv[:, :, :, :10])
+    torch.testing.assert_close(eng.message(mid).kv.read(0, 10), probe.message(one).kv.read(0, 10))
     assert eng.clear_prefix_cache() > 0 and eng.store.used_bytes == eng.message(mid).nbytes
 
 
@@ -113,7 +113,7 @@ def test_a_failed_call_leaves_no_cached_message_and_mapped_calls_are_not_cached(
         pass
     msg = cached.message(stream.ids[0])
     assert n > len(cached.tokenize(TASK)) and tokens == list(msg.token_ids[:n])
-    torch.testing.assert_close(kv, msg.kv[:, :, :, :n])
+    torch.testing.assert_close(kv, msg.kv.read(0, n))
     # a call whose parents' KV a mapper changes is neither a hit nor cached
     hits, entries = cached.prefix_cache.hits, len(cached.prefix_cache)
     task, = cached.prefill([PrefillCall(TASK)])

@@ -94,7 +94,7 @@ class Released:
         return self.n
 
     def partial_kv(self, call: int, start: int, end: int):
-        return list(self.msg.token_ids[start:end]), self.msg.kv[:, :, :, start:end]
+        return list(self.msg.token_ids[start:end]), self.msg.kv.read(start, end)
 
     def release(self, feed: BranchFeed, result: StaircaseResult) -> None:
         while self.n < self.msg.num_tokens:

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from braid.engine.errors import MessageInUseError, StoreFullError, UnknownMessageError
-from braid.engine.store import Message, MessageStore
+from braid.engine.store import DenseKV, Message, MessageStore
 
 
 def msg(mid, tokens=4):
     kv = torch.zeros(2, 2, 1, tokens, 8)  # 4 bytes * 2*2*1*tokens*8 = 128 * tokens
-    return Message(mid, tuple(range(tokens)), kv, 0, (), (), "fp")
+    return Message(mid, tuple(range(tokens)), DenseKV(kv), 0, (), (), "fp")
 
 
 def test_byte_accounting_and_free():
@@ -65,3 +65,36 @@ def test_held_messages_are_not_evicted_but_can_be_freed():
     store.free("a")  # its owner may still free it
     store.release(held)
     assert store.ids() == ["c"]
+
+
+def test_kv_is_a_handle_read_exactly_and_counted_once_with_its_parts():
+    """A message holds its KV as a handle, never a tensor; a part's read is the original's slice, bit for bit,
+    over the same memory; and the store counts that memory once, however many messages hold parts of it."""
+    t = torch.randn(2, 2, 1, 10, 8)
+    with pytest.raises(TypeError, match="handle"):
+        Message("raw", tuple(range(10)), t, 0, (), (), "fp")
+    with pytest.raises(TypeError):
+        DenseKV(torch.zeros(2, 3, 1, 10, 8))
+    kv = DenseKV(t)
+    assert kv.read() is t and kv.part(0, 10) is kv and kv.num_tokens == 10 and kv.nbytes == t.numel() * 4
+    assert torch.equal(kv.read(3, 7), t[:, :, :, 3:7]) and torch.equal(kv.read(4), t[:, :, :, 4:])
+    assert kv.read(0, 0).shape == (2, 2, 1, 0, 8)
+    part = kv.part(2, 9)
+    assert part.num_tokens == 7 and torch.equal(part.read(), t[:, :, :, 2:9])
+    assert torch.equal(part.read(1, 3), t[:, :, :, 3:5])
+    assert part.read().data_ptr() == t[:, :, :, 2:9].data_ptr()  # a view: no copy
+    assert part.storage == kv.storage == (t.untyped_storage().data_ptr(), t.numel() * 4)
+    assert part.key == kv.part(2, 9).key != kv.key and part.nbytes == 7 * 2 * 2 * 8 * 4
+    for bad in ((-1, 3), (5, 4), (0, 11)):
+        with pytest.raises(IndexError):
+            kv.read(*bad)
+    store = MessageStore(budget_bytes=10_000)
+    whole = Message("whole", tuple(range(10)), kv, 0, (), (), "fp")
+    view = Message("view", tuple(range(2, 9)), part, 2, ("whole",), (0,), "fp")
+    store.add([whole, view, Message("again", tuple(range(10)), kv.part(0), 0, (), (), "fp")])
+    assert store.used_bytes == t.numel() * 4
+    store.free("whole")
+    store.free("again")
+    assert store.used_bytes == t.numel() * 4  # the view still holds the memory
+    store.free("view")
+    assert store.used_bytes == 0

@@ -93,11 +93,11 @@ def test_branch_point_reencodes_each_branch(llama_engine):
                      hooks=SynthesisHooks(mapper=mapper))
     for j, b in enumerate(branches):
         msg = eng.message(b)
-        delta = torch.full((msg.num_tokens,), n - msg.offset, dtype=torch.long, device=msg.kv.device)
+        delta = torch.full((msg.num_tokens,), n - msg.offset, dtype=torch.long, device=msg.kv.read().device)
         placed, m = seen[j]
         assert m == 2
-        assert (placed[:, 0] - rerotate_keys_torch(msg.kv[:, 0], delta, eng.lm.inv_freq)).abs().max() < 1e-6
-        assert torch.equal(placed[:, 1], msg.kv[:, 1])
+        assert (placed[:, 0] - rerotate_keys_torch(msg.kv.read()[:, 0], delta, eng.lm.inv_freq)).abs().max() < 1e-6
+        assert torch.equal(placed[:, 1], msg.kv.read()[:, 1])
     longest = max(eng.message(b).num_tokens for b in branches)
     assert eng.message(out).offset == n + longest
     plain = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
@@ -110,7 +110,7 @@ def test_placements_and_naive_reuse_differ(llama_engine):
     prefix, branches = workflow(eng, ["Context A.", "A much longer context for worker B, with more words."])
     at_branch_point = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
     sequential = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY)
-    kv_a, kv_b = eng.message(at_branch_point).kv, eng.message(sequential).kv
+    kv_a, kv_b = eng.message(at_branch_point).kv.read(), eng.message(sequential).kv.read()
     assert eng.message(at_branch_point).offset != eng.message(sequential).offset
     assert (kv_a[:, 1] - kv_b[:, 1]).abs().max() > 1e-4
 
@@ -145,9 +145,9 @@ def test_mapper_and_adapter_plug_in(llama_engine):
     assert entered == ["in", "out"] * (1 + GREEDY.max_tokens) and len(events) == GREEDY.max_tokens
     plain = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
     # the mapper's output is what the synthesizer attended to
-    assert (eng.message(stream.ids[0]).kv - eng.message(plain).kv).abs().max() > 1e-4
+    assert (eng.message(stream.ids[0]).kv.read() - eng.message(plain).kv.read()).abs().max() > 1e-4
     for b in branches:  # and the stored branches were not touched
-        assert eng.message(b).kv[:, 1].abs().max() > 0
+        assert eng.message(b).kv.read()[:, 1].abs().max() > 0
 
 
 def test_refresh_runs():
@@ -192,7 +192,7 @@ def test_refresh_of_exact_branches_changes_nothing(family_engine):
     whole = synthesize(eng, chain, "Synthesizer:", prefix=prefix, placement=Placement.SEQUENTIAL, sampling=GREEDY,
                        refresh=Refresh(100, 0))
     plain = synthesize(eng, chain, "Synthesizer:", prefix=prefix, placement=Placement.SEQUENTIAL, sampling=GREEDY)
-    assert (eng.message(whole).kv - eng.message(plain).kv).abs().max() < 1e-4
+    assert (eng.message(whole).kv.read() - eng.message(plain).kv.read()).abs().max() < 1e-4
 
 
 def test_refresh_of_whole_branches_reads_them_together(checkpoint):
@@ -212,11 +212,11 @@ def test_refresh_of_whole_branches_reads_them_together(checkpoint):
     none = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY,
                       refresh=Refresh(0, 0))
     prompt = len(eng.tokenize("Synthesizer:")) + GREEDY.max_tokens
-    text_kv = eng.message(text).kv[:, :, :, -prompt:]
-    assert (eng.message(cached).kv - text_kv).abs().max() > 1e-4
-    assert (eng.message(whole).kv - text_kv).abs().max() < 1e-4
+    text_kv = eng.message(text).kv.read(eng.message(text).num_tokens - prompt)
+    assert (eng.message(cached).kv.read() - text_kv).abs().max() > 1e-4
+    assert (eng.message(whole).kv.read() - text_kv).abs().max() < 1e-4
     assert _answer(eng, whole) == _answer(eng, text)
-    assert torch.equal(eng.message(none).kv, eng.message(cached).kv)
+    assert torch.equal(eng.message(none).kv.read(), eng.message(cached).kv.read())
 
 
 def test_a_sequential_refresh_reads_the_runs_before_it_re_encoded(checkpoint):
@@ -238,9 +238,9 @@ def test_a_sequential_refresh_reads_the_runs_before_it_re_encoded(checkpoint):
         synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY,
                    refresh=r) for r in (Refresh(100, 0), Refresh(100, 0, sequential=True), Refresh(1, 2, True)))
     prompt = len(eng.tokenize("Synthesizer:")) + GREEDY.max_tokens
-    text_kv = eng.message(text).kv[:, :, :, -prompt:]
-    assert (eng.message(parallel).kv - text_kv).abs().max() > 1e-4
-    assert (eng.message(sequential).kv - text_kv).abs().max() < 1e-4
+    text_kv = eng.message(text).kv.read(eng.message(text).num_tokens - prompt)
+    assert (eng.message(parallel).kv.read() - text_kv).abs().max() > 1e-4
+    assert (eng.message(sequential).kv.read() - text_kv).abs().max() < 1e-4
     assert _answer(eng, sequential) == _answer(eng, text)
     assert own() == sorted([*before, text, parallel, sequential, partial])  # the runs and views are gone
 
@@ -268,7 +268,7 @@ def test_refresh_runs_beyond_one_prefills_worth_of_calls_go_in_turn(checkpoint):
         prefix, (branch, *_) = workflow(eng, ["Part 3 and some more words here."])
         msg = eng.message(branch)
         got, made = refresh_branches(eng, prefix, [msg], [msg.offset], Runs.of([0, 2, 4, 6, 8]))
-        parts[limit] = [(eng.message(p).token_ids, off, j, eng.message(p).kv) for p, off, j in got]
+        parts[limit] = [(eng.message(p).token_ids, off, j, eng.message(p).kv.read()) for p, off, j in got]
         for mid in made:
             eng.free(mid)
     assert len(parts[2]) > 5 and [p[:3] for p in parts[2]] == [p[:3] for p in parts[64]]
@@ -305,4 +305,4 @@ def test_unstored_prefill_calls_are_checked_and_store_nothing(llama_engine):
     part, = eng.prefill([replace(c, store=True) for c in lead])
     again = eng.decode([DecodeCall("Q:", parents=[ctx, part], sampling=greedy)])
     assert eng.message(again[0]).token_ids == msg.token_ids
-    torch.testing.assert_close(eng.message(again[0]).kv, msg.kv, rtol=0, atol=1e-5)
+    torch.testing.assert_close(eng.message(again[0]).kv.read(), msg.kv.read(), rtol=0, atol=1e-5)

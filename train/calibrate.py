@@ -13,7 +13,7 @@ serving time, with the base weights and no gradient:
     token by token where the two differ.
 
 The branches then go through the mapper, and the LoRA synthesizer (the only trainable parts, with the mapper)
-reads them and its prompt and is trained on the answer. Three data sources (seed 004), mixed by `--sources`:
+reads them and its prompt and is trained on the answer. Three data sources (Parallel-Synthesis), mixed by `--sources`:
 
   parallel   continued pretraining on parallel caches: the text-concatenated trace the model was trained on, its
              branch replies encoded as independent texts after the prefix (no private context), and the

@@ -1,4 +1,4 @@
-"""Prompt graphs: prompts that share prefixes, packed so each shared token is encoded once (seed 001).
+"""Prompt graphs: prompts that share prefixes, packed so each shared token is encoded once (Prompt Trees).
 
 A graph is a list of nodes. A node is a run of tokens that sees its ordered parents,
 each at the offset it is placed at: the choreography API's model (a tree is the case
@@ -351,7 +351,7 @@ def graph_loss(model, batch: PackedGraphs, backend: str = "sdpa") -> GraphLoss:
 
 def prefix_graph(sequences: Sequence[Sequence[tuple[Sequence[int], bool]]]) -> PromptGraph:
     """A prefix tree over sequences of pieces (token ids, supervised): pieces that continue the same
-    prefix with the same tokens and flags are one node; linear chains are then merged (seed 001's trie)."""
+    prefix with the same tokens and flags are one node; linear chains are then merged (Prompt Trees' trie)."""
     graph, children = PromptGraph(), {}  # (parent or -1, piece) -> node
     for sequence in sequences:
         at = -1

@@ -172,7 +172,7 @@ class BranchRunner:
             outputs = [eng.message(mid) for mid in stream.ids]
             for c, msg in enumerate(outputs):  # the rest (a message never changes: its KV is sent as it is)
                 sender.send(BranchChunk(names[c], names[c], msg.offset, shipped[c], list(msg.token_ids[shipped[c]:]),
-                                        msg.kv[:, :, :, shipped[c]:].contiguous(), msg.num_tokens))
+                                        msg.kv.read(shipped[c]).contiguous(), msg.num_tokens))
             sent, sender = self._finish(sender, req.kv_address), None
             for c, msg in enumerate(outputs):
                 yield BranchDone(c, list(msg.token_ids), msg.nbytes, sent[names[c]].digest, self.name)
