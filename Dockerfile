@@ -18,6 +18,7 @@ COPY loadtest loadtest
 COPY methods methods
 COPY models models
 COPY protos protos
+COPY results results
 COPY runtime runtime
 COPY synthesizer synthesizer
 COPY train train

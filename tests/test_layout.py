@@ -12,11 +12,14 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOMS = ["engine", "kernels", "protos", "kv", "methods", "runtime", "api", "workers", "synthesizer", "cluster",
-         "models", "evals", "train", "loadtest", "braid"]
+ROOMS = ["results", "engine", "kernels", "protos", "kv", "methods", "runtime", "api", "workers", "synthesizer",
+         "cluster", "models", "evals", "train", "loadtest", "braid"]
 SERVING = {"braid.api", "braid.workers", "braid.synthesizer", "braid.cluster", "braid.cli"}
 # room -> what it must never import (braid.<room> or a third-party top-level name)
 FORBIDDEN = {
+    # how every benchmark, evaluation and training run writes its result: below everything that measures
+    "results": {"ray", "grpc", "braid.engine", "braid.methods", "braid.kv", "braid.runtime", "braid.models",
+                "braid.evals", "braid.train", "braid.loadtest", "braid.kernels", "braid.protos"} | SERVING,
     "engine": {"ray", "grpc", "redis", "peft", "braid.methods", "braid.kv", "braid.runtime", "braid.models",
                "braid.evals", "braid.train", "braid.protos", "braid.loadtest"} | SERVING,
     "kernels": {"ray", "grpc", "braid.engine", "braid.methods", "braid.kv", "braid.runtime"} | SERVING,
