@@ -373,7 +373,7 @@ class Engine:
         `max_tokens` from the start and is never preempted; otherwise (with `kv_on_demand`) it may take its
         blocks as it decodes.
         """
-        if not any(isinstance(c, DecodeCall) for c in calls):
+        if calls and not any(isinstance(c, DecodeCall) for c in calls):  # (no calls at all: _check_options says so)
             raise BraidError("a decode request needs at least one DecodeCall")
         request, _ = self._submit(calls, transform, grows=self.config.kv_on_demand and not readable)
         return DecodeStream(request, self.store)
