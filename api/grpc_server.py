@@ -18,6 +18,7 @@ from contextlib import aclosing
 
 import grpc
 import redis
+
 from braid.api.auth import ApiKeys
 from braid.api.workflow import WorkflowDriver
 from braid.engine.errors import BraidError

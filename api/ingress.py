@@ -3,6 +3,9 @@
 import asyncio
 import logging
 
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
 from braid.api.auth import ApiKeys, DeadlineError, request_timeout
 from braid.api.grpc_server import grpc_status
 from braid.api.workflow import WorkflowConfig, WorkflowDriver, cause
@@ -10,8 +13,6 @@ from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import Directory
 from braid.runtime.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
 from braid.runtime.metrics import metrics
-from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import tempfile
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision)
 
 from benchmarks.revision import labels, sides  # noqa: E402
-
 from braid.results import pyplot, write_json  # noqa: E402
 
 

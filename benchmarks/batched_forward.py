@@ -11,11 +11,11 @@ import tempfile
 import time
 
 import torch
+
 from braid.engine import Engine, EngineConfig
 from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-
 from braid.results import device_name, pyplot, write_json
 
 

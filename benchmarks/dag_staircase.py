@@ -18,13 +18,13 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
+
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.methods.dag import NodeToken, run_dag
 from braid.methods.dag.presets import mad_par, moa
 from braid.methods.staircase import Variant
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from tqdm import tqdm
-
 from braid.results import pyplot, write_json
 
 MODES = ("wait", "reprefill", "append")

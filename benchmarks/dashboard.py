@@ -23,9 +23,8 @@ from braid.loadtest.metrics import summarize
 from braid.loadtest.run import run_load
 from braid.loadtest.workload import Workload
 from braid.models import REFERENCE_MODEL
-from braid.runtime.dashboard import PANELS, RATE
-
 from braid.results import pyplot, write_json
+from braid.runtime.dashboard import PANELS, RATE
 
 
 def start_prometheus(binary: str, target: str, workdir: str, scrape_s: float) -> tuple[subprocess.Popen, str]:

@@ -20,6 +20,9 @@ import time
 
 import grpc
 import torch
+from ray import serve
+from tqdm import tqdm
+
 from braid.cluster.app import build_app
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
@@ -28,11 +31,8 @@ from braid.methods.dag.presets import mad_iter, mad_par, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.runtime.convert import graph_request
-from ray import serve
-from tqdm import tqdm
-
 from braid.results import grouped_bars, write_json
+from braid.runtime.convert import graph_request
 
 APPS = {"workers": "braid", "synthesizer": "braid-here"}
 

@@ -21,11 +21,11 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
+
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.methods.kvcomm import AgentPrompt, KVComm, KVCommConfig
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from tqdm import tqdm
-
 from braid.results import device_name, pyplot, write_json
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -19,14 +19,14 @@ seeds). Writes JSON and a plot.
 import argparse
 import random
 
+from tqdm import tqdm
+
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.methods.dag import DagRun, Edge, Graph, Node, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import SYNTHESIZER_HEADER, turn
 from braid.models.tasks import CHAIN_SYSTEM, CITIES, PEOPLE
-from tqdm import tqdm
-
 from braid.results import pyplot, write_json
 
 MODES = ("leak", "control", "text")

@@ -13,23 +13,26 @@ Prints which node ran what, the KV bytes that crossed and both answers; writes J
 
 import argparse
 import os
+import secrets
 import sys
 import tempfile
 
 import grpc
 import yaml
+
+from braid.api.auth import client_metadata
 from braid.cluster.inprocess import start_in_process
 from braid.cluster.local import free_port
 from braid.cluster.multinode import NodeGroup, placement, serve_deploy, start_multinode
-from braid.engine import Engine, EngineConfig
+from braid.engine import EngineConfig
 from braid.loadtest.workload import task_request
+from braid.methods.calibration import load_engine
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import generate
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.runtime.directory import Directory, EmbeddedRedis
-
 from braid.results import pyplot, write_json
+from braid.runtime.directory import Directory, EmbeddedRedis
 
 CHART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helm", "braid")
 
@@ -44,10 +47,32 @@ def render_chart(values: dict) -> tuple[dict, dict]:
     return yaml.safe_load(rayservice["spec"]["serveConfigV2"]), rayservice
 
 
-def workflow(address: str, request: pb.WorkflowRequest) -> list[pb.WorkflowEvent]:
+def workflow(address: str, request: pb.WorkflowRequest, key: str | None = None) -> list[pb.WorkflowEvent]:
     with grpc.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        return list(stub.RunWorkflow(request, metadata=(("application", "braid"),), timeout=600))
+        return list(stub.RunWorkflow(request, metadata=(("application", "braid"), *client_metadata(key)), timeout=600))
+
+
+def _local_keys(serve_config: dict, path: str) -> str:
+    """A key in a file at `path`, named wherever the rendered config names its API key file: the chart mounts its
+    key Secret there, and local nodes share this machine's files instead. Returns the key."""
+    key = secrets.token_urlsafe(32)
+    with open(path, "w") as f:
+        f.write(f"multinode:{key}\n")
+
+    def point(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "api_keys_file":
+                    node[k] = path
+                else:
+                    point(v)
+        elif isinstance(node, list):
+            for v in node:
+                point(v)
+
+    point(serve_config)
+    return key
 
 
 def answer(events) -> list[int]:
@@ -69,13 +94,14 @@ def run(model_path: str, redis_url: str, request: pb.WorkflowRequest, config: di
     nodes = [NodeGroup(g["groupName"], 0, yaml.safe_load(yaml.safe_load(g["rayStartParams"]["resources"])))
              for g in groups]
     with tempfile.TemporaryDirectory() as tmp:
+        key = _local_keys(serve_config, os.path.join(tmp, "api-keys"))
         path = os.path.join(tmp, "serve.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(serve_config, f)
         multi = start_multinode(NodeGroup("head", 2), nodes, free_port())
         try:
             serve_deploy(path, multi.dashboard_url)
-            events = workflow(f"{multi.ip}:{grpc_port}", request)
+            events = workflow(f"{multi.ip}:{grpc_port}", request, key)
             where = placement(multi)
         finally:
             multi.shutdown()
@@ -85,7 +111,7 @@ def run(model_path: str, redis_url: str, request: pb.WorkflowRequest, config: di
     multi_answer = answer(events)
     multi_text = events[-1].done.answer_text if events and events[-1].HasField("done") else ""
 
-    engine = Engine(EngineConfig(model_path))
+    engine = load_engine(EngineConfig(model_path))
     single = start_in_process(engine, Directory.connect(redis_url))
     try:
         local = pb.WorkflowRequest()

@@ -16,11 +16,11 @@ import threading
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from transformers import AutoModelForCausalLM, DynamicCache
-
 from braid.results import device_name, grouped_bars, write_json
 
 PROFILED = 4  # decode forwards under the profiler

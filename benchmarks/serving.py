@@ -204,10 +204,9 @@ def main(argv=None) -> int:
     if args.serve:
         return serve(args)
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision)
+    from benchmarks.revision import labels, sides
     from braid.loadtest.run import run_load
     from braid.loadtest.workload import Workload
-
-    from benchmarks.revision import labels, sides
 
     this, rev = labels(args.against) if args.against else (None, None)
     servers, rows, redis = {}, [], None

@@ -14,14 +14,14 @@ import argparse
 import statistics
 import time
 
+from tqdm import tqdm
+
 from braid.engine import Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.methods.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import SYNTHESIZER_HEADER, WORKER_HEADER, turn
-from tqdm import tqdm
-
 from braid.results import pyplot, write_json
 
 TASK = turn("system", "workers each report their part; the synthesizer joins them.")

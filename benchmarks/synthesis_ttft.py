@@ -24,14 +24,14 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
+
 from braid.engine import DecodeCall, EngineConfig, PrefillCall, SamplingParams
 from braid.methods.calibration import calibration_of, load_engine, served_refresh
 from braid.methods.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.train.calibrate import write_untrained
-from tqdm import tqdm
-
 from braid.results import device_name, pyplot, write_json
+from braid.train.calibrate import write_untrained
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

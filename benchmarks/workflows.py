@@ -22,14 +22,14 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
+
 from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.methods.calibration import load_engine
 from braid.methods.dag import run_dag
 from braid.methods.dag.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.models.tasks import generate
-from tqdm import tqdm
-
 from braid.results import pyplot, write_json
 
 SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # Prompt Choreography's TTFT speedups (Llama-3.1-8B, GPU)

@@ -5,12 +5,13 @@ import socket
 from dataclasses import dataclass
 
 import ray
+from ray import serve
+from ray.serve.config import gRPCOptions
+
 from braid.cluster.app import APP, SERVICER, build_app
 from braid.cluster.config import ClusterConfig
 from braid.kv.peer_auth import ensure_cluster_token
 from braid.runtime.directory import EmbeddedRedis
-from ray import serve
-from ray.serve.config import gRPCOptions
 
 log = logging.getLogger(__name__)
 

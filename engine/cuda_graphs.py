@@ -27,11 +27,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
 from braid.engine.model_runner import (
     SHARED_ATTENTION_ROWS,
-    RequestInput,
     KVPool,
     ModelRunner,
+    RequestInput,
     _Part,
     _Step,
     fill_masks,

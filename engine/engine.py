@@ -75,7 +75,6 @@ class DecodeCall:
     offsets: Sequence[int | None] | None = None
     new_offset: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    store: bool = True
     adapter: str | None = None  # its message is stored as encoded by "<fingerprint>+<adapter>"
 
 
@@ -435,6 +434,16 @@ class Engine:
         if len(adapters) > 1:
             raise BraidError(f"one request runs on one adapter besides the base weights; these calls name "
                              f"{sorted(adapters)}")
+        # (a step of short rows may replay a graph captured under one set of weights, over every row:
+        # engine.cuda_graphs; only lead calls' rows, never such a step, may run on the base weights beside them)
+        if len({c.adapter for c in calls[lead:]}) > 1 or any(c.adapter not in (None, calls[lead].adapter)
+                                                             for c in calls[:lead]):
+            raise BraidError("a request's calls run on the same weights (its lead prefill calls may run on the base "
+                             "ones): name one adapter on all of them, or on none")
+        stored = [i for i, c in enumerate(calls[:lead]) if c.store]
+        if stored:
+            raise BraidError(f"call {stored[0]}: a prefill call ahead of decode calls is read by them only; give "
+                             "it store=False (prefill it on its own to store it)")
         return lead
 
     def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
@@ -678,7 +687,7 @@ class _RequestKV:
         for c, call in enumerate(calls):
             decodes = isinstance(call, DecodeCall)
             made.append(Call(plan.tokens[c], plan.new_offsets[c], plan.new_ids[c],
-                             call.sampling if decodes else None, call.store, call.adapter,
+                             call.sampling if decodes else None, decodes or call.store, call.adapter,
                              plan.prefix[c] if plan.prefix else None))
             made[-1].start(eng.spec.eos_token_ids, eng.tokenizer, eng.lm.device)
         return Request(made, plan.visible, capacity, self, shared, grows)

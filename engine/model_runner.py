@@ -20,6 +20,7 @@ whose blocks go back to the pool once the lead rows are encoded.
 from dataclasses import dataclass
 
 import torch
+
 from braid.engine.attention import mask_needed
 from braid.engine.model import LoadedModel
 from braid.engine.store import DenseKV

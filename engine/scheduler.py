@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
 from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
@@ -102,7 +103,7 @@ class Request:
         self.cache: WorkCache | None = None
         # Readers of the work cache from other threads (DecodeStream.partial_kv) hold `lock`; the status is set
         # to an ended one under it before the cache's blocks are handed back.
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # (a consumer's cancel may run on the scheduler's thread, holding it)
         self.status = RequestStatus.WAITING
         self.heard_end = False  # (its consumer has read its end)
         self.wake: Callable[[], None] = lambda: None  # (set by the scheduler: a cancel is noticed at once)
@@ -432,7 +433,25 @@ class Scheduler:
         """Start the waiting requests, in order, while their blocks fit (and `max_running` allows)."""
         with self._cv:
             waiting, self.waiting = list(self.waiting), deque()
-        admitted = []
+        admitted: list[tuple[Request, list[int]]] = []
+        try:
+            self._admit_in_order(waiting, admitted)
+        except BaseException:  # (whatever it had not come to waits on, rather than being lost)
+            with self._cv:
+                self.waiting.extendleft(reversed([w for w in waiting if not w.status.ended
+                                                  and all(w is not a for a, _ in admitted)]))
+            raise
+        finally:
+            for g, blocks in admitted:
+                try:
+                    g.start(self.runner.lm.device, blocks)
+                    self.running.append(g)
+                except Exception as e:
+                    g.fail(e)
+
+    def _admit_in_order(self, waiting: list[Request], admitted: list) -> None:
+        """Admit `waiting` in order into `admitted` (request, blocks) until one does not fit: it and the rest go
+        back to the head of the queue."""
         for i, g in enumerate(waiting):
             if g.cancelled:
                 g.fail(RuntimeError("cancelled"))
@@ -457,12 +476,6 @@ class Scheduler:
                     self.waiting.extendleft(reversed([g] + [w for w in rest[1:] if not w.cancelled]))
                 break
             admitted.append((g, blocks))
-        for g, blocks in admitted:
-            try:
-                g.start(self.runner.lm.device, blocks)
-                self.running.append(g)
-            except Exception as e:
-                g.fail(e)
 
     def _adapter_turn(self, ready: list[Request]) -> tuple[str | None, list[Request]]:
         """This forward's adapter (adapters take turns, one per forward) and the requests that may join it.

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from tqdm import tqdm
+
 from braid.engine import Engine, PrefillCall, SamplingParams
 from braid.engine.engine import TokenEvent
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
@@ -26,7 +28,6 @@ from braid.methods.synthesis import TEXT as TEXT_MODE
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
-from tqdm import tqdm
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ import time
 from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
+
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.methods.kvcomm import AgentPrompt, KVComm, KVCommConfig
 from braid.models.chat import turn
 from braid.models.tasks import DEFAULT_LENGTH, MULTIQA_SYSTEM, SharedTextTask, shared_text_task
-from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 SAMPLING = SamplingParams(max_tokens=64)

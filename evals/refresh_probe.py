@@ -18,7 +18,6 @@ from braid.evals.harness import TEXT, EvalConfig, Mode, evaluate, format_table, 
 from braid.methods.synthesis import Placement, Refresh, SynthesisMode
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import TASKS
-
 from braid.results import write_json
 
 

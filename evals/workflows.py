@@ -31,17 +31,16 @@ import logging
 import os
 from typing import NamedTuple
 
-from braid.engine import Engine, EngineConfig
+from tqdm import tqdm
 
-from braid.methods.calibration import calibration_of, load_engine
+from braid.engine import Engine, EngineConfig
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.methods.calibration import calibration_of, load_engine
 from braid.methods.dag import DagRun, Graph
 from braid.methods.dag.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import Task, sample, strip_reply
-from tqdm import tqdm
-
 from braid.results import pyplot, write_json
 
 MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")

@@ -23,6 +23,7 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
+
 from braid.engine import Engine
 from braid.engine.config import DTYPES
 from braid.engine.errors import BraidError, FingerprintMismatchError

@@ -29,6 +29,7 @@ import time
 from collections import Counter
 
 import grpc
+
 from braid.loadtest.run import run_load
 from braid.loadtest.workload import Workload
 from braid.protos import agent_pb2_grpc
@@ -223,9 +224,10 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
     do. Uses the Serve app of this process's Ray."""
     import random
 
+    from ray import serve
+
     from braid.api.auth import client_metadata
     from braid.protos import agent_pb2 as pb
-    from ray import serve
 
     roles = [serve.get_deployment_handle(name, app_name="braid") for name in ("Worker", "Synthesizer")]
 
@@ -285,7 +287,6 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
 
 def main(argv=None) -> int:
     from braid.models import REFERENCE_MODEL
-
     from braid.results import write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -368,7 +369,6 @@ def main(argv=None) -> int:
 def _clients_leave_main(args) -> int:
     from braid.cluster.config import ClusterConfig
     from braid.cluster.local import free_port, start_local_cluster
-
     from braid.results import write_json
 
     local = start_local_cluster(ClusterConfig(args.model, grpc_port=free_port(), kv_transport="grpc",

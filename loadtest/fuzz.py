@@ -25,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+from tqdm import tqdm
+
 from braid.api.auth import client_metadata, timeout_metadata
 from braid.loadtest.run import check_loopback
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from tqdm import tqdm
 
 UNMEANT = ("UNKNOWN", "INTERNAL")  # statuses no request should get: the server failed in a way it did not mean
 WORDS = ("alpha", "x", "é", "日本", "🙂", "\x00", "\n", " ", "Worker:", "<|end|>", "'", "\\u0000")
@@ -326,7 +327,6 @@ def format_report(r: dict) -> str:
 
 def main(argv=None) -> int:
     from braid.models import REFERENCE_MODEL
-
     from braid.results import write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -17,14 +17,13 @@ import time
 
 from braid.cluster.inprocess import start_in_process
 from braid.engine import EngineConfig
-from braid.methods.calibration import load_engine
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import format_summary, run_load
 from braid.loadtest.workload import Workload
+from braid.methods.calibration import load_engine
 from braid.models import REFERENCE_MODEL
-from braid.runtime.directory import Directory, EmbeddedRedis
-
 from braid.results import pyplot, write_json
+from braid.runtime.directory import Directory, EmbeddedRedis
 
 
 def rss_bytes() -> int:

@@ -9,11 +9,12 @@ A calibration is a directory:
     turns/               optional: the turn LoRA (peft's format, and turns.json, its own manifest), for agents
                          that speak after other agents' cached replies (braid.train.turns)
 
-It is bound to one base model. `attach(engine, path)` refuses another model's calibration
-with FingerprintMismatchError (FAILED_PRECONDITION), injects the LoRA into the engine's model
-switched off, and returns the SynthesisHooks that switch it on around the synthesizer's
-forwards only and map branch KV, so workers and branch encodings always run the base weights,
-also on a colocated engine that does both.
+It is bound to one base model. `attach(engine, path)` (or `load_engine(config)`, which builds the engine
+and attaches its config's calibration) refuses another model's calibration with FingerprintMismatchError
+(FAILED_PRECONDITION), adds its LoRAs to the engine as adapters (engine.Engine.add_adapter) and returns
+`Attached`, whose SynthesisHooks name the synthesizer's adapter and map branch KV: only the calls that name
+the adapter run on it, so workers and branch encodings always run the base weights, also on a colocated
+engine that does both.
 """
 
 import hashlib
@@ -23,17 +24,19 @@ import math
 import os
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
 from braid.engine.config import CALIBRATION_MANIFEST, EngineConfig
 from braid.engine.engine import Engine
 from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.engine.threads import one_thread
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
-from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +397,9 @@ def load_engine(config: EngineConfig) -> Engine:
     engine = Engine(config)
     path = engine.config.calibration  # (resolved: "auto" is the model's own, or none)
     if path != "none":
-        attached = attach(engine, path)
+        # (on CPU, merged on one thread, as the engine loads its model: engine.threads)
+        with one_thread() if engine.lm.device.type == "cpu" else nullcontext():
+            attached = attach(engine, path)
         log.info("calibration %s attached (trained on %s)", path, attached.calibration.base_model)
     return engine
 

@@ -8,6 +8,7 @@ workers through `fan_out`; synthesis has its one entry point in methods.synthesi
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, TokenEvent, Tokens
 from braid.engine.sampling import SamplingParams
 

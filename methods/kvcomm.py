@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, PrefillCall, Tokens
 from braid.engine.errors import BraidError, PreconditionError
 from braid.engine.sampling import SamplingParams

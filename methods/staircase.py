@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Protocol
 
 import torch
+
 from braid.engine.engine import DecodeCall, Engine, PrefillCall, TokenEvent, Tokens
 from braid.engine.errors import BraidError, StoppedError, UnavailableError
 from braid.engine.sampling import SamplingParams

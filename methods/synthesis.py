@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Protocol
 
 import torch
+
 from braid.engine.engine import DecodeCall, DecodeStream, Engine, KVTransform, PrefillCall, Sibling, Tokens
 from braid.engine.errors import BraidError
 from braid.engine.sampling import SamplingParams

@@ -23,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
-from braid.engine.errors import UnknownMessageError
-from braid.runtime.quotas import KeyLimits, QuotaError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from braid.engine.errors import UnknownMessageError
+from braid.runtime.quotas import KeyLimits, QuotaError
 
 REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
 REDIS_OUTAGE_S = 5.0  # how long a command waits, retrying, for an unreachable Redis (a restart) before it fails

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
+
 from braid.engine import DecodeCall, Engine
 from braid.engine.errors import UnknownMessageError
 from braid.kv.export import KVExporter, fetch, fetch_anchors

@@ -7,10 +7,13 @@ synthesis by the local transport.
 import logging
 
 import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
 from braid.engine import EngineConfig
-from braid.methods.calibration import load_engine
 from braid.engine.threads import serving_thread
 from braid.kv.receiver import KVReceiver
+from braid.methods.calibration import load_engine
 from braid.runtime.aio import in_thread, run_in_thread
 from braid.runtime.directory import Directory
 from braid.runtime.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
@@ -19,8 +22,6 @@ from braid.runtime.sessions import AgentLogic, ServiceConfig
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers.runner import BranchRunner, WorkerConfig
-from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 SESSIONS_ROUTED_PER_REPLICA = 4096  # sessions a replica is remembered as holding (LRU); beyond, calls may move

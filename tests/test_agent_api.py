@@ -5,6 +5,7 @@ import time
 import grpc
 import pytest
 import torch
+
 from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX

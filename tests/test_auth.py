@@ -7,15 +7,23 @@ import os
 
 import grpc
 import pytest
-from braid.api.auth import (ENV_CLIENT_KEY, ApiKeys, client_key, client_metadata, drop_local_key, local_key,
-                            local_key_path, make_local_key)
+
+from braid.api.auth import (
+    ENV_CLIENT_KEY,
+    ApiKeys,
+    client_key,
+    client_metadata,
+    drop_local_key,
+    local_key,
+    local_key_path,
+    make_local_key,
+)
+from braid.cli import main as braid_main
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.runtime.directory import Directory, EmbeddedRedis
-
-from braid.cli import main as braid_main
 
 ALICE, BOB = "k-alice-0123456789abcdef", "k-bob-0123456789abcdef"
 

@@ -8,23 +8,30 @@ import os
 import grpc
 import pytest
 import torch
+from peft import get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from braid.cli import main
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
 from braid.kernels import rerotate_keys_torch
-from braid.methods.calibration import (CacheMapper, Calibration, LoraSettings, MapperConfig, calibration_of, load_engine,
-                                      mode_name)
+from braid.methods.calibration import (
+    CacheMapper,
+    Calibration,
+    LoraSettings,
+    MapperConfig,
+    calibration_of,
+    load_engine,
+    mode_name,
+)
 from braid.methods.fanout import fan_out
 from braid.methods.synthesis import Placement, Refresh, synthesize, synthesize_stream
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import generate
 from braid.train.calibrate import CalibrateConfig, Encoder, synthesizer_logits, write_untrained
-from peft import get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from braid.cli import main
 
 REFERENCE_CALIBRATION = os.path.join(REFERENCE_MODEL, "calibration")
 
@@ -215,9 +222,10 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
     base weights, and each round's prompt and answer so far are encoded by the adapted ones. The answer is,
     token for token, what one forward of the adapted weights over the prompt and answer gives after the prefix
     and the chunks (base weights)."""
+    from peft import PeftModel
+
     from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
     from braid.methods.synthesis import SynthesisMode
-    from peft import PeftModel
 
     ckpt = checkpoint("llama")
     engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))

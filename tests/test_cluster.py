@@ -6,6 +6,7 @@ import time
 import grpc
 import pytest
 import ray
+
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
@@ -125,10 +126,11 @@ def test_run_graph_decodes_on_the_worker_replicas(cluster):
     """RunGraph's decoding nodes run on the Worker replica (their parents fetched from the session's synthesizer,
     their outputs shipped back) and answer as the graph does on one engine; a client that leaves mid-graph stops
     the worker's decoding."""
+    from ray import serve
+
     from braid.methods.dag import run_dag
     from braid.methods.staircase import StaircaseSchedule
     from braid.runtime.convert import graph as to_graph
-    from ray import serve
 
     stub, config, *_ = cluster
     nodes = [pb.GraphNode(name="sys", prompt="System: be brief.", role="a", private=True),
@@ -294,9 +296,10 @@ def test_metrics_reach_the_prometheus_export(cluster):
 
 def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
     """A second app on the same Serve: no Worker replicas, one engine does both jobs; it checks API keys."""
+    from ray import serve
+
     from braid.api.auth import client_metadata
     from braid.cluster.app import build_app
-    from ray import serve
 
     stub, config, _, _, local = cluster
     # its synthesizer loads a calibration (at its init: the identity, so answers match the uncalibrated path
@@ -489,8 +492,9 @@ def test_malformed_request_bytes_through_the_proxy(cluster):
 def test_session_calls_succeed_on_three_synthesizer_replicas(cluster):
     """Three synthesizer replicas: a session's calls are routed to the replica serving it (Serve's
     multiplexing), and one that lands elsewhere moves the messages it names; none fails for routing."""
-    from braid.cluster.app import build_app
     from ray import serve
+
+    from braid.cluster.app import build_app
 
     stub, config, _, _, local = cluster
     three = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=3, grpc_port=config.grpc_port)
@@ -585,8 +589,9 @@ def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
     streams, in a staircase), a gRPC deadline alone, and the deadline Braid's clients also send as metadata
     (client_metadata), which the ingress enforces. (Serve's own proxy handler misses a cancel that lands while
     it writes; cluster.grpc_proxy registers the service so that none is missed.)"""
-    from braid.api.auth import client_metadata
     from ray import serve
+
+    from braid.api.auth import client_metadata
 
     stub, *_ = cluster
     worker = serve.get_deployment_handle("Worker", app_name="braid")

@@ -3,6 +3,7 @@ batched against alone, text outputs, and leakage control."""
 
 import pytest
 import torch
+
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
 from braid.methods.dag import DagRun, Edge, Graph, Node, NodeDone, NodeToken

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+
 from braid.engine import SamplingParams
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import BraidError

@@ -1,6 +1,7 @@
 """The Redis control plane, against a real redis-server."""
 
 import pytest
+
 from braid.engine.errors import UnknownMessageError
 from braid.runtime.directory import Directory, EmbeddedRedis, MessageRecord
 

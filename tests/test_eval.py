@@ -5,6 +5,8 @@ import json
 import os
 
 import pytest
+
+from braid.cli import main
 from braid.engine import Engine, EngineConfig
 from braid.evals.harness import (
     BASE_MODES,
@@ -20,8 +22,6 @@ from braid.evals.harness import (
 from braid.methods.synthesis import SynthesisHooks
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import TASKS, generate
-
-from braid.cli import main
 
 # Written by `braid eval --model models/braid-reference --tasks chain,vote,trail,multiqa --branches 2,7,12
 # --samples 4 --length 2,12 --device cpu --dtype float32 --json <this file>`.

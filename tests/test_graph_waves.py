@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+
 from braid.engine import Engine, EngineConfig
 from braid.engine.errors import UnknownMessageError
 from braid.kv.connector import TransferError
@@ -191,8 +192,9 @@ def executor(cluster, session="s"):
 def test_a_staircase_node_streams_the_workers_replies_as_the_holder_does(cluster, output):
     """Chunks larger than any reply: the staircase node on the holder takes the workers' whole replies, as it does
     from its own engine's decode, and gives the same greedy tokens, node for node."""
-    from braid.methods.dag import DagRun, NodeRound
     from test_dag_staircase import WHOLE, moa, tokens_of
+
+    from braid.methods.dag import DagRun, NodeRound
 
     logic = cluster[0]
     here = DagRun(logic.engine, moa(True, output, schedule=WHOLE))
@@ -213,10 +215,11 @@ def test_a_staircase_node_streams_the_workers_replies_as_the_holder_does(cluster
 def test_a_staircase_node_answers_from_the_workers_first_chunks(cluster):
     """Small chunks: the staircase node's answer starts before the workers' replies end, from chunks they ship
     as they decode; the replies' outputs still arrive whole on the holder."""
+    from test_dag_staircase import moa
+
     from braid.engine import SamplingParams
     from braid.methods.dag import DagRun, NodeRound, NodeToken
     from braid.methods.staircase import StaircaseSchedule
-    from test_dag_staircase import moa
 
     logic = cluster[0]
     long = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -237,10 +240,11 @@ def test_a_staircase_node_answers_from_the_workers_first_chunks(cluster):
 def test_a_failed_worker_fails_a_staircase_wave_and_keeps_nothing(cluster):
     """A worker call that dies while a staircase node streams its wave fails the run (the staircase stops too),
     and neither the holder nor the workers keep anything of it; so does a run left midway."""
+    from test_dag_staircase import moa
+
     from braid.engine import SamplingParams
     from braid.methods.dag import DagRun, NodeToken
     from braid.methods.staircase import StaircaseSchedule
-    from test_dag_staircase import moa
 
     logic, workers, _, calls, plan = cluster
     graph = moa(True, sampling=SamplingParams(max_tokens=60, ignore_eos=True),

@@ -3,15 +3,16 @@ what it may not do under a CUDA graph, when it applies; on CUDA, the graphs' rep
 
 import pytest
 import torch
+from test_scheduler import REQUESTS, concurrently, workflow
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from braid.engine import Engine, EngineConfig, attention
-from braid.methods.calibration import calibration_of, load_engine
 from braid.engine import cuda_graphs as graphs_module
 from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
 from braid.engine.model_runner import RequestInput, WorkCache
+from braid.methods.calibration import calibration_of, load_engine
 from braid.methods.synthesis import Placement
 from braid.models.tasks import generate
-from test_scheduler import REQUESTS, concurrently, workflow
-from torch.utils._python_dispatch import TorchDispatchMode
 
 CUDA = torch.cuda.is_available()
 
@@ -230,8 +231,9 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     """A debate's turns under a random turn LoRA (a second MergedLora beside the synthesizer's): the same turns
     with static forwards as without, the turn LoRA's decode steps static in buckets of their own."""
-    from braid.evals.workflows import graph as task_graph
     from test_turns import make_calibration, turn_tokens  # (peft: not on every GPU image)
+
+    from braid.evals.workflows import graph as task_graph
 
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "turns", 0.5)

@@ -12,12 +12,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from braid.cluster.config import ClusterConfig
-from braid.runtime.dashboard import dashboard_json, grafana_dashboard
-from braid.runtime.metrics import metrics
 from ray.serve.schema import ServeDeploySchema
 
 from braid.cli import main as braid_main
+from braid.cluster.config import ClusterConfig
+from braid.runtime.dashboard import dashboard_json, grafana_dashboard
+from braid.runtime.metrics import metrics
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "helm")
 CHART = os.path.join(ROOT, "braid")

@@ -5,6 +5,7 @@ import time
 import zlib
 
 import pytest
+
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.kv.chunks import tensor_bytes
 from braid.kv.collective import CollectiveSender, open_link
@@ -199,6 +200,7 @@ def test_a_staircase_reads_a_stream_while_it_arrives_with_its_two_clocks(llama_e
     """A branch read while it arrives (KVReceiver.watch): its tokens received whole from the start are readable,
     bit for bit; the feed's queued clock runs until any branch has sent a chunk, the idle clock after."""
     import torch
+
     from braid.engine.errors import UnavailableError
     from braid.methods.staircase import BranchFeed
 

@@ -3,6 +3,7 @@ measured on, the pool never exceeds V, and anchors stay within their scope and t
 
 import pytest
 import torch
+
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
 from braid.methods.kvcomm import (
@@ -291,6 +292,7 @@ def test_bad_prompts_are_refused_with_what_to_fix(llama_engine):
 @pytest.fixture(scope="module")
 def api(checkpoint):
     import grpc
+
     from braid.cluster.inprocess import start_in_process
     from braid.protos import agent_pb2_grpc
     from braid.runtime.directory import Directory, EmbeddedRedis
@@ -351,6 +353,7 @@ def test_run_agents_with_kvcomm_reuses_within_a_session_only(api):
 
 def test_run_agents_refuses_bad_graphs_and_keeps_serving(api):
     import grpc
+
     from braid.protos import agent_pb2 as pb
 
     stub, _ = api
@@ -369,6 +372,7 @@ def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
     B, which takes them over (KVExport.FetchAnchors, checksummed) and reuses every text at once, as A would have;
     A lets go of them, and the directory names B. Another session, or a closed one, gets none."""
     import grpc
+
     from braid.cluster.inprocess import start_in_process
     from braid.engine.errors import UnknownMessageError
     from braid.kv.export import fetch_anchors

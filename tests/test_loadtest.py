@@ -4,6 +4,7 @@ import json
 
 import grpc
 import pytest
+
 from braid.api.grpc_server import STREAMING
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig

@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import pytest
+
 from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import EmbeddedRedis
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.errors import StoreFullError
 from braid.engine.engine import KVTransform
+from braid.engine.errors import StoreFullError
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 TASK = ("System: you are one of several workers. Read the records, find the one asked for, and answer "

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError, StoreFullError
 from braid.engine.threads import serving_thread

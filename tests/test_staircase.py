@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+
 from braid.engine import PrefillCall, SamplingParams
 from braid.engine.errors import BraidError
 from braid.methods.fanout import fan_out

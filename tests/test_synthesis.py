@@ -1,11 +1,11 @@
 """Parallel-Synthesis (Algorithm 1): placement, exactness where it must hold, and the mapper/adapter seams."""
 
 from contextlib import contextmanager
-
 from dataclasses import replace
 
 import pytest
 import torch
+
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import BraidError
@@ -141,6 +141,12 @@ def test_mapper_and_adapter_plug_in(llama_engine):
         eng.decode([DecodeCall("Q:", parents=[stream.ids[0]], sampling=GREEDY)])
     with pytest.raises(BraidError, match="not loaded"):
         eng.decode([DecodeCall("Q:", parents=prefix, sampling=GREEDY, adapter="missing")])
+    with pytest.raises(BraidError, match="same weights"):  # (a decode step's graph runs one set over every row)
+        eng.decode([DecodeCall("Q:", parents=prefix, sampling=GREEDY, adapter="counted"),
+                    DecodeCall("R:", parents=prefix, sampling=GREEDY)])
+    with pytest.raises(BraidError, match="same weights"):
+        eng.decode_stream([PrefillCall("a", parents=prefix, store=False, adapter="counted"),
+                           DecodeCall("Q:", parents=prefix, sampling=GREEDY)])
     # the scheduler enters the adapter around each of the call's forwards: the header's, then one per token
     assert entered == ["in", "out"] * (1 + GREEDY.max_tokens) and len(events) == GREEDY.max_tokens
     plain = synthesize(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
@@ -294,6 +300,8 @@ def test_unstored_prefill_calls_are_checked_and_store_nothing(llama_engine):
         eng.decode_stream([DecodeCall("Q:", parents=[ctx], sampling=greedy), *lead])
     with pytest.raises(BraidError, match="not stored"):
         eng.prefill(lead)
+    with pytest.raises(BraidError, match="store=False"):
+        eng.decode_stream([replace(lead[0], store=True), DecodeCall("Q:", parents=[ctx, Sibling(0)], sampling=greedy)])
     before = set(eng.store.ids())
     stream = eng.decode_stream([*lead, DecodeCall("Q:", parents=[ctx, Sibling(0)], sampling=greedy)])
     events = list(stream)

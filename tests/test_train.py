@@ -5,12 +5,13 @@ import random
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from braid.engine import Engine, EngineConfig, PrefillCall
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, header, turn
 from braid.train.graph import graph_loss
 from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, lr_at, traces, train
-from transformers import AutoTokenizer
 
 TINY = dict(steps=3, tasks_per_step=3, row_tokens=512, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=400, eval_every=2, device="cpu")

@@ -7,19 +7,19 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
+from braid.cli import main
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine.errors import FingerprintMismatchError
 from braid.evals.workflows import graph as task_graph
-from braid.methods.calibration import LoraSettings, TURNS_DIR, TURNS_MANIFEST, calibration_of, load_engine
+from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings, calibration_of, load_engine
 from braid.methods.dag import DagRun, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import generate
 from braid.train.calibrate import Example, synthesizer_logits, write_untrained
 from braid.train.turns import TurnData, write_untrained_turns
-from transformers import AutoModelForCausalLM
-
-from braid.cli import main
 
 REFERENCE_TURNS = os.path.join(REFERENCE_MODEL, "calibration", TURNS_DIR)
 

@@ -40,6 +40,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from braid.engine import attention
 from braid.engine.model import fingerprint_checkpoint
 from braid.kernels import rerotate_keys_torch
@@ -48,9 +52,6 @@ from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branch
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
 from braid.train.train import run_cli
-from safetensors.torch import load_file
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 log = logging.getLogger("braid.calibrate")
 SOURCES = ("parallel", "synthesis", "distill")

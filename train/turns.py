@@ -34,6 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine.config import CALIBRATION_MANIFEST
 from braid.engine.model import fingerprint_checkpoint
@@ -44,8 +47,6 @@ from braid.models.chat import END, WORKER_HEADER
 from braid.models.tasks import MAX_BRANCHES, Task, generate
 from braid.train.calibrate import Example, lr_factor, plot, synthesizer_loss, teacher_forced
 from braid.train.train import run_cli
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 log = logging.getLogger("braid.calibrate_turns")
 TURN_SEEDS = 3 << 40  # [3 * 2^40, 4 * 2^40): disjoint from evaluation's, the calibration's and the base model's

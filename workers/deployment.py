@@ -1,12 +1,13 @@
 """The Worker deployment: hosts a BranchRunner on its own engine (one GPU when there is one)."""
 
+from ray import serve
+
 from braid.engine import Engine, EngineConfig
 from braid.engine.threads import serving_thread
 from braid.runtime.aio import in_thread
 from braid.runtime.messages import BranchRequest, NodesRequest
 from braid.runtime.metrics import report_engine
 from braid.workers.runner import BranchRunner, WorkerConfig
-from ray import serve
 
 
 @serve.deployment(name="Worker")

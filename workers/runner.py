@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import grpc
+
 from braid.engine import Engine
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
