@@ -143,7 +143,7 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunAgents(self, request, context):
-        """A fully connected agent graph over one user text (KVComm, seed 002): each agent reads the shared texts
+        """A fully connected agent graph over one user text (KVComm): each agent reads the shared texts
         under its own prefix, reused through anchors (kvcomm) or prefilled densely.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -151,7 +151,7 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunGraph(self, request, context):
-        """Any DAG of agent calls (Prompt Choreography, seed 000): nodes run in dependency order, in parallel where
+        """Any DAG of agent calls (Prompt Choreography): nodes run in dependency order, in parallel where
         the graph allows, each streaming its tokens. A cycle, an unknown parent node or a private node read by
         another role is INVALID_ARGUMENT, a message id the session does not hold NOT_FOUND, before anything runs.
         """
