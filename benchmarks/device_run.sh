@@ -37,7 +37,7 @@ $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'tra
 log "install"
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3; log "install rc=${PIPESTATUS[0]}"
 step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
-  tests/test_graphs.py
+  tests/test_cuda_graphs.py
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
   --rows 15 ${DECODE_ARGS:-} --out "$OUT"
 MODEL=/tmp/braid-random-$SHAPE
@@ -50,12 +50,12 @@ make_random_checkpoint('$MODEL', 'llama', '$SHAPE', dtype=torch.bfloat16 if '$DE
 print(f'$SHAPE random checkpoint in {time.time() - t:.0f} s')"
 step synthesis_ttft 240 $PY benchmarks/synthesis_ttft.py --checkpoint "$MODEL" --device "$DEVICE" \
   --repeats "${REPEATS:-5}" ${LENGTHS:+--lengths $LENGTHS} --out "$OUT"
-step kvcomm 150 $PY benchmarks/kvcomm.py --model "$MODEL" --device "$DEVICE" ${KV_ARGS:-} --out "$OUT"
+step kvcomm 150 $PY benchmarks/kvcomm_ttft.py --model "$MODEL" --device "$DEVICE" ${KV_ARGS:-} --out "$OUT"
 step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
   --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
 rm -rf "$MODEL"
 TESTS=${TESTS:-tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
-  tests/test_prefix_cache.py tests/test_calibration.py tests/test_graph.py tests/test_graphs.py}
+  tests/test_prefix_cache.py tests/test_calibration.py tests/test_prompt_tree.py tests/test_cuda_graphs.py}
 step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -rf --tb=short \
   -p no:cacheprovider -p no:warnings $TESTS
 log done

@@ -2,7 +2,7 @@
 
 Each setting is one tree: a shared prefix of P tokens and F leaves of S supervised
 tokens each. Packed, it is one row of P + F*S tokens under the graph mask
-(`train.graph`, the backend `attention_backend` picks for the device); flat, it is F
+(`train.prompt_tree`, the backend `attention_backend` picks for the device); flat, it is F
 rows of P + S tokens under plain causal attention, as a trainer without trees runs it.
 The cached-token ratio is F(P + S) / (P + F*S). Both compute the same loss (checked
 in each run); the step is forward, loss and backward, timed as the median of
@@ -23,7 +23,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from braid.engine import attention
 from braid.models.checkpoints import SHAPES, make_config
 from braid.results import pyplot, write_json
-from braid.train.graph import PromptGraph, attention_backend, dense_mask, graph_loss, pack
+from braid.train.prompt_tree import PromptGraph, attention_backend, dense_mask, graph_loss, pack
 
 # (P, F, S): cached-token ratios about 1, 4, 16 and 64 at 1024 packed tokens
 SETTINGS = [(512, 1, 512), (824, 5, 40), (824, 20, 10), (880, 72, 2)]

@@ -12,7 +12,7 @@ The base prefix is the prompt's `base_prefix`: in an agent graph, the first agen
 base is the text "under its initial context"; its code encodes it behind a role header). Agents' prompts
 share a template, so offsets between two of them are small next to offsets from a bare context: on the
 reference task a fifth to a third as large, with half the interpolation error per layer, and fewer answers
-lost for the reuse (evals/kvcomm.py measures it). The first agent's prompt is
+lost for the reuse (evals/kvcomm_quality.py measures it). The first agent's prompt is
 the base itself: it prefills the text, which the others then find in the prefix cache. Anchors are kept
 per base prefix.
 
@@ -70,7 +70,7 @@ RECOMPUTE_WINDOWS = 64  # `recompute` picks whole windows of a context cut into 
 class KVCommConfig:
     # entropy threshold, as a fraction of log(#pool tokens); 0: never reuse. KVComm's 0.3 is for its own
     # per-text weights; Braid's are per token, which reuse little at 0.3 (chosen on development seeds 9000-9039
-    # of the reference task with evals/kvcomm.py's sweep)
+    # of the reference task with evals/kvcomm_quality.py's sweep)
     gamma: float = 0.5
     capacity: int = 20  # V: anchors per pool; 0: never reuse
     # of the softmax over distances between a token's base KV and the pool's tokens', relative to the text's
@@ -81,7 +81,7 @@ class KVCommConfig:
     refresh: int = 0
     # and this fraction of its tokens, those whose interpolated offsets are least certain (the widest spread of
     # the anchor tokens they interpolate from), each with the prefix and the context before it in view; 0: none,
-    # the paper's method as it is (chosen on held-out seeds with evals/kvcomm.py, on the reference task and on a
+    # the paper's method as it is (chosen on held-out seeds with evals/kvcomm_quality.py, on the reference task and on a
     # harder setting of 8 agents and 5 questions)
     recompute: float = 0.2
 

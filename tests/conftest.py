@@ -5,7 +5,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of triton
-# FlexAttention's compiled kernels (tests/test_graph.py) go to one place, not /tmp/torchinductor_<user>
+# FlexAttention's compiled kernels (tests/test_prompt_tree.py) go to one place, not /tmp/torchinductor_<user>
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "braid-inductor"))
 
 import pytest  # noqa: E402

@@ -233,7 +233,7 @@ def test_a_revision_checked_out_beside_this_tree_imports_its_own_braid(tmp_path)
 
 
 def test_kvcomm_benchmark_times_both_methods_for_every_agent(checkpoint, tmp_path):
-    spec = importlib.util.spec_from_file_location("kvcomm_bench", os.path.join(ROOT, "benchmarks", "kvcomm.py"))
+    spec = importlib.util.spec_from_file_location("kvcomm_bench", os.path.join(ROOT, "benchmarks", "kvcomm_ttft.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--checkpoint", checkpoint("llama"), "--device", "cpu", "--agents", "2", "--input-tokens", "12",

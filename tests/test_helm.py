@@ -202,6 +202,8 @@ def test_autoscaling_and_colocated_shapes():
 def test_serve_config_cli_refuses_what_a_replica_would():
     for argv, message in [(["--set", "model_path=/m"], "needs redis_url"),
                           (["--set", "model_path=/m", "--set", "redis_url=localhost:6379"], "must start with redis://"),
+                          (["--set", "model_path=/m", "--set", "redis_url=redis://r", "--set", "session_ttl_s=0"],
+                           "session_ttl_s must be >= 1"),
                           (["--set", "model_path=/m", "--set", "redis_url=redis://r", "--set", "colour=blue"],
                            "unknown cluster config field(s) colour"),
                           (["--set", "model_path=/m", "--set", "redis_url=redis://r", "--set",

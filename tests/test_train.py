@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from braid.engine import Engine, EngineConfig, PrefillCall
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, header, turn
-from braid.train.graph import graph_loss
+from braid.train.prompt_tree import graph_loss
 from braid.train.train import Batches, TrainConfig, batch, draw_task, load_for_training, lr_at, traces, train
 
 TINY = dict(steps=3, tasks_per_step=3, row_tokens=512, max_length=2, hidden_size=32, num_layers=1, num_heads=2,
@@ -133,7 +133,7 @@ def test_parallel_graph_is_what_branch_point_synthesis_reads():
     from braid.evals.harness import TEXT, EvalConfig, Mode, run_task
     from braid.methods.synthesis import Placement, SynthesisMode
     from braid.models.tasks import generate, synthesizer_trace
-    from braid.train.graph import pack
+    from braid.train.prompt_tree import pack
     from braid.train.train import encode, parallel_graph
 
     engine = Engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32", calibration="none"))

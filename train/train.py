@@ -6,7 +6,7 @@
 Every step draws fresh tasks (2-12 branches, random branch lengths) from the
 generators and renders each as a synthesizer trace (system, the workers' replies, the
 question, the answer) and some worker traces (system, its context, its reply). A
-task's traces become one prompt graph (`train.graph`): the system prompt is a node
+task's traces become one prompt graph (`train.prompt_tree`): the system prompt is a node
 they all share, encoded once. Graphs are packed into fixed-width rows, and the loss is
 the flat one: the mean over the traces' written turns (worker replies and synthesizer
 answers), as if each trace were its own sequence (`--packing flat` trains exactly
@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from braid.engine import attention
 from braid.models.chat import END, PAD
 from braid.models.tasks import MAX_BRANCHES, TASKS, generate, lookup_drill, synthesizer_trace, worker_trace
-from braid.train.graph import (GraphError, PackedGraphs, PromptGraph, attention_backend, enable_checkpointing,
+from braid.train.prompt_tree import (GraphError, PackedGraphs, PromptGraph, attention_backend, enable_checkpointing,
                                graph_loss, pack, prefix_graph)
 from braid.train.tokenizer import train_tokenizer
 
@@ -74,7 +74,7 @@ class TrainConfig:
     parallel: float = 0.0
     eval_every: int = 250  # steps between held-out evaluations (each saves the checkpoint)
     packing: str = "graph"  # graph: a task's traces share their prefixes; flat: each trace its own sequence
-    attention: str = "auto"  # how packed rows attend (train.graph.attention_backend): auto, sdpa or flex
+    attention: str = "auto"  # how packed rows attend (train.prompt_tree.attention_backend): auto, sdpa or flex
     checkpointing: bool = False  # recompute each layer's activations in the backward (less memory)
     # bf16: autocast matmuls to bfloat16 (weights and optimizer stay fp32); auto: bf16 on CUDA, fp32 elsewhere
     # (on AVX2-only CPUs bf16 is emulated and measured 10x slower than fp32: 20 s vs 1.8 s a step)

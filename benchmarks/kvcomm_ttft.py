@@ -10,7 +10,7 @@ the prefix cache is cleared and the role prefixes encoded again, so the first ag
 every pass, and neither method reads the text's KV from the other's run. TTFT runs from the
 agent's call to its first token (one token is decoded: the output length does not enter TTFT). The
 measured texts are new to the pool; gamma=1, so the reuse path is always the one timed: how often it is
-taken, and at what accuracy, is evals/kvcomm.py's business. Default model: a random-weight 100M-shape
+taken, and at what accuracy, is evals/kvcomm_quality.py's business. Default model: a random-weight 100M-shape
 Llama (the CPU proxy); --shape llama-3.1-8b is the paper's scale (bf16 on CUDA), --model another checkpoint.
 """
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import make_config
-from braid.train.graph import (GraphError, PromptGraph, attention_backend, dense_mask, enable_checkpointing, graph_loss,
+from braid.train.prompt_tree import (GraphError, PromptGraph, attention_backend, dense_mask, enable_checkpointing, graph_loss,
                                hidden_states, mask_mod, pack, prefix_graph)
 
 

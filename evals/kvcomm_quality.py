@@ -6,7 +6,7 @@ requests it fell back on. Each config starts from an empty pool; the dense answe
 Reports accuracy with a paired bootstrap interval against dense, the reuse rate and the pool's memory,
 for a sweep of gamma and capacity (KVComm, Table 3).
 
-    python -m braid.evals.kvcomm --out benchmarks/results/eval_kvcomm_cpu.json
+    python -m braid.evals.kvcomm_quality --out benchmarks/results/eval_kvcomm_cpu.json
 """
 
 import argparse
@@ -85,7 +85,7 @@ def kvcomm(engine: Engine, tasks: list[SharedTextTask], config: KVCommConfig, ra
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m braid.evals.kvcomm", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m braid.evals.kvcomm_quality", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/braid-reference")
     ap.add_argument("--requests", type=int, default=60, help="requests per config (each: one prompt per agent)")
     ap.add_argument("--agents", type=int, default=5)
