@@ -3,8 +3,9 @@
 Each repeat runs the benchmark once per side, each side its own revision's script under its own `braid`
 (benchmarks.revision), the side going first alternating, so that a slow spell of the machine hits both alike.
 The figures compared are read from each run's JSON (FIGURES: per benchmark, which numbers and whether higher
-is better); the median over the repeats of each side is compared as this tree over the other revision. Writes
-JSON and a plot of every repeat's figures.
+is better): the median over the repeats of each side, this tree over the other revision, and the median of the
+repeats' own ratios (each repeat's two runs are next to each other in time, so that one holds up where the
+machine drifts from repeat to repeat). Writes JSON and a plot of every repeat's figures.
 
     python benchmarks/ab.py --against 6f629b6 --repeats 5 synthesis_ttft -- --lengths 512 --repeats 3
     python benchmarks/ab.py --against 6f629b6 --repeats 5 serving -- --concurrency 16
@@ -94,10 +95,11 @@ def main(argv=None) -> int:
     compared = {}
     for n in names:
         a, b = statistics.median(r[n] for r in runs[this]), statistics.median(r[n] for r in runs[rev])
+        paired = statistics.median(x[n] / y[n] for x, y in zip(runs[this], runs[rev]))
         slower = b / a if higher(n) else a / b  # (above 1: this tree is slower)
         compared[n] = {"this_median": a, "against_median": b, "this_over_against": a / b,
-                       "slowdown": slower - 1, "higher_is_better": higher(n)}
-        print(f"{n:<36} {this} {a:10.1f}  {rev} {b:10.1f}  {this}/{rev} {a / b:.3f}  "
+                       "paired_ratio_median": paired, "slowdown": slower - 1, "higher_is_better": higher(n)}
+        print(f"{n:<36} {this} {a:10.1f}  {rev} {b:10.1f}  {this}/{rev} {a / b:.3f} (paired {paired:.3f})  "
               f"({'slower' if slower > 1 else 'faster'} by {100 * abs(slower - 1):.1f}%)")
     result = {"benchmark": args.benchmark, "args": extra, "this": this, "against": rev, "repeats": args.repeats,
               "runs": runs, "compared": compared}

@@ -54,9 +54,12 @@ class TokenEvent:
 
 @dataclass(eq=False)
 class Call:
-    """One call of a request. `tokens` is its message (prefill) or header (decode), from position `offset`;
-    `prefix`, a cached start of its message reused from the prefix cache, comes before them (its KV is a lent
-    parent, not encoded again). `slots[i]`: the work-cache slot of its i-th encoded token (generated ones too)."""
+    """One call of a request, from planning to its stored message. `tokens` is its message (prefill) or header
+    (decode), from position `offset`; `prefix`, a cached start of its message reused from the prefix cache, comes
+    before them (its KV is a lent parent, not encoded again). `parents` and `parent_offsets` are what its message
+    records it read (no siblings, no lent start); `seed`, what its KV is a function of before its own tokens
+    (engine.prefix_cache), when it is cacheable. `slots[i]`: the work-cache slot of its i-th encoded token
+    (generated ones too)."""
 
     tokens: list[int]
     offset: int
@@ -64,6 +67,9 @@ class Call:
     sampling: SamplingParams | None = None  # None: a prefill call, which samples nothing
     store: bool = True  # its message is stored when the request ends (False: read by its request's calls only)
     adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
+    parents: tuple[str, ...] = ()
+    parent_offsets: tuple[int, ...] = ()
+    seed: bytes | None = None
     prefix: object | None = None  # engine.store.Message: the cached start it follows
     status: CallStatus = CallStatus.ENCODING
     slots: list[int] = field(default_factory=list)

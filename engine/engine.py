@@ -80,15 +80,12 @@ class DecodeCall:
 
 @dataclass
 class _Plan:
+    """A request as planned: its calls (engine.call.Call, each what it encodes, where, and what it read) and
+    the context they read, placed."""
+
     entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
     visible: torch.Tensor  # bool [calls, entries + calls]
-    tokens: list[list[int]]  # the tokens each call encodes first (message or header)
-    new_offsets: list[int]
-    parents: list[tuple[str, ...]]  # what each call read, as its message records it (no siblings, no lent views)
-    parent_offsets: list[tuple[int, ...]]
-    new_ids: list[str]
-    seeds: list[bytes | None] = field(default_factory=list)  # (engine.prefix_cache) per call, when cacheable
-    prefix: list[Message | None] = field(default_factory=list)  # a cached start of the call's tokens, reused
+    calls: list[Call]
     lead: int = 0  # the first calls are prefill calls its decode calls read
     # With lead calls, entries are ordered: those only lead calls read (`lead_only` of them), those both sides
     # read, then (after the lead tokens' slots) those only decode calls read: each side's one run.
@@ -402,14 +399,14 @@ class Engine:
             # nor is a call that reads its siblings (no stored content to key it by).
             if self.prefix_cache is not None and transform is None and not lead \
                     and all(c.adapter is None for c in calls):
-                plan, calls, ready, views = self._reuse(plan, calls)
+                plan, ready, views = self._reuse(plan)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
         work = _RequestKV(self, plan, transform, pins, views)
         if plan is None:
             work.release()
             return None, ready
         try:
-            request = work.request(calls, grows)
+            request = work.request(grows)
             self.scheduler.submit(request)
         except BaseException:
             work.release()
@@ -461,53 +458,56 @@ class Engine:
         fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.blocks
         return yes if fits and sum(shared) >= copied else none
 
-    def _reuse(self, plan: _Plan, calls: Sequence[PrefillCall | DecodeCall]):
+    def _reuse(self, plan: _Plan):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
         message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
-        (a view, no copy) and encodes only the rest. Returns (plan of what is left or None, its calls, ready ids
-        by call index, lent view ids)."""
-        cache, n_calls = self.prefix_cache, len(calls)
-        seeds = [content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
-                                                 zip(plan.parents[c], plan.parent_offsets[c])], plan.new_offsets[c])
-                 for c in range(n_calls)]
-        hits = [cache.lookup(seeds[c], plan.tokens[c], len(plan.tokens[c]) - isinstance(calls[c], DecodeCall),
-                             self.store) for c in range(n_calls)]
+        (a view, no copy) and encodes only the rest, placed again with it. Returns (plan of what is left or
+        None, ready ids by call index, lent view ids)."""
+        cache = self.prefix_cache
+        for call in plan.calls:
+            call.seed = content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
+                                                        zip(call.parents, call.parent_offsets)], call.offset)
+        hits = [cache.lookup(c.seed, c.tokens, len(c.tokens) - c.decodes, self.store) for c in plan.calls]
         if not any(hits):
-            plan.seeds, plan.prefix = seeds, [None] * n_calls
-            return plan, calls, {}, []
-        ready, views, left, prefixes = {}, [], [], []
-        for c, hit in enumerate(hits):
-            toks, off = plan.tokens[c], plan.new_offsets[c]
+            return plan, {}, []
+        ready, views, left = {}, [], []
+        for c, (call, hit) in enumerate(zip(plan.calls, hits)):
             if hit is None:
-                left.append((c, calls[c]))
-                prefixes.append(None)
+                left.append((call, None, self._spec(call)))
                 continue
             msg, n = hit
             kv = msg.kv.part(0, n)  # the same memory (itself when whole)
             self.store.touch([msg.id])
-            if n == len(toks):  # a prefill found whole
-                mine = Message(plan.new_ids[c], tuple(toks), kv, off, plan.parents[c], plan.parent_offsets[c],
-                               msg.fingerprint, msg.content_key if n == msg.num_tokens else
-                               cache.content_key(seeds[c], toks))
+            if n == len(call.tokens):  # a prefill found whole
+                mine = Message(call.message_id, tuple(call.tokens), kv, call.offset, call.parents,
+                               call.parent_offsets, msg.fingerprint, msg.content_key if n == msg.num_tokens else
+                               cache.content_key(call.seed, call.tokens))
                 self.store.add([mine])
                 ready[c] = mine.id
                 continue
-            view = Message(f"~prefix-{new_message_id()}", tuple(toks[:n]), kv, off, (), (), msg.fingerprint)
+            view = Message(f"~prefix-{new_message_id()}", tuple(call.tokens[:n]), kv, call.offset, (), (),
+                           msg.fingerprint)
             self.store.add([view])
             views.append(view.id)
-            rest = {"header" if isinstance(calls[c], DecodeCall) else "message": toks[n:]}
-            left.append((c, replace(calls[c], parents=[*plan.parents[c], view.id],
-                                    offsets=[*plan.parent_offsets[c], off], new_offset=off + n, **rest)))
-            prefixes.append(view)
+            spec = self._spec(call, call.tokens[n:])
+            left.append((call, view, replace(spec, parents=[*call.parents, view.id],
+                                             offsets=[*call.parent_offsets, call.offset], new_offset=call.offset + n)))
         if not left:
-            return None, [], ready, views
-        keep = [c for c, _ in left]
-        rest = self._plan([call for _, call in left], 0, ())
-        rest.parents = [plan.parents[c] for c in keep]  # (what the messages record: not the lent views)
-        rest.parent_offsets = [plan.parent_offsets[c] for c in keep]
-        rest.new_ids = [plan.new_ids[c] for c in keep]
-        rest.seeds, rest.prefix = [seeds[c] for c in keep], prefixes
-        return rest, [call for _, call in left], ready, views
+            return None, ready, views
+        rest = self._plan([spec for _, _, spec in left], 0, ())
+        for placed, (call, view, _) in zip(rest.calls, left):  # (what the messages record: not the lent views)
+            placed.parents, placed.parent_offsets = call.parents, call.parent_offsets
+            placed.message_id, placed.seed, placed.prefix = call.message_id, call.seed, view
+        return rest, ready, views
+
+    @staticmethod
+    def _spec(call: Call, tokens: list[int] | None = None) -> PrefillCall | DecodeCall:
+        """A planned call as asked for again (its tokens, or `tokens`), to place what the prefix cache left."""
+        tokens = call.tokens if tokens is None else tokens
+        if call.decodes:
+            return DecodeCall(tokens, call.parents, call.parent_offsets, call.offset, call.sampling,
+                              adapter=call.adapter)
+        return PrefillCall(tokens, call.parents, call.parent_offsets, call.offset, call.store, call.adapter)
 
     def _plan(self, calls: Sequence[PrefillCall | DecodeCall], lead: int, mapped_ids=()) -> _Plan:
         """Validate the calls and place their parents. The first `lead` calls are prefill calls that the
@@ -585,11 +585,14 @@ class Engine:
             entries, mapped = [entries[e] for e in order], [mapped[e] for e in order]
             visible = torch.cat([visible[:, order], visible[:, len(entries):]], dim=1)
             side = sorted(side)
-        read = [[(p, o) for p, o in zip(c.parents, offs) if not isinstance(p, Sibling)]
-                for c, offs in zip(calls, parent_offsets)]
-        return _Plan(entries, visible.to(self.lm.device), tokens, new_offsets,
-                     [tuple(p for p, _ in r) for r in read], [tuple(o for _, o in r) for r in read],
-                     [new_message_id() for _ in calls], lead=lead, mapped=mapped,
+        planned = []
+        for call, toks, off, offs in zip(calls, tokens, new_offsets, parent_offsets):
+            read = [(p, o) for p, o in zip(call.parents, offs) if not isinstance(p, Sibling)]
+            decodes = isinstance(call, DecodeCall)
+            planned.append(Call(toks, off, new_message_id(), call.sampling if decodes else None,
+                                decodes or call.store, call.adapter, tuple(p for p, _ in read),
+                                tuple(o for _, o in read)))
+        return _Plan(entries, visible.to(self.lm.device), planned, lead=lead, mapped=mapped,
                      lead_only=side.count(0) if lead else 0, lead_at=side.count(0) + side.count(1) if lead else 0)
 
     def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
@@ -599,7 +602,8 @@ class Engine:
         entries of the parents the transform maps (from the unmapped copy placed for lead calls, if any).
         With lead calls, their tokens' slots are claimed between the entries they read and the others."""
         context = sum(m.num_tokens for m, _ in plan.entries)
-        cache = WorkCache(self.lm, context + sum(map(len, plan.tokens)) + extra_tokens, self.scheduler.pool, blocks)
+        cache = WorkCache(self.lm, context + sum(len(c.tokens) for c in plan.calls) + extra_tokens,
+                          self.scheduler.pool, blocks)
         cache.start = sum(m.num_tokens for m, _ in plan.entries[:plan.lead_only])
         unmapped: dict[tuple[str, int], torch.Tensor] = {}  # the slots of unmapped copies a mapped entry may take
         runs = iter(runs)
@@ -608,7 +612,7 @@ class Engine:
                 cache.front = cache.claimed
             if plan.lead and e == plan.lead_at:
                 cache.reserve_lead(torch.tensor([len(plan.entries) + c for c in range(plan.lead)
-                                                    for _ in plan.tokens[c]], device=cache.index.device))
+                                                    for _ in plan.calls[c].tokens], device=cache.index.device))
             if entry is None:
                 break
             msg, off = entry
@@ -642,7 +646,7 @@ class Engine:
         prefix caching, each gets its content key, and prefills also a hidden twin over the same KV that the
         cache keeps after the caller frees its message, until the store evicts it."""
         messages, twins = [], []
-        for c, call in enumerate(request.calls):
+        for call in request.calls:
             if not call.store:
                 continue
             kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
@@ -650,11 +654,9 @@ class Engine:
             if call.prefix is not None:
                 kv, toks, offset = torch.cat([call.prefix.kv.read(), kv], dim=3), [*call.prefix.token_ids, *toks], \
                     call.prefix.offset
-            seed = plan.seeds[c] if plan.seeds else None
-            keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once, used twice)
-            messages.append(Message(call.message_id, tuple(toks), DenseKV(kv), offset, plan.parents[c],
-                                    plan.parent_offsets[c], self.encoded_by(call.adapter),
-                                    keys[-1][1] if keys else None))
+            keys = self.prefix_cache.keys(call.seed, toks) if call.seed is not None else None  # (hashed once)
+            messages.append(Message(call.message_id, tuple(toks), DenseKV(kv), offset, call.parents,
+                                    call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None))
             if not call.decodes and keys:
                 twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:
@@ -675,22 +677,17 @@ class _RequestKV:
                  views: list[str]):
         self.engine, self.plan, self.transform, self.pins, self.views = engine, plan, transform, pins, views
 
-    def request(self, calls: Sequence[PrefillCall | DecodeCall], grows: bool) -> Request:
-        """The scheduler's request for the planned calls (`calls`: what is left after the prefix cache)."""
+    def request(self, grows: bool) -> Request:
+        """The scheduler's request for the planned calls (what is left after the prefix cache)."""
         eng, plan = self.engine, self.plan
-        own = sum(map(len, plan.tokens)) + sum(c.sampling.max_tokens for c in calls if isinstance(c, DecodeCall))
-        self.extra = own - sum(map(len, plan.tokens))
+        for call in plan.calls:
+            call.start(eng.spec.eos_token_ids, eng.tokenizer, eng.lm.device)
+        self.extra = sum(c.may_generate for c in plan.calls)
+        own = sum(len(c.tokens) for c in plan.calls) + self.extra
         self.in_place = eng._in_place(plan, self.transform, own)
         shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes]
         capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, self.in_place) if not yes)
-        made = []
-        for c, call in enumerate(calls):
-            decodes = isinstance(call, DecodeCall)
-            made.append(Call(plan.tokens[c], plan.new_offsets[c], plan.new_ids[c],
-                             call.sampling if decodes else None, decodes or call.store, call.adapter,
-                             plan.prefix[c] if plan.prefix else None))
-            made[-1].start(eng.spec.eos_token_ids, eng.tokenizer, eng.lm.device)
-        return Request(made, plan.visible, capacity, self, shared, grows)
+        return Request(plan.calls, plan.visible, capacity, self, shared, grows)
 
     def assemble(self, blocks: list[int], runs: list) -> WorkCache:
         return self.engine._assemble(self.plan, self.extra, self.transform, blocks, self.in_place, runs)
