@@ -78,24 +78,25 @@ def main(argv=None) -> int:
     script, pattern, figures, higher = FIGURES[args.benchmark]
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
     this, rev = labels(args.against)
-    runs: dict[str, list[dict[str, float]]] = {this: [], rev: []}
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}  # (the labels may be one commit)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="braid-ab-") as tmp, sides(args.against, tmp) as paths:
-        trees = {this: root, rev: os.path.join(tmp, "tree")}
-        pythonpaths = dict(zip((this, rev), paths.values()))
+        trees = {"this": root, "against": os.path.join(tmp, "tree")}
+        pythonpaths = dict(zip(("this", "against"), paths.values()))
+        label = {"this": this, "against": rev}
         for i in range(args.repeats):
-            order = [this, rev] if i % 2 == 0 else [rev, this]
+            order = ["this", "against"] if i % 2 == 0 else ["against", "this"]
             for side in order:
                 got = figures(run_side(trees[side], pythonpaths[side], script, pattern, extra,
                                        os.path.join(tmp, "out", side, str(i))))
                 runs[side].append(got)
-                print(f"repeat {i + 1}/{args.repeats} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()),
-                      flush=True)
-    names = [n for n in runs[this][0] if all(n in r for r in runs[this] + runs[rev])]
+                print(f"repeat {i + 1}/{args.repeats} {label[side]}: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
+    names = [n for n in runs["this"][0] if all(n in r for r in runs["this"] + runs["against"])]
     compared = {}
     for n in names:
-        a, b = statistics.median(r[n] for r in runs[this]), statistics.median(r[n] for r in runs[rev])
-        paired = statistics.median(x[n] / y[n] for x, y in zip(runs[this], runs[rev]))
+        a, b = statistics.median(r[n] for r in runs["this"]), statistics.median(r[n] for r in runs["against"])
+        paired = statistics.median(x[n] / y[n] for x, y in zip(runs["this"], runs["against"]))
         slower = b / a if higher(n) else a / b  # (above 1: this tree is slower)
         compared[n] = {"this_median": a, "against_median": b, "this_over_against": a / b,
                        "paired_ratio_median": paired, "slowdown": slower - 1, "higher_is_better": higher(n)}
@@ -115,10 +116,11 @@ def plot(result: dict, path: str) -> None:
         return
     names = list(result["compared"])
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 3.6))
-    for k, side in enumerate((result["this"], result["against"])):
+    for k, side in enumerate(("this", "against")):
         for j, n in enumerate(names):
             ys = [r[n] / result["compared"][n]["against_median"] for r in result["runs"][side]]
-            ax.scatter([j + (k - 0.5) * 0.2] * len(ys), ys, s=12, color=f"C{k}", label=side if j == 0 else None)
+            ax.scatter([j + (k - 0.5) * 0.2] * len(ys), ys, s=12, color=f"C{k}",
+                       label=result[side] if j == 0 else None)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set(ylabel=f"over {result['against']}'s median", title=f"{result['benchmark']}: interleaved A/B")
