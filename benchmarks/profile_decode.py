@@ -19,7 +19,6 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
-from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, grouped_bars, write_json
 
@@ -50,6 +49,9 @@ def engine_decode(eng, ctx, tokens):
 
 def runner_steps(eng, context, steps, sync):
     """`steps` forwards of one decode row over a `context`-token work cache, as the scheduler runs them."""
+    from braid.engine.model_runner import RequestInput, WorkCache  # (here: step_host imports this module under
+    # other revisions, whose runner lived elsewhere)
+
     pool = eng.scheduler.pool
     cache = WorkCache(eng.lm, context + steps, pool, pool.allocate(context + steps))
     cache.append(torch.randn(*pool.kv.shape[:3], context, pool.kv.shape[4], dtype=pool.kv.dtype,
