@@ -372,17 +372,32 @@ def test_a_worker_lost_mid_stream_leaves_the_staircase_answer_to_the_others(chec
     def fail_soon(engine=lost_engine, ready=None):
         while not engine.scheduler.running or not engine.scheduler.running[0].decoding:
             time.sleep(0.005)
+        victim = engine.scheduler.running[0]
         time.sleep(0.05)  # (a few tokens in)
         while ready is not None and not ready():  # (a fixed delay alone lost that race on a slow machine)
             time.sleep(0.002)
-        engine.scheduler.running[0].request_cancel()  # (mid-stream: it has 300 tokens to decode)
+        victim.request_cancel()  # (mid-stream: it has 300 tokens to decode)
 
+    # The lost worker, once it has shipped its first chunks, waits for the aggregator's first round, as a slow
+    # worker would: on a loaded machine its 300 tokens could otherwise all be decoded before the round ran.
+    real_step, gate_until = lost_engine.scheduler.step, time.monotonic() + 60
+
+    def gated_step():
+        running = lost_engine.scheduler.running
+        if running and running[0].decoding and len(running[0].calls[0].generated) >= 20 and not round_runs() \
+                and time.monotonic() < gate_until:
+            time.sleep(0.002)
+            return
+        real_step()
+
+    lost_engine.scheduler.step = gated_step
     try:
         before = set(setup.synth_engine.store.ids())
         threading.Thread(target=fail_soon, kwargs={"ready": round_runs}, daemon=True).start()  # (after branch 1's
         # first chunk was taken, so that the answer read some of it)
         events = list(setup.run(workflow_request(("a", "b b", "c c c"), pb.StaircaseOptions(aggregator_chunks=[2]),
                                                  max_tokens=300, answer_tokens=8)))
+        lost_engine.scheduler.step = real_step
         kinds = [e.WhichOneof("event") for e in events]
         lost = [e.branch_failed for e in events if e.HasField("branch_failed")]
         assert [f.branch for f in lost] == [1] and "worker failed mid-stream" in lost[0].reason, lost
