@@ -213,10 +213,11 @@ class Request:
             k, self.cache.front = self.cache.front // self.cache.pool.block_tokens, 0
             self.cache.pool.release(self.blocks[:k])
             self.blocks = self.blocks[k:]
-        for _, _, c in self._taken:
-            call = self.calls[c]
-            if not call.decodes and len(call.slots) == len(call.tokens):
-                call.status = CallStatus.ENCODED
+        if self.lead or not self.decodes:  # (prefill calls' rows in this step: not a decode step's hot path)
+            for _, _, c in self._taken:
+                call = self.calls[c]
+                if not call.decodes and len(call.slots) == len(call.tokens):
+                    call.status = CallStatus.ENCODED
         if logits is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             calls = [self.calls[c] for c in self._logit_calls]
