@@ -25,10 +25,6 @@ class CallStatus(enum.Enum):
     LENGTH = "length"  # a decode call that sampled max_tokens
     ENCODED = "encoded"  # a prefill call whose tokens all have KV
 
-    @property
-    def finished(self) -> bool:
-        return self in (CallStatus.STOPPED, CallStatus.LENGTH, CallStatus.ENCODED)
-
 
 class Adapter(Protocol):
     """Weights other than the base ones, for the calls that name it by the id it was added under
