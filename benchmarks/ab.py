@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
     this, rev = labels(args.against)
     runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}  # (the labels may be one commit)
+    stamps: dict[str, dict | None] = {}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="braid-ab-") as tmp, sides(args.against, tmp) as paths:
         trees = {"this": root, "against": os.path.join(tmp, "tree")}
@@ -87,8 +88,10 @@ def main(argv=None) -> int:
         for i in range(args.repeats):
             order = ["this", "against"] if i % 2 == 0 else ["against", "this"]
             for side in order:
-                got = figures(run_side(trees[side], pythonpaths[side], script, pattern, extra,
-                                       os.path.join(tmp, "out", side, str(i))))
+                raw = run_side(trees[side], pythonpaths[side], script, pattern, extra,
+                               os.path.join(tmp, "out", side, str(i)))
+                stamps.setdefault(side, raw.get("stamp"))  # (this tree's run stamps its result; another may not)
+                got = figures(raw)
                 runs[side].append(got)
                 print(f"repeat {i + 1}/{args.repeats} {label[side]}: "
                       + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
@@ -104,7 +107,9 @@ def main(argv=None) -> int:
               f"({'slower' if slower > 1 else 'faster'} by {100 * abs(slower - 1):.1f}%)")
     result = {"benchmark": args.benchmark, "args": extra, "this": this, "against": rev, "repeats": args.repeats,
               "runs": runs, "compared": compared}
-    stem = write_json(args.out, args.name or f"ab_{args.benchmark}", result)
+    measured = stamps["this"]  # (what the benchmark's own run stamped: its device and fingerprints)
+    stem = write_json(args.out, args.name or f"ab_{args.benchmark}", result, device=measured["device"],
+                      model=measured["model"], calibration=measured["calibration"])
     plot(result, stem + ".png")
     print(f"wrote {stem}.json and its plot")
     return 0

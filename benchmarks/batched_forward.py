@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     stem = write_json(args.out, f"batched_forward_{on}", {
         "model": args.checkpoint or f"random {args.shape}-shape llama", "config": vars(args), "rows": rows,
         "device": device_name(device), "dtype": eng.config.dtype,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        device=device, model=eng.fingerprint, calibration=None)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))

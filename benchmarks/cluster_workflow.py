@@ -22,14 +22,16 @@ from tqdm import tqdm
 
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import start_local_cluster
+from braid.engine import EngineConfig
 from braid.kv.collective import CollectiveSender, open_link
 from braid.kv.connector import BranchChunk
 from braid.kv.grpc_transport import GrpcSender
 from braid.kv.receiver import KVReceiver
+from braid.methods.calibration import fingerprints_at
 from braid.models.checkpoints import SHAPES, make_random_checkpoint
-from braid.results import pyplot, write_json
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
+from braid.results import pyplot, write_json
 
 
 def parse_args(argv=None):
@@ -92,6 +94,7 @@ def main(argv=None):
     result = {"transfer": transfer_throughput(args.transfer_mib), "workflows": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_random_checkpoint(tmp, "llama", args.shape)
+        measured = fingerprints_at(EngineConfig(path))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -120,10 +123,11 @@ def main(argv=None):
         finally:
             cluster.stop()
     result["model"] = args.checkpoint or args.shape
-    report(result, args.out)
+    report(result, args.out, device="cpu", **measured)
 
 
-def report(result, out_dir):
+def report(result, out_dir, **stamp):
+    """Print the tables; write the JSON (under `stamp`: braid.results.write_json's keywords) and its plot."""
     print("\nKV transfer per transport (loopback, this machine)")
     for r in result["transfer"]:
         print(f"  {r['transport']:>5}, chunk {r['chunk_bytes'] >> 20} MiB: {r['payload_bytes'] / 2**20:.0f} MiB "
@@ -137,7 +141,7 @@ def report(result, out_dir):
               f"{r['text_ttft_ms']:>8.0f}ms {r['stair_ttft_ms']:>9.0f}ms {r['kv_last_branch_to_first_token_ms']:>11.1f}ms "
               f"{r['gloo_last_branch_to_first_token_ms']:>11.1f}ms {r['text_last_branch_to_first_token_ms']:>11.1f}ms "
               f"{r['kv_kv_bytes'] / 1e6:>7.2f}")
-    stem = write_json(out_dir, "cluster_workflow_cpu", result)
+    stem = write_json(out_dir, "cluster_workflow_cpu", result, **stamp)
     plt = pyplot()
     if plt is None:
         return

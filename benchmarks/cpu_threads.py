@@ -102,6 +102,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         args.device = "cpu"
         args.checkpoint, _ = benchmark_model(args, tmp)  # (a random one of --shape, saved for the processes)
+        from braid.engine.model import fingerprint_checkpoint  # (here: a worker may run another revision's braid)
+
+        weights = fingerprint_checkpoint(args.checkpoint)
         with sides(args.against, tmp) if args.against else nullcontext({"this tree": ""}) as paths:
             for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
                 for side, pythonpath in list(paths.items())[::1 if r % 2 == 0 else -1]:  # (each side first in turn)
@@ -134,7 +137,8 @@ def main(argv=None) -> int:
     result = {"model": model, "cores": os.cpu_count(), "torch": torch.__version__, "rounds": args.rounds,
               "threads": args.threads, "this": this, "against": rev, "rows": rows,
               "times_s": {f"{case} @ {name}": v for (case, name), v in times.items()}}
-    stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result)
+    stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result,
+                      device="cpu", model=weights, calibration=None)
     plot(result, stem)
     print(f"wrote {stem}.json and its plot")
     return 0

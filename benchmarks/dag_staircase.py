@@ -102,7 +102,7 @@ def main(argv=None) -> int:
               f"{s['final_tokens_per_s']:>11.1f} {w['e2e_s']:>8.2f}s {s['e2e_s']:>9.2f}s")
     stem = write_json(args.out, f"dag_staircase_{device.split(':')[0]}", {
         "rows": rows, "config": vars(args), "device": device, "dtype": str(eng.lm.dtype),
-        "torch": torch.__version__})
+        "torch": torch.__version__}, device=device, model=eng.fingerprint, calibration=None)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 3.4))

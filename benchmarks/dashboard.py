@@ -19,9 +19,11 @@ import urllib.request
 
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
+from braid.engine import EngineConfig
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import run_load
 from braid.loadtest.workload import Workload
+from braid.methods.calibration import fingerprints_at
 from braid.models import REFERENCE_MODEL
 from braid.results import pyplot, write_json
 from braid.runtime.dashboard import PANELS, RATE
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     summary = summarize(records, duration, {})
     result = {"num_prompts": args.num_prompts, "request_rate": args.request_rate, "rate_window": args.rate_window,
               "loadtest": summary, "panels": panels}
-    stem = write_json(args.out, "dashboard_cpu", result)
+    stem = write_json(args.out, "dashboard_cpu", result, device="cpu", **fingerprints_at(EngineConfig(args.model)))
     print(f"{summary['completed']} of {args.num_prompts} requests in {duration:.0f}s; "
           f"{sum(bool(p['series']) for p in panels)} of {len(panels)} panels have data")
     plt = pyplot()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A lent GPU's work in one call: the environment, the 8B-shape timings, then the engine's tests on CUDA.
 #
-#   device run: bash benchmarks/device_run.sh          (the tool sets OUT; results come back from it)
+#   device run: BRAID_COMMIT=<sha> BRAID_DIRTY=0 bash benchmarks/device_run.sh   (the tool sets OUT; results come
+#               back from it. The copy of the tree there has no .git: the commit is passed for the results' stamps)
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
 # STEPS picks some of: graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all);

@@ -27,6 +27,7 @@ from braid.cluster.app import build_app
 from braid.cluster.config import ClusterConfig
 from braid.cluster.local import free_port, start_local_cluster
 from braid.engine import SamplingParams
+from braid.engine.model import fingerprint_checkpoint
 from braid.methods.dag.presets import mad_iter, mad_par, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.protos import agent_pb2 as pb
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path, device = benchmark_model(args, tmp)
+        weights = fingerprint_checkpoint(path)
         config = ClusterConfig(path, worker_replicas=args.workers, grpc_port=free_port(), kv_transport="grpc",
                                calibration="none")
         cluster = start_local_cluster(config, num_cpus=2, temp_dir=os.path.join(tmp, "ray"))
@@ -127,7 +129,8 @@ def main(argv=None) -> int:
               f"{r['e2e_ratio']:>5.2f}x {r['synthesizer']['ttft_mean_ms']:>9.1f}ms "
               f"{r['workers']['ttft_mean_ms']:>11.1f}ms {r['ttft_ratio']:>5.2f}x  {r['workers']['nodes_by_replica']}")
     stem = write_json(args.out, f"graph_workers_{device.split(':')[0]}", {
-        "rows": rows, "config": vars(args), "device": device, "torch": torch.__version__})
+        "rows": rows, "config": vars(args), "device": device, "torch": torch.__version__},
+        device=device, model=weights, calibration=None)
     model = "checkpoint" if args.checkpoint else args.shape
     grouped_bars(stem, f"RunGraph waves: where they decode ({device}, {model})", [r["workflow"] for r in rows],
                  [(label, {"on the synthesizer": [r["synthesizer"][key] for r in rows],

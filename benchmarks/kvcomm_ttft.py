@@ -139,7 +139,8 @@ def main(argv=None) -> int:
             for f in fractions))
     print(f"anchors {stats['anchors']}, pool {stats['bytes'] / 2**20:.0f} MiB, reuse on measured prompts "
           f"{100 * result['measured_reuse_rate']:.0f}%")
-    stem = write_json(args.out, f"kvcomm_{'cpu' if device == 'cpu' else 'cuda'}", result)
+    stem = write_json(args.out, f"kvcomm_{'cpu' if device == 'cpu' else 'cuda'}", result, device=device,
+                      model=engine.fingerprint, calibration=None)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))

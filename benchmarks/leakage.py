@@ -93,7 +93,8 @@ def main(argv=None) -> int:
         print(f"{r['mode']:<8} {100 * a['rate']:>10.1f}% [{100 * a['ci95'][0]:.1f}, {100 * a['ci95'][1]:.1f}]"
               f"{'':>8} {100 * b['rate']:>10.1f}% [{100 * b['ci95'][0]:.1f}, {100 * b['ci95'][1]:.1f}]")
     stem = write_json(args.out, "leakage_cpu", {"rows": rows, "examples": examples, "config": vars(args),
-                                                "chance": 1 / len(CITIES)})
+                                                "chance": 1 / len(CITIES)},
+                      device="cpu", model=engine.fingerprint, calibration=None)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.4))

@@ -26,7 +26,7 @@ from braid.cluster.local import free_port
 from braid.cluster.multinode import NodeGroup, placement, serve_deploy, start_multinode
 from braid.engine import EngineConfig
 from braid.loadtest.workload import task_request
-from braid.methods.calibration import load_engine
+from braid.methods.calibration import fingerprints_at, load_engine
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import generate
 from braid.protos import agent_pb2 as pb
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     print(f"answer, 3 nodes:  {result['answer_text'].strip()!r}\nanswer, 1 engine: "
           f"{result['single_node_answer_text'].strip()!r}\nequal token for token: {result['answers_equal']} "
           f"(expected answer {task.answer!r})")
-    stem = write_json(args.out, "multinode_cpu", result)
+    stem = write_json(args.out, "multinode_cpu", result, device="cpu", **fingerprints_at(EngineConfig(args.model)))
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -194,7 +194,8 @@ def main(argv=None):
         result["graphs_device_ms_per_forward"] = device_ms(table) / PROFILED
         print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs), "
               f"device busy {result['graphs_device_ms_per_forward']:.2f} ms")
-    plot(write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result), result)
+    plot(write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result, device=device,
+                    model=eng.fingerprint, calibration=None), result)
 
 
 def plot(stem: str, result: dict) -> None:

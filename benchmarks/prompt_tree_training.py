@@ -48,7 +48,8 @@ def main(argv=None):
               "first_step_loss_gap": gaps[0], "max_loss_gap_first_10": max(gaps[:10]),
               "mean_loss_gap_last_50": sum(gaps[-50:]) / len(gaps[-50:]), "runs": runs}
     device = "cuda" if runs["graph"]["device"].startswith("cuda") else "cpu"
-    stem = write_json(args.out, f"prompt_tree_training_{device}", result)
+    # (each run trains its own model from a seed: no checkpoint was measured)
+    stem = write_json(args.out, f"prompt_tree_training_{device}", result, device=device, model=None, calibration=None)
     plot(result, stem + ".png")
     print(f"cached-token ratio {result['cached_token_ratio']}, step time flat/graph {result['step_time_ratio']}x, "
           f"loss gap at step 1 {gaps[0]:.1e}, mean over the last 50 steps {result['mean_loss_gap_last_50']:.1e}")

@@ -135,7 +135,9 @@ def main(argv=None):
               "dtype": str(dtype), "model": {"family": args.family, "shape": args.shape,
                                              "parameters": sum(q.numel() for q in model.parameters())},
               "repeats": args.repeats, "rows": rows}
-    stem = write_json(args.out, f"prompt_trees_{'cpu' if device.type == 'cpu' else 'cuda'}", result)
+    # (a random model made here, never saved: no checkpoint was measured)
+    stem = write_json(args.out, f"prompt_trees_{'cpu' if device.type == 'cpu' else 'cuda'}", result, device=str(device),
+                      model=None, calibration=None)
     plot(result, stem + ".png")
     print(f"wrote {stem}.json and its plot")
     return result

@@ -262,7 +262,10 @@ def main(argv=None) -> int:
                       f"{r['apart_vs_serial_token_throughput_x']:.2f}x)")
     result = {"model": args.model, "device": "cpu", "kv_bytes_per_token": kv_per_token, "config": vars(args),
               "this": this, "against": rev, "workload": workload.__dict__, "rows": rows, "ratios": ratios}
-    stem = write_json(args.out, "serving_cpu" + ("_against" if rev else ""), result)
+    from braid.methods.calibration import fingerprints_at
+
+    stem = write_json(args.out, "serving_cpu" + ("_against" if rev else ""), result, device="cpu",
+                      **fingerprints_at(EngineConfig(args.model)))
     plot(rows, stem + ".png")
     print(f"wrote {stem}.json and its plot")
     return 0

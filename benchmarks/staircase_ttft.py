@@ -17,6 +17,7 @@ import time
 from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig, PrefillCall, SamplingParams
+from braid.methods.calibration import fingerprints
 from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.methods.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
                 for method in ("wait-for-all", "reprefill", "append"):
                     r = cell(n, slow, method, transport)
                     cut = 1 - r["ttft_s"] / wait["ttft_s"]
-                    print(f"{n:>6} {str(slow):>5} {transport:>9} {method:>12} {1e3 * r['ttft_s']:>9.1f} "
+                    print(f"{n:>6} {slow!s:>5} {transport:>9} {method:>12} {1e3 * r['ttft_s']:>9.1f} "
                           f"{100 * cut:>7.1f}% {1e3 * r['e2e_s']:>8.0f} {r['tokens_per_s']:>7.1f} {r['rounds']:>6}")
     print(f"\nat {longest} tokens, slow worker, KV: redundancy 1 against 0")
     for method in ("reprefill", "append"):
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
         r = cell(longest, False, "reprefill", "kv", first)
         print(f"  {first:>2}: TTFT {1e3 * r['ttft_s']:.1f} ms, E2E {1e3 * r['e2e_s']:.0f} ms")
     stem = write_json(args.out, "staircase_cpu", {"model": args.model, "slow_delay_s": args.slow_delay,
-                                                   "answer_tokens": args.answer_tokens, "rows": rows})
+                                                   "answer_tokens": args.answer_tokens, "rows": rows},
+                      device=str(engine.lm.device), **fingerprints(engine))
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

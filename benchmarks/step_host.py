@@ -74,14 +74,15 @@ def main(argv=None) -> int:
         return 0
     from tqdm import tqdm
 
+    from benchmarks.revision import labels, sides
+    from braid.engine.model import fingerprint_checkpoint
     from braid.models.checkpoints import benchmark_model
     from braid.results import device_name, grouped_bars, write_json
-
-    from benchmarks.revision import labels, sides
 
     head, rev = labels(args.against)
     with tempfile.TemporaryDirectory(prefix="braid-step-host-") as tmp:
         path, device = benchmark_model(args, os.path.join(tmp, "model"))
+        weights = fingerprint_checkpoint(path)
         with sides(args.against, tmp) as paths:
             runs = {name: [] for name in paths}
             # (the measuring code, benchmarks.profile_decode's concurrent decode, is this tree's for both sides)
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
               "rows": rows, "runs": runs}
     suffix = "cpu" if device == "cpu" else "cuda"
     graphs = "" if args.decode_graphs == "auto" else f"_{args.decode_graphs}"
-    stem = write_json(args.out, f"step_host_{args.shape if not args.checkpoint else 'model'}{graphs}_{suffix}", result)
+    stem = write_json(args.out, f"step_host_{args.shape if not args.checkpoint else 'model'}{graphs}_{suffix}", result,
+                      device=device, model=weights, calibration=None)
     grouped_bars(stem, f"decode step host time ({result['model']}, {result['device']})",
                  [str(n) for n in args.calls],
                  [("ms per step", {f"this tree ({head})": [r["this_ms_per_step"] for r in rows],

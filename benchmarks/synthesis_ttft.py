@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, EngineConfig, PrefillCall, SamplingParams
-from braid.methods.calibration import calibration_of, load_engine, served_refresh
+from braid.methods.calibration import calibration_of, fingerprints, load_engine, served_refresh
 from braid.methods.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, pyplot, write_json
@@ -173,10 +173,11 @@ def main(argv=None):
     }
     if args.decode_tokens:
         result["decode_tokens_per_s_batch1"] = decode_rate(eng, gen, args.decode_tokens)
-    report(result, args.out)
+    report(result, args.out, device=device, **fingerprints(eng))
 
 
-def report(result, out_dir):
+def report(result, out_dir, **stamp):
+    """Print the table; write the JSON (under `stamp`: braid.results.write_json's keywords) and its plot."""
     header = f"{'tokens/branch':>13} {'text ms':>9} {'cache ms':>9} {'assemble ms':>11} {'speedup':>8} " \
              f"{'seq ms':>8} {'calibrated ms':>13} {'overhead':>8} {'refresh ms':>10} {'overhead':>8} " \
              f"{'apart ms':>9} {'overhead':>8} {'served ms':>9} {'overhead':>8} {'apart ms':>9} {'overhead':>8} " \
@@ -195,7 +196,7 @@ def report(result, out_dir):
               f"{100 * r['served_apart_overhead']:>+7.1f}% {r['speedup_served']:>7.1f}x")
     if "decode_tokens_per_s_batch1" in result:
         print(f"batch-1 decode: {result['decode_tokens_per_s_batch1']:.1f} tokens/s")
-    stem = write_json(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}", result)
+    stem = write_json(out_dir, f"synthesis_ttft_{'cuda' if 'cpu' != result['device'] else 'cpu'}", result, **stamp)
     plt = pyplot()
     if plt is None:
         return

@@ -121,6 +121,7 @@ def main(argv=None) -> int:
         flag = "share_parents" if args.compare == "parents" else "kv_on_demand"
         engines = {mode: Engine(EngineConfig(path, device=device, kv_budget_bytes=budget, **{flag: mode == new}))
                    for mode in (new, old)}
+        weights = probe.fingerprint
         del probe
     rows = []
     with tqdm(total=len(args.concurrency) * 2 * (args.repeats + 1), desc="levels", unit="run") as bar:
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
               f"{w['preemptions']:>9.0f}")
     name = "shared_parents" if args.compare == "parents" else "kv_on_demand"
     stem = write_json(args.out, f"{name}_{device.split(':')[0]}", {
-        "rows": rows, "config": vars(args), "budget_bytes": budget, "device": device, "torch": torch.__version__})
+        "rows": rows, "config": vars(args), "budget_bytes": budget, "device": device, "torch": torch.__version__},
+        device=device, model=weights, calibration=None)
     what = "parents" if args.compare == "parents" else "work KV"
     grouped_bars(stem, f"{what} {new} vs {old} ({device})", [str(r["concurrency"]) for r in rows],
                  [(label, {f"{what} {mode}": [r[mode][key] for r in rows] for mode in (old, new)})

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig, SamplingParams
-from braid.methods.calibration import load_engine
+from braid.methods.calibration import fingerprints, load_engine
 from braid.methods.dag import run_dag
 from braid.methods.dag.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{v['e2e_s']:.2f} s" for v in r["modes"].values()) + f" ({r['e2e_ratio']:.2f}x)")
     stem = write_json(args.out, f"workflows_{device.split(':')[0]}", {
         "rows": rows, "turn_lora": turn_rows, "config": vars(args), "device": device, "dtype": str(eng.lm.dtype),
-        "torch": torch.__version__})
+        "torch": torch.__version__}, device=device, model=eng.fingerprint,
+        calibration=fingerprints(calibrated)["calibration"] if calibrated is not None else None)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.4))

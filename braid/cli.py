@@ -34,7 +34,6 @@ def _length(text: str) -> tuple[int, int]:
 
 def eval_cmd(args) -> int:
     """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
-    import json
 
     from braid.engine import EngineConfig
     from braid.evals.harness import (
@@ -48,7 +47,8 @@ def eval_cmd(args) -> int:
         report,
         verify,
     )
-    from braid.methods.calibration import calibration_of, load_engine, mode_name, served_refresh
+    from braid.methods.calibration import calibration_of, fingerprints, load_engine, mode_name, served_refresh
+    from braid.results import write_json_to
 
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
@@ -83,10 +83,8 @@ def eval_cmd(args) -> int:
         print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "
               f"{verification['max_branches']} branches; recorded in {calibration_of(engine).calibration.path}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot_accuracy(out["summary"], os.path.splitext(args.json)[0] + ".png")
+        stem = write_json_to(args.json, out, device=str(engine.lm.device), **fingerprints(engine))
+        plot_accuracy(out["summary"], stem + ".png")
         print(f"\nwrote {args.json} and its plot")
     return 0
 

@@ -23,6 +23,7 @@ from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
 from braid.methods.kvcomm import AgentPrompt, KVComm, KVCommConfig
 from braid.models.chat import turn
 from braid.models.tasks import DEFAULT_LENGTH, MULTIQA_SYSTEM, SharedTextTask, shared_text_task
+from braid.results import write_json_to
 
 log = logging.getLogger(__name__)
 SAMPLING = SamplingParams(max_tokens=64)
@@ -143,8 +144,7 @@ def main(argv=None) -> None:
            "shared_tokens": [len(engine.tokenize(t.shared)) for t in tasks],
            "seeds": [args.seed, args.seed + args.requests - 1],
            "dense_accuracy": asdict(accuracy_ci(base)), "configs": rows}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json_to(args.out, out, device=str(engine.lm.device), model=engine.fingerprint, calibration=None)
     plot(out, args.out.removesuffix(".json") + ".png")
     print(json.dumps({"dense": out["dense_accuracy"]["value"],
                       "configs": [(r["gamma"], r["capacity"], r["refresh"], r["recompute"],

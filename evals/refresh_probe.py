@@ -10,7 +10,6 @@ text re-prefill). Scored against text on the same tasks, paired, as `braid eval`
 """
 
 import argparse
-import os
 import sys
 
 from braid.engine import Engine, EngineConfig
@@ -18,7 +17,7 @@ from braid.evals.harness import TEXT, EvalConfig, Mode, evaluate, format_table, 
 from braid.methods.synthesis import Placement, Refresh, SynthesisMode
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import TASKS
-from braid.results import write_json
+from braid.results import write_json_to
 
 
 def parse_refresh(spec: str) -> list[tuple[int, int]]:
@@ -69,8 +68,7 @@ def main(argv=None) -> int:
     print(format_table(summarize(results, modes)))
     if args.json:
         out = report(config, args.model, engine.fingerprint, modes, results)
-        stem = write_json(os.path.dirname(os.path.abspath(args.json)),
-                          os.path.splitext(os.path.basename(args.json))[0], out)
+        stem = write_json_to(args.json, out, device="cpu", model=engine.fingerprint, calibration=None)
         plot_accuracy(out["summary"], stem + ".png")
         print(f"wrote {stem}.json and its plot")
     return 0

@@ -35,13 +35,13 @@ from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from braid.methods.calibration import calibration_of, load_engine
+from braid.methods.calibration import calibration_of, fingerprints, load_engine
 from braid.methods.dag import DagRun, Graph
 from braid.methods.dag.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import Task, sample, strip_reply
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json_to
 
 MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")
 WORKFLOWS = NOTES_WORKFLOWS
@@ -143,8 +143,8 @@ def main(argv=None) -> int:
         print(f"{r['workflow']:<9} {r['task']:<7} {r['mode']:<16} {r['n']:>4} {100 * r['accuracy']:>8.1f} "
               f"[{100 * r['ci'][0]:5.1f}, {100 * r['ci'][1]:5.1f}] {diff:>26} "
               f"{r.get('mcnemar_p', float('nan')):>10.3g} {turns:>11}")
-    stem = write_json(os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0],
-                      {"rows": rows, "config": vars(args)})
+    stem = write_json_to(args.out, {"rows": rows, "config": vars(args)}, device=str(engine.lm.device),
+                         **fingerprints(engine))
     plt = pyplot()
     if plt is not None:
         groups = list(dict.fromkeys((r["workflow"], r["task"]) for r in rows))

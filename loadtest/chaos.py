@@ -286,6 +286,8 @@ def clients_leave(address: str, per_way: int = 20, grace_s: float = 3.0, seed: i
 
 
 def main(argv=None) -> int:
+    from braid.engine import EngineConfig
+    from braid.methods.calibration import fingerprints_at
     from braid.models import REFERENCE_MODEL
     from braid.results import write_json
 
@@ -327,7 +329,6 @@ def main(argv=None) -> int:
                             staircase=args.staircase or "")
     if args.fault == "redis-restart":
         from braid.cluster.inprocess import start_in_process
-        from braid.engine import EngineConfig
         from braid.methods.calibration import load_engine
         from braid.runtime.directory import Directory, EmbeddedRedis
 
@@ -361,7 +362,8 @@ def main(argv=None) -> int:
     print("PASS" if result["passed"] else "FAIL")
     suffix = "_staircase" if args.staircase else "_graphs" if args.graphs else ""
     name = f"chaos_{args.fault.replace('-', '_')}{suffix}_cpu"
-    stem = write_json(args.out, name, {**result, "config": vars(args)})
+    stem = write_json(args.out, name, {**result, "config": vars(args)}, device="cpu",
+                      **fingerprints_at(EngineConfig(args.model)))
     print(f"wrote {stem}.json")
     return 0 if result["passed"] else 1
 
@@ -369,6 +371,8 @@ def main(argv=None) -> int:
 def _clients_leave_main(args) -> int:
     from braid.cluster.config import ClusterConfig
     from braid.cluster.local import free_port, start_local_cluster
+    from braid.engine import EngineConfig
+    from braid.methods.calibration import fingerprints_at
     from braid.results import write_json
 
     local = start_local_cluster(ClusterConfig(args.model, grpc_port=free_port(), kv_transport="grpc",
@@ -382,7 +386,8 @@ def _clients_leave_main(args) -> int:
               f"{r['still_running']} still running, {r['hung']} of them past the wait ({r['left_before_decoding']} "
               f"left before any worker decoded, {r['ended_otherwise']} ended otherwise)")
     print("PASS" if result["passed"] else "FAIL")
-    stem = write_json(args.out, "chaos_client_leaves_cpu", {**result, "config": vars(args)})
+    stem = write_json(args.out, "chaos_client_leaves_cpu", {**result, "config": vars(args)}, device="cpu",
+                      **fingerprints_at(EngineConfig(args.model)))
     print(f"wrote {stem}.json")
     return 0 if result["passed"] else 1
 

@@ -345,16 +345,19 @@ def main(argv=None) -> int:
         p.error("--requests and --concurrency must be >= 1 and --deadline positive")
     server = redis = None
     address = args.address
+    measured = {"model": "unknown", "calibration": "unknown"}  # (a server elsewhere: what it runs is not known here)
     if address is None:
         from braid.api.auth import ApiKeys
         from braid.cluster.inprocess import start_in_process
         from braid.engine import EngineConfig
-        from braid.methods.calibration import load_engine
+        from braid.methods.calibration import fingerprints, load_engine
         from braid.runtime.directory import Directory, EmbeddedRedis
 
         redis = EmbeddedRedis()
         keys = [secrets.token_urlsafe(24) for _ in range(2)]  # two tenants: requests also cross between them
-        server = start_in_process(load_engine(EngineConfig(args.model, device="cpu")), Directory.connect(redis.url),
+        engine = load_engine(EngineConfig(args.model, device="cpu"))
+        measured = fingerprints(engine)
+        server = start_in_process(engine, Directory.connect(redis.url),
                                   keys=ApiKeys.parse([f"tenant{i}:{k}" for i, k in enumerate(keys)], "fuzz"))
         address = f"127.0.0.1:{server.port}"
     try:
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
             redis.stop()
     print(format_report(report))
     print("PASS" if report["passed"] else "FAIL")
-    stem = write_json(args.out, "fuzz_cpu", {**report, "config": vars(args)})
+    stem = write_json(args.out, "fuzz_cpu", {**report, "config": vars(args)}, device="cpu", **measured)
     print(f"wrote {stem}.json")
     return 0 if report["passed"] else 1
 

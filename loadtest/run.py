@@ -8,7 +8,6 @@ the metrics of loadtest.metrics (JSON, and a plot of the TTFT and E2EL distribut
 import argparse
 import asyncio
 import math
-import os
 import time
 from dataclasses import asdict
 
@@ -21,7 +20,7 @@ from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
 from braid.loadtest.workload import TRANSPORT_CHOICES, Workload
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.results import pyplot, write_json
+from braid.results import UNKNOWN, pyplot, write_json_to
 
 
 async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem, bar,
@@ -87,6 +86,15 @@ async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rat
                     await asyncio.sleep(rng.gamma(burstiness, 1 / (request_rate * burstiness)))
             records = await asyncio.gather(*tasks)
     return records, time.perf_counter() - start
+
+
+def served_model(address: str, application: str = "braid", api_key: str | None = None, credentials=None) -> str:
+    """The fingerprint of the weights the agent API at `address` serves (its Health); "unknown" when it says
+    none."""
+    metadata = (("application", application), *client_metadata(client_key(api_key, address), 30))
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
+        health = agent_pb2_grpc.AgentServiceStub(channel).Health(pb.HealthRequest(), metadata=metadata, timeout=30)
+    return health.model_fingerprint or UNKNOWN
 
 
 def format_summary(s: dict) -> str:
@@ -166,10 +174,11 @@ def main(argv=None) -> int:
     summary = {**summarize(records, duration, slos), "client_cores": (time.process_time() - cpu) / duration}
     print(format_summary(summary))
     if args.json:
-        stem = os.path.splitext(args.json)[0]
-        write_json(os.path.dirname(os.path.abspath(args.json)), os.path.basename(stem),
-                   {"config": {**vars(args), "workload": asdict(workload)}, "summary": summary,
-                    "requests": [asdict(r) for r in records]})
+        # (the server's device and calibration are not known to its client: its Health names its weights)
+        model = served_model(args.address, args.application, args.api_key, client_credentials(args.tls, args.ca_cert))
+        stem = write_json_to(args.json, {"config": {**vars(args), "workload": asdict(workload)}, "summary": summary,
+                                         "requests": [asdict(r) for r in records]},
+                             device=UNKNOWN, model=model, calibration=UNKNOWN)
         plot(records, stem + ".png", f"{args.num_prompts} requests")
         print(f"wrote {stem}.json and its plot")
     return 0 if summary["completed"] else 1

@@ -20,7 +20,7 @@ from braid.engine import EngineConfig
 from braid.loadtest.metrics import summarize
 from braid.loadtest.run import format_summary, run_load
 from braid.loadtest.workload import Workload
-from braid.methods.calibration import load_engine
+from braid.methods.calibration import fingerprints, load_engine
 from braid.models import REFERENCE_MODEL
 from braid.results import pyplot, write_json
 from braid.runtime.directory import Directory, EmbeddedRedis
@@ -63,7 +63,8 @@ def soak(model: str, seconds: float, concurrency: int, store_budget_bytes: int, 
         server.stop()
         redis.stop()
     return {"summary": summarize(records, duration, {}), "samples": samples, "store_budget_bytes": store_budget_bytes,
-            "evictions": engine.store.evictions, "preemptions": engine.scheduler.preemptions}
+            "evictions": engine.store.evictions, "preemptions": engine.scheduler.preemptions,
+            "measured": fingerprints(engine)}
 
 
 def verdict(result: dict, max_growth_mib: float) -> tuple[bool, str]:
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     ok, line = verdict(result, args.max_growth_mib)
     print(format_summary(result["summary"]))
     print(("PASS: " if ok else "FAIL: ") + line)
-    stem = write_json(args.out, "soak_cpu", {**result, "config": vars(args), "passed": ok, "verdict": line})
+    measured = result.pop("measured")
+    stem = write_json(args.out, "soak_cpu", {**result, "config": vars(args), "passed": ok, "verdict": line},
+                      device="cpu", **measured)
     plot(result, stem + ".png")
     print(f"wrote {stem}.json and its plot")
     return 0 if ok else 1

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from braid.engine.config import CALIBRATION_MANIFEST, EngineConfig
 from braid.engine.engine import Engine
 from braid.engine.errors import BraidError, FingerprintMismatchError
+from braid.engine.model import fingerprint_checkpoint
 from braid.engine.threads import one_thread
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, refresh_of
 
@@ -181,11 +182,16 @@ class Calibration:
     verification: dict | None = None  # how it compared with text answers (evals.harness.verify), when checked
     turns: dict | None = None  # the turn LoRA's manifest (TURNS_DIR/TURNS_MANIFEST), when it has one
 
-    @property
+    @cached_property
     def digest(self) -> str:
-        """A short hash of the mapper's and the LoRA's weights: which calibration encoded an output."""
+        """A short hash of the mapper's and the LoRAs' weights (the turn LoRA's too, when it has one): which
+        calibration encoded an output, and which one a result was measured with. Read once (attach reads it), so
+        it outlives the files of a calibration written to a temporary directory."""
         h = hashlib.blake2b(digest_size=8)
-        for name in ("mapper.safetensors", os.path.join(ADAPTER_DIR, "adapter_model.safetensors")):
+        names = [MAPPER_FILE, os.path.join(ADAPTER_DIR, "adapter_model.safetensors")]
+        if self.turns is not None:
+            names.append(os.path.join(TURNS_DIR, "adapter_model.safetensors"))
+        for name in names:
             with open(os.path.join(self.path, name), "rb") as f:
                 h.update(f.read())
         return h.hexdigest()
@@ -407,6 +413,21 @@ def load_engine(config: EngineConfig) -> Engine:
 def calibration_of(engine: Engine) -> Attached | None:
     """The calibration attached to `engine` (load_engine, attach), or None."""
     return _ATTACHED.get(engine)
+
+
+def fingerprints(engine: Engine) -> dict[str, str | None]:
+    """What a result measured on `engine` was measured with, as `braid.results.write_json` takes it: the weights'
+    fingerprint and the attached calibration's digest (None: none attached)."""
+    attached = calibration_of(engine)
+    return {"model": engine.fingerprint, "calibration": attached.calibration.digest if attached else None}
+
+
+def fingerprints_at(config: EngineConfig) -> dict[str, str | None]:
+    """As `fingerprints`, for a result measured on engines in other processes (a server, a cluster) built from
+    `config`: its checkpoint's fingerprint and its calibration's digest, without loading either."""
+    calibration = config.resolved().calibration
+    return {"model": fingerprint_checkpoint(config.model_path),
+            "calibration": Calibration.load(calibration).digest if calibration != "none" else None}
 
 
 def attach(engine: Engine, path: str) -> Attached:

@@ -1,26 +1,84 @@
-"""What every benchmark and evaluation does with its result: a JSON file, and a plot when matplotlib is there."""
+"""What every benchmark and evaluation does with its result: a stamped JSON file, and a plot when matplotlib is there.
 
+The measurement contract: every results JSON carries a `stamp` that says what was measured and where: the commit
+(and whether the tree had uncommitted changes), the weights' and the calibration's fingerprints, the device and
+its name, and the torch version. `write_json` adds it; the docs' result pages read it back
+(`benchmarks/report.py`), so a table says which checkpoint its rows were measured on.
+
+Outside a git checkout (a copy of the tree on a device machine, an installed wheel), $BRAID_COMMIT and
+$BRAID_DIRTY name the commit; with neither, it is "unknown".
+"""
+
+import datetime
 import json
 import os
+import subprocess
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNKNOWN = "unknown"  # a stamp field that was not recorded when the file was written
+NONE = "none"  # no weights (or no calibration) were part of the measurement
+STAMP_FIELDS = ("commit", "dirty", "model", "calibration", "device", "device_name", "torch", "written")
 
 
 def device_name(device: str) -> str:
-    """A result's device: "cpu", or the GPU's name."""
-    if device == "cpu":
+    """A result's device: "cpu", or the GPU's name ("unknown" stays so: a server measured from its client)."""
+    device = str(device)
+    if not device.startswith("cuda"):
         return device
     import torch
 
     return torch.cuda.get_device_name(device)
 
 
-def write_json(out_dir: str, name: str, result: dict) -> str:
-    """Writes out_dir/name.json; returns the path stem for the plot."""
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def commit() -> tuple[str, bool | None]:
+    """(the commit the code was measured at, whether tracked files differed from it); ("unknown", None) when
+    neither git nor $BRAID_COMMIT says."""
+    if os.environ.get("BRAID_COMMIT"):
+        dirty = os.environ.get("BRAID_DIRTY")
+        return os.environ["BRAID_COMMIT"], None if dirty is None else dirty.lower() in ("1", "true", "yes")
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return UNKNOWN, None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head.strip(), None if status is None else bool(status.strip())
+
+
+def stamp(*, device: str, model: str | None, calibration: str | None) -> dict:
+    """The measurement contract's record. `device`: "cpu" or a CUDA device ("cuda", "cuda:0");
+    `model`: the fingerprint of the weights measured (the engine's `fingerprint`), None when no weights were;
+    `calibration`: the digest of the calibration served (`Calibration.digest`), None when none was."""
+    import torch
+
+    sha, dirty = commit()
+    return {"commit": sha, "dirty": dirty, "model": model or NONE, "calibration": calibration or NONE,
+            "device": device, "device_name": device_name(device), "torch": torch.__version__,
+            "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def write_json(out_dir: str, name: str, result: dict, *, device: str, model: str | None,
+               calibration: str | None) -> str:
+    """Writes out_dir/name.json, `result` under its stamp (see `stamp` for the keywords); returns the path stem
+    for the plot."""
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, name)
     with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump({"stamp": stamp(device=device, model=model, calibration=calibration), **result}, f, indent=2)
     return stem
+
+
+def write_json_to(path: str, result: dict, *, device: str, model: str | None, calibration: str | None) -> str:
+    """`write_json` to a file path (".json" or none); returns the path stem for the plot."""
+    return write_json(os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0], result,
+                      device=device, model=model, calibration=calibration)
 
 
 def pyplot():
