@@ -22,7 +22,8 @@ HEX = re.compile(r"[0-9a-f]{40}")
 
 
 def _known_commit(sha: str) -> bool:
-    return subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{sha}^{{commit}}"], capture_output=True).returncode == 0
+    found = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{sha}^{{commit}}"], capture_output=True)
+    return found.returncode == 0
 
 
 @pytest.mark.parametrize("name", COMMITTED)
