@@ -21,7 +21,7 @@ from typing import Protocol
 
 from braid.api.decision import choose_transport
 from braid.engine.errors import PreconditionError
-from braid.kv.connector import TransferError, stream_name
+from braid.kv.connector import ReceiverLostError, TransferError, stream_name
 from braid.kv.grpc_transport import abandon
 from braid.methods.staircase import StaircaseSchedule
 from braid.methods.synthesis import SynthesisMode
@@ -258,6 +258,9 @@ async def _worker_failures(stream, branches: list[int], staircase: bool) -> Asyn
             yield item
     except Exception as e:  # noqa: BLE001
         why = f"{type(cause(e)).__name__}: {cause(e)}"
+        if isinstance(cause(e), ReceiverLostError):  # (the worker is fine: the synthesizer it shipped to is not)
+            raise TransferError(f"the synthesizer replica serving this workflow was lost mid-request (its workers "
+                                f"could not ship KV to it), so this workflow was abandoned; retry it: {why}") from None
         if not staircase:
             raise TransferError(f"a worker failed mid-request, so this workflow was abandoned: {why}") from None
         yield _Lost(branches, f"its worker failed mid-stream: {why}")

@@ -67,6 +67,7 @@ class Call:
     parent_offsets: tuple[int, ...] = ()
     seed: bytes | None = None
     prefix: object | None = None  # engine.store.Message: the cached start it follows
+    unrecorded: str = ""  # what shaped its KV beyond what its message records ("": nothing; engine.store.Message)
     status: CallStatus = CallStatus.ENCODING
     slots: list[int] = field(default_factory=list)
 

@@ -66,6 +66,8 @@ class PrefillCall:
     # False: encoded only for its request's decode calls to read (as a Sibling), never stored
     store: bool = True
     adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
+    # the id its message is stored under (None: a new one): a message encoded again from its record keeps its id
+    id: str | None = None
 
 
 @dataclass
@@ -441,6 +443,10 @@ class Engine:
         if stored:
             raise BraidError(f"call {stored[0]}: a prefill call ahead of decode calls is read by them only; give "
                              "it store=False (prefill it on its own to store it)")
+        named = [c.id for c in calls if isinstance(c, PrefillCall) and c.id is not None]
+        taken = [i for i in named if i in self.store or named.count(i) > 1]
+        if taken:
+            raise BraidError(f"message id {taken[0]!r} is taken: a prefill call's id must be new to the store")
         return lead
 
     def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
@@ -520,7 +526,7 @@ class Engine:
         index: dict[tuple[str, int, bool], int] = {}
         entries: list[tuple[Message, int]] = []
         mapped: list[bool] = []
-        call_entries, call_siblings, tokens, new_offsets, parent_offsets = [], [], [], [], []
+        call_entries, call_siblings, tokens, new_offsets, parent_offsets, unrecorded = [], [], [], [], [], []
         for c, call in enumerate(calls):
             decodes = isinstance(call, DecodeCall)
             toks = self._as_tokens(call.header if decodes else call.message, "header" if decodes else "message", c)
@@ -569,6 +575,9 @@ class Engine:
                     f"tokens = {new_off + len(toks) + extra} exceeds the context of {limit} positions")
             call_entries.append(mine)
             call_siblings.append(reads)
+            # what shaped its KV that its message will not record (a reader of its record cannot encode it again)
+            unrecorded.append("a KV transform's copies of its parents" if c >= lead and set(parents) & set(mapped_ids)
+                              else "unstored prefill calls of its request" if reads else "")
             tokens.append(toks)
             new_offsets.append(new_off)
             parent_offsets.append(tuple(placed))
@@ -586,12 +595,12 @@ class Engine:
             visible = torch.cat([visible[:, order], visible[:, len(entries):]], dim=1)
             side = sorted(side)
         planned = []
-        for call, toks, off, offs in zip(calls, tokens, new_offsets, parent_offsets):
+        for call, toks, off, offs, gap in zip(calls, tokens, new_offsets, parent_offsets, unrecorded):
             read = [(p, o) for p, o in zip(call.parents, offs) if not isinstance(p, Sibling)]
             decodes = isinstance(call, DecodeCall)
-            planned.append(Call(toks, off, new_message_id(), call.sampling if decodes else None,
-                                decodes or call.store, call.adapter, tuple(p for p, _ in read),
-                                tuple(o for _, o in read)))
+            planned.append(Call(toks, off, (None if decodes else call.id) or new_message_id(),
+                                call.sampling if decodes else None, decodes or call.store, call.adapter,
+                                tuple(p for p, _ in read), tuple(o for _, o in read), unrecorded=gap))
         return _Plan(entries, visible.to(self.lm.device), planned, lead=lead, mapped=mapped,
                      lead_only=side.count(0) if lead else 0, lead_at=side.count(0) + side.count(1) if lead else 0)
 
@@ -656,7 +665,8 @@ class Engine:
                     call.prefix.offset
             keys = self.prefix_cache.keys(call.seed, toks) if call.seed is not None else None  # (hashed once)
             messages.append(Message(call.message_id, tuple(toks), DenseKV(kv), offset, call.parents,
-                                    call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None))
+                                    call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None,
+                                    call.unrecorded))
             if not call.decodes and keys:
                 twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
         with self._store_lock:

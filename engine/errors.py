@@ -46,6 +46,12 @@ class UnavailableError(BraidError):
     code = "UNAVAILABLE"
 
 
+class DataLossError(BraidError):
+    """A message's KV is gone (the replica that held it went away, or evicted it) and its record cannot give it
+    again: what shaped it was not recorded, or the weights changed. Retrying cannot help; encode it again."""
+    code = "DATA_LOSS"
+
+
 class StoppedError(BraidError):
     """The request's consumer went away, so its work was stopped."""
     code = "CANCELLED"

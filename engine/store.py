@@ -88,6 +88,10 @@ class Message:
     parent_offsets: tuple[int, ...]
     fingerprint: str
     content_key: bytes | None = None  # what its KV is a function of (engine.prefix_cache); None: not cacheable
+    # What shaped its KV that this record does not name ("": nothing: its tokens, parents at their offsets, its
+    # offset and the weights it was encoded by give its KV again, up to batching noise; else, e.g., a KV
+    # transform's copies of its parents, which no later call can reproduce from the record)
+    unrecorded: str = ""
 
     def __post_init__(self):
         if not isinstance(self.kv, DenseKV):

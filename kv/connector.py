@@ -29,6 +29,11 @@ class TransferError(BraidError):
     code = "UNAVAILABLE"
 
 
+class ReceiverLostError(TransferError):
+    """The receiving side (a synthesizer's KVReceiver) could not be reached, or went away mid-stream: raised by
+    a sender, so that the workflow's driver can say that its synthesizer was lost, not its worker."""
+
+
 def stream_name(workflow: str, branch: int) -> str:
     """The one name of a workflow branch's KV stream, on both sides."""
     return f"{workflow}:{branch}"

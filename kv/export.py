@@ -10,6 +10,7 @@ same ids, so the call runs as if it had reached the holder. The chunks are the K
 
 import io
 import logging
+import re
 import zlib
 from collections.abc import Callable
 from concurrent import futures
@@ -27,6 +28,13 @@ from braid.kv.peer_auth import peer_channel, peer_check
 from braid.protos import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
+# what gRPC says of an address where nothing listens any more (a replica that has gone)
+_REFUSED = re.compile(r"failed to connect|connection refused|Connection reset|Socket closed", re.IGNORECASE)
+
+
+class HolderGoneError(TransferError):
+    """The replica that held a message refuses connections at the address it announced: it has gone (as
+    opposed to a slow one, whose fetch runs out of time, a plain TransferError)."""
 
 
 @dataclass
@@ -140,8 +148,10 @@ def fetch(address: str, session_id: str, message_id: str, fingerprint: str, time
         if e.code() == grpc.StatusCode.NOT_FOUND:
             raise UnknownMessageError(f"message {message_id!r} is gone from the replica that held it "
                                       f"({e.details()})") from None
-        raise TransferError(f"could not fetch message {message_id!r} from its holder at {address}: "
-                            f"{e.code().name}: {e.details()}") from None
+        gone = e.code() == grpc.StatusCode.UNAVAILABLE and _REFUSED.search(e.details() or "")
+        raise (HolderGoneError if gone else TransferError)(
+            f"could not fetch message {message_id!r} from its holder at {address}: {e.code().name}: "
+            f"{e.details()}") from None
     if assembler.message_id != message_id:
         raise TransferError(f"fetching {message_id!r} from {address} returned {assembler.message_id!r}")
     return FetchedMessage(message_id, assembler.token_ids(), assembler.tensor(), assembler.offset, fingerprint,

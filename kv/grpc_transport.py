@@ -7,7 +7,7 @@ import threading
 import grpc
 
 from braid.kv.chunks import iter_chunks
-from braid.kv.connector import BranchChunk, KVSender, SentStream, TransferError, chain_digest
+from braid.kv.connector import BranchChunk, KVSender, ReceiverLostError, SentStream, TransferError, chain_digest
 from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
 
@@ -86,12 +86,16 @@ class GrpcSender(KVSender):
         try:
             if self._thread.is_alive():  # (still sending: its link, if any, may be mid-payload)
                 raise TransferError(f"KV send did not finish within {timeout:.0f} s")
+            if isinstance(self._error, grpc.RpcError):
+                raise self._error
             if self._error is not None:
                 raise TransferError(f"KV send failed: {type(self._error).__name__}: {self._error}")
             self._future.result(timeout=timeout)
             return self.sent
         except grpc.RpcError as e:
-            raise TransferError(f"KV push failed: {e.code().name}: {e.details()}") from None
+            lost = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            raise (ReceiverLostError if lost else TransferError)(
+                f"KV push to the receiver failed: {e.code().name}: {e.details()}") from None
         finally:
             self._channel.close()
 

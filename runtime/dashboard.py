@@ -38,6 +38,10 @@ PANELS = (
     Panel("Prefix cache hit ratio since each replica started", "percentunit",
           (("sum by (deployment) (ray_braid_prefix_cache_hits) / clamp_min(sum by (deployment) "
             "(ray_braid_prefix_cache_hits + ray_braid_prefix_cache_misses), 1)", "{{deployment}}"),)),
+    Panel("Session messages lost with their replica, and encoded again", "short",
+          ((f"sum (rate(ray_braid_holder_losses_total[{RATE}]))", "lost/s"),
+           (f"sum (rate(ray_braid_recomputed_messages_total[{RATE}]))", "encoded again/s"),
+           (f"sum (rate(ray_braid_recomputed_tokens_total[{RATE}]))", "tokens encoded again/s"))),
 )
 
 

@@ -4,13 +4,15 @@ Keys are scoped by session, so a call can only ever resolve ids of its own sessi
   braid:session:{sid}           hash  created, messages, kv_bytes, owner, anchors (the replica holding its
                                       KVComm anchor pools)
   braid:session:{sid}:messages  set   message ids
-  braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes
+  braid:msg:{sid}:{mid}         hash  replica, fingerprint, tokens, kv_bytes, lineage (what it takes to encode
+                                      it again when its replica has gone: Lineage, as JSON)
   braid:owner:{key}:sessions    set   the sessions an API key opened (for its limits)
   braid:owner:{key}:running     int   its workflows running now
   braid:replica:{id}            str   where the replica serves its messages to other replicas (KVExport)
 Every session key carries the session TTL, renewed on use; a replica's address expires unless renewed.
 """
 
+import json
 import logging
 import os
 import secrets
@@ -36,6 +38,37 @@ REDIS_RETRIES = 13  # backoff 0.05, 0.1, 0.2, 0.4, then 0.5 s: about REDIS_OUTAG
 log = logging.getLogger(__name__)
 
 
+LINEAGE_MAX_TOKENS = 1 << 16  # a longer message is recorded without its tokens (it cannot be rebuilt)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What it takes to encode a message again, where the replica that held it has gone: its tokens at its
+    offset, after its parents (messages of the same session) at the offsets it read them at, on the weights its
+    record names (MessageRecord.fingerprint). The same inputs key its KV in the prefix cache
+    (engine.prefix_cache), so encoding it again is a cache fill. `unrecorded` names what else shaped its KV
+    ("": nothing; else it cannot be rebuilt faithfully, and is not: engine.store.Message.unrecorded)."""
+
+    token_ids: tuple[int, ...]
+    offset: int
+    parents: tuple[str, ...] = ()
+    parent_offsets: tuple[int, ...] = ()
+    unrecorded: str = ""
+
+    def dumps(self) -> str:
+        if len(self.token_ids) > LINEAGE_MAX_TOKENS:
+            return Lineage((), self.offset, self.parents, self.parent_offsets,
+                           f"its {len(self.token_ids)} tokens (more than {LINEAGE_MAX_TOKENS} are not recorded)"
+                           ).dumps()
+        return json.dumps([list(self.token_ids), self.offset, list(self.parents), list(self.parent_offsets),
+                           self.unrecorded], separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> "Lineage":
+        tokens, offset, parents, offsets, unrecorded = json.loads(text)
+        return cls(tuple(tokens), offset, tuple(parents), tuple(offsets), unrecorded)
+
+
 @dataclass
 class MessageRecord:
     message_id: str
@@ -44,6 +77,7 @@ class MessageRecord:
     fingerprint: str
     tokens: int
     kv_bytes: int
+    lineage: Lineage | None = None  # None: not recorded (a registration from before lineages were kept)
 
 
 @dataclass
@@ -215,7 +249,8 @@ class Directory:
     # session was being closed never brings the session back half-made.
     _REGISTER = """
     if redis.call('exists', KEYS[1]) == 0 then return 0 end
-    redis.call('hset', KEYS[2], 'replica', ARGV[1], 'fingerprint', ARGV[2], 'tokens', ARGV[3], 'kv_bytes', ARGV[4])
+    redis.call('hset', KEYS[2], 'replica', ARGV[1], 'fingerprint', ARGV[2], 'tokens', ARGV[3], 'kv_bytes', ARGV[4],
+               'lineage', ARGV[7])
     if redis.call('sadd', KEYS[3], ARGV[5]) == 1 then  -- (a retried registration counts once)
         redis.call('hincrby', KEYS[1], 'messages', 1)
         redis.call('hincrby', KEYS[1], 'kv_bytes', ARGV[4])
@@ -236,7 +271,7 @@ class Directory:
         skey = f"braid:session:{rec.session_id}"
         done = self.r.eval(self._REGISTER, 3, skey, f"braid:msg:{rec.session_id}:{rec.message_id}",
                            f"{skey}:messages", rec.replica, rec.fingerprint, rec.tokens, rec.kv_bytes,
-                           rec.message_id, self.ttl)
+                           rec.message_id, self.ttl, rec.lineage.dumps() if rec.lineage is not None else "")
         if not done:
             raise UnknownMessageError(f"session {rec.session_id!r} was closed or expired while the call ran; "
                                       "its new messages were freed")
@@ -248,6 +283,21 @@ class Directory:
     def anchors(self, session_id: str) -> str | None:
         """The replica holding the session's anchor pools (None: none recorded)."""
         return self.r.hget(f"braid:session:{session_id}", "anchors")
+
+    _TAKE_OVER = """
+    if redis.call('hget', KEYS[1], 'replica') ~= ARGV[1] then return 0 end
+    redis.call('hset', KEYS[1], 'replica', ARGV[2])
+    return 1
+    """
+
+    def take_over(self, session_id: str, message_id: str, gone: str, replica: str) -> bool:
+        """`replica` becomes the message's holder in place of `gone`, which has gone; False if another replica
+        took it over first (or the session closed): then that one holds it, and this one never does."""
+        return bool(self.r.eval(self._TAKE_OVER, 1, f"braid:msg:{session_id}:{message_id}", gone, replica))
+
+    def forget_replica(self, replica: str) -> None:
+        """`replica` is going away (drained): its address goes at once, so others rebuild what it held at once."""
+        self.r.delete(f"braid:replica:{replica}")
 
     def relocate(self, session_id: str, message_id: str, replica: str) -> None:
         """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""
@@ -275,7 +325,7 @@ class Directory:
         if not h:
             raise UnknownMessageError(f"message {message_id!r} is not in session {session_id!r}")
         return MessageRecord(message_id, session_id, h["replica"], h["fingerprint"], int(h["tokens"]),
-                             int(h["kv_bytes"]))
+                             int(h["kv_bytes"]), Lineage.loads(h["lineage"]) if h.get("lineage") else None)
 
     def list_sessions(self, owner: str | None = None) -> list[SessionRecord]:
         """Every session (with `owner`: that caller's)."""

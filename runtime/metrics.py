@@ -40,14 +40,25 @@ def metrics() -> dict:
                                "later)."),
         "prefix_hits": Gauge("braid_prefix_cache_hits", "Calls that reused cached KV, since the replica started."),
         "prefix_misses": Gauge("braid_prefix_cache_misses", "Cacheable calls that found nothing, since start."),
+        # session messages encoded again from their lineage (runtime.sessions): their holder had gone, or evicted
+        "recomputed_messages": Counter("braid_recomputed_messages", "Session messages encoded again from their "
+                                       "lineage."),
+        "recomputed_tokens": Counter("braid_recomputed_tokens", "Tokens of session messages encoded again."),
+        "recompute_seconds": Counter("braid_recompute_seconds", "Seconds spent encoding session messages again."),
+        "holder_losses": Counter("braid_holder_losses", "Session messages found lost with the replica that held "
+                                 "them."),
     }
 
 
-def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
+RECOVERY = {"messages": "recomputed_messages", "tokens": "recomputed_tokens", "seconds": "recompute_seconds",
+            "holder_losses": "holder_losses"}  # AgentLogic.recovery's keys -> their metric
+
+
+def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) -> threading.Thread:
     """Keep this replica's engine gauges (scheduler queue, batch and preemptions, work KV, store, prefix cache)
-    current."""
+    current, and with `recovery` (runtime.sessions.AgentLogic.recovery) its counts of messages encoded again."""
     m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
-    counted = {"preemptions": 0}
+    counted = {"preemptions": 0, **{k: 0 for k in RECOVERY}}
 
     def loop():
         while (engine := ref()) is not None:
@@ -64,6 +75,10 @@ def report_engine(engine, every_s: float = 1.0) -> threading.Thread:
                 if engine.prefix_cache is not None:
                     m["prefix_hits"].set(engine.prefix_cache.hits)
                     m["prefix_misses"].set(engine.prefix_cache.misses)
+                for key, name in RECOVERY.items() if recovery is not None else ():
+                    if recovery[key] > counted[key]:
+                        m[name].inc(recovery[key] - counted[key])
+                        counted[key] = recovery[key]
             except Exception:  # noqa: BLE001 - a metric that cannot be set now may be next time
                 log.warning("engine metrics not recorded", exc_info=True)
             del engine

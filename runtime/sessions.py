@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import redis
 
-from braid.engine import DecodeCall, Engine
-from braid.engine.errors import UnknownMessageError
-from braid.kv.export import KVExporter, fetch, fetch_anchors
+from braid.engine import DecodeCall, Engine, PrefillCall
+from braid.engine.errors import DataLossError, UnknownMessageError
+from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
 from braid.methods.dag import NodeRound, NodeToken, WaveExecutor, run_dag
 from braid.methods.kvcomm import KVComm, KVCommConfig
 from braid.methods.kvcomm_agents import Agent, AgentGraph, AgentStarted, run_agent_graph
 from braid.methods.staircase import StaircaseSchedule
 from braid.protos import agent_pb2 as pb
 from braid.runtime import convert
-from braid.runtime.directory import Directory, MessageRecord
+from braid.runtime.directory import Directory, Lineage, MessageRecord
 from braid.runtime.quotas import KeyLimits
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class AgentLogic:
         # this replica when there are Worker replicas (synthesizer.waves).
         self.waves: Callable[[str], WaveExecutor] | None = None
         self._lent: Counter[tuple[str, str]] = Counter()  # (session, message) lent to a wave's workers
+        # messages encoded again from their lineage (runtime.metrics reports these): how many, their tokens, the
+        # seconds it took, and why (holders gone, or evictions here)
+        self.recovery: Counter[str] = Counter()
 
     # ---- sessions and ids -----------------------------------------------------------------------
     def _session(self, session_id: str, caller: str):
@@ -73,38 +76,87 @@ class AgentLogic:
         return self.directory.session_for_call(session_id, caller, self.config.limits)
 
     def _resolve(self, session_id: str, ids: Iterable[str]) -> None:
-        """Every id must be a message of the session (NOT_FOUND otherwise); one held by another replica moves
-        here first, under the same id, so a session call works on whichever replica it reaches."""
+        """Every id must be a message of the session (NOT_FOUND otherwise). One held by another replica moves
+        here first, under the same id, so a session call works on whichever replica it reaches; one whose holder
+        has gone (or evicted it) is encoded again here from its lineage, parents first."""
         for mid in ids:
-            rec = self.directory.lookup(session_id, mid)
-            if mid in self.engine.store:
-                continue
-            if rec.replica == self.config.replica:
-                raise UnknownMessageError(f"message {mid!r} was evicted from {self.config.replica}'s store")
-            self._move_here(rec)
+            rec = self.directory.lookup(session_id, mid)  # (the session's, or NOT_FOUND)
+            if mid not in self.engine.store:
+                self._bring_here(rec)
+            elif rec.replica != self.config.replica and self.directory.replica_address(rec.replica) is None:
+                # a copy here, and the holder has gone: this replica holds it now (fenced, as a rebuild is)
+                self.directory.take_over(session_id, mid, rec.replica, self.config.replica)
 
-    def _move_here(self, rec: MessageRecord) -> None:
-        with self._moving_lock:  # (two calls naming the same message fetch it once; other messages in parallel)
+    def _bring_here(self, rec: MessageRecord) -> None:
+        with self._moving_lock:  # (two calls naming the same message bring it once; other messages in parallel)
             lock = self._moving.setdefault(rec.message_id, threading.Lock())
         with lock:
-            if rec.message_id in self.engine.store:
-                return
-            address = self.directory.replica_address(rec.replica)
-            if address is None:
-                raise UnknownMessageError(f"message {rec.message_id!r} was lost with replica {rec.replica}, which "
-                                          "held it and has gone: encode its text again")
-            got = fetch(address, rec.session_id, rec.message_id, rec.fingerprint, self.config.fetch_timeout_s)
-            self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint, got.parents,
-                                       got.parent_offsets, message_id=got.message_id)
-            self._hold(rec.session_id, [rec.message_id])
+            if rec.message_id not in self.engine.store:
+                self._fetch_or_rebuild(rec)
         with self._moving_lock:
             self._moving.pop(rec.message_id, None)
+
+    def _fetch_or_rebuild(self, rec: MessageRecord) -> None:
+        """Fetch the message from its holder; where the holder has gone (its address expired, or it refuses
+        connections) or lost it, encode it again. A slow holder is waited for (`fetch_timeout_s`), then the call
+        fails with UNAVAILABLE: it may answer a retry."""
+        if rec.replica == self.config.replica:
+            return self._rebuild(rec, "this replica's store evicted it")
+        address = self.directory.replica_address(rec.replica)
+        if address is None:
+            return self._rebuild(rec, f"replica {rec.replica}, which held it, has gone")
+        try:
+            got = fetch(address, rec.session_id, rec.message_id, rec.fingerprint, self.config.fetch_timeout_s)
+        except HolderGoneError as e:
+            return self._rebuild(rec, f"replica {rec.replica}, which held it, refuses connections ({e})")
+        except UnknownMessageError:
+            return self._rebuild(rec, f"replica {rec.replica}, which held it, no longer has it")
+        self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint, got.parents,
+                                   got.parent_offsets, message_id=got.message_id)
+        self._hold(rec.session_id, [rec.message_id])
         log.info("message %s of session %s moved here from replica %s (%d tokens)", rec.message_id,
                  rec.session_id, rec.replica, rec.tokens)
         try:
             self.directory.relocate(rec.session_id, rec.message_id, self.config.replica)
         except redis.RedisError as e:  # the holder still has it: later moves fetch from there
             log.warning("could not record that %s moved here: %s", rec.message_id, e)
+
+    def _rebuild(self, rec: MessageRecord, why: str) -> None:
+        """Encode a session's message again from its lineage (its parents brought here first, recursively), under
+        its own id, and take over as its holder from the one that lost it (fenced in the directory: two replicas
+        never both become its holder; one that loses the race keeps its copy as a moved message). DATA_LOSS where
+        the lineage cannot give it again."""
+        lineage, mid, fingerprint = rec.lineage, rec.message_id, rec.fingerprint
+        model, _, adapter = fingerprint.partition("+")
+        self.recovery["holder_losses" if rec.replica != self.config.replica else "evictions"] += 1
+        cannot = ("its lineage was not recorded" if lineage is None or not lineage.token_ids and not lineage.unrecorded
+                  else f"its record lacks {lineage.unrecorded}" if lineage.unrecorded
+                  else f"it was encoded by model {model}, and this replica runs {self.engine.fingerprint}"
+                  if model != self.engine.fingerprint
+                  else f"it was encoded with adapter {adapter!r}, which this replica does not load"
+                  if adapter and adapter not in self.engine.adapters else "")
+        for parent in lineage.parents if not cannot else ():
+            try:
+                self.directory.lookup(rec.session_id, parent)
+            except UnknownMessageError:  # (a branch shipped from a worker read the worker's own messages)
+                cannot = f"its parent {parent!r} is not a message of the session"
+                break
+        if cannot:
+            raise DataLossError(f"message {mid!r} of session {rec.session_id!r} is lost ({why}) and cannot be "
+                                f"encoded again: {cannot}. Run the call that made it again")
+        self._resolve(rec.session_id, lineage.parents)  # (parents first: moved here, or encoded again)
+        start = time.perf_counter()
+        self.engine.prefill([PrefillCall(list(lineage.token_ids), parents=list(lineage.parents),
+                                         offsets=list(lineage.parent_offsets), new_offset=lineage.offset,
+                                         adapter=adapter or None, id=mid)])
+        self._hold(rec.session_id, [mid])
+        self.recovery["messages"] += 1
+        self.recovery["tokens"] += len(lineage.token_ids)
+        self.recovery["seconds"] += time.perf_counter() - start
+        took = rec.replica == self.config.replica or self.directory.take_over(rec.session_id, mid, rec.replica,
+                                                                             self.config.replica)
+        log.info("message %s of session %s encoded again here (%s; %d tokens)%s", mid, rec.session_id, why,
+                 len(lineage.token_ids), "" if took else ", a copy: another replica took it over first")
 
     def _hold(self, session_id: str, ids: Iterable[str]) -> None:
         with self._held_lock:
@@ -174,9 +226,16 @@ class AgentLogic:
         return self.exporter.address
 
     def stop_upkeep(self) -> None:
+        """The replica is going away (drained, replaced by an update): nothing more is served from it, and its
+        address goes at once, so a call that needs one of its messages encodes it again from its lineage without
+        waiting for the address to expire."""
         self._stopping.set()
         if self.exporter is not None:
             self.exporter.stop()
+            try:
+                self.directory.forget_replica(self.config.replica)
+            except redis.RedisError as e:  # it expires anyway, in 3 upkeep periods
+                log.warning("could not withdraw replica %s's address: %s", self.config.replica, e)
 
     def _upkeep_loop(self) -> None:
         while not self._stopping.wait(self.config.upkeep_period_s):
@@ -220,8 +279,9 @@ class AgentLogic:
                 except UnknownMessageError:  # evicted already (store pressure): nothing to record
                     log.warning("message %s of session %s was evicted before it was registered", mid, session_id)
                     continue
-                self.directory.register(MessageRecord(mid, session_id, self.config.replica, m.fingerprint,
-                                                      m.num_tokens, m.nbytes))
+                self.directory.register(MessageRecord(
+                    mid, session_id, self.config.replica, m.fingerprint, m.num_tokens, m.nbytes,
+                    Lineage(m.token_ids, m.offset, m.parents, m.parent_offsets, m.unrecorded)))
             return True
         except UnknownMessageError as e:
             log.warning("%s", e)

@@ -48,9 +48,15 @@ class Synthesizer:
             self.agent.waves = lambda sid: WorkerWaves(self.engine, receiver, exports, on_workers, sid,
                                                        self.agent.lend)
         self.metrics = metrics()
-        report_engine(self.engine)  # (store bytes and the scheduler's gauges, every second)
+        # (store bytes, the scheduler's gauges and messages encoded again, every second)
+        report_engine(self.engine, recovery=self.agent.recovery)
         log.info("synthesizer %s: KV in at %s, session messages out at %s, prefill %.0f tok/s", replica,
                  receiver.address, exports, self.runner.prefill_tokens_per_s)
+
+    def __del__(self):
+        """Serve's graceful shutdown of this replica (a scale-down, a rolling update): its session messages are
+        served no more, and its address is withdrawn at once, so the replicas that need them encode them again."""
+        self.agent.stop_upkeep()
 
     def info(self):
         return self.runner.info()

@@ -1,6 +1,7 @@
 """The agent API over a real gRPC server and a real Redis, on one local engine."""
 
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -10,7 +11,8 @@ from braid.cluster.inprocess import start_in_process
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.engine.engine import CACHED_PREFIX
 from braid.engine.errors import UnknownMessageError
-from braid.kv.export import fetch
+from braid.kv.connector import TransferError
+from braid.kv.export import HolderGoneError, fetch
 from braid.methods.synthesis import synthesize
 from braid.models.chat import WORKER_HEADER
 from braid.protos import agent_pb2 as pb
@@ -195,17 +197,101 @@ def test_session_calls_work_on_any_replica_by_moving_messages(two_replicas):
     assert code_of(lambda: decode(b, other.session_id, [ids[0]]))[0] == grpc.StatusCode.NOT_FOUND
     with pytest.raises(UnknownMessageError):
         fetch(logic_a.exporter.address, other.session_id, ids[0], logic_a.engine.fingerprint)
+    # a message whose holder has gone is encoded again from its lineage; one whose lineage lacks what shaped it
+    # is DATA_LOSS (not worth a retry), never UNAVAILABLE
     lost = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="lost")])).message_ids[0]
     rec = logic_a.directory.lookup(sid, lost)
     rec.replica = "gone"
     logic_a.directory.register(rec)
-    got, details = code_of(lambda: decode(b, sid, [lost]))
-    assert got == grpc.StatusCode.NOT_FOUND and "lost with replica gone" in details
+    assert len(decode(b, sid, [lost])) == 6 and logic_b.directory.lookup(sid, lost).replica == "B"
+    shaped = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="mapped")])).message_ids[0]
+    rec = logic_a.directory.lookup(sid, shaped)
+    rec.replica, rec.lineage = "gone", replace(rec.lineage, unrecorded="a KV transform's copies of its parents")
+    logic_a.directory.register(rec)
+    got, details = code_of(lambda: decode(b, sid, [shaped]))
+    assert got == grpc.StatusCode.DATA_LOSS and "a KV transform" in details and "gone" in details
     # closing on A frees A's messages at once and B's copies at B's next upkeep
     assert a.CloseSession(pb.CloseSessionRequest(session_id=sid)).freed_messages >= 3
     assert logic_b.upkeep() >= 3
     assert all(m not in logic_b.engine.store for m in [*ids, answer])
     assert all(m not in logic_a.engine.store for m in [*ids, answer])
+
+
+
+def _turns(stub, sid=""):
+    """A session of several turns: a system prompt and a question, a reply, a follow-up and its reply."""
+    r = stub.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="System: be brief."),
+                                                               pb.PrefillCallSpec(text="User: 2 and 3?")]))
+    sid, ids = r.session_id, list(r.message_ids)
+    ids.append(decode(stub, sid, ids, header="Assistant:")[-1].message_id)
+    ids += stub.Prefill(pb.PrefillRequest(session_id=sid, calls=[
+        pb.PrefillCallSpec(text="User: and 4?", parents=ids)])).message_ids
+    ids.append(decode(stub, sid, ids, header="Assistant:")[-1].message_id)
+    return sid, ids
+
+
+@pytest.mark.parametrize("how", ["crashed", "drained"])
+def test_a_session_survives_the_loss_of_its_replica(two_replicas, how):
+    """Replica A holds a session of several turns and goes away: crashed (its port refuses connections while its
+    address is still announced) or drained (it withdrew its address). On B every message id still resolves,
+    each encoded again from its lineage, parents first, within batching noise of A's KV; a greedy Decode gives
+    the tokens it gave on A; B holds them now, and its recovery counters say so."""
+    (a, b), (logic_a, logic_b) = two_replicas
+    sid, ids = _turns(a)
+    before = [e.token_id for e in decode(a, sid, ids, header="Q:")]
+    held = {m: logic_a.engine.message(m) for m in ids}
+    assert all(logic_a.directory.lookup(sid, m).replica == "A" for m in ids)
+    if how == "crashed":
+        logic_a.exporter.stop()  # (what a killed process leaves: an address nothing answers at)
+        assert logic_b.directory.replica_address("A") is not None
+    else:
+        logic_a.stop_upkeep()
+        assert logic_b.directory.replica_address("A") is None
+    for m in ids:  # every id resolves on B (the last turn first: its parents come with it)
+        info = b.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=ids[-1 - ids.index(m)]))
+        assert info.message_id
+    assert [e.token_id for e in decode(b, sid, ids, header="Q:")] == before
+    for m, original in held.items():
+        again = logic_b.engine.message(m)
+        assert (again.token_ids, again.offset, again.parents, again.parent_offsets) == \
+            (original.token_ids, original.offset, original.parents, original.parent_offsets)
+        torch.testing.assert_close(again.kv.read(), original.kv.read(), atol=1e-5, rtol=1e-4)
+        assert logic_b.directory.lookup(sid, m).replica == "B"
+    assert logic_b.recovery["messages"] == len(ids) and logic_b.recovery["holder_losses"] == len(ids)
+    assert logic_b.recovery["tokens"] == sum(len(m.token_ids) for m in held.values())
+
+
+def test_only_one_replica_takes_a_lost_message_over(two_replicas):
+    """The take-over is fenced: of two replicas that find a message's holder gone, one becomes its holder."""
+    (a, _), (logic_a, logic_b) = two_replicas
+    sid, ids = _turns(a)
+    d = logic_a.directory
+    assert d.take_over(sid, ids[0], "A", "B") and not d.take_over(sid, ids[0], "A", "C")
+    assert d.lookup(sid, ids[0]).replica == "B"
+    assert not d.take_over("no-such-session", ids[0], "A", "B")
+
+
+def test_a_holder_that_refuses_connections_is_told_from_a_slow_one(two_replicas):
+    """Refused connections mean the holder has gone (encode again); a deadline means it is slow (UNAVAILABLE)."""
+    (a, _), (logic_a, _) = two_replicas
+    sid, ids = _turns(a)
+    address, fp = logic_a.exporter.address, logic_a.engine.fingerprint
+    import socket
+    with socket.socket() as s:  # a port nothing listens at
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(HolderGoneError):
+        fetch(closed, sid, ids[0], fp, timeout=5)
+    listening = socket.socket()  # accepts nothing: a holder that does not answer in time
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    try:
+        with pytest.raises(TransferError) as slow:
+            fetch(f"127.0.0.1:{listening.getsockname()[1]}", sid, ids[0], fp, timeout=1)
+        assert not isinstance(slow.value, HolderGoneError), slow.value
+    finally:
+        listening.close()
+    assert fetch(address, sid, ids[0], fp).token_ids  # (the live holder answers)
 
 
 def graph_request(session_id="", **overrides):

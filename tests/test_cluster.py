@@ -528,6 +528,68 @@ def test_session_calls_succeed_on_three_synthesizer_replicas(cluster):
         serve.delete("braid-three")
 
 
+
+def _session_turns(stub, app, n):
+    """A session of `n` turns (a prompt, then reply after reply); its ids in order."""
+    r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text=f"User: session {n}")]), metadata=app)
+    sid, ids = r.session_id, list(r.message_ids)
+    for turn in range(n):
+        events = list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+            header=f"A{turn}:", parents=ids[-1:], sampling=GREEDY)]), metadata=app, timeout=60))
+        ids.append(events[-1].message_id)
+    return sid, ids
+
+
+def _probe(stub, app, sid, ids):
+    """Every id of the session resolves (GetMessage), and a greedy Decode over the last gives its tokens."""
+    for mid in ids:
+        stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=mid), metadata=app, timeout=60)
+    return [e.token_id for e in stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+        header="Q:", parents=ids[-1:], sampling=GREEDY)]), metadata=app, timeout=60)]
+
+
+def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
+    """Two synthesizer replicas hold sessions of several turns. The replica the directory names as a session's
+    holder is killed (SIGKILL): afterwards every id of every session resolves and a greedy Decode gives the
+    tokens it gave before, each lost message encoded again from its lineage (the recompute counter rose). Then a
+    rolling update replaces both replicas (a config change through serve.run): every session survives again."""
+    import urllib.request
+
+    from ray import serve
+
+    from braid.cluster.app import build_app
+
+    stub, config, _, metrics_port, local = cluster
+    two = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2, grpc_port=config.grpc_port)
+    serve.run(build_app(two, local.redis_url), name="braid-two", route_prefix="/two")
+    app = (("application", "braid-two"),)
+    directory = Directory.connect(local.redis_url)
+    try:
+        sessions = [_session_turns(stub, app, n) for n in (2, 3, 3, 4)]
+        before = [_probe(stub, app, sid, ids) for sid, ids in sessions]
+        victim = directory.lookup(*[sessions[0][0], sessions[0][1][-1]]).replica
+        held = [(sid, ids) for sid, ids in sessions if directory.lookup(sid, ids[-1]).replica == victim]
+        (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        assert held and [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
+        deadline, text, counts = time.monotonic() + 60, "", []
+        while time.monotonic() < deadline:  # (a message the survivor held a copy of needs no encoding again)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("ray_braid_recomputed_messages_total{")]
+            if sum(counts) >= 1:
+                break
+            time.sleep(2)
+        assert sum(counts) >= 1, text[-2000:]
+        # a rolling update: a changed config replaces every replica, one at a time
+        changed = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2,
+                                grpc_port=config.grpc_port, default_max_tokens=64)
+        serve.run(build_app(changed, local.redis_url), name="braid-two", route_prefix="/two")
+        assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
+    finally:
+        serve.delete("braid-two")
+
+
 def test_fuzzed_requests_through_the_proxy(cluster):
     """The fuzz script's short version through Serve's gRPC proxy: no UNKNOWN/INTERNAL, no hang, and the
     cluster answers a fixed workflow as before."""

@@ -277,3 +277,50 @@ def test_a_large_checkpoint_keeps_its_fingerprint_until_a_file_changes(checkpoin
     assert loading.fingerprint_checkpoint(ckpt) == real  # (its change time moved: hashed again)
     assert list(read().values()) == [real]  # (and the deleted checkpoint's entry went with that write)
     assert not [n for n in os.listdir(os.path.dirname(cache)) if n.startswith(".fingerprints-")]
+
+
+def test_a_message_encoded_again_from_its_record_matches_the_original(checkpoint, llama_engine):
+    """What a session's lineage records (tokens, parents at their offsets, offset) gives the message again on
+    another engine of the same weights, under its own id (PrefillCall.id): a decoded message prefilled again has
+    the decode's KV within batching noise, and greedy decodes on the two give the same tokens."""
+    from braid.engine import Engine, EngineConfig
+    from braid.engine.errors import BraidError
+
+    eng, other = llama_engine, Engine(EngineConfig(checkpoint("llama")))
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    task = eng.prefill([PrefillCall("User: hello there", new_offset=3)])
+    reply = eng.decode([DecodeCall("A:", parents=task, sampling=greedy)])
+    follow = eng.prefill([PrefillCall("User: and then?", parents=[*task, *reply], offsets=[3, None])])
+    for mid in [*task, *reply, *follow]:  # (parents first, as a recomputation brings them)
+        m = eng.message(mid)
+        assert m.unrecorded == ""
+        got = other.prefill([PrefillCall(list(m.token_ids), parents=list(m.parents), offsets=list(m.parent_offsets),
+                                         new_offset=m.offset, id=mid)])
+        assert got == [mid]
+        again = other.message(mid)
+        assert (again.token_ids, again.offset, again.parents, again.parent_offsets) == \
+            (m.token_ids, m.offset, m.parents, m.parent_offsets)
+        torch.testing.assert_close(again.kv.read(), m.kv.read(), atol=1e-5, rtol=1e-4)
+    probe = [DecodeCall("Q:", parents=[*reply, *follow], sampling=greedy)]
+    assert eng.message(eng.decode(probe)[0]).token_ids == other.message(other.decode(probe)[0]).token_ids
+    with pytest.raises(BraidError, match="is taken"):
+        other.prefill([PrefillCall("x", id=task[0])])
+
+
+def test_a_message_records_what_shaped_it_beyond_its_parents(llama_engine):
+    """A decode that read its parents through a KV transform, or read unstored prefill calls of its request,
+    cannot be encoded again from its record alone: its message says so (Message.unrecorded)."""
+    from braid.engine.engine import KVTransform, Sibling
+
+    eng = llama_engine
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    task = eng.prefill([PrefillCall("User: a task")])
+    stream = eng.decode_stream([DecodeCall("A:", parents=task, sampling=greedy)],
+                               transform=KVTransform(frozenset(task), lambda msg, kv: kv))
+    list(stream)
+    assert "KV transform" in eng.message(stream.ids[0]).unrecorded
+    (sib,) = eng.decode([PrefillCall("notes", parents=task, store=False),
+                         DecodeCall("B:", parents=[*task, Sibling(0)], sampling=greedy)])
+    assert "unstored prefill calls" in eng.message(sib).unrecorded
+    (plain,) = eng.decode([DecodeCall("C:", parents=task, sampling=greedy)])
+    assert eng.message(plain).unrecorded == ""
