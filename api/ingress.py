@@ -9,6 +9,7 @@ from ray.serve.handle import DeploymentHandle
 from braid.api.auth import ApiKeys, DeadlineError, request_timeout
 from braid.api.grpc_server import grpc_status
 from braid.api.workflow import WorkflowConfig, WorkflowDriver, cause
+from braid.models.chat import chat_renderer
 from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import Directory
 from braid.runtime.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
@@ -59,7 +60,8 @@ class AgentIngress:
         self.keys = ApiKeys.load(api_keys_file)  # (and $BRAID_API_KEYS); None: open
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.workflows = WorkflowDriver(ServeRoles(workers, synthesizer), Directory.connect(redis_url, session_ttl_s),
-                                        config, lambda text: tokenizer.encode(text, add_special_tokens=False))
+                                        config, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                        chat_renderer(tokenizer, model_path))
         self.workflows.metrics = metrics()
 
     @staticmethod

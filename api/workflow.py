@@ -25,7 +25,7 @@ from braid.kv.connector import ReceiverLostError, TransferError, stream_name
 from braid.kv.grpc_transport import abandon
 from braid.methods.staircase import StaircaseSchedule
 from braid.methods.synthesis import SynthesisMode
-from braid.models.chat import WORKER_HEADER
+from braid.models.chat import WORKER_HEADER, ChatRenderer
 from braid.protos import agent_pb2 as pb
 from braid.runtime import convert
 from braid.runtime.aio import in_thread, merge
@@ -82,8 +82,12 @@ def cause(exc: BaseException) -> BaseException:
 
 
 class WorkflowDriver:
-    def __init__(self, roles: Roles, directory: Directory, config: WorkflowConfig, tokenize: Callable[[str], list]):
+    def __init__(self, roles: Roles, directory: Directory, config: WorkflowConfig, tokenize: Callable[[str], list],
+                 renderer: ChatRenderer | str = "this server renders no chat messages"):
+        """`renderer`: the model's chat template, one message at a time (models.chat.chat_renderer), for workflows
+        sent as chat messages; or why the model has none."""
         self.roles, self.directory, self.config, self.tokenize = roles, directory, config, tokenize
+        self.renderer = renderer
         self.metrics = None  # set by a Serve ingress: braid.runtime.metrics
 
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
@@ -100,7 +104,7 @@ class WorkflowDriver:
         cfg = self.config
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
-                              cfg.max_branches, cfg.colocated, cfg.staircase)
+                              cfg.max_branches, cfg.colocated, cfg.staircase, self.renderer)
         with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
             async with aclosing(self._workflow(wf, info, session, start)) as events:
                 async for event in events:
@@ -133,7 +137,8 @@ class WorkflowDriver:
                 kv_address = (await anext(synth)).kv_address
             groups = [list(range(g, n, cfg.branch_groups)) for g in range(min(n, cfg.branch_groups))]
             calls = [self.roles.branches(BranchRequest(wf.id, wf.task, group, [wf.prompts[j] for j in group],
-                                                       wf.worker_sampling, mode, kv_address)) for group in groups]
+                                                       wf.worker_sampling, mode, kv_address, wf.worker_header))
+                     for group in groups]
             done: dict[int, BranchDone] = {}
             answer = _Answer(start, mode, self.metrics)
             # a staircase answers while the branches decode: its stream is merged with theirs. Its receipts are

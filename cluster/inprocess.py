@@ -8,6 +8,7 @@ from braid.api.grpc_server import AgentServer, start_server
 from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
 from braid.engine import Engine
 from braid.kv.receiver import KVReceiver
+from braid.models.chat import chat_renderer
 from braid.runtime.directory import Directory
 from braid.runtime.sessions import AgentLogic, ServiceConfig
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
@@ -40,6 +41,7 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     branches = BranchRunner(engine, worker or WorkerConfig(), "in-process")
     config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
                             worker_header=branches.config.header, limits=logic.config.limits)
-    workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize)
+    workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize,
+                               chat_renderer(engine.lm.tokenizer, engine.config.model_path))
     server, bound = start_server(logic, workflows, host, port, grpc_threads, keys, tls)
     return InProcessServer(server, bound, logic, receiver)

@@ -29,3 +29,96 @@ def turn(role: str, text: str) -> str:
 
 WORKER_HEADER = header("worker")
 SYNTHESIZER_HEADER = header("synthesizer")
+
+
+# ---- any model's own chat template, one message at a time ------------------------------------------------------
+# Braid's roles, and the template role each is rendered as by default: a worker's reply and the synthesizer's
+# answer are assistant turns. The reference model has a token of its own for each (REFERENCE_ROLES).
+DEFAULT_ROLES = {"system": "system", "user": "user", "worker": "assistant", "synthesizer": "assistant"}
+REFERENCE_ROLES = {r: r for r in ROLES}
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot render Braid's messages one at a time (or a role Braid does not know)."""
+
+
+def chat_renderer(tokenizer, name: str = "") -> "ChatRenderer | str":
+    """The model's renderer, or why it has none (said to a request that sends chat messages)."""
+    try:
+        return ChatRenderer(tokenizer, name)
+    except TemplateError as e:
+        return str(e)
+
+
+class ChatRenderer:
+    """Renders chat messages with a model's own chat template (its tokenizer's `chat_template`), one message
+    at a time, as Braid encodes them: each message apart, at its own offset, after the messages it reads.
+
+    A Hugging Face template renders whole conversations, so a message is rendered as the difference between the
+    conversation with it and without it (`render(messages, before)`), and a turn the model is to complete opens
+    with the difference the generation prompt makes (`header(role, before)`). That is only sound where rendering
+    is stable: the conversation without the message must be a prefix of the conversation with it. Where it is not
+    (a template that reorders turns, or rejects the roles in the order Braid gives them), the renderer refuses,
+    naming the model and the reason; so does a template that injects today's date (`strftime_now`), since a
+    cached encoding would then change from day to day. `roles` maps Braid's roles (system, user, worker,
+    synthesizer) to the template's (DEFAULT_ROLES unless the model has a token for each of Braid's, as the
+    reference model does)."""
+
+    def __init__(self, tokenizer, name: str = "", roles: dict[str, str] | None = None):
+        self.tokenizer, self.name = tokenizer, name or getattr(tokenizer, "name_or_path", "") or "this model"
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise TemplateError(f"model {self.name} has no chat template (its tokenizer config names none): send "
+                                "raw strings, or add one to its tokenizer_config.json")
+        if "strftime_now" in str(template):
+            raise TemplateError(f"model {self.name}'s chat template writes today's date into its prompts, so a "
+                                "message's encoding would change from day to day: give the model a template "
+                                "without it (or pass date_string) to serve chat messages")
+        specials = set(getattr(tokenizer, "all_special_tokens", ()))
+        self.roles = dict(roles or (REFERENCE_ROLES if all(f"<|{r}|>" in specials for r in ROLES) else DEFAULT_ROLES))
+        unknown = set(self.roles) ^ set(ROLES)
+        if unknown:
+            raise TemplateError(f"the role map must name exactly Braid's roles {', '.join(ROLES)}; got "
+                                f"{sorted(self.roles)}")
+
+    def _as_template(self, messages) -> list[dict[str, str]]:
+        out = []
+        for m in messages:
+            role, content = (m["role"], m["content"]) if isinstance(m, dict) else (m.role, m.content)
+            if role not in self.roles:
+                raise TemplateError(f"role {role!r} is not one of {', '.join(ROLES)}")
+            out.append({"role": self.roles[role], "content": content})
+        return out
+
+    def _whole(self, messages: list[dict[str, str]], generation_role: str | None = None) -> str:
+        if not messages and generation_role is None:
+            return ""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_role is not None,
+                **({"generation_role": generation_role} if generation_role is not None else {}))
+        except Exception as e:  # noqa: BLE001 - the template's own refusal (e.g. roles that must alternate)
+            roles = ", ".join(m["role"] for m in messages) or "none"
+            raise TemplateError(f"model {self.name}'s chat template cannot render the roles {roles} in this order "
+                                f"({type(e).__name__}: {e}); map Braid's roles to others (roles=...)") from None
+
+    def _after(self, before: list[dict[str, str]], whole: str, what: str) -> str:
+        base = self._whole(before)
+        if not whole.startswith(base):
+            raise TemplateError(f"model {self.name}'s chat template does not render {what} stably: the "
+                                "conversation before it is not a prefix of the conversation with it, so it cannot "
+                                "be encoded apart")
+        return whole[len(base):]
+
+    def render(self, messages, before=()) -> str:
+        """The text of `messages` as they render after `before` (messages already encoded, which they follow)."""
+        before, messages = self._as_template(before), self._as_template(messages)
+        return self._after(before, self._whole(before + messages), f"{len(messages)} message(s)")
+
+    def header(self, role: str, before=()) -> str:
+        """The text that opens a turn of `role` for the model to complete, after `before`."""
+        if role not in self.roles:
+            raise TemplateError(f"role {role!r} is not one of {', '.join(ROLES)}")
+        # (a template renders no empty conversation: a turn that opens one is measured after a user message)
+        before = self._as_template(before) or [{"role": self.roles["user"], "content": "x"}]
+        return self._after(before, self._whole(before, self.roles[role]), f"a {role} turn's header")

@@ -39,7 +39,7 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class WorkflowRequest(_message.Message):
-    __slots__ = ("session_id", "task", "branch_prompts", "synthesis_prompt", "worker_sampling", "synthesis_sampling", "transport", "placement", "staircase")
+    __slots__ = ("session_id", "task", "branch_prompts", "synthesis_prompt", "worker_sampling", "synthesis_sampling", "transport", "placement", "staircase", "task_messages", "branch_messages", "synthesis_messages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class WorkflowRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     STAIRCASE_FIELD_NUMBER: _ClassVar[int]
+    TASK_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SYNTHESIS_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     task: str
     branch_prompts: _containers.RepeatedScalarFieldContainer[str]
@@ -58,7 +61,24 @@ class WorkflowRequest(_message.Message):
     transport: Transport
     placement: str
     staircase: StaircaseOptions
-    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ...) -> None: ...
+    task_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    branch_messages: _containers.RepeatedCompositeFieldContainer[Conversation]
+    synthesis_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[str] = ..., branch_prompts: _Optional[_Iterable[str]] = ..., synthesis_prompt: _Optional[str] = ..., worker_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., synthesis_sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., staircase: _Optional[_Union[StaircaseOptions, _Mapping]] = ..., task_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., branch_messages: _Optional[_Iterable[_Union[Conversation, _Mapping]]] = ..., synthesis_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Conversation(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class WorkflowEvent(_message.Message):
     __slots__ = ("branch_token", "synthesis_token", "decision", "timings", "done", "kv_receipt", "round", "branch_failed")
@@ -183,14 +203,16 @@ class TokenEvent(_message.Message):
     def __init__(self, call: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "sampling")
+    __slots__ = ("session_id", "prompt", "sampling", "messages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     sampling: Sampling
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PrefillCallSpec(_message.Message):
     __slots__ = ("text", "tokens", "parents", "offsets", "new_offset")

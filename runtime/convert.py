@@ -8,6 +8,7 @@ from braid.engine.errors import BraidError, ContextOverflowError, PreconditionEr
 from braid.methods.dag import Edge, Graph, Node
 from braid.methods.staircase import StaircaseSchedule, Variant
 from braid.methods.synthesis import Placement
+from braid.models.chat import ROLES, ChatRenderer, TemplateError
 from braid.protos import agent_pb2 as pb
 from braid.runtime.messages import SynthesizerInfo
 
@@ -29,16 +30,58 @@ class Workflow:
     transport: int  # as requested (pb.Transport)
     branch_limit: int  # the most tokens one branch message can hold: worker header + max_tokens
     staircase: tuple[StaircaseSchedule, Variant] | None = None  # answer from the branches' first chunks
+    worker_header: str = ""  # opens each worker's reply ("": the workers' configured header)
 
     @property
     def num_branches(self) -> int:
         return len(self.prompts)
 
 
+def chat_text(renderer: ChatRenderer | str, messages, before=(), then: str | None = None, field: str = "messages"
+              ) -> str:
+    """Chat messages as the model's template renders them after `before` (and, with `then`, the header that opens
+    a turn of that role after them). `renderer` is the model's ChatRenderer, or why it has none. An unknown role
+    is INVALID_ARGUMENT, naming the field; a template that cannot render them is FAILED_PRECONDITION."""
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise BraidError(f"{field}[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+    if isinstance(renderer, str):
+        raise PreconditionError(f"{field}: {renderer}")
+    try:
+        text = renderer.render(messages, before) if messages else ""
+        return text + (renderer.header(then, [*before, *messages]) if then is not None else "")
+    except TemplateError as e:
+        raise PreconditionError(f"{field}: {e}") from None
+
+
+def _chat_workflow(request: pb.WorkflowRequest, renderer: ChatRenderer | str) -> tuple[str, list[str], str, str]:
+    """(task, branch prompts, synthesis prompt, worker header) of a workflow sent as chat messages: each part
+    rendered after what the model reads before it (the synthesis messages after the task and the workers' turns)."""
+    if request.task or request.branch_prompts or request.synthesis_prompt:
+        raise BraidError("a workflow is sent as strings (task, branch_prompts, synthesis_prompt) or as chat "
+                         "messages (task_messages, branch_messages, synthesis_messages), not both")
+    task = list(request.task_messages)
+    for j, conversation in enumerate(request.branch_messages):
+        if not conversation.messages:
+            raise BraidError(f"branch_messages[{j}] is empty; every branch needs an instruction")
+    prompts = [chat_text(renderer, c.messages, task, field=f"branch_messages[{j}]")
+               for j, c in enumerate(request.branch_messages)]
+    headers = {chat_text(renderer, [], [*task, *c.messages], "worker", "branch_messages")
+               for c in request.branch_messages}
+    if len(headers) > 1:
+        raise PreconditionError(f"model {renderer.name}'s chat template opens the workers' turns differently from "
+                                f"branch to branch ({sorted(headers)}); send strings instead")
+    replies = [pb.ChatMessage(role="worker", content="x") for _ in request.branch_messages]
+    synthesis = chat_text(renderer, request.synthesis_messages, [*task, *replies], "synthesizer",
+                          "synthesis_messages")
+    return chat_text(renderer, task, field="task_messages"), prompts, synthesis, headers.pop() if headers else ""
+
+
 def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, header: str, default_max_tokens: int,
-             max_branches: int, colocated: bool, schedule: StaircaseSchedule = StaircaseSchedule(strict=False)
-             ) -> Workflow:
-    """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's."""
+             max_branches: int, colocated: bool, schedule: StaircaseSchedule = StaircaseSchedule(strict=False),
+             renderer: ChatRenderer | str = "this server renders no chat messages") -> Workflow:
+    """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's;
+    `renderer` renders a workflow sent as chat messages (or says why the model has none)."""
     if request.transport not in pb.Transport.values():
         raise BraidError(f"transport {request.transport} is not a Transport value ({TRANSPORT_NAMES})")
     if colocated and request.transport in (pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):
@@ -47,14 +90,20 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
     if not colocated and request.transport == pb.TRANSPORT_LOCAL:
         raise BraidError("transport TRANSPORT_LOCAL needs a colocated cluster (braid serve --colocate); use "
                          "TRANSPORT_GRPC, TRANSPORT_COLLECTIVE, TRANSPORT_TEXT or leave it unspecified")
-    n = len(request.branch_prompts)
+    chat = bool(request.task_messages or request.branch_messages or request.synthesis_messages)
+    n = len(request.branch_messages if chat else request.branch_prompts)
     if not 1 <= n <= max_branches:
-        raise BraidError(f"{n} branch_prompts given; a workflow takes 1 to {max_branches}")
-    for j, prompt in enumerate(request.branch_prompts):
-        if not prompt:
-            raise BraidError(f"branch_prompts[{j}] is empty; every branch needs an instruction")
-    if not request.synthesis_prompt:
-        raise BraidError("synthesis_prompt is empty")
+        raise BraidError(f"{n} {'branch_messages' if chat else 'branch_prompts'} given; a workflow takes 1 to "
+                         f"{max_branches}")
+    if chat:
+        task, prompts, synthesis_prompt, header = _chat_workflow(request, renderer)
+    else:
+        task, prompts, synthesis_prompt = request.task, list(request.branch_prompts), request.synthesis_prompt
+        for j, prompt in enumerate(prompts):
+            if not prompt:
+                raise BraidError(f"branch_prompts[{j}] is empty; every branch needs an instruction")
+        if not synthesis_prompt:
+            raise BraidError("synthesis_prompt is empty")
     staircase = None
     if request.HasField("staircase"):
         if request.transport == pb.TRANSPORT_TEXT:
@@ -72,9 +121,9 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
         raise BraidError(f"placement {request.placement!r} is not one of {[p.value for p in Placement]}") from None
     worker = sampling(request.worker_sampling, default_max_tokens, "worker_sampling")
     answer = sampling(request.synthesis_sampling, default_max_tokens, "synthesis_sampling")
-    wf = Workflow(secrets.token_hex(8), request.session_id, request.task or " ", list(request.branch_prompts),
-                  request.synthesis_prompt, worker, answer, placement, request.transport,
-                  len(tokenize(header)) + worker.max_tokens, staircase)
+    wf = Workflow(secrets.token_hex(8), request.session_id, task or " ", prompts, synthesis_prompt, worker, answer,
+                  placement, request.transport, len(tokenize(header)) + worker.max_tokens, staircase,
+                  header if chat else "")
     _check_context(wf, info.max_positions, tokenize, text=request.transport == pb.TRANSPORT_TEXT)
     return wf
 

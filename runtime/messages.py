@@ -19,6 +19,7 @@ class BranchRequest:
     sampling: SamplingParams
     transport: str  # "text" (no KV shipped), "grpc", "collective" or "local"
     kv_address: str = ""  # the synthesizer's KV receiver, in KV modes
+    header: str = ""  # opens each worker's reply ("": the worker's configured header)
 
 
 @dataclass

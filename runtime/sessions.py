@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import redis
 
 from braid.engine import DecodeCall, Engine, PrefillCall
-from braid.engine.errors import DataLossError, UnknownMessageError
+from braid.engine.errors import BraidError, DataLossError, UnknownMessageError
 from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
 from braid.methods.dag import NodeRound, NodeToken, WaveExecutor, run_dag
 from braid.methods.kvcomm import KVComm, KVCommConfig
 from braid.methods.kvcomm_agents import Agent, AgentGraph, AgentStarted, run_agent_graph
 from braid.methods.staircase import StaircaseSchedule
+from braid.models.chat import chat_renderer
 from braid.protos import agent_pb2 as pb
 from braid.runtime import convert
 from braid.runtime.directory import Directory, Lineage, MessageRecord
@@ -57,6 +58,7 @@ class AgentLogic:
         self.directory = directory
         self.config = config or ServiceConfig()
         self.kvcomm = KVComm(engine, self.config.kvcomm)
+        self.renderer = chat_renderer(engine.lm.tokenizer, engine.config.model_path)  # (Generate's chat messages)
         self.exporter: KVExporter | None = None  # (start_upkeep)
         self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
         self._held_lock, self._moving_lock, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
@@ -318,9 +320,12 @@ class AgentLogic:
             yield from self._stream(sid, self.engine.decode_stream(calls))
 
     def Generate(self, request: pb.GenerateRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
+        if request.prompt and request.messages:
+            raise BraidError("a Generate request sends a prompt or chat messages, not both")
+        prompt = (convert.chat_text(self.renderer, request.messages, then="synthesizer") if request.messages
+                  else request.prompt)
         with self._session(request.session_id, caller) as sid:
-            call = DecodeCall(request.prompt,
-                              sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
+            call = DecodeCall(prompt, sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
             yield from self._stream(sid, self.engine.decode_stream([call]))
 
     def GetMessage(self, request: pb.GetMessageRequest, caller: str = "") -> pb.MessageInfo:

@@ -108,7 +108,7 @@ class BranchRunner:
         sender = self._sender(req.kv_address, req.transport) if req.transport != "text" else None
         names = [stream_name(req.workflow, j) for j in req.indices]
         shipped, chunks = [0] * len(names), [0] * len(names)
-        branches = fan_out(eng, req.task, req.prompts, self.config.header, req.sampling,
+        branches = fan_out(eng, req.task, req.prompts, req.header or self.config.header, req.sampling,
                            on_start=lambda _: sender.open(names) if sender else None,
                            readable=sender is not None and sender.copies)  # (shipped in chunks as they decode)
 

@@ -1,0 +1,161 @@
+"""Chat messages rendered with a model's own chat template, one message at a time (braid.models.chat), and
+served: RunWorkflow and Generate take chat messages on a model that has a template."""
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from braid.cluster.inprocess import start_in_process
+from braid.engine import Engine, EngineConfig
+from braid.models import REFERENCE_MODEL
+from braid.models.chat import ROLES, ChatRenderer, TemplateError, header, turn
+from braid.models.checkpoints import make_random_checkpoint
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+from braid.runtime.directory import Directory, EmbeddedRedis
+
+# Written for these tests after Qwen's template (no model hub here): turns as <|im_start|>role ... <|im_end|>
+QWEN_STYLE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Templates the renderer must refuse: roles that must alternate (as Mistral's), the system turn moved last, a date
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}[assistant]{% endif %}")
+SYSTEM_LAST = ("{% for m in messages if m['role'] != 'system' %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+               "{% for m in messages if m['role'] == 'system' %}<sys>{{ m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}<assistant>{% endif %}")
+DATED = "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def tokenizer_with(checkpoint, template: str | None):
+    tok = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    tok.chat_template = template
+    return tok
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+def test_the_reference_template_renders_braids_own_turns():
+    """One path for every model: on the reference model the renderer gives exactly the strings its tasks,
+    trainer and calibration were built with (models.chat.turn and header)."""
+    r = ChatRenderer(AutoTokenizer.from_pretrained(REFERENCE_MODEL))
+    assert r.roles == {role: role for role in ROLES}
+    before = []
+    for role in ROLES:
+        assert r.render([msg(role, " some text")], before) == turn(role, " some text")
+        assert r.header(role, before) == header(role)
+        before.append(msg(role, " x"))
+
+
+def test_a_qwen_style_template_renders_each_message_after_what_it_follows(checkpoint):
+    r = ChatRenderer(tokenizer_with(checkpoint, QWEN_STYLE), "qwen-style")
+    assert r.roles["worker"] == r.roles["synthesizer"] == "assistant"
+    task = [msg("system", "solve it")]
+    assert r.render(task) == "<|im_start|>system\nsolve it<|im_end|>\n"
+    assert r.render([msg("user", "part 1")], task) == "<|im_start|>user\npart 1<|im_end|>\n"
+    assert r.header("worker", [*task, msg("user", "part 1")]) == "<|im_start|>assistant\n"
+    q = msg("user", "q")
+    whole = r.render(task) + r.render([q], task) + r.render([msg("worker", "a")], [*task, q])
+    assert whole == r.tokenizer.apply_chat_template([*task, q, msg("assistant", "a")], tokenize=False)
+    # a role map of the model's own (here: workers as users)
+    mapped = ChatRenderer(r.tokenizer, "qwen-style", roles={**r.roles, "worker": "user"})
+    assert mapped.render([msg("worker", "a")], task) == "<|im_start|>user\na<|im_end|>\n"
+
+
+@pytest.mark.parametrize("template, needle", [
+    (None, "has no chat template"),
+    (DATED, "today's date"),
+])
+def test_templates_it_cannot_serve_are_refused_at_once(checkpoint, template, needle):
+    with pytest.raises(TemplateError, match=needle) as e:
+        ChatRenderer(tokenizer_with(checkpoint, template), "my-model")
+    assert "my-model" in str(e.value)
+
+
+def test_unstable_or_rejecting_templates_are_refused_naming_the_model(checkpoint):
+    moved = ChatRenderer(tokenizer_with(checkpoint, SYSTEM_LAST), "sys-last")
+    with pytest.raises(TemplateError, match="sys-last.*not render 1 message.*stably"):
+        moved.render([msg("user", "q")], [msg("system", "s")])
+    alternating = ChatRenderer(tokenizer_with(checkpoint, ALTERNATING), "alternating")
+    assert alternating.render([msg("worker", "a")], [msg("user", "q")]) == "[assistant]a"
+    with pytest.raises(TemplateError, match="alternating.*cannot render the roles user, assistant, assistant"):
+        alternating.render([msg("worker", "b")], [msg("user", "q"), msg("worker", "a")])
+    with pytest.raises(TemplateError, match="role 'tool'"):
+        alternating.render([msg("tool", "x")])
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint with a Qwen-style template, served in process."""
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-chat")), "qwen3", "tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = QWEN_STYLE
+    tok.save_pretrained(path)
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(path)), Directory.connect(redis.url))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield agent_pb2_grpc.AgentServiceStub(channel), server
+    channel.close()
+    server.stop()
+    redis.stop()
+
+
+def chat(*pairs):
+    return [pb.ChatMessage(role=r, content=c) for r, c in pairs]
+
+
+GREEDY = pb.Sampling(max_tokens=4, ignore_eos=True)
+
+
+def test_a_workflow_sent_as_chat_messages_is_rendered_with_the_models_template(qwen_server):
+    stub, server = qwen_server
+    events = list(stub.RunWorkflow(pb.WorkflowRequest(
+        task_messages=chat(("system", "add the parts")),
+        branch_messages=[pb.Conversation(messages=chat(("user", "part 1"))),
+                         pb.Conversation(messages=chat(("user", "part 2")))],
+        synthesis_messages=chat(("user", "the sum?")), worker_sampling=GREEDY, synthesis_sampling=GREEDY,
+        transport=pb.TRANSPORT_LOCAL)))
+    done = events[-1].done
+    text = {m: stub.GetMessage(pb.GetMessageRequest(session_id=done.session_id, message_id=m)).text
+            for m in [*done.branch_message_ids, done.answer_message_id]}
+    for j, m in enumerate(done.branch_message_ids):  # each branch: its conversation, then an assistant turn
+        assert text[m].startswith("<|im_start|>assistant\n"), text[m]
+    answer = text[done.answer_message_id]
+    assert answer.startswith("<|im_start|>user\nthe sum?<|im_end|>\n<|im_start|>assistant\n"), answer
+    reply = list(stub.Generate(pb.GenerateRequest(session_id=done.session_id, sampling=GREEDY,
+                                                  messages=chat(("system", "s"), ("user", "hi")))))
+    info = stub.GetMessage(pb.GetMessageRequest(session_id=done.session_id, message_id=reply[-1].message_id))
+    assert info.text.startswith("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                                "<|im_start|>assistant\n"), info.text
+
+
+@pytest.mark.parametrize("request_, code, needle", [
+    (pb.WorkflowRequest(task="t", branch_messages=[pb.Conversation(messages=chat(("user", "a")))],
+                        synthesis_messages=chat(("user", "s"))), grpc.StatusCode.INVALID_ARGUMENT, "not both"),
+    (pb.WorkflowRequest(branch_messages=[pb.Conversation(messages=chat(("robot", "a")))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "branch_messages[0][0].role 'robot'"),
+    (pb.WorkflowRequest(branch_messages=[pb.Conversation()]), grpc.StatusCode.INVALID_ARGUMENT,
+     "branch_messages[0] is empty"),
+])
+def test_bad_chat_workflows_are_refused_naming_the_field(qwen_server, request_, code, needle):
+    stub, _ = qwen_server
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.RunWorkflow(request_))
+    assert e.value.code() == code and needle in e.value.details(), e.value.details()
+
+
+def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(checkpoint):
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
+    try:
+        stub = agent_pb2_grpc.AgentServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(messages=chat(("user", "hi")), sampling=GREEDY)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no chat template" in e.value.details()
+        assert list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=GREEDY)))[-1].message_id
+    finally:
+        server.stop()
+        redis.stop()
