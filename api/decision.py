@@ -5,7 +5,8 @@ from braid.protos import agent_pb2 as pb
 
 def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, verified_branches: int,
                      branches: int, kv_bytes: int, branch_tokens: int, link_bytes_per_s: float | None,
-                     prefill_tokens_per_s: float, branch_limit: int = 0, verified_tokens: int = 0) -> tuple[int, str]:
+                     prefill_tokens_per_s: float, branch_limit: int = 0, verified_tokens: int = 0,
+                     placement: str = "", verified_placement: str = "") -> tuple[int, str]:
     """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none);
     `verified_branches` / `verified_tokens`: up to how many branches, of up to how many tokens each (0: not
     recorded), its answers were verified to match text's (`braid eval --verify`). kv_bytes and branch_tokens
@@ -13,8 +14,9 @@ def choose_transport(requested: int, configured: str, colocated: bool, calibrati
     can hold; shipping wins when moving that KV takes less time than re-prefilling its text.
 
     `auto` reads branches from KV only where that gives the answers text would: with a calibration loaded
-    and verified at this many branches (`braid eval --verify`). Elsewhere the cache path may answer tasks that
-    read branches together wrongly."""
+    and verified at this many branches, on branches this long, at this `placement` (`verified_placement`: the
+    one the verification checked; `braid eval --verify`). Elsewhere the cache path may answer tasks that read
+    branches together wrongly."""
     if requested != pb.TRANSPORT_UNSPECIFIED:
         return requested, "requested by the client"
     override = "ask for a KV transport to override"
@@ -31,6 +33,10 @@ def choose_transport(requested: int, configured: str, colocated: bool, calibrati
         return pb.TRANSPORT_TEXT, (f"calibration {calibration} was verified on branches of up to {verified_tokens} "
                                    f"tokens; this request's may reach {branch_limit} (worker max_tokens): the "
                                    f"branches' text is re-prefilled ({override}, or lower max_tokens)")
+    if configured == "auto" and verified_placement and placement and placement != verified_placement:
+        return pb.TRANSPORT_TEXT, (f"calibration {calibration} was verified at placement {verified_placement}; this "
+                                   f"request asks for {placement}: the branches' text is re-prefilled ({override}, or "
+                                   "leave placement unset)")
     with_calibration = f"; calibration {calibration}" if calibration else ""
     if colocated:
         return pb.TRANSPORT_LOCAL, f"colocated engines: KV is reused in place{with_calibration}"

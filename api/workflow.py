@@ -118,7 +118,7 @@ class WorkflowDriver:
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,
                                              n * wf.branch_limit,
                                              info.link_bytes_per_s, info.prefill_tokens_per_s, wf.branch_limit,
-                                             info.verified_tokens)
+                                             info.verified_tokens, wf.placement.value, info.verified_placement)
         if wf.staircase is not None and transport == pb.TRANSPORT_TEXT:
             raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport "
                                     f"chosen is text ({reason}); ask for TRANSPORT_GRPC to answer from the cache "

@@ -75,9 +75,15 @@ def eval_cmd(args) -> int:
     print(format_table(out["summary"]))
     if args.verify:
         # the longest branch it was checked on: `auto` ships KV only for requests whose branches cannot be longer
+        calibration = calibration_of(engine).calibration
+        verified = next(m for m in modes if m.name == args.verify_mode).synthesis
+        # (what was verified: where its mode placed the branches, and on which weights)
         verification = {**verify(out["summary"], args.verify_mode, args.tolerance), "seed": config.seed,
                         "length": list(config.length),
-                        "max_branch_tokens": max(t for r in results for t in r.branch_tokens)}
+                        "max_branch_tokens": max(t for r in results for t in r.branch_tokens),
+                        "placement": verified.placement.value if verified.placement else "",
+                        "calibration": calibration.digest,
+                        "base_fingerprint": engine.fingerprint}
         out["verification"] = verification
         calibration_of(engine).calibration.record_verification(verification)
         print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "

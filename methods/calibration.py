@@ -209,8 +209,18 @@ class Calibration:
 
     def verified_for(self, refresh: Refresh | None) -> int:
         """verified_branches, where the verification checked the mode served with this boundary refresh
-        (mode_name(refresh)); else 0: a check of another mode says nothing about this one."""
-        return self.verified_branches if (self.verification or {}).get("mode") == mode_name(refresh) else 0
+        (mode_name(refresh)) on these weights; else 0: a check of another mode, or of other weights (a
+        verification records the calibration's digest and its base model's fingerprint), says nothing of this."""
+        v = self.verification or {}
+        same = v.get("calibration", self.digest) == self.digest and v.get("base_fingerprint",
+                                                                           self.fingerprint) == self.fingerprint
+        return self.verified_branches if same and v.get("mode") == mode_name(refresh) else 0
+
+    @property
+    def verified_placement(self) -> str:
+        """Where the verified mode placed the branches: as the verification records, else the placement the
+        calibration was trained for (the one `braid eval --verify`'s calibrated modes run at)."""
+        return (self.verification or {}).get("placement") or self.placement.value
 
     @property
     def refresh(self) -> Refresh | None:

@@ -139,3 +139,4 @@ class SynthesizerInfo:
     placement: str = "branch_point"  # where branches go when a request does not say: the calibration's own
     verified_branches: int = 0  # up to how many branches the calibration's answers were verified to match text's
     verified_tokens: int = 0  # on branches of up to how many tokens (0: not recorded)
+    verified_placement: str = ""  # at which placement ("": none verified)

@@ -75,7 +75,8 @@ class SynthesisRunner:
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
                                attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
                                attached.calibration.verified_for(self.refresh) if attached else 0,
-                               attached.calibration.verified_tokens if attached else 0)
+                               attached.calibration.verified_tokens if attached else 0,
+                               attached.calibration.verified_placement if attached else "")
 
     @property
     def refresh(self) -> Refresh | None:

@@ -600,6 +600,35 @@ def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(che
     assert again.verified_for(None) == 3 and again.verified_for(Refresh(1, 1)) == 0
     assert mode_name(Refresh(1, 1)) == "calibrated+refresh" and mode_name(Refresh(2, 0)) == "calibrated+refresh2-0"
     assert mode_name(Refresh(1, 1, sequential=True)) == "calibrated+refresh1-1-in-order"  # (no check vouches for it)
+    # and only for the weights it checked: a verification recorded for another calibration vouches for nothing
+    again.record_verification({**got, "calibration": "0" * 16, "base_fingerprint": again.fingerprint})
+    assert again.verified_for(None) == 0
+    again.record_verification({**got, "calibration": digest, "base_fingerprint": again.fingerprint})
+    assert again.verified_for(None) == 3 and again.verified_placement == again.placement.value
+
+
+def test_the_committed_verification_is_of_the_committed_weights():
+    """The manifest's verification names the calibration and base model it checked, and they are the ones
+    committed beside it: the gate's envelope cannot outlive a change of weights."""
+    committed = Calibration.load(os.path.join(REFERENCE_MODEL, "calibration"))
+    v = committed.verification
+    assert v["calibration"] == committed.digest and v["base_fingerprint"] == fingerprint_checkpoint(REFERENCE_MODEL)
+    assert v["placement"] == committed.placement.value == "mixed" and v["max_branches"] == 8
+    assert committed.verified_for(committed.refresh) == 8
+
+
+@pytest.mark.parametrize("placement, want", [("mixed", "TRANSPORT_GRPC"), ("sequential", "TRANSPORT_TEXT"),
+                                             ("branch_point", "TRANSPORT_TEXT")])
+def test_auto_ships_kv_only_at_the_verified_placement(placement, want):
+    """A request that names another placement than the one verified gets text under `auto`, and says why."""
+    from braid.api.decision import choose_transport
+    from braid.protos import agent_pb2 as pb
+
+    got, why = choose_transport(pb.TRANSPORT_UNSPECIFIED, "auto", False, "cal", 8, 4, 1000, 100, None, 1e4, 18, 18,
+                                placement, "mixed")
+    assert pb.Transport.Name(got) == want, why
+    if want == "TRANSPORT_TEXT":
+        assert f"verified at placement mixed; this request asks for {placement}" in why
 
 
 def test_committed_calibration_reproduces_its_recorded_sample():
