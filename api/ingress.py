@@ -14,6 +14,7 @@ from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import Directory
 from braid.runtime.messages import BranchRequest, SynthesisRequest, SynthesizerInfo
 from braid.runtime.metrics import metrics
+from braid.runtime.traces import TraceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ class AgentIngress:
                                         config, lambda text: tokenizer.encode(text, add_special_tokens=False),
                                         chat_renderer(tokenizer, model_path))
         self.workflows.metrics = metrics()
+        if config.record_dir:  # (one file per ingress replica: replicas never write the same file)
+            replica = serve.get_replica_context().replica_id.unique_id
+            self.workflows.recorder = TraceRecorder(config.record_dir, replica,
+                                                    on_drop=lambda n: self.workflows.metrics["trace_drops"].inc(n))
 
     @staticmethod
     def _timeout(grpc_context) -> float | None:

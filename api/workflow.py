@@ -42,6 +42,7 @@ from braid.runtime.messages import (
     SynthesizerInfo,
 )
 from braid.runtime.quotas import KeyLimits
+from braid.runtime.traces import TraceRecorder, WorkflowTrace
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "grpc", "collective", "text")
@@ -59,6 +60,7 @@ class WorkflowConfig:
     worker_header: str = WORKER_HEADER
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
     staircase: StaircaseSchedule = StaircaseSchedule(strict=False)  # a staircase request's, where it sets none
+    record_dir: str = ""  # where the ingress records what it serves (runtime.traces; "": nowhere)
 
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
@@ -88,6 +90,7 @@ class WorkflowDriver:
         sent as chat messages; or why the model has none."""
         self.roles, self.directory, self.config, self.tokenize = roles, directory, config, tokenize
         self.renderer = renderer
+        self.recorder: TraceRecorder | None = None  # set where the cluster records what it serves (record_dir)
         self.metrics = None  # set by a Serve ingress: braid.runtime.metrics
 
     async def run(self, request: pb.WorkflowRequest, caller: str = "") -> AsyncIterator[pb.WorkflowEvent]:
@@ -105,10 +108,15 @@ class WorkflowDriver:
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated, cfg.staircase, self.renderer)
+        trace = WorkflowTrace(request, info.fingerprint, info.calibration_digest) if self.recorder else None
         with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
             async with aclosing(self._workflow(wf, info, session, start)) as events:
                 async for event in events:
+                    if trace is not None:
+                        trace.see(event)
                     yield event
+        if trace is not None and trace.done:  # (a workflow that failed or was left is not recorded)
+            self.recorder.record(trace.line)
 
     async def _workflow(self, wf: convert.Workflow, info: SynthesizerInfo, session: str,
                         start: float) -> AsyncIterator[pb.WorkflowEvent]:

@@ -164,7 +164,7 @@ def serve_cmd(args) -> int:
         config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
                                synthesizer_replicas=args.synthesizers,
                                kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port,
-                               calibration=args.calibration, api_keys_file=keys_file)
+                               calibration=args.calibration, api_keys_file=keys_file, record_dir=args.record or "")
         cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
         try:
             # (Serve's gRPC proxy binds every interface and has no option to bind fewer: the key is what guards it)
@@ -368,6 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-transport", default="auto", choices=["auto", "grpc", "text"],
                    help="ship KV or re-prefill text (default: auto, decided per request)")
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
+    p.add_argument("--record", metavar="DIR",
+                   help="record every RunWorkflow served, one JSON line each (requests, replies, answers; no keys), in "
+                        "DIR/traces-*.jsonl: traces for braid loadtest --traces (default: off)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265")
     p.add_argument("--no-auth", action="store_true", help="turn Ray's token authentication off (local use only)")

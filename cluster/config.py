@@ -88,6 +88,8 @@ class ClusterConfig:
     grpc_port: int = 9000
     session_ttl_s: int = 3600
     worker_header: str = WORKER_HEADER  # opens each worker's answer (the reference model's chat role)
+    # record what RunWorkflow serves, one JSON line per request, in this directory (runtime.traces; "": off)
+    record_dir: str = ""
     # Serve autoscaling instead of a fixed replica count (then *_replicas is ignored)
     worker_autoscaling: Autoscaling | None = None
     synthesizer_autoscaling: Autoscaling | None = None
@@ -207,7 +209,7 @@ class ClusterConfig:
                              else (self.worker_replicas, self.worker_autoscaling))
         return WorkflowConfig(self.kv_transport, self.colocate, scaling.max_replicas if scaling else replicas,
                               self.default_max_tokens, self.max_branches, self.worker_header, self.key_limits(),
-                              self.staircase_schedule())
+                              self.staircase_schedule(), self.record_dir)
 
     def key_limits(self) -> KeyLimits:
         return KeyLimits(self.key_max_sessions, self.key_max_store_bytes, self.key_max_workflows)

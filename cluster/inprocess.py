@@ -11,6 +11,7 @@ from braid.kv.receiver import KVReceiver
 from braid.models.chat import chat_renderer
 from braid.runtime.directory import Directory
 from braid.runtime.sessions import AgentLogic, ServiceConfig
+from braid.runtime.traces import TraceRecorder
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
 
@@ -21,19 +22,24 @@ class InProcessServer:
     port: int
     logic: AgentLogic
     receiver: KVReceiver
+    recorder: TraceRecorder | None = None  # (record_dir)
 
     def stop(self) -> None:
         self.server.stop(0)
         self.receiver.stop()
         self.logic.stop_upkeep()
+        if self.recorder is not None:
+            self.recorder.close()  # (what is queued is written)
 
 
 def start_in_process(engine: Engine, directory: Directory, service: ServiceConfig | None = None,
                      worker: WorkerConfig | None = None, synthesizer: SynthesizerConfig | None = None,
                      host: str = "127.0.0.1", port: int = 0, grpc_threads: int = 64,
-                     keys: ApiKeys | None = None, tls: tuple[str, str] | None = None) -> InProcessServer:
+                     keys: ApiKeys | None = None, tls: tuple[str, str] | None = None,
+                     record_dir: str = "") -> InProcessServer:
     """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs); `keys`: the API keys
-    every RPC must carry (None: open); `tls`: (certificate chain, private key) PEM files."""
+    every RPC must carry (None: open); `tls`: (certificate chain, private key) PEM files; `record_dir`: record
+    every workflow served there (runtime.traces)."""
     logic = AgentLogic(engine, directory, service)
     logic.start_upkeep(host)  # (frees the KV of sessions closed or expired)
     receiver = KVReceiver(engine.fingerprint, host=host)
@@ -43,5 +49,6 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
                             worker_header=branches.config.header, limits=logic.config.limits)
     workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize,
                                chat_renderer(engine.lm.tokenizer, engine.config.model_path))
+    workflows.recorder = TraceRecorder(record_dir, "in-process") if record_dir else None
     server, bound = start_server(logic, workflows, host, port, grpc_threads, keys, tls)
-    return InProcessServer(server, bound, logic, receiver)
+    return InProcessServer(server, bound, logic, receiver, workflows.recorder)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from braid.api.auth import client_credentials, client_key, client_metadata
 from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
-from braid.loadtest.workload import TRANSPORT_CHOICES, Workload
+from braid.loadtest.workload import TRANSPORT_CHOICES, Workload, trace_requests
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.results import UNKNOWN, pyplot, write_json_to
@@ -65,7 +65,8 @@ def check_loopback(address: str) -> None:
 async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int = 0, timeout: float = 600, seed: int = 0,
                    application: str = "braid", progress: bool = True, api_key: str | None = None,
-                   credentials=None, live: list[RequestRecord] | None = None) -> tuple[list[RequestRecord], float]:
+                   credentials=None, live: list[RequestRecord] | None = None,
+                   gaps: list[float] | None = None) -> tuple[list[RequestRecord], float]:
     """Send every request; returns each one's record and the run's duration (first send to last end). The key
     sent is `api_key`, else $BRAID_API_KEY, else the one `braid serve` made on this machine (api.auth.client_key).
     `live` gets each record as its request starts, for a caller that watches the run (the chaos script's faults
@@ -82,7 +83,9 @@ async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rat
             for i, request in enumerate(requests):
                 tasks.append(asyncio.create_task(_one(stub, request, metadata, timeout, sem, bar,
                                                       [] if live is None else live)))
-                if math.isfinite(request_rate) and i < len(requests) - 1:
+                if gaps is not None and i < len(requests) - 1:  # (a replay at its recorded arrivals)
+                    await asyncio.sleep(gaps[i])
+                elif math.isfinite(request_rate) and i < len(requests) - 1:
                     await asyncio.sleep(rng.gamma(burstiness, 1 / (request_rate * burstiness)))
             records = await asyncio.gather(*tasks)
     return records, time.perf_counter() - start
@@ -143,6 +146,11 @@ def parse_args(argv=None):
     p.add_argument("--worker-max-tokens", type=int, default=32, help="cap on each worker's reply (default: 32)")
     p.add_argument("--answer-max-tokens", type=int, default=48, help="cap on each answer (default: 48)")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests and the arrivals (default: 0)")
+    p.add_argument("--traces", metavar="FILE",
+                   help="replay the workflows recorded in FILE (braid serve --record) instead of drawing reference "
+                        "tasks; --num-prompts of them, from the first again when there are fewer")
+    p.add_argument("--recorded-rate", action="store_true",
+                   help="with --traces: send them at their recorded arrival times, not at --request-rate")
     p.add_argument("--staircase", choices=["reprefill", "append"], default="",
                    help="send staircase workflows of this variant (needs --transports grpc)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
@@ -162,13 +170,22 @@ def main(argv=None) -> int:
         slos = parse_slos(args.goodput)
         if args.num_prompts < 1 or args.max_concurrency < 0 or not args.request_rate > 0 or args.burstiness <= 0:
             raise ValueError("--num-prompts >= 1, --max-concurrency >= 0, --request-rate > 0, --burstiness > 0")
-    except ValueError as e:
+        if args.recorded_rate and not args.traces:
+            raise ValueError("--recorded-rate replays --traces at their recorded times: give --traces FILE")
+        gaps = None
+        if args.traces:  # (a malformed line is refused naming the file and line: runtime.traces.TraceError)
+            requests, recorded = trace_requests(args.traces, args.num_prompts, args.worker_max_tokens,
+                                                args.answer_max_tokens, workload.transports, args.seed)
+            gaps = recorded if args.recorded_rate else None
+        else:
+            requests = workload.requests(args.num_prompts)
+    except (ValueError, OSError) as e:
         print(f"braid loadtest: error: {e}")
         return 2
     cpu = time.process_time()
-    records, duration = asyncio.run(run_load(args.address, workload.requests(args.num_prompts), args.request_rate,
-                                             args.burstiness, args.max_concurrency, args.timeout, args.seed,
-                                             args.application, api_key=args.api_key,
+    records, duration = asyncio.run(run_load(args.address, requests, args.request_rate, args.burstiness,
+                                             args.max_concurrency, args.timeout, args.seed, args.application,
+                                             api_key=args.api_key, gaps=gaps,
                                              credentials=client_credentials(args.tls, args.ca_cert)))
     # this load generator's own CPU over the run, in cores: on a machine it shares with the server, what it took
     summary = {**summarize(records, duration, slos), "client_cores": (time.process_time() - cpu) / duration}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from braid.models.chat import turn
 from braid.models.tasks import TASKS, Task, generate
 from braid.protos import agent_pb2 as pb
+from braid.runtime.traces import read_traces, trace_request
 
 TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, "text": pb.TRANSPORT_TEXT, "grpc": pb.TRANSPORT_GRPC,
                      "local": pb.TRANSPORT_LOCAL}
@@ -51,6 +52,29 @@ class Workload:
                 request.staircase.CopyFrom(pb.StaircaseOptions(variant=self.staircase))
             out.append(request)
         return out
+
+
+def trace_requests(path: str, n: int, worker_max_tokens: int, answer_max_tokens: int,
+                   transports: tuple[str, ...] = ("auto",), seed: int = 0
+                   ) -> tuple[list[pb.WorkflowRequest], list[float]]:
+    """n requests replaying the workflows recorded in the trace file at `path` (runtime.traces), in order and
+    again from the first when there are fewer; and the gaps (seconds) between their recorded arrivals, for a replay
+    at the recorded rate. Sampling and transport are the load test's, as for generated workloads."""
+    traces = [t for _, t in read_traces(path)]
+    if not traces:
+        raise ValueError(f"{path} holds no traces")
+    rng = random.Random(seed)
+    requests, times = [], []
+    for i in range(n):
+        trace = traces[i % len(traces)]
+        request = trace_request(trace)
+        request.worker_sampling.CopyFrom(pb.Sampling(max_tokens=worker_max_tokens))
+        request.synthesis_sampling.CopyFrom(pb.Sampling(max_tokens=answer_max_tokens))
+        request.transport = TRANSPORT_CHOICES[rng.choice(transports)]
+        requests.append(request)
+        times.append(float(trace.get("time") or 0.0))
+    gaps = [max(0.0, b - a) if i % len(traces) else 0.0 for i, (a, b) in enumerate(zip(times, times[1:]), 1)]
+    return requests, gaps
 
 
 def task_request(task: Task, worker: pb.Sampling, answer: pb.Sampling,

@@ -140,3 +140,4 @@ class SynthesizerInfo:
     verified_branches: int = 0  # up to how many branches the calibration's answers were verified to match text's
     verified_tokens: int = 0  # on branches of up to how many tokens (0: not recorded)
     verified_placement: str = ""  # at which placement ("": none verified)
+    calibration_digest: str = ""  # the loaded calibration's (Calibration.digest; "": none)

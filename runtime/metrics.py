@@ -33,6 +33,8 @@ def metrics() -> dict:
         # Serve tags every metric with its deployment and replica itself.
         "store_bytes": Gauge("braid_store_bytes", "Bytes of KV held in an engine's message store."),
         "control_plane_errors": Counter("braid_control_plane_errors", "Redis operations that failed mid-request."),
+        "trace_drops": Counter("braid_trace_drops", "Workflow traces not recorded (the recorder's queue was full, "
+                               "or its disk refused the write)."),
         "waiting": Gauge("braid_scheduler_waiting", "Engine calls queued for KV room (the queue depth)."),
         "running": Gauge("braid_scheduler_running", "Engine calls in the running batch."),
         "work_kv_bytes": Gauge("braid_work_kv_bytes", "Paged work-KV bytes held by running calls."),

@@ -76,7 +76,8 @@ class SynthesisRunner:
                                attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
                                attached.calibration.verified_for(self.refresh) if attached else 0,
                                attached.calibration.verified_tokens if attached else 0,
-                               attached.calibration.verified_placement if attached else "")
+                               attached.calibration.verified_placement if attached else "",
+                               attached.calibration.digest if attached else "")
 
     @property
     def refresh(self) -> Refresh | None:

@@ -1,0 +1,132 @@
+"""Recorded workflows (runtime.traces): what a cluster serves, recorded off the request path without secrets, read
+back with errors that name the file and line, and replayed by `braid loadtest --traces`."""
+
+import json
+import time
+
+import grpc
+import pytest
+
+from braid.api.auth import ApiKeys, client_metadata
+from braid.cluster.inprocess import start_in_process
+from braid.engine import Engine, EngineConfig
+from braid.loadtest.run import main as loadtest_main
+from braid.protos import agent_pb2 as pb
+from braid.protos import agent_pb2_grpc
+from braid.runtime.directory import Directory, EmbeddedRedis
+from braid.runtime.traces import TraceError, TraceRecorder, read_traces, trace_request
+
+KEY = "tracing-key-0123456789abcdef"
+GREEDY = pb.Sampling(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def recording(checkpoint, tmp_path_factory):
+    """An in-process server (with an API key) recording what it serves."""
+    folder = tmp_path_factory.mktemp("traces")
+    redis = EmbeddedRedis()
+    server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url),
+                              keys=ApiKeys.parse([f"tracer:{KEY}"], "test"), record_dir=str(folder))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield agent_pb2_grpc.AgentServiceStub(channel), server, folder
+    channel.close()
+    server.stop()
+    redis.stop()
+
+
+def lines(folder):
+    path = folder / "traces-in-process.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(folder, n, timeout=10):
+    deadline = time.monotonic() + timeout
+    while len(lines(folder)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lines(folder)
+
+
+def test_a_served_workflow_is_recorded_as_its_client_saw_it_without_secrets(recording):
+    stub, server, folder = recording
+    before = len(lines(folder))
+    events = list(stub.RunWorkflow(pb.WorkflowRequest(
+        task="add:", branch_prompts=["1 2", "3 4"], synthesis_prompt="sum:", worker_sampling=GREEDY,
+        synthesis_sampling=GREEDY, transport=pb.TRANSPORT_LOCAL), metadata=client_metadata(KEY)))
+    (line,) = wait_for(folder, before + 1)[before:]
+    replies = ["", ""]
+    for e in events:
+        if e.HasField("branch_token"):
+            replies[e.branch_token.branch] += e.branch_token.text
+    assert [b["reply"] for b in line["branches"]] == replies and all(replies)
+    assert [b["prompt"] for b in line["branches"]] == ["1 2", "3 4"] and line["task"] == "add:"
+    assert line["answer"] == events[-1].done.answer_text and line["synthesis"]["prompt"] == "sum:"
+    assert line["model"] == server.logic.engine.fingerprint and line["transport"] == "TRANSPORT_LOCAL"
+    text = json.dumps(line)
+    assert KEY not in text and events[-1].done.session_id not in text  # (no key, no session)
+    # a failed workflow is not recorded
+    with pytest.raises(grpc.RpcError):
+        list(stub.RunWorkflow(pb.WorkflowRequest(branch_prompts=[""], synthesis_prompt="s"),
+                              metadata=client_metadata(KEY)))
+    time.sleep(0.2)
+    assert len(lines(folder)) == before + 1
+
+
+def test_recording_never_blocks_or_fails_a_request(tmp_path):
+    """A disk that refuses the write, or a full queue, drops lines and counts them; nothing raises."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    refused = TraceRecorder(str(blocked / "sub"), "x")
+    refused.record({"kind": "workflow"})
+    refused.close()
+    assert refused.dropped == 1 and refused.written == 0
+    dropped = []
+    full = TraceRecorder(str(tmp_path / "ok"), "y", max_queued=1, on_drop=dropped.append)
+    start = time.perf_counter()
+    for i in range(2000):
+        full.record({"kind": "workflow", "i": i})
+    assert time.perf_counter() - start < 2  # (never waits for the disk)
+    full.close()
+    assert full.dropped == sum(dropped) > 0 and full.written + full.dropped == 2000
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"branches": [{"prompt": "a"}], "synthesis": {"prompt": "s"}}\n{not json', "line 2: not JSON"),
+    ('{"branches": [], "synthesis": {"prompt": "s"}}', "line 1: \"branches\" must be a non-empty list"),
+    ('{"branches": [{"messages": [{"role": "robot", "content": "x"}]}]}', "line 1: branches[0].messages[0]"),
+    ('{"version": 7, "branches": [{"prompt": "a"}], "synthesis": {"prompt": "s"}}', "trace version 7"),
+])
+def test_a_bad_trace_line_is_refused_naming_the_file_and_line(tmp_path, content, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(TraceError) as e:
+        list(read_traces(str(path)))
+    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_traces_a_user_writes_are_read_as_requests(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"task": "t", "branches": [{"prompt": "a"}, {"prompt": "b"}],
+                                "synthesis": {"prompt": "s"}}) + "\n\n" +
+                    json.dumps({"task_messages": [{"role": "system", "content": "be brief"}],
+                                "branches": [{"messages": [{"role": "user", "content": "q"}]}],
+                                "synthesis": {"messages": [{"role": "user", "content": "so?"}]}}) + "\n")
+    (n1, strings), (n2, chat) = read_traces(str(path))
+    assert (n1, n2) == (1, 3)
+    assert list(trace_request(strings).branch_prompts) == ["a", "b"] and trace_request(strings).synthesis_prompt == "s"
+    request = trace_request(chat)
+    assert request.task_messages[0].content == "be brief" and request.branch_messages[0].messages[0].role == "user"
+
+
+def test_loadtest_replays_recorded_workflows(recording, capsys):
+    stub, server, folder = recording
+    if not lines(folder):
+        list(stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
+                                                 worker_sampling=GREEDY, synthesis_sampling=GREEDY),
+                              metadata=client_metadata(KEY)))
+        wait_for(folder, 1)
+    traces = str(folder / "traces-in-process.jsonl")
+    argv = ["--address", f"127.0.0.1:{server.port}", "--api-key", KEY, "--traces", traces, "--num-prompts", "3",
+            "--worker-max-tokens", "3", "--answer-max-tokens", "3"]
+    assert loadtest_main(argv + ["--recorded-rate"]) == 0
+    assert "completed 3, failed 0" in capsys.readouterr().out
+    assert loadtest_main(["--recorded-rate"]) == 2 and "give --traces FILE" in capsys.readouterr().out
