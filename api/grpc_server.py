@@ -20,7 +20,7 @@ import grpc
 import redis
 
 from braid.api.auth import ApiKeys
-from braid.api.workflow import WorkflowDriver
+from braid.api.workflow import WorkflowDriver, cause, replica_lost
 from braid.engine.errors import BraidError
 from braid.protos import agent_pb2, agent_pb2_grpc
 from braid.runtime.aio import in_thread, run_in_thread
@@ -35,6 +35,9 @@ def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode[exc.code], str(exc)
     if isinstance(exc, redis.RedisError):
         return grpc.StatusCode.UNAVAILABLE, f"control plane (Redis) unavailable: {exc}"
+    if replica_lost(exc):
+        return grpc.StatusCode.UNAVAILABLE, (f"the replica serving this call was lost mid-call (killed, crashed or "
+                                             f"replaced: {type(cause(exc)).__name__}); retry it")
     log.exception("internal error")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 

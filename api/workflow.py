@@ -13,6 +13,7 @@ done (the answer alone).
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
@@ -80,7 +81,15 @@ class Roles(Protocol):
 
 def cause(exc: BaseException) -> BaseException:
     """The exception a replica raised, out of Ray's wrapper."""
-    return getattr(exc, "cause", None) or exc
+    found = getattr(exc, "cause", None)
+    return found if isinstance(found, BaseException) else exc
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether `exc` says that the replica serving a call died under it (Ray's actor errors: killed, crashed,
+    unreachable), rather than that the call itself failed: the client may retry it elsewhere."""
+    errors = sys.modules.get("ray.exceptions")  # (only where Ray is in use: an in-process server never loads it)
+    return errors is not None and any(isinstance(e, errors.RayActorError) for e in (exc, cause(exc)))
 
 
 class WorkflowDriver:
@@ -271,6 +280,9 @@ async def _worker_failures(stream, branches: list[int], staircase: bool) -> Asyn
             yield item
     except Exception as e:  # noqa: BLE001
         why = f"{type(cause(e)).__name__}: {cause(e)}"
+        if replica_lost(e) and not staircase:
+            raise TransferError(f"a worker failed mid-request: the replica running its branches was lost (killed, "
+                                f"crashed or replaced), so this workflow was abandoned; retry it: {why}") from None
         if isinstance(cause(e), ReceiverLostError):  # (the worker is fine: the synthesizer it shipped to is not)
             raise TransferError(f"the synthesizer replica serving this workflow was lost mid-request (its workers "
                                 f"could not ship KV to it), so this workflow was abandoned; retry it: {why}") from None

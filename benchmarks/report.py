@@ -45,6 +45,7 @@ H_STAIRCASE = "Staircase streaming"
 H_FUZZ = "Fuzzing the API"
 H_CHAOS = "Faults under load"
 H_SOAK = "Soak"
+H_SESSIONS = "Sessions across a lost replica"
 DETAIL_M = 4  # the branch count shown in detail where a file evaluated several
 LEVEL = 16  # the serving level (workflows at once) the prose and the headline quote
 
@@ -1712,8 +1713,39 @@ def reliability_page(r: Report) -> str:
         "Whether the service holds under hostile requests, faults and hours of load, and whether an agent's",
         "private records leak through cached encodings. A run passes only on the conditions each section names;",
         "the `passed` column is the file's own verdict. Running them: [Operations](../operations.md).")
-    return page("Reliability", intro, [reliability_fuzz(r), reliability_chaos(r), reliability_soak(r),
-                                       reliability_leakage(r), reliability_dashboard(r)])
+    return page("Reliability", intro, [reliability_fuzz(r), reliability_chaos(r), reliability_sessions(r),
+                                       reliability_soak(r), reliability_leakage(r), reliability_dashboard(r)])
+
+
+SESSION_FAULTS = ["chaos_kill_synthesizer_cpu", "chaos_rolling_update_cpu"]
+
+
+def reliability_sessions(r: Report) -> str:
+    rows = []
+    for name in SESSION_FAULTS:
+        result = r.load(name)
+        recompute = result["recompute"]
+        slowest = recompute["slowest_call_after"]
+        rows.append([f"`{result['config']['fault']}`", f"{result['sessions']} ({result['messages']} messages)",
+                     str(result["in_flight_at_fault"]),
+                     ", ".join(f"{k} {v}" for k, v in sorted(result["in_flight_outcomes"].items())),
+                     ", ".join(f"{k} {v}" for k, v in sorted(result["calls_failed"].items())) or "none",
+                     str(result["sessions_lost"]), str(result["sessions_data_loss"]),
+                     f"{recompute['messages']:.0f} ({recompute['tokens']:.0f} tokens, {secs(recompute['seconds'])})",
+                     f"{secs(slowest['seconds'])} ({slowest['kind']}; {secs(slowest['same_call_before_s'])} before)",
+                     secs(result["recovered_s"]), verdict(result["passed"])])
+    return "\n\n".join([
+        section(H_SESSIONS, paragraph(
+            "`python -m braid.loadtest.chaos kill-synthesizer` and `rolling-update`: sessions of several turns on two",
+            "Synthesizer replicas, session calls and workflows running; then the replica holding the most sessions",
+            "is killed, or a redeploy replaces both. Afterwards every message id of every session is read and a",
+            "greedy Decode is compared with the one before the fault. A session is lost if any id fails or the",
+            "Decode differs; `DATA_LOSS` that a message's record explains is counted apart. \"Encoded again\" is",
+            "what the replicas' recompute counters rose by (a survivor that already held a copy encodes nothing).")),
+        r.table(["fault", "sessions", "in flight at the fault", "their outcomes", "calls failed", "sessions lost",
+                 "DATA_LOSS", "encoded again", "slowest call after", "a new workflow completes after", "passed"],
+                rows, SESSION_FAULTS),
+    ])
 
 
 def verdict(passed) -> str:
@@ -1956,7 +1988,7 @@ def headline_rows(r: Report, base: str) -> list[list[str]]:
         result = r.load(name)
         label = label.format(**result["config"])
         rows.append([label, verdict(result["passed"]), measured_on(r, name), link("reliability.md", heading)])
-    faults = CHAOS + ["chaos_client_leaves_cpu"]
+    faults = CHAOS + ["chaos_client_leaves_cpu"] + SESSION_FAULTS
     rows.append(["Faults under load",
                  "; ".join(f"{fault_name(r.load(n))}: {verdict(r.load(n)['passed'])}" for n in faults),
                  "; ".join(f"`{n}.json`" for n in faults), link("reliability.md", H_CHAOS)])
@@ -1966,7 +1998,7 @@ def headline_rows(r: Report, base: str) -> list[list[str]]:
 def fault_name(result: dict) -> str:
     """"kill-worker (graphs)", "kill-worker (staircase reprefill)", "redis-restart"."""
     c = result["config"]
-    variant = "graphs" if c.get("graphs") else (f"staircase {c['staircase']}" if c.get("staircase") else "")
+    variant = "graphs" if c.get("graphs") else (f"staircase {c.get('staircase')}" if c.get("staircase") else "")
     return c["fault"] + (f" ({variant})" if variant else "")
 
 

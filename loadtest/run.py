@@ -146,9 +146,9 @@ def parse_args(argv=None):
     p.add_argument("--worker-max-tokens", type=int, default=32, help="cap on each worker's reply (default: 32)")
     p.add_argument("--answer-max-tokens", type=int, default=48, help="cap on each answer (default: 48)")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests and the arrivals (default: 0)")
-    p.add_argument("--traces", metavar="FILE",
-                   help="replay the workflows recorded in FILE (braid serve --record) instead of drawing reference "
-                        "tasks; --num-prompts of them, from the first again when there are fewer")
+    p.add_argument("--traces", metavar="FILE", nargs="+",
+                   help="replay the workflows recorded in these files (braid serve --record) instead of drawing "
+                        "reference tasks; --num-prompts of them, from the first again when there are fewer")
     p.add_argument("--recorded-rate", action="store_true",
                    help="with --traces: send them at their recorded arrival times, not at --request-rate")
     p.add_argument("--staircase", choices=["reprefill", "append"], default="",

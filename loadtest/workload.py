@@ -54,15 +54,16 @@ class Workload:
         return out
 
 
-def trace_requests(path: str, n: int, worker_max_tokens: int, answer_max_tokens: int,
+def trace_requests(paths: list[str], n: int, worker_max_tokens: int, answer_max_tokens: int,
                    transports: tuple[str, ...] = ("auto",), seed: int = 0
                    ) -> tuple[list[pb.WorkflowRequest], list[float]]:
-    """n requests replaying the workflows recorded in the trace file at `path` (runtime.traces), in order and
-    again from the first when there are fewer; and the gaps (seconds) between their recorded arrivals, for a replay
-    at the recorded rate. Sampling and transport are the load test's, as for generated workloads."""
-    traces = [t for _, t in read_traces(path)]
+    """n requests replaying the workflows recorded in the trace files at `paths` (runtime.traces), in the order of
+    their recorded times and again from the first when there are fewer; and the gaps (seconds) between their
+    recorded arrivals, for a replay at the recorded rate. Sampling and transport are the load test's, as for
+    generated workloads."""
+    traces = sorted((t for path in paths for _, t in read_traces(path)), key=lambda t: float(t.get("time") or 0))
     if not traces:
-        raise ValueError(f"{path} holds no traces")
+        raise ValueError(f"{', '.join(paths)} hold no traces")
     rng = random.Random(seed)
     requests, times = [], []
     for i in range(n):

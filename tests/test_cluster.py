@@ -252,6 +252,41 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
     assert events[-1].HasField("done")
 
 
+
+def test_a_workflow_cut_off_by_a_lost_synthesizer_says_so(cluster):
+    """The Synthesizer replica is killed while the workers decode a KV workflow: the client is told that the
+    synthesizer was lost (UNAVAILABLE: retry), not that a worker failed; Serve replaces it and a workflow runs."""
+    stub, *_ = cluster
+    long = pb.Sampling(max_tokens=400, ignore_eos=True)
+    stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
+                                                 worker_sampling=long, synthesis_sampling=GREEDY,
+                                                 transport=pb.TRANSPORT_GRPC), metadata=METADATA, timeout=120)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for event in stream:
+            if event.HasField("branch_token"):
+                seen += 1
+                if seen == 5:
+                    for a in ray.util.list_named_actors(all_namespaces=True):
+                        if "#Synthesizer#" in a["name"] and a["name"].startswith("SERVE_REPLICA::braid#"):
+                            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+    assert seen >= 5  # (the kill met the workflow under way)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "synthesizer" in err.value.details(), \
+        err.value.details()
+    assert "worker failed" not in err.value.details()
+    deadline = time.monotonic() + 90
+    while True:  # Serve replaces the replica; the next workflow completes
+        try:
+            events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
+                         synthesis_sampling=GREEDY)
+            break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    assert events[-1].HasField("done")
+
+
 def test_losing_redis_does_not_lose_a_running_request(cluster):
     stub, _, redis_server, *_ = cluster
     stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a", "b"], synthesis_prompt="s",
@@ -682,3 +717,29 @@ def test_a_client_that_leaves_stops_the_work_on_every_replica(cluster):
             time.sleep(0.2)
         for role in (worker, synthesizer):
             assert role.load.remote().result() == {"waiting": 0, "running": 0, "reserved_bytes": 0}, (stop, role)
+
+
+def test_a_synthesizer_killed_under_session_load_loses_no_session(cluster):
+    """The chaos script's short version of kill-synthesizer: two colocated Synthesizer replicas hold three sessions;
+    under session calls and workflows, the replica holding the most is SIGKILLed. The calls under way at the kill
+    fail at most with UNAVAILABLE, none hangs, a new workflow completes, and afterwards every id of every session
+    answers and its greedy Decode gives the tokens it gave before."""
+    from ray import serve
+
+    from braid.cluster.app import build_app
+    from braid.loadtest.chaos import kill_synthesizer_under_load
+    from braid.loadtest.workload import Workload
+
+    _, config, _, _, local = cluster
+    two = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2, grpc_port=config.grpc_port)
+    serve.run(build_app(two, local.redis_url), name="braid-kill", route_prefix="/kill")
+    try:
+        result = kill_synthesizer_under_load(local.address, local.redis_url, sessions=3, concurrency=2, after_s=1.0,
+                                             settle_s=3.0, timeout=60, metadata=(("application", "braid-kill"),),
+                                             workload=Workload(branches=(2,), worker_max_tokens=16,
+                                                               answer_max_tokens=8))
+    finally:
+        serve.delete("braid-kill")
+    assert result["passed"], (result["why_failed"], result["in_flight_by_kind"])
+    assert result["in_flight_at_fault"] >= 1 and result["hung"] == 0 and result["sessions_lost"] == 0
+    assert result["replicas_before"] == 2 and result["sessions_on_replaced"] >= 1

@@ -8,7 +8,15 @@ import pytest
 from braid.api.grpc_server import STREAMING
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
-from braid.loadtest.chaos import redis_restart_under_load
+from braid.loadtest.chaos import (
+    SessionCall,
+    _hit,
+    _rebuild_timing,
+    fault_verdict,
+    redis_restart_under_load,
+    session_losses,
+)
+from braid.loadtest.chaos import main as chaos_main
 from braid.loadtest.fuzz import fuzz
 from braid.loadtest.fuzz import main as fuzz_main
 from braid.loadtest.metrics import RequestRecord, parse_slos, summarize
@@ -125,3 +133,44 @@ def test_fuzzed_requests_across_two_api_keys_reach_nothing_of_the_other(checkpoi
         redis.stop()
     assert report["cross_key_references"] > 0 and report["cross_session_accepted"] == 0, report["statuses"]
     assert report["passed"] and "UNAUTHENTICATED" not in report["statuses"]
+
+
+def test_session_faults_tell_lost_sessions_from_data_loss_their_records_explain():
+    """kill-synthesizer and rolling-update's verdict, without a cluster: a session is whole when every id answers
+    and its Decode gives the tokens it gave before; a DATA_LOSS on an id whose record names what it cannot be
+    encoded again without (a calibrated answer) is listed apart, with why; any other failure, a DATA_LOSS the
+    record does not explain, or other tokens lose the session. A run that met no call in flight tested nothing."""
+    before = {"whole": [1, 2], "calibrated": [3, 4], "differs": [5, 6], "unexplained": [7, 8]}
+    after = {"whole": {"tokens": [1, 2], "failed": {}},
+             "calibrated": {"tokens": None, "failed": {"a": "DATA_LOSS: message 'a' is lost",
+                                                       "Decode": "DATA_LOSS: x"}},
+             "differs": {"tokens": [5, 9], "failed": {}},
+             "unexplained": {"tokens": None, "failed": {"b": "DATA_LOSS: message 'b' is lost",
+                                                        "Decode": "NOT_FOUND: y"}}}
+    gaps = {("calibrated", "a"): "a KV transform (calibration)", ("unexplained", "b"): ""}
+    losses = session_losses(before, after, gaps)
+    assert losses["sessions_lost"] == 2 and set(losses["lost"]) == {"differs", "unexplained"}
+    assert losses["lost"]["unexplained"] == ["b: DATA_LOSS: message 'b' is lost", "Decode: NOT_FOUND: y"]
+    assert losses["sessions_data_loss"] == 1 and losses["data_loss"] == [
+        {"session": "calibrated", "message": "a", "why": "a KV transform (calibration)",
+         "status": "DATA_LOSS: message 'a' is lost"}]
+
+    # what the fault met: session calls and workflows alike (started before it, not ended by then)
+    calls = [SessionCall("Decode", "s", 0.0, 2.0), SessionCall("GetMessage", "s", 0.5, 1.5, "UNAVAILABLE: gone"),
+             SessionCall("Decode", "s", 0.9), SessionCall("Decode", "s", 0.0, 0.8),
+             SessionCall("Decode", "s", 1.2, 1.5)]
+    assert _hit(calls + [RequestRecord(start=0.1, first_token=0.5, end=3.0)], 1.0) == {
+        "in_flight_at_fault": 4, "in_flight_outcomes": {"OK": 2, "UNAVAILABLE": 1, "INCOMPLETE": 1}}
+    timing = _rebuild_timing(calls, {"s"}, 1.0)  # (the first call after the fault against the same call before)
+    assert timing["first_call_after"] == {"kind": "Decode", "seconds": pytest.approx(0.3),
+                                          "same_call_before_s": pytest.approx(0.8)}
+
+    ok = {"in_flight_at_fault": 3, "hung": 0, "calls_failed": {"UNAVAILABLE": 2}, "decodes_differing": 0,
+          "sessions": 4, "sessions_lost": 0, "lost": {}, "recovered_s": 2.5}
+    assert fault_verdict(ok) == []
+    assert fault_verdict({**ok, "in_flight_at_fault": 0}) == ["tested nothing: no call was in flight at the fault"]
+    why = fault_verdict({**ok, **losses, "calls_failed": {"UNAVAILABLE": 1, "INTERNAL": 1}, "recovered_s": None})
+    assert why[0] == "calls failed with {'INTERNAL': 1}" and why[1].startswith("2 of 4 sessions lost")
+    assert why[2] == "no new workflow completed"
+    with pytest.raises(SystemExit):  # (sessions go with the session faults only)
+        chaos_main(["kill-worker", "--sessions", "3"])

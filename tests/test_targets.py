@@ -439,3 +439,13 @@ def test_synthesis_ttft_at_most_3_percent_slower(mode):
     this, against, repeats = ab_medians(result("ab_synthesis_ttft_100m_7x.json"), f"{mode}@512")
     assert repeats >= 5
     assert this <= 1.03 * against
+
+
+@pytest.mark.parametrize("name", ["chaos_kill_synthesizer_cpu.json", "chaos_rolling_update_cpu.json"])
+def test_issue_47_sessions_survive_the_loss_of_a_replica(name):
+    """Issue 47: kill-synthesizer and rolling-update with sessions in use, the fault meeting work in flight:
+    sessions lost, target 0; nothing hung; a Decode after the fault answers as before."""
+    got = result(name)
+    assert got["in_flight_at_fault"] >= 1 and got["hung"] == 0
+    assert got["sessions_lost"] == 0 and got["decodes_differing"] == 0
+    assert set(got["in_flight_outcomes"]) <= {"OK", "UNAVAILABLE"}

@@ -125,7 +125,7 @@ def test_loadtest_replays_recorded_workflows(recording, capsys):
                               metadata=client_metadata(KEY)))
         wait_for(folder, 1)
     traces = str(folder / "traces-in-process.jsonl")
-    argv = ["--address", f"127.0.0.1:{server.port}", "--api-key", KEY, "--traces", traces, "--num-prompts", "3",
+    argv = ["--address", f"127.0.0.1:{server.port}", "--api-key", KEY, "--num-prompts", "3", "--traces", traces,
             "--worker-max-tokens", "3", "--answer-max-tokens", "3"]
     assert loadtest_main(argv + ["--recorded-rate"]) == 0
     assert "completed 3, failed 0" in capsys.readouterr().out
