@@ -92,12 +92,15 @@ async def run_load(address: str, requests: list[pb.WorkflowRequest], request_rat
 
 
 def served_model(address: str, application: str = "braid", api_key: str | None = None, credentials=None) -> str:
-    """The fingerprint of the weights the agent API at `address` serves (its Health); "unknown" when it says
-    none."""
+    """The fingerprint of the weights the agent API at `address` serves (its Health); "unknown" when it says none
+    or cannot say (a server of another revision, one that has gone): a result is written whatever it says."""
     metadata = (("application", application), *client_metadata(client_key(api_key, address), 30))
-    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
-        health = agent_pb2_grpc.AgentServiceStub(channel).Health(pb.HealthRequest(), metadata=metadata, timeout=30)
-    return health.model_fingerprint or UNKNOWN
+    try:
+        with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            return stub.Health(pb.HealthRequest(), metadata=metadata, timeout=30).model_fingerprint or UNKNOWN
+    except grpc.RpcError:
+        return UNKNOWN
 
 
 def format_summary(s: dict) -> str:

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 from braid.models.chat import turn
 from braid.models.tasks import TASKS, Task, generate
+from braid.models.traces import read_traces
 from braid.protos import agent_pb2 as pb
-from braid.runtime.traces import read_traces, trace_request
+from braid.runtime.traces import trace_request
 
 TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, "text": pb.TRANSPORT_TEXT, "grpc": pb.TRANSPORT_GRPC,
                      "local": pb.TRANSPORT_LOCAL}

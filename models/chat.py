@@ -115,6 +115,22 @@ class ChatRenderer:
         before, messages = self._as_template(before), self._as_template(messages)
         return self._after(before, self._whole(before + messages), f"{len(messages)} message(s)")
 
+    def workflow(self, task, branches, synthesis) -> tuple[str, list[str], str, str]:
+        """A parallel-synthesis workflow given as chat messages, as its parts are encoded: (the task, each branch's
+        prompt after it, the synthesis prompt after the task and the workers' turns with the synthesizer's header
+        opening its answer, the header opening each worker's reply). The API (RunWorkflow) and the trainer
+        (`braid calibrate --traces`) render workflows here, so a calibration trains on the layout served."""
+        task, branches, synthesis = list(task), [list(b) for b in branches], list(synthesis)
+        prompts = [self.render(b, task) for b in branches]
+        headers = {self.header("worker", [*task, *b]) for b in branches}
+        if len(headers) > 1:
+            raise TemplateError(f"model {self.name}'s chat template opens the workers' turns differently from "
+                                f"branch to branch ({sorted(headers)}); send strings instead")
+        replies = [{"role": "worker", "content": "x"} for _ in branches]  # (the synthesizer reads their turns)
+        answer = (self.render(synthesis, [*task, *replies]) if synthesis else "") + \
+            self.header("synthesizer", [*task, *replies, *synthesis])
+        return self.render(task) if task else "", prompts, answer, headers.pop() if headers else ""
+
     def header(self, role: str, before=()) -> str:
         """The text that opens a turn of `role` for the model to complete, after `before`."""
         if role not in self.roles:

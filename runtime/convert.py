@@ -55,26 +55,27 @@ def chat_text(renderer: ChatRenderer | str, messages, before=(), then: str | Non
 
 
 def _chat_workflow(request: pb.WorkflowRequest, renderer: ChatRenderer | str) -> tuple[str, list[str], str, str]:
-    """(task, branch prompts, synthesis prompt, worker header) of a workflow sent as chat messages: each part
-    rendered after what the model reads before it (the synthesis messages after the task and the workers' turns)."""
+    """(task, branch prompts, synthesis prompt, worker header) of a workflow sent as chat messages
+    (ChatRenderer.workflow)."""
     if request.task or request.branch_prompts or request.synthesis_prompt:
         raise BraidError("a workflow is sent as strings (task, branch_prompts, synthesis_prompt) or as chat "
                          "messages (task_messages, branch_messages, synthesis_messages), not both")
-    task = list(request.task_messages)
+    fields = [("task_messages", request.task_messages), ("synthesis_messages", request.synthesis_messages),
+              *((f"branch_messages[{j}]", c.messages) for j, c in enumerate(request.branch_messages))]
+    for field, messages in fields:
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise BraidError(f"{field}[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
     for j, conversation in enumerate(request.branch_messages):
         if not conversation.messages:
             raise BraidError(f"branch_messages[{j}] is empty; every branch needs an instruction")
-    prompts = [chat_text(renderer, c.messages, task, field=f"branch_messages[{j}]")
-               for j, c in enumerate(request.branch_messages)]
-    headers = {chat_text(renderer, [], [*task, *c.messages], "worker", "branch_messages")
-               for c in request.branch_messages}
-    if len(headers) > 1:
-        raise PreconditionError(f"model {renderer.name}'s chat template opens the workers' turns differently from "
-                                f"branch to branch ({sorted(headers)}); send strings instead")
-    replies = [pb.ChatMessage(role="worker", content="x") for _ in request.branch_messages]
-    synthesis = chat_text(renderer, request.synthesis_messages, [*task, *replies], "synthesizer",
-                          "synthesis_messages")
-    return chat_text(renderer, task, field="task_messages"), prompts, synthesis, headers.pop() if headers else ""
+    if isinstance(renderer, str):
+        raise PreconditionError(f"chat messages: {renderer}")
+    try:
+        return renderer.workflow(request.task_messages, [c.messages for c in request.branch_messages],
+                                 request.synthesis_messages)
+    except TemplateError as e:
+        raise PreconditionError(str(e)) from None
 
 
 def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, header: str, default_max_tokens: int,

@@ -269,9 +269,10 @@ class Directory:
     def register(self, rec: MessageRecord) -> None:
         """Record a message of an open session; NOT_FOUND if the session was closed or expired meanwhile."""
         skey = f"braid:session:{rec.session_id}"
+        lineage = getattr(rec, "lineage", None)  # (a record another revision's code made, A/B benchmarks, has none)
         done = self.r.eval(self._REGISTER, 3, skey, f"braid:msg:{rec.session_id}:{rec.message_id}",
                            f"{skey}:messages", rec.replica, rec.fingerprint, rec.tokens, rec.kv_bytes,
-                           rec.message_id, self.ttl, rec.lineage.dumps() if rec.lineage is not None else "")
+                           rec.message_id, self.ttl, lineage.dumps() if lineage is not None else "")
         if not done:
             raise UnknownMessageError(f"session {rec.session_id!r} was closed or expired while the call ran; "
                                       "its new messages were freed")

@@ -89,13 +89,15 @@ def test_unstable_or_rejecting_templates_are_refused_naming_the_model(checkpoint
 
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
-    """A tiny random Qwen3 checkpoint with a Qwen-style template, served in process."""
+    """A tiny random Qwen3 checkpoint with a Qwen-style template, served in process, recording what it serves."""
     path = make_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-chat")), "qwen3", "tiny")
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = QWEN_STYLE
     tok.save_pretrained(path)
     redis = EmbeddedRedis()
-    server = start_in_process(Engine(EngineConfig(path)), Directory.connect(redis.url))
+    server = start_in_process(Engine(EngineConfig(path)), Directory.connect(redis.url),
+                              record_dir=str(tmp_path_factory.mktemp("qwen3-traces")))
+    server.path = path
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield agent_pb2_grpc.AgentServiceStub(channel), server
     channel.close()
@@ -159,3 +161,40 @@ def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(che
     finally:
         server.stop()
         redis.stop()
+
+
+def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_path):
+    """serve -> record -> calibrate: chat workflows served on a Qwen-style model are recorded, and `braid calibrate
+    --traces` trains on them as the served path lays them out (rendered with the model's template), reusing the
+    replies these weights wrote, holding some traces out for its check. A trace this model's template cannot
+    render is refused naming its file and line."""
+    from braid.cli import main
+    from braid.methods.calibration import Calibration
+
+    stub, server = qwen_server
+    for i in range(4):
+        list(stub.RunWorkflow(pb.WorkflowRequest(
+            task_messages=chat(("system", f"add the parts {i}")),
+            branch_messages=[pb.Conversation(messages=chat(("user", f"part {j}"))) for j in range(2)],
+            synthesis_messages=chat(("user", "the sum?")), worker_sampling=GREEDY, synthesis_sampling=GREEDY,
+            transport=pb.TRANSPORT_TEXT)))
+    server.recorder.close()  # (everything recorded is on disk)
+    traces = server.recorder.path
+    assert len(open(traces).read().splitlines()) >= 4
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", server.path, "--out", str(out), "--traces", traces, "--sources", "distill=1",
+            "--trace-weight", "100", "--tasks", "chain", "--branches", "2", "--steps", "2", "--tasks-per-step", "2",
+            "--eval-every", "2", "--held-out-per-cell", "1", "--held-out-traces", "2", "--worker-max-tokens", "4",
+            "--answer-max-tokens", "4", "--lora-rank", "2"]
+    assert main(args) == 0
+    record = Calibration.load(str(out)).record
+    n = len(open(traces).read().splitlines())
+    assert record["traces"] == {"files": [traces], "workflows": n, "held_out": (n + 1) // 2,
+                                "replies_decoded_again": 0}
+    assert "traces" in record["held_out_accuracy"][-1]
+    # a chat trace on a model without a template: refused, naming the file and line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(traces).readline())
+    plain = make_random_checkpoint(str(tmp_path / "plain"), "llama", "tiny")
+    assert main(["calibrate", "--model", plain, "--out", str(tmp_path / "cal2"), "--traces", str(bad),
+                 *args[7:]]) == 2

@@ -11,10 +11,11 @@ from braid.api.auth import ApiKeys, client_metadata
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.loadtest.run import main as loadtest_main
+from braid.models.traces import TraceError, read_traces
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
 from braid.runtime.directory import Directory, EmbeddedRedis
-from braid.runtime.traces import TraceError, TraceRecorder, read_traces, trace_request
+from braid.runtime.traces import TraceRecorder, trace_request
 
 KEY = "tracing-key-0123456789abcdef"
 GREEDY = pb.Sampling(max_tokens=4, ignore_eos=True)

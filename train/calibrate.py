@@ -51,6 +51,7 @@ from braid.methods.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibr
 from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
+from braid.train.traces import TraceWorkflow, load_trace_workflows, split
 from braid.train.train import run_cli
 
 log = logging.getLogger("braid.calibrate")
@@ -97,6 +98,11 @@ class CalibrateConfig:
     refresh: int = 0
     # tokens re-encoded at the end of every branch, when that differs from refresh (-1: as many as refresh)
     refresh_tail: int = -1
+    # recorded workflows to train on as well (comma-separated JSONL files: braid serve --record, or written by hand;
+    # the format is braid.models.traces): the target is the model's own answer from text, or a trace's reference
+    traces: str = ""
+    trace_weight: float = 4.0  # how often a trace is drawn, against the sources' weights
+    held_out_traces: int = 10  # every this-many-th trace is held out of training for the check (0: none)
 
     def __post_init__(self):
         if not self.out:
@@ -129,8 +135,16 @@ class CalibrateConfig:
             raise ValueError(f"tasks must name some of {', '.join(TASKS)}, got {self.tasks!r}")
         if self.init_from and not os.path.isfile(os.path.join(self.init_from, MANIFEST)):
             raise ValueError(f"init_from {self.init_from!r} is not a calibration directory (no {MANIFEST})")
+        missing = [p for p in self.trace_files if not os.path.isfile(p)]
+        if missing or self.trace_weight < 0 or self.held_out_traces < 0:
+            raise ValueError(f"traces must name JSONL files (missing: {missing}); trace_weight and held_out_traces "
+                             f"must be >= 0, got {self.trace_weight} and {self.held_out_traces}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def trace_files(self) -> list[str]:
+        return [p.strip() for p in self.traces.split(",") if p.strip()]
 
     @property
     def source_weights(self) -> dict[str, float]:
@@ -180,7 +194,7 @@ class Example:
     new_offset: int  # where the prompt starts
     teacher: torch.Tensor | None  # [len(target), V] log-probabilities of the text pipeline (distill only)
     source: str
-    task: Task
+    task: Task | None  # None: a recorded workflow's (source "traces")
     # per branch, with a refresh: (bool [T] of its re-encoded tokens, their KV [L, 2, H, T, D] there); the mapper
     # leaves those tokens alone
     refreshed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -236,7 +250,9 @@ class Encoder:
                                   eos_token_id=sorted(self.eos), pad_token_id=self.tok.pad_token_id)
         return head + out[0, len(context) + len(head):].tolist()
 
-    def example(self, task: Task, source: str, placement: Placement) -> Example:
+    def example(self, task: "Task | TraceWorkflow", source: str, placement: Placement) -> Example:
+        if source == "traces":
+            return self.trace_example(task, placement)
         cfg = self.cfg
         system = self.ids(turn("system", task.system))
         n = len(system)
@@ -257,17 +273,7 @@ class Encoder:
             replies = [self.ids(b.message()) for b in task.branches]
             _, kv, _ = self.forward([system + r for r in replies])
             starts = [n] * len(replies)
-        lengths = [len(r) for r in replies]
-        offsets, new_offset = place_branches(n, lengths, placement, starts)
-        kept = kept_apart(n, starts, placement)  # (as the engine: MIXED reads these as encoded, unrefreshed)
-        branches = []
-        for j, (start, length, off) in enumerate(zip(starts, lengths, offsets)):
-            block = kv[:, :, j, :, start:start + length]  # [L, 2, H, T, D]
-            keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
-                                       self.inv_freq)
-            branches.append(torch.stack([keys, block[:, 1]], dim=1))
-        refreshed = (self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets, kept)
-                     if cfg.refresh_spec is not None else None)
+        branches, new_offset, kept, refreshed = self.placed(kv, n, starts, replies, placement)
         prompt = self.ids(task.prompt())
         # branches all kept apart at one position show no order: the answer as such a reader writes it (what
         # run 10 of the reference model was trained on), and no text teacher, whose answer follows the order
@@ -284,6 +290,56 @@ class Encoder:
             teacher = F.log_softmax(logits[0, len(context) - 1:len(context) - 1 + len(target)], dim=-1)
         return Example(kv[:, :, 0, :, :n], branches, len(branches), prompt, target, new_offset, teacher, source, task,
                        refreshed)
+
+    def placed(self, kv: torch.Tensor, n: int, starts: list[int], replies: list[list[int]], placement: Placement):
+        """The branches' KV (rows of `kv` [L, 2, B, H, T, D], each reply at its start) re-encoded to `placement`
+        after an n-token prefix, as the cache path places them: (branches, the prompt's offset, which were kept
+        apart, what the boundary refresh re-encodes or None)."""
+        lengths = [len(r) for r in replies]
+        offsets, new_offset = place_branches(n, lengths, placement, starts)
+        kept = kept_apart(n, starts, placement)  # (as the engine: MIXED reads these as encoded, unrefreshed)
+        branches = []
+        for j, (start, length, off) in enumerate(zip(starts, lengths, offsets)):
+            block = kv[:, :, j, :, start:start + length]  # [L, 2, H, T, D]
+            keys = rerotate_keys_torch(block[:, 0], torch.full((length,), off - start, device=block.device),
+                                       self.inv_freq)
+            branches.append(torch.stack([keys, block[:, 1]], dim=1))
+        refreshed = (self.refresh(kv[:, :, 0, :, :n], branches, replies, offsets, kept)
+                     if self.cfg.refresh_spec is not None else None)
+        return branches, new_offset, kept, refreshed
+
+    @torch.no_grad()
+    def decode(self, context: list[int], max_tokens: int) -> list[int]:
+        """The engine's greedy decode after `context`: up to max_tokens, ending with an end token if one comes."""
+        out = self.model.generate(torch.tensor([context], device=self.device), max_new_tokens=max_tokens,
+                                  do_sample=False, eos_token_id=sorted(self.eos), pad_token_id=self.tok.pad_token_id)
+        new = out[0, len(context):].tolist()
+        return new[:next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))]
+
+    def trace_example(self, w: TraceWorkflow, placement: Placement) -> Example:
+        """A recorded workflow as the cache path reads it: its task, each worker's reply after its prompt (the
+        recorded one where these weights wrote it, else decoded again), placed; the target is the trace's
+        reference answer, else the model's own answer from the text pipeline (self-distillation, with its
+        logits as the teacher)."""
+        cfg = self.cfg
+        system, header = self.ids(w.task), self.ids(w.header)
+        contexts = [self.ids(p) for p in w.prompts]
+        replies = ([header + self.ids(r) for r in w.replies] if w.replies is not None else
+                   [header + self.decode(system + c + header, cfg.worker_max_tokens) for c in contexts])
+        _, kv, _ = self.forward([system + c + r for c, r in zip(contexts, replies)])
+        n = len(system)
+        branches, new_offset, _, refreshed = self.placed(kv, n, [n + len(c) for c in contexts], replies, placement)
+        prompt = self.ids(w.synthesis)
+        context = system + [t for r in replies for t in r] + prompt
+        teacher = None
+        if w.reference is not None:
+            target = self.ids(w.reference) + [min(self.eos)]
+        else:
+            target = self.decode(context, cfg.answer_max_tokens)
+            _, _, logits = self.forward([context + target], want_logits=True)
+            teacher = F.log_softmax(logits[0, len(context) - 1:len(context) - 1 + len(target)], dim=-1)
+        return Example(kv[:, :, 0, :, :n], branches, len(branches), prompt, target, new_offset, teacher, "traces",
+                       None, refreshed)
 
     @torch.no_grad()
     def refresh(self, prefix_kv: torch.Tensor, branches: list[torch.Tensor], replies: list[list[int]],
@@ -414,9 +470,15 @@ def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example],
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
-def draw(cfg: CalibrateConfig, rng: random.Random) -> tuple[Task, str, Placement]:
+def draw(cfg: CalibrateConfig, rng: random.Random, traces: list[TraceWorkflow] = ()
+         ) -> tuple["Task | TraceWorkflow", str, Placement]:
+    """One training item: a synthetic task of a source drawn by weight, or (with `traces`) a recorded workflow."""
     names, weights = zip(*cfg.source_weights.items())
+    if traces:
+        names, weights = (*names, "traces"), (*weights, cfg.trace_weight)
     source = rng.choices(names, weights)[0]
+    if source == "traces":
+        return rng.choice(traces), source, rng.choice(cfg.placement_list)
     lo = rng.randint(1, cfg.max_length)
     task = generate(rng.choice(cfg.task_names), rng.randrange(CALIBRATION_SEEDS, CALIBRATION_SEEDS + (1 << 40)),
                     rng.choice(cfg.branch_counts), (lo, rng.randint(lo, cfg.max_length)))
@@ -458,7 +520,7 @@ def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 1
                 examples = [encoder.example(*h) for h in held[i:i + batch]]
             yield examples  # (outside the with: the synthesizer's forward runs with the LoRA on)
 
-    return teacher_forced(peft_model, mapper, batches(), lambda e: e.task.name)
+    return teacher_forced(peft_model, mapper, batches(), lambda e: e.task.name if e.task is not None else "traces")
 
 
 def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True, branch_slots: int = 0):
@@ -559,6 +621,18 @@ def calibrate(cfg: CalibrateConfig) -> dict:
         record = state["record"]
         log.info("resuming %s at step %d", cfg.out, record["steps"])
     held = held_out_set(cfg)
+    traces: list[TraceWorkflow] = []
+    if cfg.trace_files:  # (a line this model cannot render is refused here, naming its file and line)
+        every = load_trace_workflows(cfg.trace_files, tokenizer, fingerprint, WORKER_HEADER, cfg.model)
+        traces, held_traces = split(every, cfg.held_out_traces)
+        held += [(w, "traces", cfg.placement_list[0]) for w in held_traces]
+        record["traces"] = {"files": cfg.trace_files, "workflows": len(every), "held_out": len(held_traces),
+                            "replies_decoded_again": sum(w.replies is None for w in every)}
+        log.info("%d traces (%d held out); %d recorded by other weights, their replies decoded again", len(every),
+                 len(held_traces), record["traces"]["replies_decoded_again"])
+        if not traces:
+            raise ValueError(f"every trace in {cfg.traces} is held out (held_out_traces={cfg.held_out_traces}): "
+                             "give more traces, or a larger held_out_traces")
     calibration = Calibration(mapper, lora, fingerprint, os.path.basename(os.path.normpath(cfg.model)))
 
     def save() -> None:
@@ -577,7 +651,7 @@ def calibrate(cfg: CalibrateConfig) -> dict:
         began = time.perf_counter()
         rng = random.Random(f"calibrate:{cfg.seed}:{step}")
         with peft_model.disable_adapter():  # workers and branch encodings: the base weights
-            examples = [encoder.example(*draw(cfg, rng)) for _ in range(cfg.tasks_per_step)]
+            examples = [encoder.example(*draw(cfg, rng, traces)) for _ in range(cfg.tasks_per_step)]
         for group, base in zip(opt.param_groups, base_lrs):
             group["lr"] = base * lr_factor(cfg, step)
         out = synthesizer_loss(model, mapper, examples, cfg.kl_weight)
