@@ -70,7 +70,18 @@ def eval_cmd(args) -> int:
     if args.verify and (calibration_of(engine) is None or not {"text", args.verify_mode} <= set(names)):
         raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
                          "calibration and run both modes")
-    results = evaluate(engine, config, modes)
+    if args.traces:  # recorded workflows instead of synthetic tasks (those calibrate --traces held out, by default)
+        from braid.evals.harness import evaluate_traces
+        from braid.models.chat import WORKER_HEADER
+        from braid.models.traces import load_trace_workflows, split
+
+        workflows = load_trace_workflows(args.traces.split(","), engine.lm.tokenizer, engine.fingerprint,
+                                         WORKER_HEADER, path)
+        if args.held_out_traces:
+            workflows = split(workflows, args.held_out_traces)[1]
+        results = evaluate_traces(engine, workflows, config, modes)
+    else:
+        results = evaluate(engine, config, modes)
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
     if args.verify:
@@ -78,8 +89,9 @@ def eval_cmd(args) -> int:
         calibration = calibration_of(engine).calibration
         verified = next(m for m in modes if m.name == args.verify_mode).synthesis
         # (what was verified: where its mode placed the branches, and on which weights)
-        verification = {**verify(out["summary"], args.verify_mode, args.tolerance), "seed": config.seed,
-                        "length": list(config.length),
+        checked = ({"traces": args.traces.split(","), "held_out_traces": args.held_out_traces} if args.traces
+                   else {"seed": config.seed, "length": list(config.length)})
+        verification = {**verify(out["summary"], args.verify_mode, args.tolerance), **checked,
                         "max_branch_tokens": max(t for r in results for t in r.branch_tokens),
                         "placement": verified.placement.value if verified.placement else "",
                         "calibration": calibration.digest,
@@ -460,6 +472,12 @@ def main(argv=None) -> int:
                         "calibrated+refresh for a token at each end, calibrated for none)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
+    p.add_argument("--traces", metavar="FILE[,FILE]",
+                   help="evaluate recorded workflows (braid serve --record) instead of synthetic tasks: every mode "
+                        "is held to the trace's reference answer, else to the text pipeline's answer")
+    p.add_argument("--held-out-traces", type=int, default=10,
+                   help="with --traces: evaluate only every N-th trace, those braid calibrate --traces held out "
+                        "with the same N (0: all of them; default: 10)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")

@@ -28,6 +28,7 @@ from braid.methods.synthesis import TEXT as TEXT_MODE
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, header, turn
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
+from braid.models.traces import TraceWorkflow
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,34 @@ def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConf
             engine.free(message_id)
 
 
+def run_trace(engine: Engine, workflow: TraceWorkflow, modes: Sequence[Mode], config: EvalConfig) -> TaskResult:
+    """A recorded workflow in every mode, on the same worker branches (decoded greedily here, as served). A mode
+    is right where its answer is the trace's reference answer, when it has one; else where it is the answer the
+    text pipeline gives (the one the served path must match), so text is right by definition."""
+    made: list[str] = []
+    try:
+        workers = fan_out(engine, workflow.task, list(workflow.prompts), workflow.header,
+                          SamplingParams(max_tokens=config.worker_max_tokens))
+        try:
+            outputs = _drain(workers)
+        finally:
+            made += [*workers.prefix, *workers.contexts, *(workers.ids or ())]
+        result = TaskResult("traces", 0, workflow.branches, workflow.reference or "", True, outputs,
+                            branch_tokens=[engine.message(b).num_tokens for b in workers.ids])
+        answer = SamplingParams(max_tokens=config.answer_max_tokens)
+        for mode in sorted(modes, key=lambda m: m.name != TEXT.name):  # (text first: the others are held to it)
+            stream = synthesis_stream(engine, workers.ids, workflow.synthesis, prefix=workers.prefix,
+                                      mode=mode.synthesis, sampling=answer)
+            result.answers[mode.name], result.ttft[mode.name] = _drain(stream)[0], stream.timings["first_token"]
+            made += stream.ids
+            want = workflow.reference if workflow.reference is not None else result.answers[TEXT.name]
+            result.correct[mode.name] = result.answers[mode.name].strip() == want.strip()
+        return result
+    finally:
+        for message_id in reversed(made):
+            engine.free(message_id)
+
+
 def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfig, answer: SamplingParams,
                made: list[str]) -> tuple[str, float]:
     """The workers again (greedy: the same replies), the answer streamed from their chunks as they decode; its
@@ -218,6 +247,15 @@ def evaluate(engine: Engine, config: EvalConfig, modes: Sequence[Mode], progress
                 results.append(run_task(engine, task, modes, config))
                 bar.update()
     return results
+
+
+def evaluate_traces(engine: Engine, workflows: Sequence[TraceWorkflow], config: EvalConfig, modes: Sequence[Mode],
+                    progress: bool = True) -> list[TaskResult]:
+    """Every recorded workflow in every mode (run_trace); summarize groups them by branch count."""
+    if TEXT.name not in {m.name for m in modes}:
+        raise ValueError("evaluating traces holds every mode to the text pipeline's answer: include the text mode")
+    return [run_trace(engine, w, modes, config) for w in tqdm(workflows, desc="traces", unit="workflow",
+                                                               disable=not progress)]
 
 
 def summarize(results: Sequence[TaskResult], modes: Sequence[Mode]) -> list[dict]:

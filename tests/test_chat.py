@@ -169,7 +169,8 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
     replies these weights wrote, holding some traces out for its check. A trace this model's template cannot
     render is refused naming its file and line."""
     from braid.cli import main
-    from braid.methods.calibration import Calibration
+    from braid.methods.calibration import Calibration, load_engine
+    from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 
     stub, server = qwen_server
     for i in range(4):
@@ -192,6 +193,17 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
     assert record["traces"] == {"files": [traces], "workflows": n, "held_out": (n + 1) // 2,
                                 "replies_decoded_again": 0}
     assert "traces" in record["held_out_accuracy"][-1]
+    # -> verify on the traces it held out -> the served path's gate reads that verification
+    assert main(["eval", "--model", server.path, "--calibration", str(out), "--traces", traces,
+                 "--held-out-traces", "2", "--modes", "text,calibrated", "--worker-max-tokens", "4",
+                 "--answer-max-tokens", "4", "--verify"]) == 0
+    cal = Calibration.load(str(out))
+    v = cal.verification
+    assert v["traces"] == [traces] and v["tasks"] == ["traces"] and v["placement"] == cal.placement.value
+    assert v["calibration"] == cal.digest and v["samples"] == (n + 1) // 2 and v["mode"] == "calibrated"
+    engine = load_engine(EngineConfig(server.path, calibration=str(out)))
+    info = SynthesisRunner(engine, None, None, SynthesizerConfig(refresh_tokens=0)).info()
+    assert info.verified_branches == v["max_branches"] and info.verified_placement == cal.placement.value
     # a chat trace on a model without a template: refused, naming the file and line
     bad = tmp_path / "bad.jsonl"
     bad.write_text(open(traces).readline())

@@ -51,7 +51,7 @@ from braid.methods.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibr
 from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
 from braid.models.chat import END, WORKER_HEADER, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
-from braid.train.traces import TraceWorkflow, load_trace_workflows, split
+from braid.models.traces import TraceWorkflow, load_trace_workflows, split
 from braid.train.train import run_cli
 
 log = logging.getLogger("braid.calibrate")
