@@ -51,12 +51,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def median_runs(modes, repeats, free):
+def median_runs(modes, repeats, free, copied=dict):
     """Median TTFT and assembly time per mode, the modes taking turns (one run each per round, so a slow spell
-    of the machine hits them alike), after one warm-up round. `free()` drops what a run stored."""
-    runs = {name: [] for name in modes}
+    of the machine hits them alike), after one warm-up round, and the KV bytes a run copied (`copied()`: the
+    engine's counters, Engine.kv_copied, read around each run). `free()` drops what a run stored."""
+    runs, copies = {name: [] for name in modes}, {}
     for round_ in range(repeats + 1):
         for name, make_stream in modes.items():
+            before = copied()
             start = time.perf_counter()
             stream = make_stream()
             events = iter(stream)
@@ -64,9 +66,10 @@ def median_runs(modes, repeats, free):
             ttft = time.perf_counter() - start
             list(events)
             free()
+            copies[name] = {at: n - before.get(at, 0) for at, n in copied().items()}
             if round_:  # (not the warm-up)
                 runs[name].append((ttft, stream.timings["assemble"]))
-    return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+    return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs), copies[name])
             for name, rs in runs.items()}
 
 
@@ -147,8 +150,9 @@ def main(argv=None):
             for mid in set(eng.store.ids()) - before:
                 eng.free(mid)
 
-        for name, (ttft, assemble) in median_runs(modes, args.repeats, free).items():
+        for name, (ttft, assemble, copies) in median_runs(modes, args.repeats, free, lambda: eng.kv_copied).items():
             row[f"{name}_ttft_ms"], row[f"{name}_assemble_ms"] = 1e3 * ttft, 1e3 * assemble
+            row[f"{name}_kv_copied_bytes"] = copies  # (one run's: at reuse and at commit)
         row["speedup_branch_point"] = row["text_ttft_ms"] / row["cache_branch_point_ttft_ms"]
         row["speedup_sequential"] = row["text_ttft_ms"] / row["cache_sequential_ttft_ms"]
         row["speedup_calibrated"] = row["text_ttft_ms"] / row["cache_calibrated_ttft_ms"]

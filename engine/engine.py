@@ -222,6 +222,12 @@ class Engine:
             raise BraidError(f"adapter id {adapter_id!r} is taken by another adapter")
         self.adapters[adapter_id] = adapter
 
+    @property
+    def kv_copied(self) -> dict[str, int]:
+        """KV bytes copied since the engine started, at reuse (parents copied into the pool) and at commit (a
+        finished call's KV copied out into its message): engine.model_runner.KVPool.copied."""
+        return dict(self.scheduler.pool.copied)
+
     def encoded_by(self, adapter_id: str | None) -> str:
         """The fingerprint messages encoded on these weights are stored under."""
         return self.fingerprint if adapter_id is None else f"{self.fingerprint}+{adapter_id}"
@@ -659,6 +665,7 @@ class Engine:
             if not call.store:
                 continue
             kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
+            self.scheduler.pool.copied["commit"] += kv.nbytes
             toks, offset = call.all_tokens, call.offset
             if call.prefix is not None:
                 kv, toks, offset = torch.cat([call.prefix.kv.read(), kv], dim=3), [*call.prefix.token_ids, *toks], \

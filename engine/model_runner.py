@@ -57,6 +57,10 @@ class KVPool:
         self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
         self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
         self.shared: dict[tuple, SharedRun] = {}
+        # KV bytes copied since the engine started: "reuse", parents copied into the pool for the calls that read
+        # them (a copy re-rotated to another offset, or a shared run's one copy); "commit", a finished call's KV
+        # copied out into its stored message. A parent read in place from a run already there copies nothing.
+        self.copied = {"reuse": 0, "commit": 0}
 
     @staticmethod
     def share_key(kv: DenseKV, offset: int) -> tuple:
@@ -80,6 +84,7 @@ class KVPool:
                 raise RuntimeError(f"no room in the KV pool to share a {kv.num_tokens}-token parent")
             index = _slots(blocks, self.block_tokens, self.kv.device)[:kv.num_tokens]
             self.kv.index_copy_(3, index, kv.read().to(self.kv.dtype))
+            self.copied["reuse"] += kv.nbytes
             run = self.shared[key] = SharedRun(key, blocks, index, kv)
         run.refs += 1
         return run
@@ -172,6 +177,7 @@ class WorkCache:
         """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
         start, end = self.length, self.length + kv.shape[3]
         self.pool.kv.index_copy_(3, self._claim(start, end), kv.to(self.pool.kv.dtype))
+        self.pool.copied["reuse"] += kv.numel() * self.pool.kv.element_size()
         self.segment[start:end] = segment
         self.length = end
 

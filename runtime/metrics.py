@@ -40,6 +40,9 @@ def metrics() -> dict:
         "work_kv_bytes": Gauge("braid_work_kv_bytes", "Paged work-KV bytes held by running calls."),
         "preemptions": Counter("braid_scheduler_preemptions", "Calls preempted for work-KV room (encoded again "
                                "later)."),
+        "kv_copied": Counter("braid_kv_copied_bytes", "KV bytes an engine copied: parents into its pool at reuse "
+                             "(none for a parent read in place), a finished call's KV out at commit.",
+                             tag_keys=("at",)),
         "prefix_hits": Gauge("braid_prefix_cache_hits", "Calls that reused cached KV, since the replica started."),
         "prefix_misses": Gauge("braid_prefix_cache_misses", "Cacheable calls that found nothing, since start."),
         # session messages encoded again from their lineage (runtime.sessions): their holder had gone, or evicted
@@ -60,7 +63,7 @@ def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) ->
     """Keep this replica's engine gauges (scheduler queue, batch and preemptions, work KV, store, prefix cache)
     current, and with `recovery` (runtime.sessions.AgentLogic.recovery) its counts of messages encoded again."""
     m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
-    counted = {"preemptions": 0, **{k: 0 for k in RECOVERY}}
+    counted = {"preemptions": 0, "reuse": 0, "commit": 0, **{k: 0 for k in RECOVERY}}
 
     def loop():
         while (engine := ref()) is not None:
@@ -74,6 +77,10 @@ def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) ->
                     m["preemptions"].inc(preemptions - counted["preemptions"])
                     counted["preemptions"] = preemptions
                 m["store_bytes"].set(engine.store.used_bytes)
+                for at, copied in engine.kv_copied.items():
+                    if copied > counted[at]:
+                        m["kv_copied"].inc(copied - counted[at], tags={"at": at})
+                        counted[at] = copied
                 if engine.prefix_cache is not None:
                     m["prefix_hits"].set(engine.prefix_cache.hits)
                     m["prefix_misses"].set(engine.prefix_cache.misses)

@@ -324,3 +324,18 @@ def test_a_message_records_what_shaped_it_beyond_its_parents(llama_engine):
     assert "unstored prefill calls" in eng.message(sib).unrecorded
     (plain,) = eng.decode([DecodeCall("C:", parents=task, sampling=greedy)])
     assert eng.message(plain).unrecorded == ""
+
+
+def test_the_engine_counts_the_kv_it_copies(fresh_engine):
+    """Engine.kv_copied (exported as a metric and in benchmark JSON): a call's KV copied out into its message at
+    commit, and a parent read at another offset than it was encoded at copied (re-rotated) into the pool."""
+    eng = fresh_engine
+    before = eng.kv_copied
+    (p,) = eng.prefill([PrefillCall(list(range(3, 43)))])
+    after = eng.kv_copied
+    assert after["commit"] - before["commit"] == eng.message(p).nbytes and after["reuse"] == before["reuse"]
+    (d,) = eng.decode([DecodeCall("A:", parents=[p], offsets=[7], sampling=SamplingParams(max_tokens=3,
+                                                                                       ignore_eos=True))])
+    got = eng.kv_copied
+    assert got["reuse"] - after["reuse"] == eng.message(p).nbytes  # (its 40 tokens, moved 7 positions)
+    assert got["commit"] - after["commit"] == eng.message(d).nbytes
