@@ -89,8 +89,12 @@ def eval_cmd(args) -> int:
         calibration = calibration_of(engine).calibration
         verified = next(m for m in modes if m.name == args.verify_mode).synthesis
         # (what was verified: where its mode placed the branches, and on which weights)
-        checked = ({"traces": args.traces.split(","), "held_out_traces": args.held_out_traces} if args.traces
-                   else {"seed": config.seed, "length": list(config.length)})
+        referenced = [r.reference_correct for r in results if r.reference_correct is not None]
+        checked = ({"traces": args.traces.split(","), "held_out_traces": args.held_out_traces,
+                    # (text's own accuracy where traces carry reference answers: agreeing with it counts for little
+                    # where it is low)
+                    "text_reference_accuracy": sum(referenced) / len(referenced) if referenced else None}
+                   if args.traces else {"seed": config.seed, "length": list(config.length)})
         verification = {**verify(out["summary"], args.verify_mode, args.tolerance), **checked,
                         "max_branch_tokens": max(t for r in results for t in r.branch_tokens),
                         "placement": verified.placement.value if verified.placement else "",

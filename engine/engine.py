@@ -284,7 +284,7 @@ class Engine:
 
     def import_message(self, token_ids: Sequence[int], kv: torch.Tensor, offset: int, fingerprint: str,
                        parents: Sequence[str] = (), parent_offsets: Sequence[int] = (),
-                       message_id: str | None = None) -> str:
+                       message_id: str | None = None, unrecorded: str = "") -> str:
         """Store a message encoded elsewhere (shipped KV, or a session's message moved from another replica).
         Checked like any parent would be; one encoded by this model's adapted weights ("<fingerprint>+<tag>")
         is stored as such, and no call takes it as a parent."""
@@ -303,7 +303,7 @@ class Engine:
             raise BraidError(f"message id {message_id!r} already exists")
         msg = Message(message_id or new_message_id(), tuple(int(t) for t in token_ids),
                       DenseKV(kv.to(self.lm.device).contiguous()), offset, tuple(parents), tuple(parent_offsets),
-                      fingerprint)
+                      fingerprint, unrecorded=unrecorded)
         with self._store_lock:
             self.store.add([msg])
         return msg.id

@@ -138,6 +138,7 @@ class TaskResult:
     correct: dict[str, bool] = field(default_factory=dict)
     ttft: dict[str, float] = field(default_factory=dict)  # seconds, synthesizer call to first answer token
     branch_tokens: list[int] = field(default_factory=list)  # each branch message's length, as the synthesizer got it
+    reference_correct: bool | None = None  # a trace's: text's answer is its reference answer (None: it has none)
 
 
 def _drain(stream) -> list[str]:
@@ -188,9 +189,11 @@ def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConf
 
 
 def run_trace(engine: Engine, workflow: TraceWorkflow, modes: Sequence[Mode], config: EvalConfig) -> TaskResult:
-    """A recorded workflow in every mode, on the same worker branches (decoded greedily here, as served). A mode
-    is right where its answer is the trace's reference answer, when it has one; else where it is the answer the
-    text pipeline gives (the one the served path must match), so text is right by definition."""
+    """A recorded workflow in every mode, on the same worker branches (decoded greedily here, as served). A mode is
+    right where its answer is the text pipeline's (the one the served path must match: text is right by
+    definition); where the trace has a reference answer, `reference_correct` says whether text's matched it, so
+    that agreeing with a wrong text answer is seen for what it is. Answers are compared as plain text (special
+    tokens, such as the end of turn, left out)."""
     made: list[str] = []
     try:
         workers = fan_out(engine, workflow.task, list(workflow.prompts), workflow.header,
@@ -202,17 +205,30 @@ def run_trace(engine: Engine, workflow: TraceWorkflow, modes: Sequence[Mode], co
         result = TaskResult("traces", 0, workflow.branches, workflow.reference or "", True, outputs,
                             branch_tokens=[engine.message(b).num_tokens for b in workers.ids])
         answer = SamplingParams(max_tokens=config.answer_max_tokens)
+        plain = _plain_text(engine)
         for mode in sorted(modes, key=lambda m: m.name != TEXT.name):  # (text first: the others are held to it)
             stream = synthesis_stream(engine, workers.ids, workflow.synthesis, prefix=workers.prefix,
                                       mode=mode.synthesis, sampling=answer)
             result.answers[mode.name], result.ttft[mode.name] = _drain(stream)[0], stream.timings["first_token"]
             made += stream.ids
-            want = workflow.reference if workflow.reference is not None else result.answers[TEXT.name]
-            result.correct[mode.name] = result.answers[mode.name].strip() == want.strip()
+            result.correct[mode.name] = plain(result.answers[mode.name]) == plain(result.answers[TEXT.name])
+        if workflow.reference is not None:
+            result.reference_correct = plain(result.answers[TEXT.name]) == plain(workflow.reference)
         return result
     finally:
         for message_id in reversed(made):
             engine.free(message_id)
+
+
+def _plain_text(engine: Engine):
+    """text -> the text without the model's special tokens (an answer ends with its end-of-turn token), stripped."""
+    specials = sorted(getattr(engine.lm.tokenizer, "all_special_tokens", ()), key=len, reverse=True)
+
+    def plain(text: str) -> str:
+        for token in specials:
+            text = text.replace(token, "")
+        return text.strip()
+    return plain
 
 
 def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfig, answer: SamplingParams,

@@ -226,7 +226,9 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         if got.kv is None:
             engine.message(got.message_id)  # NOT_FOUND if it was freed meanwhile
             return got.message_id
-        return engine.import_message(got.token_ids, got.kv, got.offset, self.fingerprint)
+        # (encoded on a worker after its task and prompt, which this replica's record of it does not hold)
+        return engine.import_message(got.token_ids, got.kv, got.offset, self.fingerprint,
+                                     unrecorded="the worker's context it was decoded after (a shipped branch)")
 
     def stop(self) -> None:
         local.unregister(self.address)

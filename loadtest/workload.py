@@ -62,7 +62,8 @@ def trace_requests(paths: list[str], n: int, worker_max_tokens: int, answer_max_
     their recorded times and again from the first when there are fewer; and the gaps (seconds) between their
     recorded arrivals, for a replay at the recorded rate. Sampling and transport are the load test's, as for
     generated workloads."""
-    traces = sorted((t for path in paths for _, t in read_traces(path)), key=lambda t: float(t.get("time") or 0))
+    traces = [t for path in paths for _, t in read_traces(path)]
+    traces = sorted(traces, key=lambda t: float(t.get("time") or 0)) if all(t.get("time") for t in traces) else traces
     if not traces:
         raise ValueError(f"{', '.join(paths)} hold no traces")
     rng = random.Random(seed)
@@ -74,8 +75,10 @@ def trace_requests(paths: list[str], n: int, worker_max_tokens: int, answer_max_
         request.synthesis_sampling.CopyFrom(pb.Sampling(max_tokens=answer_max_tokens))
         request.transport = TRANSPORT_CHOICES[rng.choice(transports)]
         requests.append(request)
-        times.append(float(trace.get("time") or 0.0))
-    gaps = [max(0.0, b - a) if i % len(traces) else 0.0 for i, (a, b) in enumerate(zip(times, times[1:]), 1)]
+        times.append(trace.get("time"))
+    # (a trace written by hand may have no time: no wait before or after it)
+    gaps = [max(0.0, float(b) - float(a)) if i % len(traces) and a is not None and b is not None else 0.0
+            for i, (a, b) in enumerate(zip(times, times[1:]), 1)]
     return requests, gaps
 
 

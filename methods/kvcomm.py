@@ -571,7 +571,8 @@ class KVComm:
                                       tuple((a.id, round(float(w), 4)) for a, w in zip(m.anchors, share))))
         positions = torch.cat([torch.arange(P + s, P + e) for s, e in bounds])
         kv = rotate(unfeatures(torch.cat(parts), self._like), positions, eng.lm.inv_freq)
-        return (eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0]), slots,
+        return (eng.import_message(context, kv, P, eng.fingerprint, parents=[prefix_id], parent_offsets=[0],
+                                   unrecorded="KVComm's reuse of a shared text's KV from another context"), slots,
                 torch.cat(doubt))
 
     def _record(self, scope, agent, names, texts, joins, behind, key, bounds, P, ctx_id, bases

@@ -362,7 +362,8 @@ def _import(engine: Engine, chunk: tuple[list[int], torch.Tensor, int], held: li
     """A chunk read from a branch (BranchFeed.read) as a message, kept from eviction between rounds (freed, and
     released, at the end)."""
     tokens, kv, at = chunk
-    mid = engine.import_message(tokens, kv.to(engine.lm.dtype), at, engine.fingerprint)
+    mid = engine.import_message(tokens, kv.to(engine.lm.dtype), at, engine.fingerprint,
+                                unrecorded="the worker's context its branch was decoded after (a staircase chunk)")
     engine.hold([mid])
     held.append(mid)
     return mid

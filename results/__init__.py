@@ -70,8 +70,10 @@ def write_json(out_dir: str, name: str, result: dict, *, device: str, model: str
     for the plot."""
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, name)
-    with open(stem + ".json", "w") as f:
-        json.dump({"stamp": stamp(device=device, model=model, calibration=calibration), **result}, f, indent=2)
+    text = json.dumps({"stamp": stamp(device=device, model=model, calibration=calibration), **result}, indent=2)
+    with open(stem + ".json.tmp", "w") as f:  # (whole or not at all: a failed dump leaves an old result intact)
+        f.write(text)
+    os.replace(stem + ".json.tmp", stem + ".json")
     return stem
 
 

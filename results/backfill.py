@@ -2,8 +2,8 @@
 
 `python -m braid.results.backfill [DIR]` (default: benchmarks/results) adds a `stamp` to every JSON there that
 has none. What the file itself records is kept (its `fingerprint` or `base_fingerprint`, `device`, `torch`);
-the commit is the one that last wrote the file (a result is committed with the code it measured, or just
-after it); everything else is "unknown". Such a stamp says `"backfilled": true`, and its `dirty` is null.
+the commit is the one that last wrote its content (a result is committed with the code it measured, or just
+after it; a commit that only renamed the file does not count); everything else is "unknown". Such a stamp says `"backfilled": true`, and its `dirty` is null.
 """
 
 import argparse
@@ -30,11 +30,24 @@ def _device(name: str, result: dict) -> tuple[str, str]:
     return UNKNOWN, UNKNOWN
 
 
-def backfilled_stamp(path: str, result: dict) -> dict:
-    """The stamp for an unstamped results file at `path` (see the module's docstring)."""
+def last_written(rel: str, at: str = "HEAD") -> tuple[str, str]:
+    """(commit, its date) of the last commit up to `at` that wrote the content of the file at `rel`, following it
+    through renames; a commit that only renamed it (similarity 100) does not count. (UNKNOWN, UNKNOWN): none."""
+    log = _git("log", "--follow", "--format=@%H %cI", "--name-status", at, "--", rel) or ""
+    commit = None
+    for line in log.splitlines():
+        if line.startswith("@"):
+            commit = line[1:].split()
+        elif line.strip() and commit is not None and line.split("\t")[0] != "R100":
+            return commit[0], commit[1]
+    return UNKNOWN, UNKNOWN
+
+
+def backfilled_stamp(path: str, result: dict, at: str = "HEAD") -> dict:
+    """The stamp for an unstamped results file at `path` (see the module's docstring), from the history up to
+    revision `at`."""
     rel = os.path.relpath(os.path.abspath(path), ROOT)
-    log = (_git("log", "-1", "--format=%H %cI", "--", rel) or "").split()
-    commit, written = (log[0], log[1]) if len(log) == 2 else (UNKNOWN, UNKNOWN)
+    commit, written = last_written(rel, at)
     device, name = _device(os.path.basename(path), result)
     model = result.get("fingerprint") or result.get("base_fingerprint") or UNKNOWN
     torch_version = result.get("torch") if isinstance(result.get("torch"), str) else UNKNOWN

@@ -77,7 +77,7 @@ class MessageRecord:
     fingerprint: str
     tokens: int
     kv_bytes: int
-    lineage: Lineage | None = None  # None: not recorded (a registration from before lineages were kept)
+    lineage: Lineage | None = None  # what `register` records (`lookup` leaves it out: Directory.lineage reads it)
 
 
 @dataclass
@@ -322,11 +322,17 @@ class Directory:
         return {sid for sid, alive in zip(ids, pipe.execute()) if alive}
 
     def lookup(self, session_id: str, message_id: str) -> MessageRecord:
-        h = self.r.hgetall(f"braid:msg:{session_id}:{message_id}")
-        if not h:
+        """The message's record, without its lineage (which `lineage` reads: it is only needed to rebuild it)."""
+        replica, fingerprint, tokens, kv_bytes = self.r.hmget(f"braid:msg:{session_id}:{message_id}", "replica",
+                                                              "fingerprint", "tokens", "kv_bytes")
+        if replica is None:
             raise UnknownMessageError(f"message {message_id!r} is not in session {session_id!r}")
-        return MessageRecord(message_id, session_id, h["replica"], h["fingerprint"], int(h["tokens"]),
-                             int(h["kv_bytes"]), Lineage.loads(h["lineage"]) if h.get("lineage") else None)
+        return MessageRecord(message_id, session_id, replica, fingerprint, int(tokens), int(kv_bytes))
+
+    def lineage(self, session_id: str, message_id: str) -> Lineage | None:
+        """What it takes to encode the message again (None: not recorded, or the session has gone)."""
+        text = self.r.hget(f"braid:msg:{session_id}:{message_id}", "lineage")
+        return Lineage.loads(text) if text else None
 
     def list_sessions(self, owner: str | None = None) -> list[SessionRecord]:
         """Every session (with `owner`: that caller's)."""

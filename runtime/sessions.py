@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import redis
 
 from braid.engine import DecodeCall, Engine, PrefillCall
-from braid.engine.errors import BraidError, DataLossError, UnknownMessageError
+from braid.engine.errors import BraidError, DataLossError, UnavailableError, UnknownMessageError
 from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
 from braid.methods.dag import NodeRound, NodeToken, WaveExecutor, run_dag
 from braid.methods.kvcomm import KVComm, KVCommConfig
@@ -128,7 +128,8 @@ class AgentLogic:
         its own id, and take over as its holder from the one that lost it (fenced in the directory: two replicas
         never both become its holder; one that loses the race keeps its copy as a moved message). DATA_LOSS where
         the lineage cannot give it again."""
-        lineage, mid, fingerprint = rec.lineage, rec.message_id, rec.fingerprint
+        mid, fingerprint = rec.message_id, rec.fingerprint
+        lineage = self.directory.lineage(rec.session_id, mid)
         model, _, adapter = fingerprint.partition("+")
         self.recovery["holder_losses" if rec.replica != self.config.replica else "evictions"] += 1
         cannot = ("its lineage was not recorded" if lineage is None or not lineage.token_ids and not lineage.unrecorded
@@ -146,11 +147,24 @@ class AgentLogic:
         if cannot:
             raise DataLossError(f"message {mid!r} of session {rec.session_id!r} is lost ({why}) and cannot be "
                                 f"encoded again: {cannot}. Run the call that made it again")
-        self._resolve(rec.session_id, lineage.parents)  # (parents first: moved here, or encoded again)
+        for attempt in range(3):  # (parents first: moved here, or encoded again; then kept until the prefill runs)
+            self._resolve(rec.session_id, lineage.parents)
+            try:
+                held = self.engine.hold(lineage.parents)
+                break
+            except UnknownMessageError:  # (one evicted while another was brought: bring it again)
+                if attempt == 2:
+                    raise UnavailableError(f"message {mid!r}: its parents could not all be kept in this replica's "
+                                           "store at once (it is full); retry the call") from None
         start = time.perf_counter()
-        self.engine.prefill([PrefillCall(list(lineage.token_ids), parents=list(lineage.parents),
-                                         offsets=list(lineage.parent_offsets), new_offset=lineage.offset,
-                                         adapter=adapter or None, id=mid)])
+        try:
+            if mid in self.engine.store:  # (brought here meanwhile by a call that did not wait for this one)
+                return
+            self.engine.prefill([PrefillCall(list(lineage.token_ids), parents=list(lineage.parents),
+                                             offsets=list(lineage.parent_offsets), new_offset=lineage.offset,
+                                             adapter=adapter or None, id=mid)])
+        finally:
+            self.engine.release(held)
         self._hold(rec.session_id, [mid])
         self.recovery["messages"] += 1
         self.recovery["tokens"] += len(lineage.token_ids)
@@ -252,7 +266,7 @@ class AgentLogic:
     def upkeep(self) -> int:
         """One round: renew the announcement, free what this replica holds of sessions gone. Returns the
         number of messages freed."""
-        if self.exporter is not None:
+        if self.exporter is not None and not self._stopping.is_set():  # (a draining replica stays withdrawn)
             self.directory.announce_replica(self.config.replica, self.exporter.address,
                                             int(3 * self.config.upkeep_period_s) + 1)
         with self._held_lock:

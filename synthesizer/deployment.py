@@ -56,7 +56,8 @@ class Synthesizer:
     def __del__(self):
         """Serve's graceful shutdown of this replica (a scale-down, a rolling update): its session messages are
         served no more, and its address is withdrawn at once, so the replicas that need them encode them again."""
-        self.agent.stop_upkeep()
+        if hasattr(self, "agent"):  # (not when __init__ failed before it made one)
+            self.agent.stop_upkeep()
 
     def info(self):
         return self.runner.info()

@@ -201,12 +201,13 @@ def test_session_calls_work_on_any_replica_by_moving_messages(two_replicas):
     # is DATA_LOSS (not worth a retry), never UNAVAILABLE
     lost = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="lost")])).message_ids[0]
     rec = logic_a.directory.lookup(sid, lost)
-    rec.replica = "gone"
+    rec.replica, rec.lineage = "gone", logic_a.directory.lineage(sid, lost)
     logic_a.directory.register(rec)
     assert len(decode(b, sid, [lost])) == 6 and logic_b.directory.lookup(sid, lost).replica == "B"
     shaped = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text="mapped")])).message_ids[0]
     rec = logic_a.directory.lookup(sid, shaped)
-    rec.replica, rec.lineage = "gone", replace(rec.lineage, unrecorded="a KV transform's copies of its parents")
+    rec.replica = "gone"
+    rec.lineage = replace(logic_a.directory.lineage(sid, shaped), unrecorded="a KV transform's copies of its parents")
     logic_a.directory.register(rec)
     got, details = code_of(lambda: decode(b, sid, [shaped]))
     assert got == grpc.StatusCode.DATA_LOSS and "a KV transform" in details and "gone" in details

@@ -140,6 +140,8 @@ def test_a_stream_unlike_what_its_sender_sent_fails_at_the_receiver(llama_engine
             assert not any(c.HasField("stream_digest") for c in seen)
             mid = receiver.import_message(eng, got)
             assert zlib.crc32(tensor_bytes(eng.message(mid).kv.read())) == zlib.crc32(tensor_bytes(msg.kv.read()))
+            # (its record lacks the worker's context: a session that loses it cannot encode it again, and says so)
+            assert "worker's context" in eng.message(mid).unrecorded
             eng.free(mid)
             return
         with pytest.raises(TransferError, match="arrived corrupted"):

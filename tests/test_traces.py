@@ -131,3 +131,16 @@ def test_loadtest_replays_recorded_workflows(recording, capsys):
     assert loadtest_main(argv + ["--recorded-rate"]) == 0
     assert "completed 3, failed 0" in capsys.readouterr().out
     assert loadtest_main(["--recorded-rate"]) == 2 and "give --traces FILE" in capsys.readouterr().out
+
+
+def test_replay_gaps_are_the_recorded_ones_and_none_for_traces_without_a_time(tmp_path):
+    from braid.loadtest.workload import trace_requests
+
+    line = {"task": "t", "branches": [{"prompt": "a"}], "synthesis": {"prompt": "s"}}
+    timed = tmp_path / "timed.jsonl"
+    timed.write_text("".join(json.dumps({**line, "time": t}) + "\n" for t in (100.0, 100.5, 102.0)))
+    requests, gaps = trace_requests([str(timed)], 5, 3, 3)
+    assert len(requests) == 5 and gaps == [0.5, 1.5, 0.0, 0.5]  # (a new pass starts at once)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({**line, "time": 1.7e9}) + "\n" + json.dumps(line) + "\n")
+    assert trace_requests([str(mixed)], 2, 3, 3)[1] == [0.0]

@@ -212,6 +212,7 @@ class Encoder:
         ids = model.generation_config.eos_token_id if model.generation_config is not None else None
         ids = tokenizer.eos_token_id if ids is None else ids
         self.eos = set(ids) if isinstance(ids, (list, tuple)) else {ids}  # the engine's stop tokens
+        self.end = ids[0] if isinstance(ids, (list, tuple)) else ids  # the one that ends a turn (listed first)
         self.device = next(model.parameters()).device
 
     def ids(self, text: str) -> list[int]:
@@ -333,7 +334,7 @@ class Encoder:
         context = system + [t for r in replies for t in r] + prompt
         teacher = None
         if w.reference is not None:
-            target = self.ids(w.reference) + [min(self.eos)]
+            target = self.ids(w.reference) + [self.end]
         else:
             target = self.decode(context, cfg.answer_max_tokens)
             _, _, logits = self.forward([context + target], want_logits=True)
