@@ -148,6 +148,9 @@ class AgentLogic:
             raise DataLossError(f"message {mid!r} of session {rec.session_id!r} is lost ({why}) and cannot be "
                                 f"encoded again: {cannot}. Run the call that made it again")
         for attempt in range(3):  # (parents first: moved here, or encoded again; then kept until the prefill runs)
+            for ancestor in self._ancestors_first(rec.session_id, lineage.parents):
+                if ancestor not in self.engine.store:
+                    self._bring_here(self.directory.lookup(rec.session_id, ancestor))
             self._resolve(rec.session_id, lineage.parents)
             try:
                 held = self.engine.hold(lineage.parents)
@@ -173,6 +176,29 @@ class AgentLogic:
                                                                              self.config.replica)
         log.info("message %s of session %s encoded again here (%s; %d tokens)%s", mid, rec.session_id, why,
                  len(lineage.token_ids), "" if took else ", a copy: another replica took it over first")
+
+    def _ancestors_first(self, session_id: str, ids: Iterable[str]) -> list[str]:
+        """Of `ids` and their ancestors, those missing here whose holder has gone (so that they are encoded again
+        here), parents before children. Walked with a stack of its own, so that a long chain of turns is brought
+        back one message at a time, each finding its parents here, without a recursion as deep as the chain."""
+        order, seen, stack = [], set(), [(mid, False) for mid in reversed(list(ids))]
+        while stack:
+            mid, ready = stack.pop()
+            if ready:
+                order.append(mid)
+                continue
+            if mid in seen or mid in self.engine.store:
+                continue
+            seen.add(mid)
+            try:
+                rec = self.directory.lookup(session_id, mid)
+            except UnknownMessageError:  # (not the session's: its child's rebuild says DATA_LOSS)
+                continue
+            stack.append((mid, True))
+            if rec.replica == self.config.replica or self.directory.replica_address(rec.replica) is None:
+                lineage = self.directory.lineage(session_id, mid)
+                stack += [(p, False) for p in reversed(lineage.parents if lineage else ())]
+        return order
 
     def _hold(self, session_id: str, ids: Iterable[str]) -> None:
         with self._held_lock:

@@ -262,6 +262,25 @@ def test_a_session_survives_the_loss_of_its_replica(two_replicas, how):
     assert logic_b.recovery["tokens"] == sum(len(m.token_ids) for m in held.values())
 
 
+
+def test_a_long_chain_of_turns_comes_back_without_deep_recursion(two_replicas):
+    """A session whose every message reads the one before (a long conversation), its holder gone: the chain is
+    encoded again ancestors first, one message at a time, past Python's recursion limit in depth."""
+    import sys
+
+    (a, b), (logic_a, logic_b) = two_replicas
+    r = a.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: start")]))
+    sid, last = r.session_id, r.message_ids[0]
+    depth = sys.getrecursionlimit() // 3
+    for i in range(depth):
+        last = a.Prefill(pb.PrefillRequest(session_id=sid, calls=[pb.PrefillCallSpec(text=f" {i % 10}",
+                                                                                     parents=[last])])).message_ids[0]
+    want = [e.token_id for e in decode(a, sid, [last])]
+    logic_a.stop_upkeep()
+    assert [e.token_id for e in decode(b, sid, [last])] == want
+    assert logic_b.recovery["messages"] == depth + 1
+
+
 def test_only_one_replica_takes_a_lost_message_over(two_replicas):
     """The take-over is fenced: of two replicas that find a message's holder gone, one becomes its holder."""
     (a, _), (logic_a, logic_b) = two_replicas
