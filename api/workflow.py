@@ -283,7 +283,7 @@ async def _worker_failures(stream, branches: list[int], staircase: bool) -> Asyn
         if replica_lost(e) and not staircase:
             raise TransferError(f"a worker failed mid-request: the replica running its branches was lost (killed, "
                                 f"crashed or replaced), so this workflow was abandoned; retry it: {why}") from None
-        if isinstance(cause(e), ReceiverLostError):  # (the worker is fine: the synthesizer it shipped to is not)
+        if isinstance(cause(e), ReceiverLostError) and not staircase:  # (the worker is fine: its synthesizer is not)
             raise TransferError(f"the synthesizer replica serving this workflow was lost mid-request (its workers "
                                 f"could not ship KV to it), so this workflow was abandoned; retry it: {why}") from None
         if not staircase:

@@ -93,7 +93,7 @@ class GrpcSender(KVSender):
             self._future.result(timeout=timeout)
             return self.sent
         except grpc.RpcError as e:
-            lost = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            lost = e.code() == grpc.StatusCode.UNAVAILABLE  # (CANCELLED: the receiver gave the stream up itself)
             raise (ReceiverLostError if lost else TransferError)(
                 f"KV push to the receiver failed: {e.code().name}: {e.details()}") from None
         finally:
