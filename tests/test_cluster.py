@@ -222,6 +222,20 @@ def test_replicas_internal_kv_ports_take_only_the_clusters_calls(cluster):
     stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id), metadata=METADATA)
 
 
+def _next_workflow_completes(stub, within_s: float = 90) -> bool:
+    """After a replica was killed: Serve replaces it, and a workflow completes (retried until then)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
+                         synthesis_sampling=GREEDY)
+            return events[-1].HasField("done")
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
     stub, *_ = cluster
     long = pb.Sampling(max_tokens=400, ignore_eos=True)
@@ -239,17 +253,7 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
                     for a in workers:
                         ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker failed" in err.value.details()
-    deadline = time.monotonic() + 90
-    while True:  # Serve replaces the replica; the next workflow completes
-        try:
-            events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
-                         synthesis_sampling=GREEDY)
-            break
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-    assert events[-1].HasField("done")
+    assert _next_workflow_completes(stub)
 
 
 
@@ -274,17 +278,7 @@ def test_a_workflow_cut_off_by_a_lost_synthesizer_says_so(cluster):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "synthesizer" in err.value.details(), \
         err.value.details()
     assert "worker failed" not in err.value.details()
-    deadline = time.monotonic() + 90
-    while True:  # Serve replaces the replica; the next workflow completes
-        try:
-            events = run(stub, task="t", branch_prompts=["a", "b"], synthesis_prompt="s", worker_sampling=GREEDY,
-                         synthesis_sampling=GREEDY)
-            break
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-    assert events[-1].HasField("done")
+    assert _next_workflow_completes(stub)
 
 
 def test_losing_redis_does_not_lose_a_running_request(cluster):
@@ -602,11 +596,14 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
     try:
         sessions = [_session_turns(stub, app, n) for n in (2, 3, 3, 4)]
         before = [_probe(stub, app, sid, ids) for sid, ids in sessions]
-        victim = directory.lookup(*[sessions[0][0], sessions[0][1][-1]]).replica
-        held = [(sid, ids) for sid, ids in sessions if directory.lookup(sid, ids[-1]).replica == victim]
+        # the victim: the replica holding a message no other replica has seen (a new session's first prompt, never
+        # read since), so that its loss must be made good by encoding again, whatever copies the probes spread
+        fresh = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: only here")]), metadata=app)
+        victim = directory.lookup(fresh.session_id, fresh.message_ids[0]).replica
         (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-        assert held and [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
+        assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
+        _probe(stub, app, fresh.session_id, list(fresh.message_ids))
         deadline, text, counts = time.monotonic() + 60, "", []
         while time.monotonic() < deadline:  # (a message the survivor held a copy of needs no encoding again)
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
