@@ -117,7 +117,8 @@ class WorkflowDriver:
         info = await self.roles.info()
         wf = convert.workflow(request, info, self.tokenize, cfg.worker_header, cfg.default_max_tokens,
                               cfg.max_branches, cfg.colocated, cfg.staircase, self.renderer)
-        trace = WorkflowTrace(request, info.fingerprint, info.calibration_digest) if self.recorder else None
+        trace = WorkflowTrace(request, info.fingerprint, info.calibration_digest,
+                              wf.worker_header or cfg.worker_header) if self.recorder else None
         with self.directory.session_for_call(wf.session, caller, cfg.limits) as session:
             async with aclosing(self._workflow(wf, info, session, start)) as events:
                 async for event in events:

@@ -7,9 +7,11 @@ A trace line (version 1) holds what a client sent and what the cluster answered,
      "branches": [{"prompt": "<string>" | null, "messages": [...] | null, "reply": "<the worker's reply>"}, ...],
      "synthesis": {"prompt": "<string>" | null, "messages": [...] | null},
      "answer": "<the answer>", "reference": "<a reference answer>" | null,
-     "model": "<weights' fingerprint>", "calibration": "<its digest>" | "", "transport": "TRANSPORT_..."}
+     "model": "<weights' fingerprint>", "calibration": "<its digest>" | "", "transport": "TRANSPORT_...",
+     "worker_header": "<what opened each worker's reply>"}
 
-A request sent as strings fills `task` and each `prompt`; one sent as chat messages fills `*messages`. Nothing else
+A request sent as strings fills `task` and each `prompt` (and `worker_header` says how the workers' replies were
+opened, which a trace read back lays them out with); one sent as chat messages fills `*messages`. Nothing else
 of the request is kept: no session, no API key, no metadata. Traces a user writes themselves need only the
 request's parts (`task` or `task_messages`, each branch's `prompt` or `messages`, and the synthesis); `reply`,
 `answer`, `model` and `calibration` are then absent, and so not used as training targets. `read_traces` checks each
@@ -49,8 +51,7 @@ def _check(line: dict, where: str) -> dict:
     chat = line.get("task_messages") is not None or any(b.get("messages") is not None for b in branches
                                                         if isinstance(b, dict))
     if chat:
-        if line.get("task_messages") is not None:
-            _check_messages(line["task_messages"], f"{where}: task_messages")
+        _check_messages(line.get("task_messages"), f"{where}: task_messages")
         for j, b in enumerate(branches):
             _check_messages(b.get("messages") if isinstance(b, dict) else None, f"{where}: branches[{j}].messages")
         synthesis = (line.get("synthesis") or {}).get("messages")
@@ -116,7 +117,7 @@ def load_trace_workflows(paths: list[str], tokenizer, fingerprint: str, worker_h
                         (trace.get("synthesis") or {}).get("messages") or [])
                 else:
                     task, prompts = trace.get("task") or "", [b["prompt"] for b in branches]
-                    synthesis, header = trace["synthesis"]["prompt"], worker_header
+                    synthesis, header = trace["synthesis"]["prompt"], trace.get("worker_header") or worker_header
             except TemplateError as e:
                 raise TraceError(f"{where}: {e}") from None
             mine = trace.get("model") == fingerprint and all(b.get("reply") for b in branches)

@@ -69,6 +69,9 @@ def _chat_workflow(request: pb.WorkflowRequest, renderer: ChatRenderer | str) ->
     for j, conversation in enumerate(request.branch_messages):
         if not conversation.messages:
             raise BraidError(f"branch_messages[{j}] is empty; every branch needs an instruction")
+    if not request.task_messages:
+        raise BraidError("task_messages is empty: the workers and the synthesizer read a shared task first; send it "
+                         "(a system or user message)")
     if isinstance(renderer, str):
         raise PreconditionError(f"chat messages: {renderer}")
     try:

@@ -21,7 +21,7 @@ def _messages(messages) -> list[dict] | None:
 class WorkflowTrace:
     """One RunWorkflow request's trace, filled from the events its client is sent (WorkflowDriver)."""
 
-    def __init__(self, request: pb.WorkflowRequest, model: str, calibration: str):
+    def __init__(self, request: pb.WorkflowRequest, model: str, calibration: str, worker_header: str):
         chat = bool(request.task_messages or request.branch_messages or request.synthesis_messages)
         n = len(request.branch_messages if chat else request.branch_prompts)
         self.line = {
@@ -32,7 +32,8 @@ class WorkflowTrace:
                          for j in range(n)],
             "synthesis": {"prompt": None if chat else request.synthesis_prompt,
                           "messages": _messages(request.synthesis_messages) if chat else None},
-            "answer": "", "reference": None, "model": model, "calibration": calibration, "transport": ""}
+            "answer": "", "reference": None, "model": model, "calibration": calibration, "transport": "",
+            "worker_header": worker_header}
         self.done = False
 
     def see(self, event: pb.WorkflowEvent) -> None:

@@ -141,6 +141,8 @@ def test_a_workflow_sent_as_chat_messages_is_rendered_with_the_models_template(q
      grpc.StatusCode.INVALID_ARGUMENT, "branch_messages[0][0].role 'robot'"),
     (pb.WorkflowRequest(branch_messages=[pb.Conversation()]), grpc.StatusCode.INVALID_ARGUMENT,
      "branch_messages[0] is empty"),
+    (pb.WorkflowRequest(branch_messages=[pb.Conversation(messages=chat(("user", "a")))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "task_messages is empty"),
 ])
 def test_bad_chat_workflows_are_refused_naming_the_field(qwen_server, request_, code, needle):
     stub, _ = qwen_server

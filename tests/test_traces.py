@@ -62,6 +62,7 @@ def test_a_served_workflow_is_recorded_as_its_client_saw_it_without_secrets(reco
     assert [b["prompt"] for b in line["branches"]] == ["1 2", "3 4"] and line["task"] == "add:"
     assert line["answer"] == events[-1].done.answer_text and line["synthesis"]["prompt"] == "sum:"
     assert line["model"] == server.logic.engine.fingerprint and line["transport"] == "TRANSPORT_LOCAL"
+    assert line["worker_header"] == "<|worker|>"  # (what opened the replies: a reader lays them out with it)
     text = json.dumps(line)
     assert KEY not in text and events[-1].done.session_id not in text  # (no key, no session)
     # a failed workflow is not recorded
@@ -93,7 +94,9 @@ def test_recording_never_blocks_or_fails_a_request(tmp_path):
 @pytest.mark.parametrize("content, needle", [
     ('{"branches": [{"prompt": "a"}], "synthesis": {"prompt": "s"}}\n{not json', "line 2: not JSON"),
     ('{"branches": [], "synthesis": {"prompt": "s"}}', "line 1: \"branches\" must be a non-empty list"),
-    ('{"branches": [{"messages": [{"role": "robot", "content": "x"}]}]}', "line 1: branches[0].messages[0]"),
+    ('{"task_messages": [{"role": "system", "content": "t"}], "branches": [{"messages": [{"role": "robot", '
+     '"content": "x"}]}]}', "line 1: branches[0].messages[0]"),
+    ('{"branches": [{"messages": [{"role": "user", "content": "x"}]}]}', "line 1: task_messages: expected"),
     ('{"version": 7, "branches": [{"prompt": "a"}], "synthesis": {"prompt": "s"}}', "trace version 7"),
 ])
 def test_a_bad_trace_line_is_refused_naming_the_file_and_line(tmp_path, content, needle):
