@@ -1011,6 +1011,10 @@ def engine_synthesis(r: Report) -> str:
             f"{span([w['calibration_overhead'] for w in gpu['rows']], overhead, ' to ')} and the served path",
             f"{span([w['served_overhead'] for w in gpu['rows']], overhead, ' to ')}."),
         r.plot("synthesis_ttft_cuda", "synthesis TTFT on a GPU"),
+        section("On an H100", synthesis_setup(r.load("synthesis_ttft_cuda_h100")),
+                note(r.load("synthesis_ttft_cuda_h100")), level=3),
+        synthesis_table(r, "synthesis_ttft_cuda_h100"),
+        r.plot("synthesis_ttft_cuda_h100", "synthesis TTFT on an H100"),
         section("On a GPU, cuDNN off in every forward", synthesis_setup(r.load("synthesis_ttft_cuda_no_cudnn")),
                 note(r.load("synthesis_ttft_cuda_no_cudnn")), level=3),
         synthesis_table(r, "synthesis_ttft_cuda_no_cudnn"),
@@ -1285,8 +1289,8 @@ def engine_prompt_trees(r: Report) -> str:
     ])
 
 
-def engine_decode_gpu(r: Report) -> str:
-    full = r.load("profile_decode_cuda")
+def decode_gpu_rows(full: dict) -> list[list[str]]:
+    """A profile_decode file's rows: batch-1 decode, its forward, launches, busy time, then each concurrency."""
     rows = [["batch-1 decode, ms per token", f"{full['engine_ms_per_token']:.1f}",
              f"{full['engine_graphs_ms_per_token']:.1f}", times(full["graphs_speedup"], 1)],
             ["its forward alone, ms", f"{full['engine_forward_ms']:.1f}", f"{full['engine_graphs_forward_ms']:.1f}",
@@ -1295,9 +1299,14 @@ def engine_decode_gpu(r: Report) -> str:
              f"{full['graphs_launches_per_forward']:.0f}", ""],
             ["device busy per forward, ms", f"{full['device_ms_per_forward']:.1f}",
              f"{full['graphs_device_ms_per_forward']:.1f}", ""]]
-    rows += [[f"{w['calls']} call{'s' if w['calls'] > 1 else ''} at once, tokens/s", f"{w['eager_tokens_per_s']:.0f}",
-              f"{w['graphs_tokens_per_s']:.0f}", times(w["graphs_tokens_per_s"] / w["eager_tokens_per_s"])]
-             for w in full["concurrency"]]
+    return rows + [[f"{w['calls']} call{'s' if w['calls'] > 1 else ''} at once, tokens/s",
+                    f"{w['eager_tokens_per_s']:.0f}", f"{w['graphs_tokens_per_s']:.0f}",
+                    times(w["graphs_tokens_per_s"] / w["eager_tokens_per_s"])] for w in full["concurrency"]]
+
+
+def engine_decode_gpu(r: Report) -> str:
+    full, h100 = r.load("profile_decode_cuda"), r.load("profile_decode_cuda_h100")
+    rows = decode_gpu_rows(full)
     profiles = ["profile_decode_cuda_8_layers", "profile_decode_cuda_cudnn"]
     rows2 = [[name.removeprefix("profile_decode_cuda_"), str(r.load(name)["layers"]),
               f"{r.load(name)['engine_ms_per_token']:.1f}", f"{r.load(name)['transformers_ms_per_token']:.1f}",
@@ -1313,6 +1322,11 @@ def engine_decode_gpu(r: Report) -> str:
             f"{full['graph_captures']} graphs were captured for {full['graph_buckets']} buckets.")),
         r.table(["", "forwards as they come", "CUDA graphs", "ratio"], rows, "profile_decode_cuda"),
         r.plot("profile_decode_cuda", "decode with CUDA graphs"),
+        paragraph(f"The same on an {h100['device']}, a later commit (transformers' own decode:",
+                  f"{h100['transformers_ms_per_token']:.1f} ms per token):"),
+        r.table(["", "forwards as they come", "CUDA graphs", "ratio"], decode_gpu_rows(h100),
+                "profile_decode_cuda_h100"),
+        r.plot("profile_decode_cuda_h100", "decode with CUDA graphs, H100"),
         paragraph("The same profile cut to fewer layers, with decode-sized queries kept off cuDNN (`8_layers`) and",
                   "with cuDNN in every forward (`cudnn`), ms per token; the profiler's tables are in",
                   "`benchmarks/results/profile_decode_cuda.log`:"),
@@ -1509,6 +1523,9 @@ def streaming_kvcomm(r: Report) -> str:
         section("On a GPU", setup(gpu), level=3),
         kvcomm_speed_table(r, "kvcomm_cuda"),
         r.plot("kvcomm_cuda", "KVComm TTFT on a GPU"),
+        paragraph(f"On an {r.load('kvcomm_cuda_h100')['device']}, a later commit:"),
+        kvcomm_speed_table(r, "kvcomm_cuda_h100"),
+        r.plot("kvcomm_cuda_h100", "KVComm TTFT on an H100"),
         section("KVComm answer quality", paragraph(
             "`python -m braid.evals.kvcomm_quality` on the reference task `models.tasks.shared_text_task`: fixed",
             "MultiQA roles, one per agent, and a user text of questions; an agent is right only if it read every",
