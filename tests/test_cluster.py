@@ -222,6 +222,15 @@ def test_replicas_internal_kv_ports_take_only_the_clusters_calls(cluster):
     stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id), metadata=METADATA)
 
 
+def _kill_replicas(matches, restart: bool = True) -> int:
+    """SIGKILL every Ray actor whose name `matches` (Serve replicas: Serve replaces them, or with `restart` False
+    Ray does not restart them either); how many were killed."""
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if matches(a["name"])]
+    for a in actors:
+        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=not restart)
+    return len(actors)
+
+
 def _next_workflow_completes(stub, within_s: float = 90) -> bool:
     """After a replica was killed: Serve replaces it, and a workflow completes (retried until then)."""
     deadline = time.monotonic() + within_s
@@ -248,10 +257,7 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
             if event.HasField("branch_token"):
                 seen += 1
                 if seen == 5:
-                    workers = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                               if "Worker" in a["name"]]
-                    for a in workers:
-                        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+                    _kill_replicas(lambda name: "Worker" in name)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker failed" in err.value.details()
     assert _next_workflow_completes(stub)
 
@@ -271,9 +277,7 @@ def test_a_workflow_cut_off_by_a_lost_synthesizer_says_so(cluster):
             if event.HasField("branch_token"):
                 seen += 1
                 if seen == 5:
-                    for a in ray.util.list_named_actors(all_namespaces=True):
-                        if "#Synthesizer#" in a["name"] and a["name"].startswith("SERVE_REPLICA::braid#"):
-                            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+                    _kill_replicas(lambda name: name.startswith("SERVE_REPLICA::braid#Synthesizer#"))
     assert seen >= 5  # (the kill met the workflow under way)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "synthesizer" in err.value.details(), \
         err.value.details()
@@ -600,8 +604,7 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
         # read since), so that its loss must be made good by encoding again, whatever copies the probes spread
         fresh = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: only here")]), metadata=app)
         victim = directory.lookup(fresh.session_id, fresh.message_ids[0]).replica
-        (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
-        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        assert _kill_replicas(lambda name: victim in name, restart=False) == 1
         assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
         _probe(stub, app, fresh.session_id, list(fresh.message_ids))
         deadline, text, counts = time.monotonic() + 60, "", []
