@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
-from braid.api.decision import choose_transport
+from braid.api.decision import choose_transport, per_branch_gate
 from braid.engine.errors import PreconditionError
 from braid.kv.connector import ReceiverLostError, TransferError, stream_name
 from braid.kv.grpc_transport import abandon
@@ -136,7 +136,8 @@ class WorkflowDriver:
                                              info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,
                                              n * wf.branch_limit,
                                              info.link_bytes_per_s, info.prefill_tokens_per_s, wf.branch_limit,
-                                             info.verified_tokens, wf.placement.value, info.verified_placement)
+                                             info.verified_tokens, wf.placement.value, info.verified_placement,
+                                             per_branch=wf.staircase is None)
         if wf.staircase is not None and transport == pb.TRANSPORT_TEXT:
             raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport "
                                     f"chosen is text ({reason}); ask for TRANSPORT_GRPC to answer from the cache "
@@ -147,7 +148,9 @@ class WorkflowDriver:
             self.metrics["requests"].inc(tags={"transport": mode})
         synth_req = SynthesisRequest(wf.id, session, wf.task, wf.synthesis_prompt,
                                      SynthesisMode(None if mode == "text" else wf.placement), wf.answer_sampling, n,
-                                     mode, staircase=wf.staircase)
+                                     mode, staircase=wf.staircase,
+                                     text_over=info.verified_tokens if per_branch_gate(wf.transport, cfg.kv_transport)
+                                     and wf.staircase is None else 0)
         synth, kv_address, finished = None, "", False
         try:
             if mode != "text":  # open the synthesis first: its receiver is where the workers push
@@ -218,6 +221,7 @@ class WorkflowDriver:
                     yield pb.WorkflowEvent(done=pb.WorkflowDone(
                         session_id=session, answer_message_id=item.answer_id, answer_text=item.answer_text,
                         branch_message_ids=item.branch_ids,  # (a branch lost after its KV had all come is kept)
+                        text_branches=item.text_branches,
                         failed_branches=[pb.BranchFailed(branch=j, reason=why) for j, why in sorted(failed.items())]))
         except BaseException as e:  # a failure, or the client went away (GeneratorExit)
             if kv_address and not finished:  # the synthesizer may be waiting on streams no one will send

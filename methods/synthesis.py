@@ -86,13 +86,24 @@ class Refresh:
     # the caches lack; a whole-branch sequential refresh is text re-prefill, tested). Parallel runs, the default,
     # are one prefill for all (or the synthesizer's own), and what calibrations train with
     sequential: bool = False
+    # branches longer than this many tokens are re-encoded whole: read from their text in the synthesizer's context
+    # (the prefix and the earlier branches in view), not from their KV (0: none). The gate's per-branch decision
+    # (api.decision): longer than any branch the calibration was verified to read as text does
+    whole_over: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.head, int) or not isinstance(self.tail, int) or self.head < 0 or self.tail < 0:
-            raise BraidError(f"refresh head and tail must be non-negative ints, got {self.head} and {self.tail}")
+        if not all(isinstance(n, int) and n >= 0 for n in (self.head, self.tail, self.whole_over)):
+            raise BraidError(f"refresh head, tail and whole_over must be non-negative ints, got {self.head}, "
+                             f"{self.tail} and {self.whole_over}")
+
+    def whole(self, length: int) -> bool:
+        """Whether a branch of `length` tokens is re-encoded whole (read from its text)."""
+        return 0 < self.whole_over < length
 
     def runs(self, length: int) -> list[tuple[int, int]]:
         """The [start, end) token runs of a branch of `length` tokens that are re-encoded (merged, in order)."""
+        if self.whole(length):
+            return [(0, length)]
         head, tail = min(self.head, length), max(0, length - self.tail)
         if head >= tail:
             return [(0, length)]
@@ -158,7 +169,8 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement, decoded_at)
     kept = kept_apart(branch_point, decoded_at, placement)
     lead: list[PrefillCall] = []
-    if refresh is None or not (refresh.head or refresh.tail) or all(kept):
+    if not _from_text(refresh, branch_msgs, kept) and (refresh is None or not (refresh.head or refresh.tail)
+                                                           or all(kept)):
         parts = [(m.id, off, j) for j, (m, off) in enumerate(zip(branch_msgs, offsets))]
         temporary: list[str] = []
     else:
@@ -179,6 +191,22 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     finally:
         for mid in temporary:  # the call pins what it reads: they go when it ends (now, if it failed to start)
             engine.free(mid, when_unpinned=True)
+
+
+def _from_text(refresh: Refresh | None, branches: Sequence[Message], kept: Sequence[bool]) -> list[int]:
+    return [j for j, m in enumerate(branches)
+            if refresh is not None and refresh.whole(m.num_tokens) and not (j < len(kept) and kept[j])]
+
+
+def read_from_text(engine: Engine, branches: Sequence[str], prefix: Sequence[str], mode: "SynthesisMode") -> list[int]:
+    """The branches that synthesis in `mode` reads from their text: every one in text mode; on the cache path,
+    those re-encoded whole (Refresh.whole_over), not read from their KV (a branch MIXED keeps apart, read as
+    encoded at the branch point, never is)."""
+    if mode.text:
+        return list(range(len(branches)))
+    msgs = [engine.message(b) for b in branches]
+    branch_point = sum(engine.message(m).num_tokens for m in prefix)
+    return _from_text(mode.refresh, msgs, kept_apart(branch_point, [m.offset for m in msgs], mode.placement))
 
 
 def refresh_branches(engine: Engine, prefix: Sequence[str], branches: Sequence[Message], offsets: Sequence[int],

@@ -8,6 +8,7 @@ A trace line (version 1) holds what a client sent and what the cluster answered,
      "synthesis": {"prompt": "<string>" | null, "messages": [...] | null},
      "answer": "<the answer>", "reference": "<a reference answer>" | null,
      "model": "<weights' fingerprint>", "calibration": "<its digest>" | "", "transport": "TRANSPORT_...",
+     "text_branches": [<the branches the answer read from their text>, ...],
      "worker_header": "<what opened each worker's reply>"}
 
 A request sent as strings fills `task` and each `prompt` (and `worker_header` says how the workers' replies were

@@ -175,18 +175,20 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., last_branch_to_first_token_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkflowDone(_message.Message):
-    __slots__ = ("session_id", "branch_message_ids", "answer_message_id", "answer_text", "failed_branches")
+    __slots__ = ("session_id", "branch_message_ids", "answer_message_id", "answer_text", "failed_branches", "text_branches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BRANCH_MESSAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     ANSWER_TEXT_FIELD_NUMBER: _ClassVar[int]
     FAILED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     branch_message_ids: _containers.RepeatedScalarFieldContainer[str]
     answer_message_id: str
     answer_text: str
     failed_branches: _containers.RepeatedCompositeFieldContainer[BranchFailed]
-    def __init__(self, session_id: _Optional[str] = ..., branch_message_ids: _Optional[_Iterable[str]] = ..., answer_message_id: _Optional[str] = ..., answer_text: _Optional[str] = ..., failed_branches: _Optional[_Iterable[_Union[BranchFailed, _Mapping]]] = ...) -> None: ...
+    text_branches: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., branch_message_ids: _Optional[_Iterable[str]] = ..., answer_message_id: _Optional[str] = ..., answer_text: _Optional[str] = ..., failed_branches: _Optional[_Iterable[_Union[BranchFailed, _Mapping]]] = ..., text_branches: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("call", "token_id", "text", "finish_reason", "message_id")

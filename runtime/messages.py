@@ -78,6 +78,9 @@ class SynthesisRequest:
     branch_tokens: list[list[int]] = field(default_factory=list)  # text mode: the workers' replies
     # a staircase (Staircase Streaming): answer from the branches' KV chunks as they arrive, in this variant and schedule
     staircase: tuple[StaircaseSchedule, Variant] | None = None
+    # the cache path reads branches longer than this many tokens from their text (methods.synthesis.Refresh
+    # .whole_over), the rest from their KV; 0: all from KV. `auto`'s per-branch decision (api.decision)
+    text_over: int = 0
 
 
 @dataclass
@@ -123,6 +126,7 @@ class SynthesisDone:
     tpot_s: float | None = None
     registered: bool = True  # False: the control plane was unreachable (the answer stands; Redis lost it)
     failed: dict[int, str] = field(default_factory=dict)  # branches a staircase answered without, and why
+    text_branches: list[int] = field(default_factory=list)  # branches the cache path read from their text (text_over)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class WorkflowTrace:
             self.line["transport"] = pb.Transport.Name(event.decision.transport)
         elif kind == "done":
             self.line["answer"], self.done = event.done.answer_text, True
+            self.line["text_branches"] = list(event.done.text_branches)
 
 
 class TraceRecorder:

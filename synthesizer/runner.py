@@ -11,7 +11,7 @@ from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
 from braid.methods.calibration import calibration_of, served_refresh
 from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
-from braid.methods.synthesis import Placement, Refresh, SynthesisMode, synthesis_stream
+from braid.methods.synthesis import Placement, Refresh, SynthesisMode, read_from_text, synthesis_stream
 from braid.runtime.messages import (
     AnswerToken,
     KVArrived,
@@ -105,6 +105,8 @@ class SynthesisRunner:
             mode = replace(mode, hooks=calibration_of(eng).hooks)
         if not mode.text and mode.refresh is None:
             mode = replace(mode, refresh=self.refresh)
+        if not mode.text and req.text_over:
+            mode = replace(mode, refresh=replace(mode.refresh or Refresh(0, 0), whole_over=req.text_over))
         return mode
 
     @staticmethod
@@ -128,15 +130,17 @@ class SynthesisRunner:
         yield from self._receipts(received)
         prefix = eng.prefill([PrefillCall(req.task)])
         branches = [self.receiver.import_message(eng, g) for g in received.values()]
-        stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=self._mode(req),
+        mode = self._mode(req)
+        stream = synthesis_stream(eng, branches or req.branch_tokens, req.prompt, prefix=prefix, mode=mode,
                                   sampling=req.sampling)
+        text_branches = list(range(req.branches)) if mode.text else read_from_text(eng, branches, prefix, mode)
         answer = []
         for event in stream:
             answer.append(event.text)
             yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
         registered = self.agent.register(req.session, prefix + branches + stream.ids)
         tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
-        yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered)
+        yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered, text_branches=text_branches)
 
     def _staircase(self, req: SynthesisRequest) -> Iterator[KVArrived | SynthesisRound | AnswerToken | SynthesisDone]:
         """The answer from the branches' KV chunks as they arrive (methods.staircase), then the whole branches'

@@ -515,9 +515,10 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
 
 
 def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibration(checkpoint, tmp_path):
-    """The agent API on an engine with a calibration verified up to 2 branches: `auto` reuses the KV there (the
-    reason names the calibration) and the answer is the calibrated cache path's, token for token; with more
-    branches it re-prefills text."""
+    """The agent API on an engine with a calibration verified up to 2 branches of up to 40 tokens: `auto` reuses
+    the KV there (the reason names the calibration) and the answer is the calibrated cache path's, token for
+    token; with more branches it re-prefills text; branches that turn out longer than 40 tokens are read from
+    their text at synthesis, each, and the answer says which."""
     from braid.cluster.inprocess import start_in_process
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
@@ -545,15 +546,24 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
                 task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
                 synthesis_prompt="Synthesizer:", worker_sampling=pb.Sampling(max_tokens=60, ignore_eos=True),
                 synthesis_sampling=greedy)))
+            forced = list(agent_pb2_grpc.AgentServiceStub(channel).RunWorkflow(pb.WorkflowRequest(
+                task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
+                synthesis_prompt="Synthesizer:", worker_sampling=pb.Sampling(max_tokens=60, ignore_eos=True),
+                synthesis_sampling=greedy, transport=pb.TRANSPORT_LOCAL)))
         decision, = [e.decision for e in events if e.HasField("decision")]
         assert decision.transport == pb.TRANSPORT_LOCAL and f"calibration {path}" in decision.reason
         # three branches are beyond what it was verified for: `auto` re-prefills text, and says why
         decision, = [e.decision for e in wider if e.HasField("decision")]
         assert decision.transport == pb.TRANSPORT_TEXT
         assert "only up to 2 branches; this request has 3" in decision.reason
-        # branches that may grow longer than any it was verified on: text too
+        done = lambda events: [e.done for e in events if e.HasField("done")][0]  # noqa: E731
+        assert list(done(events).text_branches) == [] and list(done(wider).text_branches) == [0, 1, 2]
+        # branches that may grow longer than any it was verified on: KV still, and each branch that did (both,
+        # 60 tokens) is read from its text at synthesis, the answer the in-process cache path's with that limit
         decision, = [e.decision for e in longer if e.HasField("decision")]
-        assert decision.transport == pb.TRANSPORT_TEXT and "branches of up to 40 tokens" in decision.reason
+        assert decision.transport == pb.TRANSPORT_LOCAL and "longer than the 40 tokens" in decision.reason
+        assert list(done(longer).text_branches) == [0, 1]
+        assert list(done(forced).text_branches) == []  # a client that asks for KV gets KV for every branch
         answer = [e.synthesis_token.token_id for e in events if e.HasField("synthesis_token")]
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         prefix = engine.prefill([PrefillCall("User: add the partial results.")])
@@ -564,6 +574,12 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         plain = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling)
         assert answer == list(engine.message(calibrated).token_ids[-6:])
         assert engine.message(calibrated).token_ids != engine.message(plain).token_ids  # it did change the answer
+        long = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=SamplingParams(
+            max_tokens=60, ignore_eos=True)) for c in ctx])
+        gated = synthesize(engine, long, "Synthesizer:", prefix, sampling=sampling,
+                           hooks=calibration_of(engine).hooks, refresh=Refresh(1, 1, whole_over=40))
+        served = [e.synthesis_token.token_id for e in longer if e.HasField("synthesis_token")]
+        assert served == list(engine.message(gated).token_ids[-6:])
     finally:
         server.stop()
         redis_server.stop()

@@ -16,6 +16,7 @@ from braid.methods.synthesis import (
     SynthesisHooks,
     SynthesisMode,
     place_branches,
+    read_from_text,
     synthesis_stream,
     synthesize,
     synthesize_stream,
@@ -223,6 +224,47 @@ def test_refresh_of_whole_branches_reads_them_together(checkpoint):
     assert (eng.message(whole).kv.read() - text_kv).abs().max() < 1e-4
     assert _answer(eng, whole) == _answer(eng, text)
     assert torch.equal(eng.message(none).kv.read(), eng.message(cached).kv.read())
+
+
+def test_branches_longer_than_verified_are_read_from_their_text(checkpoint):
+    """The gate's per-branch decision (Refresh.whole_over): a branch longer than the limit is re-encoded whole in
+    the synthesizer's context, as text re-prefill reads it, and never goes through the mapper; the shorter ones
+    are read from their KV. Two branches encoded apart after the prefix, the first short (at sequential placement
+    its KV is text's already), the second long: reading the long one from its text gives text's KV and answer;
+    a limit above both is the plain cache path exactly. (Weights drawn wide, so that the context matters.)"""
+    from braid.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama", initializer_range=0.3)))
+    prefix = eng.prefill([PrefillCall("User: add the partial results.")])
+    branches = eng.prefill([PrefillCall(t, parents=prefix) for t in ["Worker: 5 6", "Worker two: 3 + 4 = 7 so 8"]])
+    short, long = (eng.message(b).num_tokens for b in branches)
+    assert short < long
+    mapped = []
+
+    def mapper(kv, *, branch, num_branches, length=None):
+        mapped.append(branch)
+        return kv
+
+    def read(limit, hooks=None):
+        mode = SynthesisMode(Placement.SEQUENTIAL, hooks, Refresh(0, 0, whole_over=limit))
+        out = synthesis_stream(eng, branches, "Synthesizer:", prefix, mode, GREEDY)
+        list(out)
+        return out.ids[0], read_from_text(eng, branches, prefix, mode)
+
+    text = synthesize_text(eng, branches, "Synthesizer:", prefix=prefix, sampling=GREEDY)
+    cached = synthesize(eng, branches, "Synthesizer:", prefix=prefix, placement="sequential", sampling=GREEDY)
+    prompt = len(eng.tokenize("Synthesizer:")) + GREEDY.max_tokens
+    text_kv = eng.message(text).kv.read(eng.message(text).num_tokens - prompt)
+    assert (eng.message(cached).kv.read() - text_kv).abs().max() > 1e-4  # the long branch never saw the short one
+    gated, which = read(short, SynthesisHooks(mapper=mapper))
+    assert which == [1] and mapped == [0]  # the long branch from its text, not through the mapper
+    gated, which = read(short)
+    assert (eng.message(gated).kv.read() - text_kv).abs().max() < 1e-4 and _answer(eng, gated) == _answer(eng, text)
+    within, which = read(long)
+    assert which == [] and torch.equal(eng.message(within).kv.read(), eng.message(cached).kv.read())
+    assert read_from_text(eng, branches, prefix, SynthesisMode()) == [0, 1]  # text mode reads every branch so
+    with pytest.raises(BraidError, match="whole_over"):
+        Refresh(1, 1, whole_over=-1)
 
 
 def test_a_sequential_refresh_reads_the_runs_before_it_re_encoded(checkpoint):
