@@ -309,10 +309,18 @@ def run_cmd(args) -> int:
                 return 1
         return 0
     sampling = pb.Sampling(max_tokens=args.max_tokens, temperature=args.temperature)
-    request = pb.WorkflowRequest(task=args.task, branch_prompts=args.branch, synthesis_prompt=args.prompt,
-                                 worker_sampling=sampling, synthesis_sampling=sampling,
+    request = pb.WorkflowRequest(worker_sampling=sampling, synthesis_sampling=sampling,
                                  transport=pb.Transport.Value(f"TRANSPORT_{args.transport.upper()}"),
                                  placement=args.placement)
+    if args.raw:  # strings the model reads as they are (its role tokens written in by the user)
+        request.task, request.synthesis_prompt = args.task, args.prompt or "<|synthesizer|>"
+        request.branch_prompts.extend(args.branch)
+    else:  # plain content, rendered by the server with the model's own chat template
+        request.task_messages.add(role="system", content=args.task)
+        for b in args.branch:
+            request.branch_messages.add().messages.add(role="user", content=b)
+        if args.prompt:
+            request.synthesis_messages.add(role="user", content=args.prompt)
     if args.staircase:
         request.staircase.CopyFrom(pb.StaircaseOptions(variant=args.staircase))
     credentials = client_credentials(args.tls, args.ca_cert)
@@ -346,9 +354,16 @@ def run_cmd(args) -> int:
                     print(f"\n[timings] TTFT {t.ttft_ms:.1f} ms, last branch token to first answer token "
                           f"{t.last_branch_to_first_token_ms:.1f} ms, KV {t.kv_bytes} bytes")
                 elif kind == "done":
-                    print(f"[done] session {event.done.session_id}, answer {event.done.answer_message_id}")
+                    d = event.done
+                    if d.text_branches and len(d.text_branches) < len(request.branch_prompts or
+                                                                      request.branch_messages):
+                        print(f"[text] branches {', '.join(map(str, d.text_branches))} read from their text at "
+                              "synthesis (longer than the calibration was verified on); the rest from KV")
+                    print(f"[done] session {d.session_id}, answer {d.answer_message_id}")
         except grpc.RpcError as e:
-            print(f"braid: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = ("; send pre-formatted strings with --raw" if not args.raw and "chat template" in (e.details() or "")
+                    else "")
+            print(f"braid: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     return 0
 
@@ -402,8 +417,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
                        description=run_cmd.__doc__)
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
-    p.add_argument("--task", help="the shared task every worker sees")
-    p.add_argument("--branch", action="append", help="one worker's instruction (repeat per worker)")
+    p.add_argument("--task", help="the shared task every worker sees (a system message)")
+    p.add_argument("--branch", action="append", help="one worker's instruction (a user message; repeat per worker)")
     p.add_argument("--preset", choices=["mad-iter", "mad-par", "tot", "moa"],
                    help="instead, an agent workflow as a RunGraph DAG: iterative debate, parallel debate, tree of "
                         "thoughts, or mixture-of-agents (--transport text: its text re-prefill baseline)")
@@ -418,8 +433,13 @@ def main(argv=None) -> int:
                         "synthesizer from the workers' KV as it arrives (needs --transport grpc or collective "
                         "between separate replicas), or with --preset mad-par/tot/moa, the readers of each "
                         "stage (default: wait for whole replies)")
-    p.add_argument("--prompt", default="<|synthesizer|>",
-                   help="the synthesizer's prompt (default: '<|synthesizer|>', the reference model's answer role)")
+    p.add_argument("--prompt", default="",
+                   help="the synthesizer's question after the workers' replies (a user message; default: none, the "
+                        "synthesizer answers right after them)")
+    p.add_argument("--raw", action="store_true",
+                   help="send --task, --branch and --prompt as pre-formatted strings, the model's role tokens "
+                        "written in (--prompt default: '<|synthesizer|>', the reference model's answer role); "
+                        "without it they are plain content, rendered with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],

@@ -104,7 +104,7 @@ def test_braid_run_sends_its_key_over_tls(server, monkeypatch, tmp_path):
     _, srv, cert = server
     monkeypatch.setenv("HOME", str(tmp_path))  # (no key file of a real `braid serve` here)
     monkeypatch.delenv(ENV_CLIENT_KEY, raising=False)
-    argv = ["run", "--address", f"127.0.0.1:{srv.port}", "--tls", "--ca-cert", cert, "--task", "User: add.",
+    argv = ["run", "--address", f"127.0.0.1:{srv.port}", "--tls", "--ca-cert", cert, "--raw", "--task", "User: add.",
             "--branch", "Part 3.", "--prompt", "Synthesizer:", "--max-tokens", "2", "--transport", "text"]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -198,7 +198,7 @@ def test_run_staircase_workflow_on_a_colocated_server_says_why_not(checkpoint, c
     redis = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis.url))
     try:
-        assert main(["run", "--address", f"127.0.0.1:{server.port}", "--task", "t", "--branch", "a",
+        assert main(["run", "--address", f"127.0.0.1:{server.port}", "--raw", "--task", "t", "--branch", "a",
                      "--staircase", "reprefill"]) == 1
     finally:
         server.stop()

@@ -227,3 +227,4 @@ def test_the_readme_python_client_runs_against_a_server(tmp_path, monkeypatch, c
         redis.stop()
     out = capsys.readouterr().out
     assert "transport: TRANSPORT_" in out and re.search(r"answer: .+ session: \S+", out), out
+    assert "confidence 8, answer 70" in out, out  # (the chat messages rendered as the reference model reads them)

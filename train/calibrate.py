@@ -78,7 +78,9 @@ class CalibrateConfig:
     mapper_conditioned: bool = True  # the mapper's affine terms also depend on the branch's length and the count
     mapper_branch_slots: int = 16  # a learned K/V shift per branch index (0: none)
     kl_weight: float = 1.0  # weight of the KL term to the text pipeline's logits (distill examples)
-    sources: str = "parallel=1,synthesis=2,distill=1"  # source=weight: how often each is drawn
+    # source=weight: how often each is drawn; "none": no synthetic task at all, only --traces (and no synthetic
+    # held-out set either: the check is on the held-out traces)
+    sources: str = "parallel=1,synthesis=2,distill=1"
     branches: str = "2,3,4,6,7,9,10,12"  # branch counts trained on (5, 8 and 11 held out by default)
     max_length: int = 8  # branch work lengths 1..max_length are trained on (above: held out)
     placements: str = "branch_point,sequential"  # where branches are re-encoded to, drawn uniformly
@@ -116,7 +118,8 @@ class CalibrateConfig:
                              f"{self.mapper_lr}, {self.warmup}, {self.kl_weight}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model {self.model!r} is not a checkpoint directory (no config.json)")
-        self.source_weights  # noqa: B018 (validates)
+        if not self.source_weights and not self.trace_files:
+            raise ValueError("sources none leaves nothing to train on: give --traces, or some sources")
         bad = [m for m in self.branch_counts if not 2 <= m <= MAX_BRANCHES]
         if bad or not self.branch_counts:
             raise ValueError(f"branches must be counts in 2..{MAX_BRANCHES}, got {self.branches!r}")
@@ -149,6 +152,8 @@ class CalibrateConfig:
     @property
     def source_weights(self) -> dict[str, float]:
         out = {}
+        if self.sources.strip() == "none":
+            return out
         for part in self.sources.split(","):
             name, _, weight = part.partition("=")
             try:
@@ -156,8 +161,8 @@ class CalibrateConfig:
             except ValueError:
                 raise ValueError(f"sources entry {part!r} must look like name=weight") from None
         if not out or any(n not in SOURCES for n in out) or any(w < 0 for w in out.values()) or not sum(out.values()):
-            raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), "
-                             f"got {self.sources!r}")
+            raise ValueError(f"sources must weight some of {', '.join(SOURCES)} (name=weight,...), or be none "
+                             f"(with --traces), got {self.sources!r}")
         return out
 
     @property
@@ -474,7 +479,7 @@ def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example],
 def draw(cfg: CalibrateConfig, rng: random.Random, traces: list[TraceWorkflow] = ()
          ) -> tuple["Task | TraceWorkflow", str, Placement]:
     """One training item: a synthetic task of a source drawn by weight, or (with `traces`) a recorded workflow."""
-    names, weights = zip(*cfg.source_weights.items())
+    names, weights = zip(*cfg.source_weights.items()) if cfg.source_weights else ((), ())
     if traces:
         names, weights = (*names, "traces"), (*weights, cfg.trace_weight)
     source = rng.choices(names, weights)[0]
@@ -487,7 +492,10 @@ def draw(cfg: CalibrateConfig, rng: random.Random, traces: list[TraceWorkflow] =
 
 
 def held_out_set(cfg: CalibrateConfig) -> list[tuple[Task, str, Placement]]:
-    """Fixed held-out tasks (their own seed range, default lengths) at the first trained placement."""
+    """Fixed held-out tasks (their own seed range, default lengths) at the first trained placement; none where no
+    synthetic source is drawn (sources none)."""
+    if not cfg.source_weights:
+        return []
     return [(t, "synthesis", cfg.placement_list[0]) for name in cfg.task_names for m in HELD_OUT_BRANCHES
             for t in [generate(name, 1_000_000 + i, m) for i in range(cfg.held_out_per_cell)]]
 
