@@ -476,8 +476,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="all",
                    help="comma-separated synthesis modes: text, cache:none, cache:branch_point, cache:sequential, "
                         "cache:sequential+refresh (each branch's first and last token re-encoded with the earlier "
-                        "branches in view), cache:mixed+refresh (branches encoded apart right after the prefix "
-                        "kept at the branch point, the others end to end, refreshed), "
+                        "branches in view), cache:mixed (branches encoded apart right after the prefix kept at the "
+                        "branch point, the others end to end), cache:mixed+refresh (and refreshed), "
                         "the staircase modes staircase-reprefill:text, staircase-append:text, staircase-reprefill:kv, "
                         "staircase-append:kv, staircase-reprefill:kv+refresh, staircase-append:kv+refresh and, with a "
                         "calibration, calibrated, calibrated+refresh (or calibrated+refresh<head>-<tail>: the "

@@ -48,7 +48,8 @@ REFRESH = Refresh(head=1, tail=1)  # the default boundary refresh: the uncalibra
 BASE_MODES = (TEXT, *(Mode(f"cache:{p.value}", SynthesisMode(p))
                       for p in (Placement.NONE, Placement.BRANCH_POINT, Placement.SEQUENTIAL)),
               Mode("cache:sequential+refresh", SynthesisMode(Placement.SEQUENTIAL, refresh=REFRESH)),
-              # branches encoded apart kept at the branch point, decoded replies end to end and refreshed
+              # branches encoded apart kept at the branch point, decoded replies end to end (and refreshed)
+              Mode("cache:mixed", SynthesisMode(Placement.MIXED)),
               Mode("cache:mixed+refresh", SynthesisMode(Placement.MIXED, refresh=REFRESH)))
 
 

@@ -44,15 +44,15 @@ def test_hooks_plug_into_every_cached_mode(llama_engine):
     hooked = hooked_modes("identity", SynthesisHooks(identity, "identity"))
     assert [m.name for m in hooked] == ["cache:none+identity", "cache:branch_point+identity",
                                         "cache:sequential+identity", "cache:sequential+refresh+identity",
-                                        "cache:mixed+refresh+identity"]
+                                        "cache:mixed+identity", "cache:mixed+refresh+identity"]
     task = generate("vote", 0, 3)
     config = EvalConfig(answer_max_tokens=4, worker_max_tokens=6)
     result = run_task(llama_engine, task, [*BASE_MODES, *hooked], config)
     for mode in hooked:  # an identity mapper changes nothing
         assert result.answers[mode.name] == result.answers[mode.name.rsplit("+", 1)[0]]
-    # entered around every synthesizer forward of the five hooked modes: the header's and one per fed token
+    # entered around every synthesizer forward of the six hooked modes: the header's and one per fed token
     assert sorted({(b, m) for b, m, _ in seen}) == [(0, 3), (1, 3), (2, 3)]
-    assert 5 * 2 <= len(entered) <= 5 * (1 + config.answer_max_tokens)
+    assert 6 * 2 <= len(entered) <= 6 * (1 + config.answer_max_tokens)
     assert set(result.ttft) == {m.name for m in [*BASE_MODES, *hooked]}
 
 
