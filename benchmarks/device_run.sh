@@ -5,7 +5,8 @@
 #               back from it. The copy of the tree there has no .git: the commit is passed for the results' stamps)
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
 # Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
-# STEPS picks some of: graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests (default: all);
+# STEPS picks some of: graph_tests profile_decode calibration_cost synthesis_ttft kvcomm batched_forward engine_tests
+# (default: all);
 # LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests.
 # tests/test_cli_and_bench.py runs the dry run (the install as pip's --dry-run, one engine test file).
 set -u
@@ -21,11 +22,11 @@ export PYTHONUNBUFFERED=1
 export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
 exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
-STEPS=${STEPS:-graph_tests profile_decode synthesis_ttft kvcomm batched_forward engine_tests}
+STEPS=${STEPS:-graph_tests profile_decode calibration_cost synthesis_ttft kvcomm batched_forward engine_tests}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   case "$name" in  # (the 8B checkpoint only for the steps that read it)
-    checkpoint) [[ " $STEPS " =~ " "(synthesis_ttft|kvcomm|batched_forward)" " ]] || return 0 ;;
+    checkpoint) [[ " $STEPS " =~ " "(synthesis_ttft|kvcomm|batched_forward|calibration_cost)" " ]] || return 0 ;;
     *) [[ " $STEPS " == *" $name "* ]] || return 0 ;;
   esac
   log "$name"
@@ -49,6 +50,8 @@ t = time.time()
 make_random_checkpoint('$MODEL', 'llama', '$SHAPE', dtype=torch.bfloat16 if '$DEVICE' != 'cpu' else torch.float32,
                        device='$DEVICE')
 print(f'$SHAPE random checkpoint in {time.time() - t:.0f} s')"
+step calibration_cost 240 $PY benchmarks/calibration_cost.py --model "$MODEL" --shape "$SHAPE" --device "$DEVICE" \
+  --dtype bfloat16 ${CAL_ARGS:---steps 6 --warmup 2 --tasks-per-step 4} --out "$OUT"
 step synthesis_ttft 240 $PY benchmarks/synthesis_ttft.py --checkpoint "$MODEL" --device "$DEVICE" \
   --repeats "${REPEATS:-5}" ${LENGTHS:+--lengths $LENGTHS} --out "$OUT"
 step kvcomm 150 $PY benchmarks/kvcomm_ttft.py --model "$MODEL" --device "$DEVICE" ${KV_ARGS:-} --out "$OUT"

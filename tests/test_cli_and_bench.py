@@ -292,7 +292,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     script = os.path.join(ROOT, "benchmarks", "device_run.sh")
     env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "OUT": str(tmp_path), "PY": sys.executable,
            "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py"}
-    for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS"):
+    for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS", "CAL_ARGS"):
         env.pop(name, None)  # (the script's own defaults)
     done = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
@@ -300,7 +300,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
         steps = re.search(r"STEPS=\$\{STEPS:-([^}]*)\}", f.read()).group(1).split()
     returned = dict(re.findall(r"^== \S+ (\w+) rc=(\d+)$", log, re.MULTILINE))
     assert returned == {name: "0" for name in ["install", "checkpoint", *steps]}, log[-4000:]
-    for name in ("profile_decode", "synthesis_ttft", "kvcomm", "batched_forward"):
+    for name in ("profile_decode", "synthesis_ttft", "kvcomm", "batched_forward", "calibration_cost_tiny"):
         assert (tmp_path / f"{name}_cpu.json").exists(), name
     engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
     assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)

@@ -90,6 +90,8 @@ class CalibrateConfig:
     eval_every: int = 100  # steps between held-out evaluations (each saves the calibration and resume.pt)
     held_out_per_cell: int = 24  # held-out tasks per (task, branch count) in the training-time check
     device: str = "auto"  # cpu, cuda or auto
+    dtype: str = "float32"  # the frozen base model's weights (bfloat16 halves an 8B model's memory on a GPU); the
+    # mapper and the LoRA train in float32 either way
     threads: int = 0  # torch threads (0: torch's default)
     resume: bool = True  # continue from <out>/resume.pt when it is there
     # start from this calibration's LoRA and mapper weights (a fresh optimizer and schedule; mapper parts it
@@ -144,6 +146,8 @@ class CalibrateConfig:
                              f"must be >= 0, got {self.trace_weight} and {self.held_out_traces}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     @property
     def trace_files(self) -> list[str]:
@@ -569,7 +573,8 @@ def calibrate(cfg: CalibrateConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attention.NAME)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype),
+                                                 attn_implementation=attention.NAME)
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     for p in model.parameters():
@@ -673,6 +678,7 @@ def calibrate(cfg: CalibrateConfig) -> dict:
         record["kl"].append(round(out.kl, 5))
         record["steps"] = step + 1
         record["train_seconds"] = round(record["train_seconds"] + time.perf_counter() - began, 2)
+        record.setdefault("step_seconds", []).append(round(time.perf_counter() - began, 4))
         bar.set_postfix(loss=f"{out.loss.item():.4f}", ce=f"{out.ce:.4f}", kl=f"{out.kl:.4f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             acc = held_out_accuracy(peft_model, mapper, encoder, held)
