@@ -217,18 +217,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PrefillCallSpec(_message.Message):
-    __slots__ = ("text", "tokens", "parents", "offsets", "new_offset")
+    __slots__ = ("text", "tokens", "parents", "offsets", "new_offset", "messages")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[str]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     new_offset: int
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "calls")
@@ -247,20 +249,24 @@ class PrefillResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., message_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeCallSpec(_message.Message):
-    __slots__ = ("header", "header_tokens", "parents", "offsets", "new_offset", "sampling")
+    __slots__ = ("header", "header_tokens", "parents", "offsets", "new_offset", "sampling", "messages", "reply_role")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HEADER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLY_ROLE_FIELD_NUMBER: _ClassVar[int]
     header: str
     header_tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[str]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     new_offset: int
     sampling: Sampling
-    def __init__(self, header: _Optional[str] = ..., header_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    reply_role: str
+    def __init__(self, header: _Optional[str] = ..., header_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., new_offset: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reply_role: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "calls")
@@ -445,7 +451,7 @@ class GraphParent(_message.Message):
     def __init__(self, node: _Optional[str] = ..., message_id: _Optional[str] = ..., offset: _Optional[int] = ..., leak: _Optional[bool] = ...) -> None: ...
 
 class GraphNode(_message.Message):
-    __slots__ = ("name", "prompt", "role", "parents", "decode", "sampling", "output", "private", "staircase")
+    __slots__ = ("name", "prompt", "role", "parents", "decode", "sampling", "output", "private", "staircase", "messages", "reply_role")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +461,8 @@ class GraphNode(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PRIVATE_FIELD_NUMBER: _ClassVar[int]
     STAIRCASE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLY_ROLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     prompt: str
     role: str
@@ -464,7 +472,9 @@ class GraphNode(_message.Message):
     output: str
     private: bool
     staircase: bool
-    def __init__(self, name: _Optional[str] = ..., prompt: _Optional[str] = ..., role: _Optional[str] = ..., parents: _Optional[_Iterable[_Union[GraphParent, _Mapping]]] = ..., decode: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output: _Optional[str] = ..., private: _Optional[bool] = ..., staircase: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    reply_role: str
+    def __init__(self, name: _Optional[str] = ..., prompt: _Optional[str] = ..., role: _Optional[str] = ..., parents: _Optional[_Iterable[_Union[GraphParent, _Mapping]]] = ..., decode: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output: _Optional[str] = ..., private: _Optional[bool] = ..., staircase: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reply_role: _Optional[str] = ...) -> None: ...
 
 class StaircaseOptions(_message.Message):
     __slots__ = ("proposer_chunks", "aggregator_chunks", "redundancy", "variant")

@@ -174,27 +174,59 @@ def _offsets(values, parents) -> list[int | None] | None:
     return [None if v == -1 else int(v) for v in values]
 
 
-def prefill_call(spec: pb.PrefillCallSpec) -> PrefillCall:
-    return PrefillCall(spec.text or list(spec.tokens), parents=list(spec.parents),
+# A message that has parents continues a conversation: it is rendered as following an earlier turn (the renderer's
+# stand-in for one), so that a template's conversation start (a default system turn, a begin-of-text token) is not
+# rendered again in the middle of it
+_CONTINUES = ({"role": "user", "content": "x"},)
+
+
+def call_text(renderer: ChatRenderer | str, messages, has_parents: bool, reply_role: str | None, field: str) -> str:
+    """A choreography call's or graph node's chat messages as its text (chat_text), after its parents when it has
+    some; with `reply_role`, the header that opens that turn follows (a call that decodes)."""
+    if reply_role is not None and reply_role not in ("worker", "synthesizer"):
+        raise BraidError(f"{field.rsplit('.', 1)[0]}.reply_role {reply_role!r} must be worker or synthesizer")
+    return chat_text(renderer, messages, _CONTINUES if has_parents else (), reply_role, field)
+
+
+def prefill_call(spec: pb.PrefillCallSpec, renderer: ChatRenderer | str = "no chat template",
+                 field: str = "calls") -> PrefillCall:
+    if spec.messages and (spec.text or spec.tokens):
+        raise BraidError(f"{field}: a call sends text, tokens or chat messages, one of them")
+    text = call_text(renderer, spec.messages, bool(spec.parents), None, f"{field}.messages") if spec.messages \
+        else spec.text
+    return PrefillCall(text or list(spec.tokens), parents=list(spec.parents),
                        offsets=_offsets(spec.offsets, spec.parents),
                        new_offset=spec.new_offset if spec.HasField("new_offset") else None)
 
 
-def decode_call(spec: pb.DecodeCallSpec, default_max_tokens: int) -> DecodeCall:
-    return DecodeCall(spec.header or list(spec.header_tokens), parents=list(spec.parents),
+def decode_call(spec: pb.DecodeCallSpec, default_max_tokens: int, renderer: ChatRenderer | str = "no chat template",
+                field: str = "calls") -> DecodeCall:
+    if spec.messages and (spec.header or spec.header_tokens):
+        raise BraidError(f"{field}: a call sends a header, header tokens or chat messages, one of them")
+    header = call_text(renderer, spec.messages, bool(spec.parents), spec.reply_role or "synthesizer",
+                       f"{field}.messages") if spec.messages else spec.header
+    return DecodeCall(header or list(spec.header_tokens), parents=list(spec.parents),
                       offsets=_offsets(spec.offsets, spec.parents),
                       new_offset=spec.new_offset if spec.HasField("new_offset") else None,
                       sampling=sampling(spec.sampling, default_max_tokens))
 
 
 def graph(request: pb.GraphRequest, default_max_tokens: int,
-          schedule: StaircaseSchedule = StaircaseSchedule(strict=False)) -> Graph:
-    """A RunGraph request as a validated Graph (INVALID_ARGUMENT naming the node and field otherwise)."""
+          schedule: StaircaseSchedule = StaircaseSchedule(strict=False),
+          renderer: ChatRenderer | str = "no chat template") -> Graph:
+    """A RunGraph request as a validated Graph (INVALID_ARGUMENT naming the node and field otherwise); nodes
+    sent as chat messages are rendered with `renderer`."""
     nodes = []
     for i, n in enumerate(request.nodes):
         parents = tuple(Edge(p.node, p.message_id, p.offset if p.HasField("offset") else None, p.leak)
                         for p in n.parents)
-        nodes.append(Node(n.name, n.prompt, n.role, parents,
+        prompt = n.prompt
+        if n.messages:
+            if n.prompt:
+                raise BraidError(f"nodes[{i}]: a node sends a prompt or chat messages, not both")
+            prompt = call_text(renderer, n.messages, bool(n.parents), (n.reply_role or "worker") if n.decode else None,
+                               f"nodes[{i}].messages")
+        nodes.append(Node(n.name, prompt, n.role, parents,
                           sampling(n.sampling, default_max_tokens, f"nodes[{i}].sampling") if n.decode else None,
                           n.output or "kv", n.private, n.staircase))
     schedule, variant = staircase_options(request.staircase, schedule)

@@ -58,7 +58,8 @@ class AgentLogic:
         self.directory = directory
         self.config = config or ServiceConfig()
         self.kvcomm = KVComm(engine, self.config.kvcomm)
-        self.renderer = chat_renderer(engine.lm.tokenizer, engine.config.model_path)  # (Generate's chat messages)
+        # (the chat messages of Generate, the choreography calls and graph nodes)
+        self.renderer = chat_renderer(engine.lm.tokenizer, engine.config.model_path)
         self.exporter: KVExporter | None = None  # (start_upkeep)
         self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
         self._held_lock, self._moving_lock, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
@@ -347,7 +348,7 @@ class AgentLogic:
 
     def Prefill(self, request: pb.PrefillRequest, caller: str = "") -> pb.PrefillResponse:
         with self._session(request.session_id, caller) as sid:
-            calls = [convert.prefill_call(c) for c in request.calls]
+            calls = [convert.prefill_call(c, self.renderer, f"calls[{i}]") for i, c in enumerate(request.calls)]
             self._resolve(sid, {p for c in calls for p in c.parents})
             ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
             self.register(sid, ids)
@@ -355,7 +356,8 @@ class AgentLogic:
 
     def Decode(self, request: pb.DecodeRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
         with self._session(request.session_id, caller) as sid:
-            calls = [convert.decode_call(c, self.config.default_max_tokens) for c in request.calls]
+            calls = [convert.decode_call(c, self.config.default_max_tokens, self.renderer, f"calls[{i}]")
+                     for i, c in enumerate(request.calls)]
             self._resolve(sid, {p for c in calls for p in c.parents})
             yield from self._stream(sid, self.engine.decode_stream(calls))
 
@@ -405,7 +407,7 @@ class AgentLogic:
         anything runs. Node outputs stay in the session, except those that are private or were encoded with a
         private node in view: a later call could read them from any role, so they go when the graph ends (their
         node-done event names no message). A graph that fails or is left midway keeps nothing."""
-        graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase)
+        graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase, self.renderer)
         with self._session(request.session_id, caller) as sid, \
                 self.directory.running(caller, self.config.limits.workflows):
             self._resolve(sid, graph.messages)

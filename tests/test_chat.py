@@ -134,6 +134,47 @@ def test_a_workflow_sent_as_chat_messages_is_rendered_with_the_models_template(q
                                 "<|im_start|>assistant\n"), info.text
 
 
+def test_choreography_calls_and_graph_nodes_take_chat_messages(qwen_server):
+    """Prefill and Decode calls, and RunGraph nodes, sent as chat messages are rendered with the model's template:
+    a call without parents starts a conversation, one with parents continues it, and a decoding call's reply
+    follows the header of its reply role."""
+    stub, _ = qwen_server
+    got = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(messages=chat(("system", "add the parts")))]))
+    sid, (task,) = got.session_id, got.message_ids
+    text = lambda mid: stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=mid)).text  # noqa: E731
+    assert text(task) == "<|im_start|>system\nadd the parts<|im_end|>\n"
+    events = list(stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+        messages=chat(("user", "part 1")), parents=[task], sampling=GREEDY)])))
+    assert text(events[-1].message_id).startswith("<|im_start|>user\npart 1<|im_end|>\n<|im_start|>assistant\n")
+    graph = list(stub.RunGraph(pb.GraphRequest(session_id=sid, nodes=[
+        pb.GraphNode(name="ask", messages=chat(("user", "part 2")), parents=[pb.GraphParent(message_id=task)],
+                     decode=True, sampling=GREEDY),
+        pb.GraphNode(name="sum", messages=chat(("user", "the sum?")), reply_role="synthesizer", decode=True,
+                     parents=[pb.GraphParent(message_id=task), pb.GraphParent(node="ask")], sampling=GREEDY)])))
+    done = {e.node_done.node: e.node_done for e in graph if e.HasField("node_done")}
+    assert text(done["ask"].message_id).startswith("<|im_start|>user\npart 2<|im_end|>\n<|im_start|>assistant\n")
+    assert text(done["sum"].message_id).startswith("<|im_start|>user\nthe sum?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda s: s.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="t", messages=chat(("user", "a")))])),
+     "calls[0]: a call sends text, tokens or chat messages"),
+    (lambda s: list(s.Decode(pb.DecodeRequest(calls=[pb.DecodeCallSpec(messages=chat(("user", "a")),
+                                                                       reply_role="robot")]))),
+     "calls[0].reply_role 'robot' must be worker or synthesizer"),
+    (lambda s: list(s.RunGraph(pb.GraphRequest(nodes=[pb.GraphNode(name="a", messages=chat(("bot", "a")))]))),
+     "nodes[0].messages[0].role 'bot'"),
+    (lambda s: list(s.RunGraph(pb.GraphRequest(nodes=[pb.GraphNode(name="a", prompt="p",
+                                                                   messages=chat(("user", "a")))]))),
+     "nodes[0]: a node sends a prompt or chat messages, not both"),
+])
+def test_bad_chat_calls_are_refused_naming_the_field(qwen_server, call, needle):
+    stub, _ = qwen_server
+    with pytest.raises(grpc.RpcError) as e:
+        call(stub)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value.details()
+
+
 @pytest.mark.parametrize("request_, code, needle", [
     (pb.WorkflowRequest(task="t", branch_messages=[pb.Conversation(messages=chat(("user", "a")))],
                         synthesis_messages=chat(("user", "s"))), grpc.StatusCode.INVALID_ARGUMENT, "not both"),
@@ -179,6 +220,9 @@ def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(che
         stub = agent_pb2_grpc.AgentServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(messages=chat(("user", "hi")), sampling=GREEDY)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no chat template" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(messages=chat(("user", "hi")))]))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no chat template" in e.value.details()
         assert list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=GREEDY)))[-1].message_id
     finally:
