@@ -528,7 +528,7 @@ def quality_page(r: Report) -> str:
         section("How it is measured", method, modes),
         quality_reference(r), quality_calibration(r), quality_refresh(r), quality_refresh_calibrated(r),
         quality_probe(r), quality_parallel(r), quality_committed_training(r), quality_committed(r),
-        quality_workflows(r), quality_prompt_tree_training(r)])
+        quality_traces(r), quality_workflows(r), quality_prompt_tree_training(r)])
 
 
 def quality_reference(r: Report) -> str:
@@ -837,6 +837,54 @@ def quality_committed(r: Report) -> str:
         eval_grid(r, ["eval_verify_cpu"]),
         verification_table(r, previous["verification"], "`eval_verify_cpu.json`"),
         r.plot("eval_verify_cpu", "verification on another checkpoint"),
+    ])
+
+
+def quality_traces(r: Report) -> str:
+    """evals/trace_quality.py: a calibration from recorded workflows alone, verified on the ones it held out."""
+    name = "eval_trace_quality_cpu"
+    if not r.has(name):
+        return ""
+    res = r.load(name)
+    cfg, cal, summary = res["config"], res["calibration_record"], res["summary"]
+    mode, uncalibrated = res["calibrated_mode"], res["uncalibrated_modes"]
+    modes = [mode, *uncalibrated]
+    groups = [g for g in ("all", *cfg["families"]) if g in summary]
+    def agreement(row: dict) -> str:
+        return f"{pct(row['agreement'], 1)} ({points_ci(row['minus_text'], row['minus_text_ci95'], 1)})"
+
+    rows = [[g, str(summary[g]["n"]), pct_ci(summary[g]["text_reference_accuracy"], summary[g]["text_reference_ci95"]),
+             *(agreement(summary[g][m]) for m in modes)] for g in groups]
+    header = ["held-out traces", "n", "text right (vs reference), %",
+              *(f"`{m}` agrees with text, % (minus text, points)" for m in modes)]
+    s_all = summary["all"]
+    verification = res.get("verification") or {}
+    return "\n\n".join([
+        section("Your own workflows, calibrated from traces", paragraph(
+            "The path of [Bring your own model](../bring-your-own-model.md), end to end on the reference model",
+            f"(`evals/trace_quality.py`): {cfg['workflows']} workflows of the families",
+            f"{listing([f'`{f}`' for f in cfg['families']])}, each branch's work {span(cfg['length'])} steps long",
+            "(no calibration here trains beyond 8) at 2 to 12 branches, sent as chat messages to a server recording",
+            "what it serves (text transport). A fresh calibration trained on those traces alone",
+            f"(`braid calibrate --traces --sources none`, {cal['steps']} steps, {minutes(cal['train_seconds'])} on",
+            "this machine), with no labels: the target is the model's own text answer. The held-out traces (one",
+            f"line in {cfg['held_out']} of the trace file, none trained on; task seeds {cfg['seed']} to",
+            f"{cfg['seed'] + cfg['workflows'] - 1}, which no other calibration or evaluation here draws) ran in text",
+            "and in the KV modes on the same worker branches, each KV answer held to text's; only they carry",
+            f"reference answers. `{mode}` is the new calibration as served;",
+            f"{listing([f'`{m}`' for m in uncalibrated])} read the same KV uncalibrated, at the same placement.")),
+        r.table(header, rows, name),
+        paragraph(
+            f"Over all {s_all['n']} held-out traces, `{mode}` agrees with text on {pct(s_all[mode]['agreement'], 1)}%",
+            f"({points_ci(s_all[mode]['minus_text'], s_all[mode]['minus_text_ci95'], 1)} points); read uncalibrated,",
+            " and ".join(f"`{m}` on {pct(s_all[m]['agreement'], 1)}% "
+                         f"({points_ci(s_all[m]['minus_text'], s_all[m]['minus_text_ci95'], 1)})" for m in uncalibrated)
+            + ".", f"Text itself answers {pct(s_all['text_reference_accuracy'], 1)}% of them as the references do.",
+            (f"`braid eval --verify` recorded `{verification['mode']}` as verified up to "
+             f"{verification['max_branches']} branches of up to {verification.get('max_branch_tokens')} tokens "
+             f"(each branch count within {points(verification['tolerance']).lstrip('+')} points of text over "
+             f"{verification['samples']} traces).") if verification else ""),
+        r.plot(name, "held-out traces: KV against text"),
     ])
 
 
@@ -1957,6 +2005,16 @@ def headline_rows(r: Report, base: str) -> list[list[str]]:
                  f"verified up to {check.get('max_branches')} branches of up to {check.get('max_branch_tokens')} "
                  "tokens",
                  measured_on(r, "eval_verify_mixed_cpu"), link("quality.md", H_COMMITTED)])
+    if r.has("eval_trace_quality_cpu"):
+        res = r.load("eval_trace_quality_cpu")
+        s_all, mode = res["summary"]["all"], res["calibrated_mode"]
+        rows.append(["Your own workflows: a calibration from recorded traces alone (reference model, held-out traces)",
+                     f"`{mode}` agrees with text on {pct(s_all[mode]['agreement'], 1)}% "
+                     f"({points_ci(s_all[mode]['minus_text'], s_all[mode]['minus_text_ci95'], 1)} points, "
+                     f"n = {s_all['n']}); uncalibrated " + ", ".join(
+                         f"`{m}` {pct(s_all[m]['agreement'], 1)}%" for m in res["uncalibrated_modes"]),
+                     measured_on(r, "eval_trace_quality_cpu"),
+                     link("quality.md", "Your own workflows, calibrated from traces")])
     for name, where in (("synthesis_ttft_cpu", "CPU"), ("synthesis_ttft_cuda", "GPU")):
         result = r.load(name)
         w = result["rows"]

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     families = json.load(open(os.path.join(args.work, "families.json")))
     cal = Calibration.load(calibration)
     result = {"config": {**vars(args), "families": list(FAMILIES), "length": list(LENGTH)},
-              "held_out": "every %d-th trace (its seed's workflow), none trained on; seeds %d-%d, a range no "
+              "held_out": "one line in %d of the trace file, none trained on; task seeds %d-%d, a range no other "
                           "calibration or evaluation here draws from" % (args.held_out, args.seed,
                                                                          args.seed + args.workflows - 1),
               "calibration_record": {k: cal.record.get(k) for k in ("steps", "train_seconds", "traces",
