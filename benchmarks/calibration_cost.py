@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: random weights of --shape)")
     p.add_argument("--shape", default="tiny",
-                   help="shape of the random checkpoint, and the result's name (with --model: its shape; default: tiny)")
+                   help="shape of the random checkpoint, and the result's name (with --model: its shape; "
+                        "default: tiny)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", help="the base weights' dtype (default: float32)")
     p.add_argument("--steps", type=int, default=8, help="timed steps after the warmup (default: 8)")

@@ -841,7 +841,7 @@ def quality_committed(r: Report) -> str:
 
 
 def quality_traces(r: Report) -> str:
-    """evals/trace_quality.py: a calibration from recorded workflows alone, verified on the ones it held out."""
+    """benchmarks/trace_quality.py: a calibration from recorded workflows alone, verified on the ones it held out."""
     name = "eval_trace_quality_cpu"
     if not r.has(name):
         return ""
@@ -862,7 +862,7 @@ def quality_traces(r: Report) -> str:
     return "\n\n".join([
         section("Your own workflows, calibrated from traces", paragraph(
             "The path of [Bring your own model](../bring-your-own-model.md), end to end on the reference model",
-            f"(`evals/trace_quality.py`): {cfg['workflows']} workflows of the families",
+            f"(`benchmarks/trace_quality.py`): {cfg['workflows']} workflows of the families",
             f"{listing([f'`{f}`' for f in cfg['families']])}, each branch's work {span(cfg['length'])} steps long",
             "(no calibration here trains beyond 8) at 2 to 12 branches, sent as chat messages to a server recording",
             "what it serves (text transport). A fresh calibration trained on those traces alone",

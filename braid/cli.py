@@ -498,8 +498,8 @@ def main(argv=None) -> int:
                    help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
     p.add_argument("--traces", metavar="FILE[,FILE]",
                    help="evaluate recorded workflows (braid serve --record) instead of synthetic tasks: every mode "
-                        "is held to the text pipeline's answer on the same branches; text's own accuracy against the traces' "
-                        "reference answers, where they carry one, is reported beside it")
+                        "is held to the text pipeline's answer on the same branches; text's own accuracy against the "
+                        "traces' reference answers, where they carry one, is reported beside it")
     p.add_argument("--held-out-traces", type=int, default=10,
                    help="with --traces: evaluate only every N-th trace, those braid calibrate --traces held out "
                         "with the same N (0: all of them; default: 10)")

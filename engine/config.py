@@ -49,6 +49,12 @@ class EngineConfig:
     # a parent placed where it was encoded is read in place: one copy in the work KV for every running call
     # that reads it so (false: each call copies its parents into its own blocks)
     share_parents: bool = True
+    # where stored messages' KV lives: "dense", a tensor of its own per message (a finished call's KV is copied out
+    # of the work KV, and copied back in by each call that reads it, unless shared as above); "paged", in the work
+    # KV's pool itself, in the blocks the call wrote (engine.store.PagedKV): storing copies nothing, and a call
+    # reads a parent placed where it was encoded in place. The pool then holds kv_budget_bytes of work KV and
+    # store_budget_bytes of stored messages
+    kv_home: str = "paged"
     # base-weight calls share a forward with an adapter's calls (a calibration's LoRA), which reads its merged
     # weights on its own rows only; false: they take turns, a forward each (engine.scheduler). Forwards that may
     # run as CUDA graphs take turns either way: a graph swaps one set of weights in over every row
@@ -94,6 +100,8 @@ class EngineConfig:
                              f"got {self.cpu_threads!r}")
         if self.max_running_calls < 0:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
+        if self.kv_home not in ("dense", "paged"):
+            raise ValueError(f"kv_home must be dense or paged, got {self.kv_home!r}")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} is not one of {', '.join(DECODE_GRAPHS)}")
         manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)

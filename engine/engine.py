@@ -6,6 +6,7 @@ store only when the whole request has succeeded, so a failed request leaves the 
 """
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -29,7 +30,7 @@ from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
 from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Request, RequestStatus, Scheduler
-from braid.engine.store import DenseKV, Message, MessageStore, new_message_id
+from braid.engine.store import DenseKV, Message, MessageStore, PagedAlloc, PagedKV, new_message_id
 from braid.engine.threads import one_thread
 from braid.kernels import rerotate_keys
 
@@ -190,7 +191,9 @@ class Engine:
             self.spec = self.lm.spec
             self.tokenizer = _SharedTokenizer(self.lm.tokenizer)
             self.fingerprint = self.lm.fingerprint
-            self.store = MessageStore(config.store_budget_bytes)
+            self.paged = config.kv_home == "paged"  # stored messages' KV lives in the pool (engine.store.PagedKV)
+            self.store = MessageStore(_store_budget(config, self.lm.device) if self.paged
+                                      else config.store_budget_bytes)
             self.runner = ModelRunner(self.lm)
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()
@@ -199,10 +202,10 @@ class Engine:
             s = self.spec
             # one token's keys and values over every layer: what a message costs per token, stored or shipped
             self.kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+            work = max(1, _kv_budget(config, self.lm.device) // self.kv_bytes_per_token // config.kv_block_tokens)
+            stored = self.store.budget_bytes // self.kv_bytes_per_token // config.kv_block_tokens if self.paged else 0
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
-                                       KVPool(self.lm, max(1, _kv_budget(config, self.lm.device)
-                                                           // self.kv_bytes_per_token
-                                                           // config.kv_block_tokens), config.kv_block_tokens),
+                                       KVPool(self.lm, work + stored, config.kv_block_tokens, work),
                                        config.max_running_calls, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
                                        threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters)
@@ -462,13 +465,21 @@ class Engine:
         anyway (a cache of the call's own blocks is read as a view each forward, where reading any parent in
         place gathers the whole cache each forward), nor when their runs would not fit the pool."""
         pool, none = self.scheduler.pool, [False] * len(plan.entries)
-        if not self.config.share_parents or transform is not None:
+        if transform is not None:
             return none
-        yes = [off == m.offset and m.num_tokens >= pool.block_tokens for m, off in plan.entries]
-        shared = [m.num_tokens for (m, _), y in zip(plan.entries, yes) if y]
+        home = [off == m.offset and self._at_home(m) for m, off in plan.entries]  # (in place: no copy, no run)
+        if not self.config.share_parents:
+            return home
+        yes = [h or off == m.offset and m.num_tokens >= pool.block_tokens for h, (m, off) in zip(home, plan.entries)]
+        shared = [m.num_tokens for h, (m, _), y in zip(home, plan.entries, yes) if y and not h]
         copied = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if not y)
-        fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.blocks
-        return yes if fits and sum(shared) >= copied else none
+        fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.work_blocks
+        return yes if fits and sum(shared) + sum(m.num_tokens for h, (m, _) in zip(home, plan.entries) if h) >= copied \
+            else home
+
+    def _at_home(self, msg: Message) -> bool:
+        """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): read in place, never copied."""
+        return isinstance(msg.kv, PagedKV) and msg.kv.pool is self.scheduler.pool
 
     def _reuse(self, plan: _Plan):
         """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
@@ -632,7 +643,10 @@ class Engine:
                 break
             msg, off = entry
             if in_place[e]:
-                cache.reference(next(runs), segment=e)
+                if self._at_home(msg):
+                    cache.reference_slots(msg.kv.index, segment=e)
+                else:
+                    cache.reference(next(runs), segment=e)
                 continue
             mapped = plan.mapped[e]
             slots = unmapped.pop((msg.id, off), None) if mapped else None
@@ -661,29 +675,65 @@ class Engine:
         prefix caching, each gets its content key, and prefills also a hidden twin over the same KV that the
         cache keeps after the caller frees its message, until the store evicts it."""
         messages, twins = [], []
-        for call in request.calls:
+        handles = self._paged_handles(request) if self.paged else {}
+        for c, call in enumerate(request.calls):
             if not call.store:
                 continue
-            kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
-            self.scheduler.pool.copied["commit"] += kv.nbytes
             toks, offset = call.all_tokens, call.offset
+            if c in handles:  # (in the blocks it was written to: nothing copied)
+                kv = handles[c]
+            else:
+                kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
+                self.scheduler.pool.copied["commit"] += kv.nbytes
+                if call.prefix is not None:
+                    kv = torch.cat([call.prefix.kv.read(), kv], dim=3)
+                kv = DenseKV(kv)
             if call.prefix is not None:
-                kv, toks, offset = torch.cat([call.prefix.kv.read(), kv], dim=3), [*call.prefix.token_ids, *toks], \
-                    call.prefix.offset
+                toks, offset = [*call.prefix.token_ids, *toks], call.prefix.offset
             keys = self.prefix_cache.keys(call.seed, toks) if call.seed is not None else None  # (hashed once)
-            messages.append(Message(call.message_id, tuple(toks), DenseKV(kv), offset, call.parents,
+            messages.append(Message(call.message_id, tuple(toks), kv, offset, call.parents,
                                     call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None,
                                     call.unrecorded))
             if not call.decodes and keys:
                 twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
-        with self._store_lock:
-            self.store.add(messages + [t for _, t in twins])
-            self.store.touch(plan.parent_ids)
-            for keys, twin in twins:
-                self.prefix_cache.insert(keys, twin)
-            if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
-                self.prefix_cache.prune(self.store)
+        try:
+            with self._store_lock:
+                self._store(messages, twins, plan)
+        except BaseException:  # (not stored: the blocks they would have held go back with the call's)
+            for h in handles.values():  # (only the allocation made here: a cached start's is not this call's)
+                h.allocs[-1].release()
+            raise
         return [m.id for m in messages]
+
+    def _paged_handles(self, request: Request) -> dict[int, PagedKV]:
+        """Each stored call's KV where the call wrote it, by call index: its slots in the pool, after its cached
+        start's where that lives in the pool too (a start shipped in is copied as a dense message, the call
+        left out here). The calls share one PagedAlloc over every block their slots touch."""
+        cache = request.cache
+        slots: dict[int, torch.Tensor] = {}
+        blocks: set[int] = set()
+        for c, call in enumerate(request.calls):
+            if call.store and (call.prefix is None or self._at_home(call.prefix)):
+                slots[c] = cache.index[torch.tensor(call.slots, dtype=torch.long, device=cache.index.device)]
+                blocks |= cache.blocks_of(call.slots)
+        if not slots:
+            return {}
+        alloc = PagedAlloc(self.scheduler.pool, sorted(blocks))
+        out = {}
+        for c, own in slots.items():
+            start = request.calls[c].prefix  # (after a cached start: its slots first, in the allocations they lie in)
+            out[c] = PagedKV((alloc,), own) if start is None else \
+                PagedKV((*start.kv.allocs, alloc), torch.cat([start.kv.index, own]))
+        return out
+
+    def _store(self, messages: list[Message], twins: list, plan: _Plan) -> None:
+        """(store lock held) The committed messages and their prefix-cache twins into the store."""
+        self.store.add(messages + [t for _, t in twins])
+        self.store.touch(plan.parent_ids)
+        for keys, twin in twins:
+            self.prefix_cache.insert(keys, twin)
+        if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
+            self.prefix_cache.prune(self.store)
 
 
 class _RequestKV:
@@ -702,7 +752,7 @@ class _RequestKV:
         self.extra = sum(c.may_generate for c in plan.calls)
         own = sum(len(c.tokens) for c in plan.calls) + self.extra
         self.in_place = eng._in_place(plan, self.transform, own)
-        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes]
+        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes and not eng._at_home(m)]
         capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, self.in_place) if not yes)
         return Request(plan.calls, plan.visible, capacity, self, shared, grows)
 
@@ -726,6 +776,21 @@ def _cpu_threads(config: EngineConfig, lm: LoadedModel, caller_threads: int) -> 
     if lm.device.type != "cpu":
         return 0
     return config.cpu_threads or caller_threads
+
+
+def _store_budget(config: EngineConfig, device: torch.device) -> int:
+    """The paged home's share of the pool for stored messages: store_budget_bytes, up to what the machine can hold
+    beside the work KV (a quarter of its memory on CPU, where an allocation past it is refused at once; on CUDA,
+    a quarter of the device memory free before the pool is made, beside the half the work KV takes by default).
+    A store budget of "whatever there is" (a benchmark's 64 GiB) becomes that."""
+    if device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0] // 4
+    else:
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    if config.store_budget_bytes > room:
+        log.info("the message store's budget is %d bytes of the pool, not store_budget_bytes=%d: no more fits beside "
+                 "the work KV here", room, config.store_budget_bytes)
+    return min(config.store_budget_bytes, room)
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

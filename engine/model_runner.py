@@ -17,6 +17,9 @@ attend [0, end of their tokens); the other rows [start, length), so they never p
 whose blocks go back to the pool once the lead rows are encoded.
 """
 
+import bisect
+import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -45,18 +48,29 @@ class KVPool:
     only as it is used. Parents placed where they were encoded are kept once, as SharedRuns, whatever the
     number of running calls that read them."""
 
-    def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16):
+    def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16, work_blocks: int | None = None):
+        """`work_blocks`: the most blocks running calls hold at once (default: all of them); the rest are for
+        stored messages (engine.store.PagedKV), which hold blocks calls wrote."""
         s = lm.spec
         self.block_tokens = block_tokens
         self.blocks = blocks
+        self.work_blocks = blocks if work_blocks is None else min(work_blocks, blocks)
         # one block more than it hands out: its first slot is where the padding rows of a static forward write
         # their KV, which nothing reads (engine.cuda_graphs)
         self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
                               dtype=lm.dtype, device=lm.device)
         self.trash = blocks * block_tokens
         self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
-        self.free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: low blocks first
+        self.slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.kv.element_size()
+        self.free: list[int] = []  # blocks handed back, a stack (the last handed back is taken first)
+        self._fresh = 0  # blocks [_fresh, blocks) were never handed out: taken in order after the stack
         self.shared: dict[tuple, SharedRun] = {}
+        # Blocks stored messages hold (engine.store.PagedAlloc), by how many allocations hold each: a block a call
+        # hands back stays out of the free list while held, and one let go by its last holder is freed once no
+        # call has it. The store lets go from callers' threads, the scheduler allocates from its own: one lock.
+        self.holds: Counter[int] = Counter()
+        self.in_use: set[int] = set()  # blocks handed to running calls (and not handed back)
+        self._lock = threading.Lock()
         # KV bytes copied since the engine started: "reuse", parents copied into the pool for the calls that read
         # them (a copy re-rotated to another offset, or a shared run's one copy); "commit", a finished call's KV
         # copied out into its stored message. A parent read in place from a run already there copies nothing.
@@ -98,7 +112,7 @@ class KVPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.blocks - self._fresh
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -106,13 +120,38 @@ class KVPool:
     def allocate(self, tokens: int, also: int = 0) -> list[int] | None:
         """Blocks enough for `tokens`, or None when fewer are free (and `also` more must stay free)."""
         n = self.blocks_for(tokens)
-        if n + also > len(self.free):
-            return None
-        taken, self.free = self.free[len(self.free) - n:][::-1], self.free[:len(self.free) - n]
+        with self._lock:
+            if n + also > self.free_blocks or len(self.in_use) + n + also > self.work_blocks:
+                return None
+            k = min(n, len(self.free))
+            taken = self.free[len(self.free) - k:][::-1] + list(range(self._fresh, self._fresh + n - k))
+            self.free, self._fresh = self.free[:len(self.free) - k], self._fresh + n - k
+            self.in_use.update(taken)
         return taken
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        """A call's blocks back: free, but for those stored messages hold."""
+        with self._lock:
+            self.in_use.difference_update(blocks)
+            self.free.extend(b for b in reversed(blocks) if not self.holds[b])
+
+    def hold(self, blocks: list[int]) -> None:
+        """Keep these blocks (a call's, still in use) from the free list until `unhold`."""
+        with self._lock:
+            self.holds.update(blocks)
+
+    def unhold(self, blocks: list[int]) -> None:
+        with self._lock:
+            self.holds.subtract(blocks)
+            gone = [b for b in blocks if self.holds[b] <= 0]
+            for b in gone:
+                del self.holds[b]
+            self.free.extend(b for b in reversed(gone) if b not in self.in_use)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks stored messages hold."""
+        return len(self.holds)
 
 
 def _slots(blocks: list[int], block_tokens: int, device) -> torch.Tensor:
@@ -130,6 +169,8 @@ class WorkCache:
         b = pool.block_tokens
         self._own = _slots(blocks, b, lm.device)  # its own blocks' slots, claimed in order
         self._claimed = 0
+        self._blocks = list(blocks)  # (the host's copy of its block table, as it grows)
+        self._claims: list[tuple[int, int, int]] = []  # (logical start, own slot position, length), in order
         self.index = torch.empty(capacity, dtype=torch.long, device=lm.device)  # each logical slot's place in the pool
         # own blocks in one ascending run, and no parent read in place (the usual case): read as a view, no gather
         ascending = bool(blocks) and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
@@ -160,6 +201,7 @@ class WorkCache:
                 y != x + 1 for x, y in zip(blocks, blocks[1:])):
             self.run_start = None
         self._own = torch.cat([self._own, _slots(blocks, b, self._own.device)])
+        self._blocks += blocks
 
     def _claim(self, start: int, end: int) -> torch.Tensor:
         """Logical slots [start, end) onto the next of its own slots."""
@@ -170,8 +212,19 @@ class WorkCache:
         self.index[start:end] = own
         if self._claimed != start:  # (its own slots, one run from run_start, no longer line up with its logical ones)
             self.run_start = None
+        self._claims.append((start, self._claimed, end - start))
         self._claimed += end - start
         return own
+
+    def blocks_of(self, slots: list[int]) -> set[int]:
+        """The pool blocks that hold these logical slots of its own (computed on the host: no device read)."""
+        b, out, starts = self.pool.block_tokens, set(), [c[0] for c in self._claims]
+        for slot in slots:
+            start, own, n = self._claims[bisect.bisect_right(starts, slot) - 1]
+            if not start <= slot < start + n:
+                raise ValueError(f"slot {slot} is not one of its own")
+            out.add(self._blocks[(own + slot - start) // b])
+        return out
 
     def append(self, kv: torch.Tensor, segment: int) -> None:
         """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
@@ -183,8 +236,13 @@ class WorkCache:
 
     def reference(self, run: SharedRun, segment: int) -> None:
         """A parent read in place (its run in the pool) as one segment: nothing copied."""
-        start, end = self.length, self.length + run.index.numel()
-        self.index[start:end] = run.index
+        self.reference_slots(run.index, segment)
+
+    def reference_slots(self, index: torch.Tensor, segment: int) -> None:
+        """Pool slots [T] read in place as one segment (a shared run's, or a stored message's where it lives in the
+        pool, engine.store.PagedKV): nothing copied."""
+        start, end = self.length, self.length + index.numel()
+        self.index[start:end] = index
         self.segment[start:end] = segment
         self.length = end
         self.run_start = None

@@ -326,8 +326,8 @@ class Scheduler:
     def submit(self, group: Request) -> None:
         """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
         shared = sum(self.pool.blocks_for(kv.num_tokens) for kv, _ in group.shared)  # (at most: none in the pool)
-        if self.pool.blocks_for(group.capacity) + shared > self.pool.blocks:
-            total = self.pool.blocks * self.pool.block_tokens * self.slot_bytes
+        if self.pool.blocks_for(group.capacity) + shared > self.pool.work_blocks:
+            total = self.pool.work_blocks * self.pool.block_tokens * self.slot_bytes
             need = group.capacity + sum(kv.num_tokens for kv, _ in group.shared)
             raise StoreFullError(
                 f"this call needs {need * self.slot_bytes} bytes of work KV (context, tokens and "
@@ -345,7 +345,7 @@ class Scheduler:
     @property
     def load(self) -> dict[str, int]:
         return {"waiting": len(self.waiting), "running": len(self.running),
-                "reserved_bytes": (self.pool.blocks - self.pool.free_blocks) * self.pool.block_tokens * self.slot_bytes}
+                "reserved_bytes": len(self.pool.in_use) * self.pool.block_tokens * self.slot_bytes}
 
     def _admit(self, g: Request) -> list[int] | None:
         """Its blocks: what it needs now if it grows (leaving a block per call free to decode into), else all it

@@ -1,9 +1,11 @@
 """The message store: encoded messages with their KV, under a byte budget with LRU eviction.
 
-A message's KV is an opaque handle (DenseKV today): everything outside this module reads it through the handle's
-few methods, so that where KV lives (a paged home in the engine's pool, recomputed from lineage) can change without
-changing the store's API. Messages may share KV memory (a prefix-cache hit or a view is a new message over part of
-another's KV): bytes are counted once per memory they live in, and freed when its last message goes."""
+A message's KV is an opaque handle: everything outside this module reads it through the handle's few methods. A
+DenseKV is a tensor of its own (a message shipped in, or any message under `kv_home="dense"`); a PagedKV lives in
+the engine's KV pool (engine.model_runner.KVPool), in the blocks the call that made it wrote it to, so that storing
+it copies nothing and a call that reads it where it was encoded reads it in place. Messages may share KV memory (a
+prefix-cache hit or a view is a new message over part of another's KV; the messages of one request share their
+blocks): bytes are counted once per memory they live in, and freed when its last message goes."""
 
 import secrets
 from collections import Counter, OrderedDict
@@ -27,7 +29,7 @@ class DenseKV:
     __slots__ = ("_kv",)
 
     def __init__(self, kv: torch.Tensor):
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:  # (pool: KVPool, when paged)
             raise TypeError(f"DenseKV holds a tensor [layers, 2, kv_heads, tokens, head_dim], not "
                             f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
         self._kv = kv
@@ -77,12 +79,98 @@ class DenseKV:
         kv = self._kv
         return kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, kv.device
 
+    @property
+    def storages(self) -> list[tuple[int, int, "DenseKV"]]:
+        """[(key, bytes, owner)] of the memory it lives in (the store counts each key once, and tells its owner
+        to `release` when its last message goes)."""
+        return [(*self.storage, self)]
+
+    def release(self) -> None:
+        """(The store, when the last message over this memory goes: a tensor's memory goes with its last
+        reference; nothing to hand back.)"""
+
+
+class PagedAlloc:
+    """Blocks of a KV pool that stored messages hold: the pool keeps them from the free list until `release`.
+    The messages one request stored share one (and so do views and prefix-cache hits over them)."""
+
+    __slots__ = ("pool", "blocks", "held")
+
+    def __init__(self, pool, blocks: list[int]):
+        self.pool, self.blocks, self.held = pool, list(blocks), True
+        pool.hold(self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_tokens * self.pool.slot_bytes
+
+    def release(self) -> None:
+        """Hand the blocks back (once): the pool frees those no running call and no other allocation holds."""
+        if self.held:
+            self.held = False
+            self.pool.unhold(self.blocks)
+
+
+class PagedKV:
+    """A message's KV in the engine's KV pool: its tokens' slots there ([T] pool slots, keys rotated to the
+    message's positions), in blocks its PagedAlloc holds. Reading gathers (a copy); a call that reads the message
+    at the offset it was encoded at reads its slots in place (engine.model_runner.WorkCache.reference_slots)."""
+
+    __slots__ = ("allocs", "index")
+
+    def __init__(self, allocs: tuple[PagedAlloc, ...], index: torch.Tensor):
+        """`allocs`: the allocations its slots lie in (a message encoded after a cached start spans the start's and
+        its own)."""
+        if index.dim() != 1 or index.dtype != torch.long:
+            raise TypeError(f"PagedKV takes a 1-D long tensor of pool slots, not {index.dim()}-D {index.dtype}")
+        self.allocs, self.index = tuple(allocs), index
+
+    @property
+    def pool(self):
+        return self.allocs[0].pool
+
+    def __repr__(self) -> str:
+        return f"PagedKV({self.num_tokens} tokens in {sum(len(a.blocks) for a in self.allocs)} blocks)"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.index.numel()
+
+    def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: gathered from the pool, a copy."""
+        n = self.num_tokens
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
+            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
+        return self.pool.kv.index_select(3, self.index[start:end])
+
+    def part(self, start: int, end: int | None = None) -> "PagedKV":
+        """A handle over tokens [start, end) in the same blocks (a view or a prefix-cache hit); itself when whole."""
+        n = self.num_tokens
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
+            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
+        return self if (start, end) == (0, n) else PagedKV(self.allocs, self.index[start:end])
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.pool.slot_bytes
+
+    @property
+    def storages(self) -> list[tuple[int, int, PagedAlloc]]:
+        """[(an allocation's identity, the bytes of its blocks, the allocation)]: what the store counts once each."""
+        return [(id(a), a.nbytes, a) for a in self.allocs]
+
+    @property
+    def key(self) -> tuple:
+        return "paged", id(self.allocs[-1]), self.index.data_ptr(), self.num_tokens
+
 
 @dataclass(eq=False)
 class Message:
     id: str
     token_ids: tuple[int, ...]
-    kv: DenseKV  # keys rotated to `positions`; read through the handle, never as a tensor
+    kv: "DenseKV | PagedKV"  # keys rotated to `positions`; read through the handle, never as a tensor
     offset: int  # logical position of the first token
     parents: tuple[str, ...]
     parent_offsets: tuple[int, ...]
@@ -94,8 +182,8 @@ class Message:
     unrecorded: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.kv, DenseKV):
-            raise TypeError(f"a message's KV is a handle (DenseKV), not {type(self.kv).__name__}")
+        if not isinstance(self.kv, (DenseKV, PagedKV)):
+            raise TypeError(f"a message's KV is a handle (DenseKV or PagedKV), not {type(self.kv).__name__}")
 
     @property
     def num_tokens(self) -> int:
@@ -114,9 +202,14 @@ class Message:
         return self.kv.nbytes
 
     @property
-    def storage(self) -> tuple[int, int]:
-        """(address, bytes) of the memory its KV lives in, which other messages may share."""
-        return self.kv.storage
+    def storages(self) -> list[tuple[int, int, object]]:
+        """[(key, bytes, owner)] of the memory its KV lives in, which other messages may share."""
+        return self.kv.storages
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the memory its KV lives in (shared with the messages over the same memory)."""
+        return sum(size for _, size, _ in self.storages)
 
 
 class MessageStore:
@@ -194,8 +287,9 @@ class MessageStore:
 
     def add(self, messages: list[Message]) -> None:
         """Insert all messages or none, evicting unpinned LRU messages as needed."""
-        new_storage = {m.storage[0]: m.storage[1] for m in messages if m.storage[0] not in self._storage_refs}
-        need = sum(new_storage.values())
+        new = {key: size for m in messages for key, size, _ in m.storages if key not in self._storage_refs}
+        kept = {key for m in messages for key, _, _ in m.storages}  # (memory they share with stored ones stays)
+        need = sum(new.values())
         if need > self.budget_bytes:
             raise StoreFullError(f"{need} bytes of new KV exceed the store budget of {self.budget_bytes} bytes")
         victims, freed, leaving = [], 0, Counter()
@@ -204,20 +298,20 @@ class MessageStore:
                 break
             if not self._pins[mid] and not self._held[mid]:
                 victims.append(mid)
-                ptr, size = msg.storage
-                leaving[ptr] += 1
-                freed += size if leaving[ptr] == self._storage_refs[ptr] else 0
+                for key, size, _ in msg.storages:
+                    leaving[key] += 1
+                    freed += size if leaving[key] == self._storage_refs[key] and key not in kept else 0
         if self.used_bytes - freed + need > self.budget_bytes:
             raise StoreFullError(f"store full: {self.used_bytes} of {self.budget_bytes} bytes used, mostly by "
                                  f"messages in use; {need} more needed")
+        for msg in messages:  # (first: what they share with the victims is not let go)
+            self._messages[msg.id] = msg
+            for key, size, _ in msg.storages:
+                self.used_bytes += size if not self._storage_refs[key] else 0
+                self._storage_refs[key] += 1
         for mid in victims:
             self._remove(mid)
             self.evictions += 1
-        for msg in messages:
-            self._messages[msg.id] = msg
-            ptr, size = msg.storage
-            self.used_bytes += size if not self._storage_refs[ptr] else 0
-            self._storage_refs[ptr] += 1
 
     def free(self, message_id: str, when_unpinned: bool = False) -> None:
         self.get(message_id)
@@ -229,8 +323,10 @@ class MessageStore:
         self._remove(message_id)
 
     def _remove(self, message_id: str) -> None:
-        ptr, size = self._messages.pop(message_id).storage
-        self._storage_refs[ptr] -= 1
-        if not self._storage_refs[ptr]:
-            del self._storage_refs[ptr]
-            self.used_bytes -= size
+        msg = self._messages.pop(message_id)
+        for key, size, owner in msg.storages:
+            self._storage_refs[key] -= 1
+            if not self._storage_refs[key]:
+                del self._storage_refs[key]
+                self.used_bytes -= size
+                owner.release()  # (a paged message's blocks go back to the pool with the last message in them)

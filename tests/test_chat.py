@@ -203,7 +203,8 @@ def test_braid_run_sends_plain_content_rendered_by_the_server(qwen_server, capsy
     session, answer = capsys.readouterr().out.split("[done] session ")[1].strip().split(", answer ")
     text = stub.GetMessage(pb.GetMessageRequest(session_id=session, message_id=answer)).text
     # (text mode: the workers' replies, each an assistant turn, then the question and the answer's turn)
-    assert text.startswith("<|im_start|>assistant\n") and "<|im_start|>user\nthe sum?<|im_end|>\n<|im_start|>assistant\n" in text
+    assert text.startswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nthe sum?<|im_end|>\n<|im_start|>assistant\n" in text
 
 
 def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(checkpoint, capsys):

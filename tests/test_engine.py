@@ -326,16 +326,61 @@ def test_a_message_records_what_shaped_it_beyond_its_parents(llama_engine):
     assert eng.message(plain).unrecorded == ""
 
 
-def test_the_engine_counts_the_kv_it_copies(fresh_engine):
-    """Engine.kv_copied (exported as a metric and in benchmark JSON): a call's KV copied out into its message at
-    commit, and a parent read at another offset than it was encoded at copied (re-rotated) into the pool."""
-    eng = fresh_engine
+@pytest.mark.parametrize("home", ["dense", "paged"])
+def test_the_engine_counts_the_kv_it_copies(checkpoint, home):
+    """Engine.kv_copied (exported as a metric and in benchmark JSON): with a dense home, a call's KV copied out
+    into its message at commit; with the paged home (the pool), nothing at commit, nor for a parent read in place.
+    Either way, a parent read at another offset than it was encoded at is copied (re-rotated) into the pool."""
+    from braid.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home))
+    dense, three = home == "dense", SamplingParams(max_tokens=3, ignore_eos=True)
     before = eng.kv_copied
     (p,) = eng.prefill([PrefillCall(list(range(3, 43)))])
     after = eng.kv_copied
-    assert after["commit"] - before["commit"] == eng.message(p).nbytes and after["reuse"] == before["reuse"]
-    (d,) = eng.decode([DecodeCall("A:", parents=[p], offsets=[7], sampling=SamplingParams(max_tokens=3,
-                                                                                       ignore_eos=True))])
+    assert after["commit"] - before["commit"] == dense * eng.message(p).nbytes and after["reuse"] == before["reuse"]
+    (d,) = eng.decode([DecodeCall("A:", parents=[p], offsets=[7], sampling=three)])
     got = eng.kv_copied
     assert got["reuse"] - after["reuse"] == eng.message(p).nbytes  # (its 40 tokens, moved 7 positions)
-    assert got["commit"] - after["commit"] == eng.message(d).nbytes
+    assert got["commit"] - after["commit"] == dense * eng.message(d).nbytes
+    (e,) = eng.decode([DecodeCall("B:", parents=[p], sampling=three)])  # (where it was encoded)
+    last = eng.kv_copied
+    assert last["reuse"] - got["reuse"] == dense * eng.message(p).nbytes  # (a dense one: its one run, copied in)
+    assert last["commit"] - got["commit"] == dense * eng.message(e).nbytes
+
+
+def test_the_paged_home_answers_as_the_dense_one_bit_for_bit(checkpoint):
+    """kv_home paged (stored messages live in the pool, read in place where they were encoded) against dense
+    (each message a tensor of its own, copied in and out): the same tokens and the same stored KV, bit for bit,
+    through parallel prefill and decode, parents read in place and moved, views and prefix-cache hits; and
+    freeing every message hands every block back."""
+    from braid.engine import Engine, EngineConfig
+    from braid.engine.store import DenseKV, PagedKV
+
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(home):
+        eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home))
+        p = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
+        ctx = eng.prefill([PrefillCall(t, parents=p) for t in ["Part 3.", "Part 4 and 5 then six."]])
+        outs = eng.decode([DecodeCall("Worker:", parents=[*p, c], sampling=greedy) for c in ctx])
+        moved = eng.decode([DecodeCall("Synth:", parents=[*p, *outs], offsets=[None, 40, 90], sampling=greedy)])
+        view = eng.view(outs[1], 2, 6)
+        again = eng.prefill([PrefillCall("User: add the partial results of every worker please. And more.")])
+        tail = eng.decode([DecodeCall("More:", parents=[view, *again], sampling=greedy)])
+        ids = [*p, *ctx, *outs, *moved, view, *again, *tail]
+        return eng, ids, [eng.message(m).token_ids for m in ids], [eng.message(m).kv.read() for m in ids]
+
+    dense, d_ids, d_tokens, d_kv = run("dense")
+    paged, p_ids, p_tokens, p_kv = run("paged")
+    assert p_tokens == d_tokens
+    assert all(torch.equal(a, b) for a, b in zip(d_kv, p_kv))
+    assert all(isinstance(dense.message(m).kv, DenseKV) for m in d_ids)
+    assert all(isinstance(paged.message(m).kv, PagedKV) for m in p_ids)
+    assert paged.kv_copied["commit"] == 0 and dense.kv_copied["commit"] > 0
+    assert paged.kv_copied["reuse"] < dense.kv_copied["reuse"]  # (only the moved parents were copied)
+    pool = paged.scheduler.pool
+    assert pool.held_blocks > 0 and paged.scheduler.load["reserved_bytes"] == 0
+    for m in list(paged.store.ids()):
+        paged.free(m)
+    assert pool.held_blocks == 0 and pool.free_blocks == pool.blocks and paged.store.used_bytes == 0

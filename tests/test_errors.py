@@ -85,7 +85,7 @@ def test_store_full_during_decode_leaves_store_unchanged(populated):
 def test_lru_eviction_through_the_engine(fresh_engine):
     eng = fresh_engine
     first, = eng.prefill([PrefillCall([5, 6, 7])])
-    eng.store.budget_bytes = 2 * eng.message(first).nbytes  # room for two 3-token messages
+    eng.store.budget_bytes = 2 * eng.message(first).held_bytes  # room for two 3-token messages (a block each, paged)
     second, = eng.prefill([PrefillCall([8, 9, 10])])
     third, = eng.prefill([PrefillCall([11, 12, 13], parents=[second])])  # second is pinned while in use
     assert first not in eng.store and second in eng.store and third in eng.store

@@ -82,16 +82,17 @@ def test_no_hit_across_different_context_or_position(engines):
 
 def test_the_cache_yields_to_the_store_budget(checkpoint):
     path = checkpoint("llama")
-    probe = Engine(EngineConfig(path, prefix_caching=False))
+    # (dense: each cached copy its own tensor of the whole message; a paged one shares its cached start's blocks)
+    probe = Engine(EngineConfig(path, prefix_caching=False, kv_home="dense"))
     one, = probe.prefill([PrefillCall(TASK)])
-    eng = Engine(EngineConfig(path, store_budget_bytes=3 * probe.message(one).nbytes))
+    eng = Engine(EngineConfig(path, store_budget_bytes=3 * probe.message(one).held_bytes, kv_home="dense"))
     for i in range(6):  # each leaves a cached copy behind: the store evicts the oldest to fit the next
         mid, = eng.prefill([PrefillCall(f"{TASK} Case {i}.")])
         eng.free(mid)
     assert eng.store.used_bytes <= eng.config.store_budget_bytes and eng.store.evictions > 0
     mid, = eng.prefill([PrefillCall(f"{TASK} Case 0.")])  # evicted: encoded again, correctly
     torch.testing.assert_close(eng.message(mid).kv.read(0, 10), probe.message(one).kv.read(0, 10))
-    assert eng.clear_prefix_cache() > 0 and eng.store.used_bytes == eng.message(mid).nbytes
+    assert eng.clear_prefix_cache() > 0 and eng.store.used_bytes == eng.message(mid).held_bytes
 
 
 def test_a_failed_call_leaves_no_cached_message_and_mapped_calls_are_not_cached(engines, checkpoint):

@@ -94,6 +94,7 @@ def test_fingerprints_of_an_engine_match_those_read_from_its_config():
 NOT_RESULTS = {
     "benchmarks/cpu_threads.py": "a worker process's timings, read back by its parent, which writes the result",
     "evals/workflows.py": "--sample: recorded answers a test replays, not a measurement",
+    "benchmarks/trace_quality.py": "the traces it served and their families: the calibration's input, not a result",
 }
 
 

@@ -224,12 +224,12 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
     its last reader, and a parent placed elsewhere is still copied (re-rotated)."""
     path = checkpoint("llama")
     # (calls reserve their max_tokens up front here, so what they hold is known)
-    eng, copying = (Engine(EngineConfig(path, kv_on_demand=False)),
-                    Engine(EngineConfig(path, share_parents=False, kv_on_demand=False)))
+    eng, copying = (Engine(EngineConfig(path, kv_on_demand=False, kv_home="dense")),  # (paged: read where they are)
+                    Engine(EngineConfig(path, share_parents=False, kv_on_demand=False, kv_home="dense")))
     want = [workflow(copying, task, contexts) for task, contexts in REQUESTS]
     assert concurrently(lambda t, c: workflow(eng, t, c), REQUESTS * 2) == want * 2
     pool = eng.scheduler.pool
-    assert not pool.shared and pool.free_blocks == pool.blocks
+    assert not pool.shared and pool.free_blocks == pool.blocks - pool.held_blocks  # (held: the stored messages')
     # four calls at once read one 200-token parent: one run of it in the pool, four readers
     long = SamplingParams(max_tokens=1000, ignore_eos=True)  # (far longer than the checks below take)
     reserved = {}
@@ -252,7 +252,7 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
     blocks, block_bytes = pool.blocks_for, pool.block_tokens * eng.scheduler.slot_bytes
     assert reserved[False] == 4 * blocks(n + h + 1000) * block_bytes  # each call: its copy, header, max_tokens
     assert reserved[True] == (4 * blocks(h + 1000) + blocks(n)) * block_bytes  # the parent once
-    assert not pool.shared and pool.free_blocks == pool.blocks
+    assert not pool.shared and pool.free_blocks == pool.blocks - pool.held_blocks
     # a parent placed elsewhere is copied (nothing shared while it runs), and answers as the copying engine's does
     answers = {}
     for e in (eng, copying):
@@ -277,8 +277,9 @@ def test_parents_read_in_place_answer_as_copies_and_are_kept_once(checkpoint):
 
 def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeypatch):
     """Copying a shared run into the pool can fail (a device out of memory): that call fails with the error and
-    hands back what it took; the scheduler goes on serving."""
-    eng = Engine(EngineConfig(checkpoint("llama")))
+    hands back what it took; the scheduler goes on serving. (A parent that lives in the pool, kv_home paged, is
+    read where it is: nothing to copy in.)"""
+    eng = Engine(EngineConfig(checkpoint("llama"), kv_home="dense"))
     prefix = eng.prefill([PrefillCall(" ".join(f"w{i % 40}" for i in range(60)))])
     pool, real, tries = eng.scheduler.pool, eng.scheduler.pool.share, []
 
@@ -323,7 +324,8 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
         assert tokens == want_tokens
         torch.testing.assert_close(kv, want_kv, rtol=1e-4, atol=1e-4)
     pool = tight.scheduler.pool
-    assert tight.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and pool.free_blocks == pool.blocks
+    assert tight.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    assert pool.free_blocks == pool.blocks - pool.held_blocks  # (held: the blocks the stored answers live in)
     # the same calls, reserving up front on the same pool: nobody is preempted, and fewer run at once
     fixed = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_on_demand=False))
     assert [t for t, _ in concurrently(lambda t, s: run(fixed, t, s), calls)] == [t for t, _ in alone]
@@ -332,7 +334,7 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
     assert mean_batch(fixed) < mean_batch(tight)
     # a call that fills the whole pool is admitted (the blocks kept spare never exceed what it could grow by)
     exact = Engine(EngineConfig(path, kv_budget_bytes=40 * per_token, kv_block_tokens=4))
-    assert exact.scheduler.pool.blocks == 10
+    assert exact.scheduler.pool.work_blocks == 10
     headers = [list(range(5 + 12 * c, 17 + 12 * c)) for c in range(3)]  # 3 x 12 tokens, 1 more each: 39 of 40
     done = exact.decode([DecodeCall(h, sampling=SamplingParams(max_tokens=1, ignore_eos=True)) for h in headers])
     assert [exact.message(m).num_tokens for m in done] == [13, 13, 13]
@@ -385,7 +387,8 @@ def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back
     assert any(s.ids is None for s in streams)  # (at least one was stopped midway)
     eng.free(prefix[0])  # (unpinned by every call: no MessageInUseError)
     pool = eng.scheduler.pool
-    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0} and pool.free_blocks == pool.blocks
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    assert pool.free_blocks == pool.blocks - pool.held_blocks
     assert set(eng.store.ids()) == before - {prefix[0]}
 
 
@@ -468,3 +471,41 @@ def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
     again = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
     assert eng.message(again[0]).token_ids == eng.message(want[0]).token_ids
+
+
+def test_a_step_reads_the_device_once(checkpoint):
+    """What waits on the device (a read of a tensor's values on the host: item, tolist, bool, ...) happens once per
+    step, for the sampled tokens, and never at commit (a paged message's blocks are found on the host). Counted
+    for every torch call the scheduler's steps make, through a TorchFunctionMode, over parallel prefill and
+    decode; on a GPU each such read is a device sync."""
+    from collections import Counter
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero", "unique"}
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in reads:
+                self.seen[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    eng = Engine(EngineConfig(checkpoint("llama")))
+    prefix = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
+    counter, steps, step = Count(), [], eng.scheduler.step
+
+    def counted():
+        before = sum(counter.seen.values())
+        with counter:
+            step()
+        steps.append(sum(counter.seen.values()) - before)
+
+    eng.scheduler.step = counted
+    ctx = eng.prefill([PrefillCall(t, parents=prefix) for t in ["Part 3.", "Part 4 and 5 then six."]])
+    eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+                for c in ctx])
+    assert max(steps) <= 1 and sum(steps) == 12 and set(counter.seen) == {"tolist"}, (steps, counter.seen)

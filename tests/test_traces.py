@@ -2,6 +2,7 @@
 back with errors that name the file and line, and replayed by `braid loadtest --traces`."""
 
 import json
+import os
 import time
 
 import grpc
@@ -148,3 +149,24 @@ def test_replay_gaps_are_the_recorded_ones_and_none_for_traces_without_a_time(tm
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(json.dumps({**line, "time": 1.7e9}) + "\n" + json.dumps(line) + "\n")
     assert trace_requests([str(mixed)], 2, 3, 3)[1] == [0.0]
+
+
+def test_the_trace_quality_run_goes_end_to_end(tmp_path):
+    """benchmarks/trace_quality.py, cut to six workflows and two calibration steps: it serves them with recording on,
+    gives references to the held-out lines only, calibrates from the traces alone with the real `braid` command,
+    verifies, and writes the stamped summary its docs section is generated from."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "trace_quality.py"), "--work",
+                           str(tmp_path / "work"), "--workflows", "6", "--held-out", "3", "--steps", "2",
+                           "--tasks-per-step", "2", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "work" / "traces.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and [line["reference"] is not None for line in lines] == [i % 3 == 0 for i in range(6)]
+    result = json.loads((tmp_path / "out" / "eval_trace_quality_cpu.json").read_text())
+    assert result["stamp"]["model"] and result["summary"]["all"]["n"] == 2
+    assert set(result["summary"]["all"]) >= {"calibrated+refresh", "cache:mixed", "cache:mixed+refresh"}
+    assert result["calibration_record"]["traces"]["held_out"] == 2 and result["verification"]["traces"]

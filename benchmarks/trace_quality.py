@@ -10,13 +10,14 @@ on the reference model, where answers can be scored:
    2 to 12 branches, from a seed range no calibration or evaluation draws from. Every `--held-out`-th trace is
    what calibration holds out, and only those get reference answers (a user's labelled evaluation set); the rest
    are trained on without labels: the target is the model's own text answer (self-distillation).
-2. `calibrate`: `braid calibrate --traces ... --sources none`: a fresh mapper and LoRA from the traces alone.
+2. `calibrate`: `braid calibrate --traces ... --sources none` (the command, in its own process): a fresh mapper
+   and LoRA from the traces alone.
 3. `verify`: `braid eval --traces ... --verify` on the held-out traces: text, the calibrated cache path, and the
    same cache path uncalibrated (with and without the boundary refresh), every mode held to text's answer.
 4. `report`: agreement with text over all held-out traces and per family, paired 95% intervals (bootstrap), text's
    own accuracy against the references beside it; JSON in benchmarks/results.
 
-    python -m braid.evals.trace_quality --work /tmp/traces-demo --workflows 1200 --steps 800
+    python benchmarks/trace_quality.py --work /tmp/traces-demo --workflows 1200 --steps 800
 
 Each stage keeps its output under --work and is skipped when that is there (the calibration resumes), so a run cut
 short goes on where it stopped.
@@ -27,14 +28,18 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from braid.evals.stats import accuracy_ci, paired_difference_ci
-from braid.models import REFERENCE_MODEL
-from braid.models.tasks import generate
-from braid.results import write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from braid.evals.stats import accuracy_ci, paired_difference_ci  # noqa: E402
+from braid.models import REFERENCE_MODEL  # noqa: E402
+from braid.models.tasks import generate  # noqa: E402
+from braid.results import write_json  # noqa: E402
 
 log = logging.getLogger(__name__)
 FAMILIES = ("chain", "vote", "trail")
@@ -117,30 +122,30 @@ def record(work: str, n: int, seed: int, held_out: int, concurrency: int) -> str
     return out
 
 
-def calibrate(work: str, traces: str, held_out: int, steps: int, tasks_per_step: int, refresh: int) -> str:
-    from braid.cli import main
+def braid(args: list[str]) -> None:
+    """The `braid` command, as a user runs it (its own process)."""
+    if subprocess.run([sys.executable, "-m", "braid", *args]).returncode:
+        raise RuntimeError(f"braid {' '.join(args)} failed")
 
+
+def calibrate(work: str, traces: str, held_out: int, steps: int, tasks_per_step: int, refresh: int) -> str:
     out = os.path.join(work, "calibration")
     args = ["calibrate", "--model", REFERENCE_MODEL, "--out", out, "--traces", traces, "--sources", "none",
             "--held-out-traces", str(held_out), "--placements", "mixed", "--steps", str(steps),
             "--tasks-per-step", str(tasks_per_step), "--eval-every", str(max(1, steps // 4)),
             "--refresh", str(refresh), "--device", "cpu"]
-    if main(args) != 0:
-        raise RuntimeError(f"braid {' '.join(args)} failed")
+    braid(args)
     return out
 
 
 def verify(work: str, traces: str, calibration: str, held_out: int, mode: str) -> str:
-    from braid.cli import main
-
     out = os.path.join(work, "eval.json")
     if os.path.exists(out):
         return out
     args = ["eval", "--model", REFERENCE_MODEL, "--calibration", calibration, "--traces", traces,
             "--held-out-traces", str(held_out), "--modes", f"text,cache:mixed,cache:mixed+refresh,{mode}",
             "--verify", "--verify-mode", mode, "--json", out, "--device", "cpu"]
-    if main(args) != 0:  # (its JSON is written whole or not at all: braid.results)
-        raise RuntimeError(f"braid {' '.join(args)} failed")
+    braid(args)  # (its JSON is written whole or not at all: braid.results)
     return out
 
 
