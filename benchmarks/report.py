@@ -1384,7 +1384,11 @@ def engine_decode_gpu(r: Report) -> str:
 
 
 AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_serving_local_c16",
-      "ab_synthesis_ttft_100m", "ab_synthesis_ttft_100m_7x"]
+      "ab_synthesis_ttft_100m", "ab_synthesis_ttft_100m_7x",
+      # the paged KV home (kv_home paged) against the dense engine before it: as the default (parents always read in
+      # place, then copied where most of a call's context is copied anyway), and the dense default after it
+      "ab_serving_c16_paged", "ab_synthesis_ttft_100m_paged", "ab_synthesis_ttft_100m_paged_copy",
+      "ab_synthesis_ttft_100m_dense_default", "ab_serving_c16_dense_default", "ab_serving_local_c16_dense_default"]
 
 
 def engine_ab(r: Report) -> str:
@@ -1403,7 +1407,9 @@ def engine_ab(r: Report) -> str:
             "`benchmarks/ab.py` runs a benchmark once per side per repeat, this tree's copy and another revision's,",
             "each under its own `braid`, the side going first alternating, and compares each figure's median over",
             "the repeats (`this / against`) and the median of the repeats' own ratios (`paired`), which holds up",
-            "where the machine drifts from repeat to repeat.")),
+            "where the machine drifts from repeat to repeat. The `_paged` runs measure `kv_home: paged` as the",
+            "default against the dense engine before it (`_paged_copy`: with a call whose context is mostly copied",
+            "copying its paged parents too); `_dense_default` measures the tree that keeps `dense` the default.")),
         r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
                  "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),

@@ -459,26 +459,31 @@ class Engine:
         return lead
 
     def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
-        """Which of the call's parents it reads in place (runs of the KV pool, one copy for every running call
-        that reads them so) rather than copying into its own blocks: those placed where they were encoded,
-        untransformed and a block long at least (a run takes whole blocks). None when they are mostly copied
-        anyway (a cache of the call's own blocks is read as a view each forward, where reading any parent in
-        place gathers the whole cache each forward), nor when their runs would not fit the pool."""
+        """Which of the call's parents it reads in place rather than copying into its own blocks: those placed where
+        they were encoded and untransformed that live in the pool (kv_home paged: their own slots, no copy) or are a
+        block long at least (a dense message: a run of the pool, one copy for every running call that reads it so).
+        None when they are mostly copied anyway (a cache of the call's own blocks is read as a view each forward,
+        where reading any parent in place gathers the whole cache each forward), nor when their runs would not fit
+        the pool."""
         pool, none = self.scheduler.pool, [False] * len(plan.entries)
         if transform is not None:
             return none
         home = [off == m.offset and self._at_home(m) for m, off in plan.entries]  # (in place: no copy, no run)
         if not self.config.share_parents:
-            return home
+            return none
         yes = [h or off == m.offset and m.num_tokens >= pool.block_tokens for h, (m, off) in zip(home, plan.entries)]
         shared = [m.num_tokens for h, (m, _), y in zip(home, plan.entries, yes) if y and not h]
         copied = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if not y)
         fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.work_blocks
+        # (a call that copies most of its context anyway copies it all, its paged parents too: its cache is then one
+        # run of its own blocks, read as a view each forward, where reading any parent in place gathers the whole
+        # cache each forward, which costs more than the copy: benchmarks/results/ab_synthesis_ttft_100m_paged.json)
         return yes if fits and sum(shared) + sum(m.num_tokens for h, (m, _) in zip(home, plan.entries) if h) >= copied \
-            else home
+            else none
 
     def _at_home(self, msg: Message) -> bool:
-        """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): read in place, never copied."""
+        """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): where it was encoded, it is
+        read in place without a run of its own (`_in_place`)."""
         return isinstance(msg.kv, PagedKV) and msg.kv.pool is self.scheduler.pool
 
     def _reuse(self, plan: _Plan):

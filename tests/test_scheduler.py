@@ -46,10 +46,12 @@ def concurrently(fn, args_list):
     return results
 
 
-def test_batched_with_others_equals_alone(checkpoint):
+@pytest.mark.parametrize("home", ["dense", "paged"])
+def test_batched_with_others_equals_alone(checkpoint, home):
     """fp32 greedy: each request's tokens are the same run alone or batched with requests of other lengths
-    (and from other threads, as other sessions would be); and the batches did hold several requests."""
-    eng = Engine(EngineConfig(checkpoint("llama")))
+    (and from other threads, as other sessions would be); and the batches did hold several requests. With either
+    KV home (paged: the parents read where they are stored, in blocks other requests' calls write beside)."""
+    eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home))
     alone = [workflow(eng, task, contexts) for task, contexts in REQUESTS]
     steps_alone = eng.scheduler.steps
     eng.scheduler.groups_stepped = eng.scheduler.steps = 0
@@ -296,16 +298,18 @@ def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeyp
     assert len(eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])) == 1 and len(tries) == 2
 
 
-def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint):
+@pytest.mark.parametrize("home", ["dense", "paged"])
+def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home):
     """kv_on_demand: with a pool for about two calls' max_tokens, six calls run at once on the blocks they hold,
     growing as they decode; when the pool runs dry the call admitted last is preempted and encoded again later.
     Every call's tokens (greedy and seeded sampling, fp32) are those it gives alone on an engine that reserves
-    up front, its stored KV matches within fp32 noise, and everything is handed back at the end."""
+    up front, its stored KV matches within fp32 noise, and everything is handed back at the end. With either KV
+    home (paged: the work budget is the same, the stored answers hold blocks beside it)."""
     path = checkpoint("llama")
     spec = Engine(EngineConfig(path)).spec
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
-    upfront = Engine(EngineConfig(path, kv_on_demand=False))
-    tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4))
+    upfront = Engine(EngineConfig(path, kv_on_demand=False, kv_home=home))
+    tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_home=home))
     calls = [(f"User: request {i}, {'with more words ' * (i % 3)}go.",
               SamplingParams(max_tokens=48, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, seed=i)) for i in range(6)]
