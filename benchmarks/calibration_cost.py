@@ -40,18 +40,24 @@ def words(tokenizer, n: int, rng: random.Random) -> str:
     return text.strip()
 
 
-def write_traces(path: str, model: str, n: int, branches: int, prompt: int, reply: int, answer: int) -> None:
-    """n string traces whose replies these weights 'wrote' (their fingerprint) and with reference answers."""
+def write_traces(path: str, model: str, n: int, branches: int, prompt: int, reply: int, answer: int) -> float:
+    """n string traces whose replies these weights 'wrote' (their fingerprint) and with reference answers; returns
+    the mean tokens a trace's example reads (its branches' prompts and replies, and its answer)."""
     from transformers import AutoTokenizer
 
     tok, rng, fp = AutoTokenizer.from_pretrained(model), random.Random(0), fingerprint_checkpoint(model)
+    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    tokens = 0
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"version": 1, "kind": "workflow", "task": words(tok, 16, rng),
-                                "branches": [{"prompt": words(tok, prompt, rng), "reply": words(tok, reply, rng)}
-                                             for _ in range(branches)],
-                                "synthesis": {"prompt": words(tok, 8, rng)}, "answer": "",
-                                "reference": words(tok, answer, rng), "model": fp, "worker_header": " "}) + "\n")
+            trace = {"version": 1, "kind": "workflow", "task": words(tok, 16, rng),
+                     "branches": [{"prompt": words(tok, prompt, rng), "reply": words(tok, reply, rng)}
+                                  for _ in range(branches)],
+                     "synthesis": {"prompt": words(tok, 8, rng)}, "answer": "",
+                     "reference": words(tok, answer, rng), "model": fp, "worker_header": " "}
+            tokens += sum(count(b["prompt"]) + count(b["reply"]) for b in trace["branches"]) + count(trace["reference"])
+            f.write(json.dumps(trace) + "\n")
+    return tokens / n
 
 
 def main(argv=None) -> int:
@@ -76,8 +82,8 @@ def main(argv=None) -> int:
         model = args.model or make_random_checkpoint(os.path.join(tmp, "model"), "llama", args.shape,
                                                      dtype=getattr(torch, args.dtype), device=device)
         traces = os.path.join(tmp, "traces.jsonl")
-        write_traces(traces, model, 4 * args.tasks_per_step, args.branches, args.prompt_tokens, args.reply_tokens,
-                     args.answer_tokens)
+        per_trace = write_traces(traces, model, 4 * args.tasks_per_step, args.branches, args.prompt_tokens,
+                                 args.reply_tokens, args.answer_tokens)
         cfg = dict(model=model, traces=traces, sources="none", held_out_traces=0, placements="mixed",
                    tasks_per_step=args.tasks_per_step, device=device, dtype=args.dtype, resume=True, warmup=1,
                    worker_max_tokens=args.reply_tokens, answer_max_tokens=args.answer_tokens)
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
                  for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                            "vocab_size")}
         fingerprint = fingerprint_checkpoint(model)
-    tokens = args.tasks_per_step * (args.branches * (args.prompt_tokens + args.reply_tokens) + args.answer_tokens)
+    tokens = args.tasks_per_step * per_trace  # (counted in the traces written: their texts run a little long)
     timed = record["step_seconds"][args.warmup:]
     step_s = statistics.median(timed)
     result = {"config": vars(args), "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",

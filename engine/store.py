@@ -21,6 +21,14 @@ def new_message_id() -> str:
     return secrets.token_hex(12)  # unguessable: ids double as capabilities in the cluster
 
 
+def _span(n: int, start: int, end: int | None) -> tuple[int, int]:
+    """[start, end) of a handle's n tokens (end None: to the last), checked."""
+    end = n if end is None else end
+    if not 0 <= start <= end <= n:
+        raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
+    return start, end
+
+
 class DenseKV:
     """A message's KV in one tensor [layers, 2 (k, v), kv_heads, tokens, head_dim], keys rotated to the message's
     positions: the store's one kind of KV handle today (a paged kind, in the engine's pool, is to come). Immutable:
@@ -42,11 +50,7 @@ class DenseKV:
         return self._kv.shape[3]
 
     def _range(self, start: int, end: int | None) -> tuple[int, int]:
-        n = self._kv.shape[3]
-        end = n if end is None else end
-        if not 0 <= start <= end <= n:
-            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
-        return start, end
+        return _span(self._kv.shape[3], start, end)
 
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: a view, no copy; the stored
@@ -138,19 +142,13 @@ class PagedKV:
 
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: gathered from the pool, a copy."""
-        n = self.num_tokens
-        end = n if end is None else end
-        if not 0 <= start <= end <= n:
-            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
+        start, end = _span(self.num_tokens, start, end)
         return self.pool.kv.index_select(3, self.index[start:end])
 
     def part(self, start: int, end: int | None = None) -> "PagedKV":
         """A handle over tokens [start, end) in the same blocks (a view or a prefix-cache hit); itself when whole."""
-        n = self.num_tokens
-        end = n if end is None else end
-        if not 0 <= start <= end <= n:
-            raise IndexError(f"KV tokens [{start}, {end}) are out of range: it holds {n}")
-        return self if (start, end) == (0, n) else PagedKV(self.allocs, self.index[start:end])
+        start, end = _span(self.num_tokens, start, end)
+        return self if (start, end) == (0, self.num_tokens) else PagedKV(self.allocs, self.index[start:end])
 
     @property
     def nbytes(self) -> int:
