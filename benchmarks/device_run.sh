@@ -15,7 +15,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape's 4096 positions, one timed run)
-  LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}
+  LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -41,7 +41,7 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail
 step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
   tests/test_cuda_graphs.py
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
-  --rows 15 ${DECODE_ARGS:-} --out "$OUT"
+  --rows 15 --flex --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 MODEL=/tmp/braid-random-$SHAPE
 step checkpoint 240 $PY -c "
 import sys, time, torch

@@ -7,7 +7,10 @@ weights, side by side; transformers through the model's own forward with a Dynam
 `--concurrency` calls decoding at once (one thread each, batched by the scheduler): tokens/s, graphs on and
 off. Prints ms per token for each, the engine's forward alone (runner.step of one decode row, in this
 thread), then torch.profiler's tables of the forwards as they come (top ops by self CPU time and by device
-time, and the host-device copies and synchronisations) and the launches of a graphed one. Writes JSON.
+time, and the host-device copies and synchronisations) and the launches of a graphed one. With `--flex`, a second
+engine on the same checkpoint whose attention reads the KV pool in place (attention: flex, FlexAttention through
+page tables; compiled on CUDA, eager on CPU) decodes the same way, its rounds alternating with the first engine's
+graphed ones, and at each concurrency. Writes JSON.
 """
 
 import argparse
@@ -35,6 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64],
                    help="calls decoding at once, for the throughput table (none: skip it)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each side-by-side timing (median kept)")
+    p.add_argument("--flex", action="store_true", help="also time an engine with attention: flex (module doc)")
+    p.add_argument("--kv-gib", type=float, default=0.0,
+                   help="each engine's work KV in GiB (0: the engine's default; give one with --flex on a GPU, so "
+                        "that two engines and transformers' copy fit)")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -118,11 +125,42 @@ def side_by_side(eng, graphs, rounds, measure):
     return {mode: sorted(v)[len(v) // 2] for mode, v in runs.items()}
 
 
+def flex_side_by_side(eng, flex, prompt, args, sync) -> dict:
+    """The flex engine against `eng` (its graphs on where it has them), rounds alternating: ms per token at batch 1,
+    then tokens/s at each concurrency (the first round of each warms the compiled kernels up, untimed)."""
+    ctx, fctx = eng.prefill([PrefillCall(prompt[0].tolist())]), flex.prefill([PrefillCall(prompt[0].tolist())])
+    start = time.perf_counter()
+    engine_decode(flex, fctx, 4)
+    warm = time.perf_counter() - start
+    runs = {"sdpa": [], "flex": []}
+    for _ in range(args.rounds):
+        runs["sdpa"].append(engine_decode(eng, ctx, args.tokens))
+        runs["flex"].append(engine_decode(flex, fctx, args.tokens))
+    sdpa_ms, flex_ms = (1e3 * sorted(v)[len(v) // 2] for v in runs.values())
+    out = {"first_decode_s": warm, "sdpa_ms_per_token": sdpa_ms, "flex_ms_per_token": flex_ms,
+           "flex_speedup": sdpa_ms / flex_ms, "concurrency": []}
+    print(f"attention flex: {flex_ms:.1f} ms/token against {sdpa_ms:.1f} ({out['flex_speedup']:.2f}x; its first "
+          f"decode, compiling, {warm:.1f} s)", flush=True)
+    for n in args.concurrency:
+        concurrent_decode(flex, fctx, args.tokens, n)
+        rates = {"sdpa": concurrent_decode(eng, ctx, args.tokens, n),
+                 "flex": concurrent_decode(flex, fctx, args.tokens, n)}
+        out["concurrency"].append({"calls": n, "sdpa_tokens_per_s": rates["sdpa"], "flex_tokens_per_s": rates["flex"]})
+        print(f"  {n} calls at once: flex {rates['flex']:.1f} tokens/s, sdpa {rates['sdpa']:.1f} "
+              f"({rates['flex'] / rates['sdpa']:.2f}x)", flush=True)
+    eng.free(ctx[0])
+    flex.free(fctx[0])
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path, device = benchmark_model(args, tmp, **({"num_hidden_layers": args.layers} if args.layers else {}))
-        eng = Engine(EngineConfig(path, device=device, decode_graphs="auto" if device != "cpu" else "eager"))
+        kv = int(args.kv_gib * (1 << 30))
+        eng = Engine(EngineConfig(path, device=device, decode_graphs="auto" if device != "cpu" else "eager",
+                                  kv_budget_bytes=kv))
+        flex = Engine(EngineConfig(path, device=device, attention="flex", kv_budget_bytes=kv)) if args.flex else None
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device)
     graphs = eng.runner.graphs
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -158,6 +196,8 @@ def main(argv=None):
                                       "graphs_tokens_per_s": rate["graphs"]})
         print(f"{n} calls at once: {rate['eager']:.1f} tokens/s as they come, {rate['graphs']:.1f} with graphs "
               f"({rate['graphs'] / rate['eager']:.2f}x)", flush=True)
+    if flex is not None:
+        result["flex"] = flex_side_by_side(eng, flex, prompt, args, sync)
     if graphs is not None:
         result["graph_buckets"], result["graph_captures"] = len(graphs.buckets), graphs.captures
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -200,13 +240,15 @@ def main(argv=None):
 
 def plot(stem: str, result: dict) -> None:
     """stem.png: decode tokens/s at each concurrency, the engine's forwards as they come against graphed."""
-    runs = result.get("concurrency", [])
+    runs, flex = result.get("concurrency", []), result.get("flex")
     if runs:
         grouped_bars(stem, f"decode, {result['shape']} ({result['layers']} layers), {result['device']}",
                      [str(r["calls"]) for r in runs],
                      [("tokens/s", {"as they come": [r["eager_tokens_per_s"] for r in runs],
                                     "CUDA graphs" if result["device"] != "cpu" else "padded (eager)":
-                                    [r["graphs_tokens_per_s"] for r in runs]})], "calls decoding at once")
+                                    [r["graphs_tokens_per_s"] for r in runs],
+                                    **({"attention flex": [r["flex_tokens_per_s"] for r in flex["concurrency"]]}
+                                       if flex else {})})], "calls decoding at once")
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,14 @@ every context entry) and flash-attn is usable: then the mask is None and
 flash-attn's bottom-right-aligned causal kernel runs. Everything else, CPU
 included, runs SDPA with a boolean [1, 1, Q, K] mask (True = attend).
 
-FlexAttention is not used: on CPU it only beats SDPA when compiled (seconds per
-new shape, and shapes change every decode step here), and no GPU measurement has
-yet shown it paying on these masks.
+With `attention: flex` (EngineConfig) the engine's forwards read the KV pool in
+place instead: each group's keys are the pool blocks of its page list, and
+FlexAttention runs over the pool itself with a block mask built from those page
+tables (`paged_mask`): no keys are gathered, and a block no group reads is never
+touched. It is compiled on CUDA; on CPU it runs eagerly, which materialises the
+scores over the window of blocks the groups' pages span, so there SDPA (over
+gathered keys) stays the default and flex is the tested alternative: the same
+masks, the same tokens (tests/test_attention.py, tests/test_scheduler.py).
 
 On CUDA, masked queries of at most DECODE_ROWS rows (decode steps) skip SDPA's
 cuDNN backend, which builds a graph for every new key length, and the key length
@@ -20,12 +25,18 @@ another thread's attention would see. Longer queries keep SDPA's own choice: cuD
 off for every forward slows long prefills several times over.
 """
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
 NAME = "braid"
+# (on CPU, flex runs eagerly on purpose: module docstring)
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
 
 try:  # optional extra `gpu`
     from flash_attn import flash_attn_func
@@ -80,6 +91,78 @@ def decode_attention(query, key, value, mask, scale) -> torch.Tensor:
     return sdpa(query, key, value, attn_mask=mask, scale=scale, rows=r).reshape(g, h, r, d)
 
 
+FLEX_Q_BLOCK = 128  # query rows per block of a paged block mask (the kernels' tile sizes divide it)
+
+
+@dataclass(eq=False)
+class PagedMask:
+    """What G groups' query rows attend in the pool, built once a forward (`paged_mask`) and read by every layer:
+    the pool slots [window] hold every key of every group, and the block mask says which each row attends."""
+
+    block_mask: BlockMask
+    window: slice  # pool slots: whole blocks, from the lowest block of any group's pages to the highest
+
+
+def paged_mask(pages: list[list[int]], slots: torch.Tensor, inside: torch.Tensor | None, mask: torch.Tensor,
+               block_tokens: int) -> PagedMask:
+    """The block mask of G groups over the pool, from their page tables.
+
+    pages: per group, the pool blocks that hold its keys, each once (more are harmless: a slot that is none of
+    the group's keys is masked); slots: long [G, T], the pool slot of each group's key k (padding where `inside`
+    [G, T] is false; None: none); mask: bool [G, R, T], row r of group g attends its key k. A slot maps to its key
+    through two small tables (the block's place in the group's page table, the slot's key in that page), so the
+    mask costs G * (blocks + pages * block_tokens) entries, not G * R * pool slots."""
+    device, b = mask.device, block_tokens
+    g, r, t = mask.shape
+    lo = min(min(p) for p in pages if p)
+    hi = max(max(p) for p in pages if p) + 1
+    n, most = hi - lo, max(len(p) for p in pages)
+    # host: each group's page table, relative to the window, and where each table entry goes in `page_of`
+    table = [[x - lo for x in p] + [0] * (most - len(p)) for p in pages]
+    flat = [i * n + x - lo for i, p in enumerate(pages) for x in p]
+    pos = [k for p in pages for k in range(len(p))]
+    host = torch.tensor(table, dtype=torch.int32).to(device)  # [G, most]
+    page_of = torch.full((g * n,), most, dtype=torch.int32, device=device)  # most: not one of the group's pages
+    page_of[torch.tensor(flat, device=device)] = torch.tensor(pos, dtype=torch.int32, device=device)
+    page_of = page_of.view(g, n)
+    keypos = torch.full((g, most + 1, b), t, dtype=torch.int32, device=device)  # t: none of the group's keys
+    rel = slots - lo * b
+    group = torch.arange(g, device=device)[:, None].expand(g, t)
+    page = page_of[group, (rel // b).clamp(0, n - 1)].long()
+    if inside is not None:  # (padding keys go to the spare row, refilled below)
+        page = torch.where(inside, page, most)
+    keypos[group, page, rel % b] = torch.arange(t, dtype=torch.int32, device=device).expand(g, t)
+    keypos[:, most] = t
+    allowed = F.pad(mask, (0, 1))  # [G, R, T + 1]: key t is no key
+
+    def mask_mod(bi, h, q, kv):
+        return allowed[bi, q, keypos[bi, page_of[bi, kv // b], kv % b]]
+
+    q_blocks = -(-r // FLEX_Q_BLOCK)
+    counts = torch.tensor([len(p) for p in pages], dtype=torch.int32, device=device)
+    kv_indices = torch.zeros(g, 1, q_blocks, n, dtype=torch.int32, device=device)
+    kv_indices[:, 0, :, :most] = host[:, None]
+    block_mask = BlockMask.from_kv_blocks(counts.view(g, 1, 1).expand(g, 1, q_blocks).contiguous(), kv_indices,
+                                          BLOCK_SIZE=(FLEX_Q_BLOCK, b), mask_mod=mask_mod, seq_lengths=(r, n * b),
+                                          compute_q_blocks=False)
+    return PagedMask(block_mask, slice(lo * b, hi * b))
+
+
+_compiled_flex = None
+
+
+def paged_attention(query: torch.Tensor, kv: torch.Tensor, paged: PagedMask, scale) -> torch.Tensor:
+    """Queries [G, H, R, D] over one layer of the pool, kv [2, Hkv, slots, D], in place -> [G, H, R, D]."""
+    global _compiled_flex
+    k, v = kv[0, :, paged.window][None], kv[1, :, paged.window][None]  # [1, Hkv, window, D]: views
+    run = flex_attention
+    if query.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        run = _compiled_flex
+    return run(query, k, v, block_mask=paged.block_mask, scale=scale, enable_gqa=query.shape[1] != kv.shape[1])
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,
                       **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
@@ -109,6 +192,8 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
     _, h, n, d = query.shape
     layer = module.layer_idx
     out = None if step.padded else query.new_empty(n, h, d)
+    if step.paged is not None:
+        return _grouped_in_place(query, step, layer, scaling, out)
     for part in step.large:
         rows, mask, r = part.rows, part.mask, part.lead
         if r:  # leading prefill calls' rows first: they attend [0, their last token), the rest [start, length)
@@ -130,5 +215,22 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
         o = decode_attention(q, k, v, step.mask, scaling).transpose(1, 2).reshape(g * r, h, d)
         if step.padded:  # (engine.cuda_graphs: the forward's rows are the padded rows)
             return o[None]
+        out.index_copy_(0, step.rows, o.index_select(0, step.valid))
+    return out[None]
+
+
+def _grouped_in_place(query, step, layer, scaling, out) -> torch.Tensor:
+    """`_grouped` with `attention: flex`: every group reads its keys where they lie in the pool (step.paged: one
+    PagedMask for each large group, then one for the shared ones)."""
+    _, h, n, d = query.shape
+    kv = step.pool.kv[layer]
+    masks = iter(step.paged)
+    for part in step.large:
+        q = query[:, :, part.rows]  # [1, H, rows, D]
+        out[part.rows] = paged_attention(q, kv, next(masks), scaling)[0].transpose(0, 1)
+    if step.small:
+        g, r, _ = step.shape
+        q = query[0].index_select(1, step.row_index).view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
+        o = paged_attention(q, kv, next(masks), scaling).transpose(1, 2).reshape(g * r, h, d)
         out.index_copy_(0, step.rows, o.index_select(0, step.valid))
     return out[None]

@@ -9,6 +9,7 @@ import torch
 
 CALIBRATION_MANIFEST = "calibration.json"  # (methods.calibration.MANIFEST)
 DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.cuda_graphs)
+ATTENTION = ("sdpa", "flex")  # (engine.attention)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _PATHS_HERE = contextvars.ContextVar("braid_paths_here", default=True)
@@ -68,6 +69,11 @@ class EngineConfig:
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.cuda_graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
+    # how a forward's attention reads the work KV (engine.attention): "sdpa", each group's keys gathered out of the
+    # pool (the default, and the reference); "flex", FlexAttention over the pool in place, through a block mask
+    # built from the groups' page tables (compiled on CUDA; eager on CPU, where it is slower). Forwards then run as
+    # they come: decode_graphs capture the sdpa path only
+    attention: str = "sdpa"
     # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the
     # engine has (torch's default: the cores). The engine keeps the scheduler's thread the only one with several
     # (engine.threads: libgomp slows every pool down once the process's pooled threads outnumber the cores), so a
@@ -103,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
         if self.kv_home not in ("dense", "paged"):
             raise ValueError(f"kv_home must be dense or paged, got {self.kv_home!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} is not one of {', '.join(DECODE_GRAPHS)}")
         manifest = os.path.join(self.calibration, CALIBRATION_MANIFEST)

@@ -194,7 +194,7 @@ class Engine:
             self.paged = config.kv_home == "paged"  # stored messages' KV lives in the pool (engine.store.PagedKV)
             self.store = MessageStore(_store_budget(config, self.lm.device) if self.paged
                                       else config.store_budget_bytes)
-            self.runner = ModelRunner(self.lm)
+            self.runner = ModelRunner(self.lm, config.attention)
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
@@ -205,12 +205,13 @@ class Engine:
             work = max(1, _kv_budget(config, self.lm.device) // self.kv_bytes_per_token // config.kv_block_tokens)
             stored = self.store.budget_bytes // self.kv_bytes_per_token // config.kv_block_tokens if self.paged else 0
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
-                                       KVPool(self.lm, work + stored, config.kv_block_tokens, work),
+                                       KVPool(self.lm, work + stored, config.kv_block_tokens, work,
+                                              zeroed=self.runner.in_place),
                                        config.max_running_calls, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
                                        threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters)
             graphs = config.decode_graphs
-            if graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda"):
+            if not self.runner.in_place and (graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda")):
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
             log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
                      self.spec.max_positions)
@@ -649,7 +650,7 @@ class Engine:
             msg, off = entry
             if in_place[e]:
                 if self._at_home(msg):
-                    cache.reference_slots(msg.kv.index, segment=e)
+                    cache.reference_slots(msg.kv.index, segment=e, blocks=msg.kv.blocks)
                 else:
                     cache.reference(next(runs), segment=e)
                 continue

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.engine.attention import mask_needed
+from braid.engine.attention import mask_needed, paged_mask
 from braid.engine.model import LoadedModel
 from braid.engine.store import DenseKV
 
@@ -48,17 +48,20 @@ class KVPool:
     only as it is used. Parents placed where they were encoded are kept once, as SharedRuns, whatever the
     number of running calls that read them."""
 
-    def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16, work_blocks: int | None = None):
+    def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16, work_blocks: int | None = None,
+                 zeroed: bool = False):
         """`work_blocks`: the most blocks running calls hold at once (default: all of them); the rest are for
-        stored messages (engine.store.PagedKV), which hold blocks calls wrote."""
+        stored messages (engine.store.PagedKV), which hold blocks calls wrote. `zeroed`: every slot starts at
+        zero (attention in place reads slots it masks, engine.attention.paged_attention, and a masked NaN would
+        still spread)."""
         s = lm.spec
         self.block_tokens = block_tokens
         self.blocks = blocks
         self.work_blocks = blocks if work_blocks is None else min(work_blocks, blocks)
         # one block more than it hands out: its first slot is where the padding rows of a static forward write
         # their KV, which nothing reads (engine.cuda_graphs)
-        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
-                              dtype=lm.dtype, device=lm.device)
+        self.kv = (torch.zeros if zeroed else torch.empty)(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens,
+                                                             s.head_dim, dtype=lm.dtype, device=lm.device)
         self.trash = blocks * block_tokens
         self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
         self.slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.kv.element_size()
@@ -170,6 +173,9 @@ class WorkCache:
         self._own = _slots(blocks, b, lm.device)  # its own blocks' slots, claimed in order
         self._claimed = 0
         self._blocks = list(blocks)  # (the host's copy of its block table, as it grows)
+        # every pool block its slots lie in, its own and its in-place parents', each once (attention in place,
+        # engine.attention.paged_mask, reads these; blocks it has handed back may stay: their slots are masked)
+        self.pages = dict.fromkeys(blocks)
         self._claims: list[tuple[int, int, int]] = []  # (logical start, own slot position, length), in order
         self.index = torch.empty(capacity, dtype=torch.long, device=lm.device)  # each logical slot's place in the pool
         # own blocks in one ascending run, and no parent read in place (the usual case): read as a view, no gather
@@ -202,6 +208,7 @@ class WorkCache:
             self.run_start = None
         self._own = torch.cat([self._own, _slots(blocks, b, self._own.device)])
         self._blocks += blocks
+        self.pages.update(dict.fromkeys(blocks))
 
     def _claim(self, start: int, end: int) -> torch.Tensor:
         """Logical slots [start, end) onto the next of its own slots."""
@@ -236,11 +243,12 @@ class WorkCache:
 
     def reference(self, run: SharedRun, segment: int) -> None:
         """A parent read in place (its run in the pool) as one segment: nothing copied."""
-        self.reference_slots(run.index, segment)
+        self.reference_slots(run.index, segment, run.blocks)
 
-    def reference_slots(self, index: torch.Tensor, segment: int) -> None:
+    def reference_slots(self, index: torch.Tensor, segment: int, blocks: list[int]) -> None:
         """Pool slots [T] read in place as one segment (a shared run's, or a stored message's where it lives in the
-        pool, engine.store.PagedKV): nothing copied."""
+        pool, engine.store.PagedKV), `blocks` the pool blocks they lie in: nothing copied."""
+        self.pages.update(dict.fromkeys(blocks))
         start, end = self.length, self.length + index.numel()
         self.index[start:end] = index
         self.segment[start:end] = segment
@@ -365,11 +373,14 @@ class _Step:
     """One forward's groups, as the cache writes and the attention use them. Every new row's KV goes to its
     group's blocks in the pool in one indexed write per layer. Groups with many rows (prefill chunks)
     attend their own cache one by one; the others (decode steps) share one padded attention call, their
-    caches read from the pool in one indexed gather per layer, padded to the longest and masked."""
+    caches read from the pool in one indexed gather per layer, padded to the longest and masked. `in_place`
+    (attention: flex): nothing is gathered; each group's attention reads the pool where its keys lie, through a
+    block mask built here from its page table, once for all the layers (`paged`)."""
 
     padded = False  # (engine.cuda_graphs.PaddedStep: every row of the forward is a padded row of the shared call)
+    paged = None  # list[engine.attention.PagedMask]: one per large group, then one for the shared ones (in_place)
 
-    def __init__(self, parts: list[_Part]):
+    def __init__(self, parts: list[_Part], in_place: bool = False):
         self.parts = parts
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
@@ -381,6 +392,10 @@ class _Step:
         for p in self.large:
             if p.full:  # (one group alone: its explicit mask, every key, as SDPA was always given)
                 p.mask = torch.ones(1, 1, 1, p.cache.length - p.start, dtype=torch.bool, device=device)
+        b = self.pool.block_tokens
+        if in_place:  # (each large group's keys: [0, length) with leading prefill rows, else [start, length))
+            keys = [p.cache.index[0 if p.lead else p.start:p.cache.length][None] for p in self.large]
+            self.paged = [paged_mask([list(p.cache.pages)], k, None, p.mask[:, 0], b) for p, k in zip(self.large, keys)]
         if not self.small:
             return
         counts = [p.rows.stop - p.rows.start for p in small]
@@ -398,6 +413,9 @@ class _Step:
         self.read_index, inside = padded_keys(small, t, self.pool.trash)  # [g * t]; bool [g, t]
         self.mask = torch.empty(g, 1, r, t, dtype=torch.bool, device=device)
         fill_masks(self.mask, small, inside)
+        if in_place:
+            self.paged.append(paged_mask([list(p.cache.pages) for p in small], self.read_index.view(g, t), inside,
+                                         self.mask[:, 0], b))
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """transformers' cache seam: this forward's new K/V rows ([1, H, rows, D] each) go to their groups'
@@ -415,8 +433,10 @@ class _Step:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, attention: str = "sdpa"):
+        """`attention`: "sdpa" (keys gathered out of the pool) or "flex" (read in place: _Step's `in_place`)."""
         self.lm = lm
+        self.in_place = attention == "flex"
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
@@ -433,7 +453,7 @@ class ModelRunner:
         shape = graphs.shape(groups) if graphs is not None else None
         parts, start = [], 0
         for g in groups:
-            part = self._part(g, start, masked=shape is not None or len(groups) > 1)
+            part = self._part(g, start, masked=shape is not None or len(groups) > 1 or self.in_place)
             parts.append(part)
             start = part.rows.stop
         if shape is not None:
@@ -444,7 +464,7 @@ class ModelRunner:
                                                      for i, g in enumerate(groups)])
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]
-        hidden = self.forward(input_ids, positions, _Step(parts))
+        hidden = self.forward(input_ids, positions, _Step(parts, self.in_place))
         return self._logits(groups, hidden, [p.rows for p in parts])
 
     def _logits(self, groups: list[RequestInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:

@@ -140,6 +140,11 @@ class PagedKV:
     def num_tokens(self) -> int:
         return self.index.numel()
 
+    @property
+    def blocks(self) -> list[int]:
+        """The pool blocks its slots may lie in: those of its allocations."""
+        return [b for a in self.allocs for b in a.blocks]
+
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: gathered from the pool, a copy."""
         start, end = _span(self.num_tokens, start, end)

@@ -302,6 +302,8 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     assert returned == {name: "0" for name in ["install", "checkpoint", *steps]}, log[-4000:]
     for name in ("profile_decode", "synthesis_ttft", "kvcomm", "batched_forward", "calibration_cost_tiny"):
         assert (tmp_path / f"{name}_cpu.json").exists(), name
+    with open(tmp_path / "profile_decode_cpu.json") as f:  # (attention flex timed beside the default)
+        assert json.load(f)["flex"]["flex_ms_per_token"] > 0
     engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
     assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)
     assert log.rstrip().endswith("done") and (tmp_path / "device.log").exists()

@@ -357,19 +357,9 @@ def test_the_paged_home_answers_as_the_dense_one_bit_for_bit(checkpoint):
     from braid.engine import Engine, EngineConfig
     from braid.engine.store import DenseKV, PagedKV
 
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-
     def run(home):
         eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home))
-        p = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
-        ctx = eng.prefill([PrefillCall(t, parents=p) for t in ["Part 3.", "Part 4 and 5 then six."]])
-        outs = eng.decode([DecodeCall("Worker:", parents=[*p, c], sampling=greedy) for c in ctx])
-        moved = eng.decode([DecodeCall("Synth:", parents=[*p, *outs], offsets=[None, 40, 90], sampling=greedy)])
-        view = eng.view(outs[1], 2, 6)
-        again = eng.prefill([PrefillCall("User: add the partial results of every worker please. And more.")])
-        tail = eng.decode([DecodeCall("More:", parents=[view, *again], sampling=greedy)])
-        ids = [*p, *ctx, *outs, *moved, view, *again, *tail]
-        return eng, ids, [eng.message(m).token_ids for m in ids], [eng.message(m).kv.read() for m in ids]
+        return eng, *_a_workflow_of_every_kind(eng)
 
     dense, d_ids, d_tokens, d_kv = run("dense")
     paged, p_ids, p_tokens, p_kv = run("paged")
@@ -384,3 +374,32 @@ def test_the_paged_home_answers_as_the_dense_one_bit_for_bit(checkpoint):
     for m in list(paged.store.ids()):
         paged.free(m)
     assert pool.held_blocks == 0 and pool.free_blocks == pool.blocks and paged.store.used_bytes == 0
+
+
+def _a_workflow_of_every_kind(eng) -> tuple[list[str], list[list[int]], list[torch.Tensor]]:
+    """Parallel prefill and decode, parents read in place and moved, a view and a prefix-cache hit: the messages'
+    ids, tokens and stored KV."""
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    p = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
+    ctx = eng.prefill([PrefillCall(t, parents=p) for t in ["Part 3.", "Part 4 and 5 then six."]])
+    outs = eng.decode([DecodeCall("Worker:", parents=[*p, c], sampling=greedy) for c in ctx])
+    moved = eng.decode([DecodeCall("Synth:", parents=[*p, *outs], offsets=[None, 40, 90], sampling=greedy)])
+    view = eng.view(outs[1], 2, 6)
+    again = eng.prefill([PrefillCall("User: add the partial results of every worker please. And more.")])
+    tail = eng.decode([DecodeCall("More:", parents=[view, *again], sampling=greedy)])
+    ids = [*p, *ctx, *outs, *moved, view, *again, *tail]
+    return ids, [eng.message(m).token_ids for m in ids], [eng.message(m).kv.read() for m in ids]
+
+
+@pytest.mark.parametrize("home", ["dense", "paged"])
+def test_attention_in_place_answers_as_sdpa(checkpoint, home):
+    """attention flex (FlexAttention over the pool in place, through page tables) against sdpa (keys gathered out
+    of the pool): the same tokens, and the same stored KV within fp32 rounding, with either KV home (paged: parents
+    read where they were stored, in blocks other calls wrote beside)."""
+    from braid.engine import Engine, EngineConfig
+
+    runs = [_a_workflow_of_every_kind(Engine(EngineConfig(checkpoint("llama"), kv_home=home, attention=attention)))
+            for attention in ("sdpa", "flex")]
+    (_, tokens, kv), (_, flex_tokens, flex_kv) = runs
+    assert flex_tokens == tokens
+    assert max((a - b).abs().max().item() for a, b in zip(kv, flex_kv)) < 1e-5

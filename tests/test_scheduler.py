@@ -46,12 +46,13 @@ def concurrently(fn, args_list):
     return results
 
 
-@pytest.mark.parametrize("home", ["dense", "paged"])
-def test_batched_with_others_equals_alone(checkpoint, home):
+@pytest.mark.parametrize("home,attention", [("dense", "sdpa"), ("paged", "sdpa"), ("paged", "flex")])
+def test_batched_with_others_equals_alone(checkpoint, home, attention):
     """fp32 greedy: each request's tokens are the same run alone or batched with requests of other lengths
     (and from other threads, as other sessions would be); and the batches did hold several requests. With either
-    KV home (paged: the parents read where they are stored, in blocks other requests' calls write beside)."""
-    eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home))
+    KV home (paged: the parents read where they are stored, in blocks other requests' calls write beside), and
+    with attention read in place (flex: each group through its page table)."""
+    eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home, attention=attention))
     alone = [workflow(eng, task, contexts) for task, contexts in REQUESTS]
     steps_alone = eng.scheduler.steps
     eng.scheduler.groups_stepped = eng.scheduler.steps = 0
@@ -298,18 +299,20 @@ def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeyp
     assert len(eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])) == 1 and len(tries) == 2
 
 
-@pytest.mark.parametrize("home", ["dense", "paged"])
-def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home):
+@pytest.mark.parametrize("home,attention", [("dense", "sdpa"), ("paged", "sdpa"), ("paged", "flex")])
+def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home, attention):
     """kv_on_demand: with a pool for about two calls' max_tokens, six calls run at once on the blocks they hold,
     growing as they decode; when the pool runs dry the call admitted last is preempted and encoded again later.
     Every call's tokens (greedy and seeded sampling, fp32) are those it gives alone on an engine that reserves
     up front, its stored KV matches within fp32 noise, and everything is handed back at the end. With either KV
-    home (paged: the work budget is the same, the stored answers hold blocks beside it)."""
+    home (paged: the work budget is the same, the stored answers hold blocks beside it), and with attention read in
+    place (flex: blocks handed back and taken again by other calls while a call's page table grows)."""
     path = checkpoint("llama")
     spec = Engine(EngineConfig(path)).spec
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     upfront = Engine(EngineConfig(path, kv_on_demand=False, kv_home=home))
-    tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_home=home))
+    tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_home=home,
+                                attention=attention))
     calls = [(f"User: request {i}, {'with more words ' * (i % 3)}go.",
               SamplingParams(max_tokens=48, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, seed=i)) for i in range(6)]
