@@ -138,3 +138,28 @@ class ChatRenderer:
         # (a template renders no empty conversation: a turn that opens one is measured after a user message)
         before = self._as_template(before) or [{"role": self.roles["user"], "content": "x"}]
         return self._after(before, self._whole(before, self.roles[role]), f"a {role} turn's header")
+
+
+def synthetic_layout_problem(tokenizer, name: str = "") -> str | None:
+    """Why Braid's synthetic tasks (models.tasks, written in the reference model's role tokens with `turn` and
+    `header`) are not laid out as this model is served, or None where they are: a model without a chat template is
+    served raw strings whose workers' turns open with the reference header (cluster config `worker_header`), and
+    the reference template renders exactly those strings. A calibration or an eval on the synthetic tasks of any
+    other model would train or measure a layout it is never served in; its own workflows (`--traces`) are."""
+    try:
+        r = ChatRenderer(tokenizer, name)
+    except TemplateError:
+        return None
+    system, user = {"role": "system", "content": " x"}, {"role": "user", "content": " y"}
+    try:
+        same = (r.render([system]) == turn("system", " x") and r.render([user], [system]) == turn("user", " y")
+                and r.header("worker", [system, user]) == WORKER_HEADER
+                and r.header("synthesizer", [system, user]) == SYNTHESIZER_HEADER)
+    except TemplateError:
+        same = False
+    if same:
+        return None
+    return (f"model {r.name}'s chat template lays turns out otherwise than Braid's synthetic tasks, which are "
+            f"written in the reference model's role tokens ({', '.join(header(role) for role in ROLES)}): "
+            "calibrate and verify on your own workflows instead, recorded with `braid serve --record DIR` "
+            "(--sources none --traces FILE; docs/bring-your-own-model.md)")

@@ -231,6 +231,25 @@ def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(che
         redis.stop()
 
 
+def test_synthetic_tasks_are_refused_for_a_model_served_in_another_layout(qwen_server, checkpoint, capsys):
+    """Braid's synthetic tasks are written in the reference model's role tokens: a model whose template lays turns
+    out otherwise is refused by `braid calibrate` on synthetic sources and by `braid eval` without traces, pointed to
+    its own workflows; the reference model and a model without a template (served raw strings) are not."""
+    from braid.cli import main
+    from braid.models.chat import synthetic_layout_problem
+
+    _, server = qwen_server
+    tok = AutoTokenizer.from_pretrained(server.path)
+    assert "--traces" in synthetic_layout_problem(tok, "qwen-style")
+    assert synthetic_layout_problem(AutoTokenizer.from_pretrained(REFERENCE_MODEL)) is None
+    assert synthetic_layout_problem(tokenizer_with(checkpoint, None)) is None
+    capsys.readouterr()
+    assert main(["calibrate", "--model", server.path, "--out", "/nonexistent/cal", "--steps", "1"]) == 2
+    assert "--sources none --traces" in capsys.readouterr().err
+    assert main(["eval", "--model", server.path, "--calibration", "none", "--samples", "1", "--modes", "text"]) == 2
+    assert "synthetic tasks" in capsys.readouterr().err
+
+
 def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_path):
     """serve -> record -> calibrate: chat workflows served on a Qwen-style model are recorded, and `braid calibrate
     --traces` trains on them as the served path lays them out (rendered with the model's template), reusing the

@@ -49,7 +49,7 @@ from braid.engine.model import fingerprint_checkpoint
 from braid.kernels import rerotate_keys_torch
 from braid.methods.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
-from braid.models.chat import END, WORKER_HEADER, turn
+from braid.models.chat import END, WORKER_HEADER, synthetic_layout_problem, turn
 from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
 from braid.models.traces import TraceWorkflow, load_trace_workflows, split
 from braid.train.train import run_cli
@@ -577,6 +577,9 @@ def calibrate(cfg: CalibrateConfig) -> dict:
                                                  attn_implementation=attention.NAME)
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    problem = synthetic_layout_problem(tokenizer, cfg.model) if cfg.source_weights else None
+    if problem:
+        raise ValueError(f"--sources {cfg.sources}: {problem}")
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSettings.of(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
