@@ -1388,7 +1388,10 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       # the paged KV home (kv_home paged) against the dense engine before it: as the default (parents always read in
       # place, then copied where most of a call's context is copied anyway), and the dense default after it
       "ab_serving_c16_paged", "ab_synthesis_ttft_100m_paged", "ab_synthesis_ttft_100m_paged_copy",
-      "ab_synthesis_ttft_100m_dense_default", "ab_serving_c16_dense_default", "ab_serving_local_c16_dense_default"]
+      "ab_synthesis_ttft_100m_dense_default", "ab_serving_c16_dense_default", "ab_serving_local_c16_dense_default",
+      # the engine with its defaults (dense home, sdpa attention) after attention in place was added, against the
+      # engine before the GPU-engine work, 9 repeats (the dense default's 5-repeat runs above had read slower)
+      "ab_serving_local_c16_vs_pre48"]
 
 
 def engine_ab(r: Report) -> str:

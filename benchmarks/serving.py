@@ -6,7 +6,9 @@ same model; `braid loadtest`, in its own process as a client would be, drives ea
 for each transport asked for (text: branches re-prefilled; local: their KV reused in place). "serial" is the
 engine with max_running_calls=1: one engine call at a time, as before the scheduler. `--against REV` adds a
 third server, another git revision's engine as it was (its own defaults; benchmarks.revision), e.g. the engine the
-serving-engine issue started from. Prints the ratios and writes JSON and a plot.
+serving-engine issue started from. `--device cuda` serves on a GPU (the device run's `serving` step, on a random
+8B-shape checkpoint), and `--flex` adds the scheduler with attention read in place (EngineConfig.attention flex).
+Prints the ratios and writes JSON and a plot.
 """
 
 import argparse
@@ -34,6 +36,7 @@ from braid.results import pyplot, write_json
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
 APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
+FLEX = {"flex": {"attention": "flex"}}  # --flex: the scheduler, its attention reading the KV pool in place
 BEFORE = "before"  # --against REV: that revision's engine with its own defaults
 
 
@@ -48,11 +51,19 @@ def parse_args(argv=None):
     p.add_argument("--adapters-apart", action="store_true",
                    help="also run the scheduler with base and LoRA calls in forwards of their own, taking turns "
                         "(EngineConfig.mix_adapters false), to compare with mixing them")
+    p.add_argument("--no-serial", action="store_true",
+                   help="leave out the serial engine (one call at a time: minutes a level on a GPU at high load)")
+    p.add_argument("--flex", action="store_true", help="also run the scheduler with attention flex (FlexAttention "
+                   "over the KV pool in place) beside the others")
+    p.add_argument("--device", default="cpu", help="where the servers' engines run: cpu (float32) or cuda (bfloat16)")
+    p.add_argument("--kv-gib", type=float, default=0.0,
+                   help="each engine's work KV in GiB (0: the engine's default; give one on a GPU, where the engines "
+                        "share its memory)")
     p.add_argument("--against", metavar="REV",
                    help="also run this git revision's engine, as it was (its defaults), side by side with the others")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the plot")
     # (a server process: this engine)
-    p.add_argument("--serve", choices=[*ENGINES, *APART, BEFORE], help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=[*ENGINES, *APART, *FLEX, BEFORE], help=argparse.SUPPRESS)
     p.add_argument("--redis", help=argparse.SUPPRESS)  # (its directory)
     return p.parse_args(argv)
 
@@ -85,7 +96,8 @@ class Server:
         env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None  # (that revision's braid)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", serve, "--model",
-                                          args.model, "--redis", redis_url], stdin=subprocess.PIPE,
+                                          args.model, "--redis", redis_url, "--device", args.device,
+                                          "--kv-gib", str(args.kv_gib)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.port = int(self._reply("PORT"))
         self.kv_bytes_per_token = int(self._reply("KV"))
@@ -116,8 +128,9 @@ class Server:
 def serve(args) -> int:
     """(In a server process.) One engine and its API; counters per level, asked for on stdin. Another revision's
     engine (--against) may lack some counters (one from before the scheduler has none): they come back as zeros."""
-    engine = _engine(EngineConfig(args.model, device="cpu", dtype="float32",
-                                  **{**ENGINES, **APART, BEFORE: {}}[args.serve]))
+    kv = {"kv_budget_bytes": int(args.kv_gib * (1 << 30))} if args.kv_gib else {}  # (an engine of old has no budget)
+    engine = _engine(EngineConfig(args.model, device=args.device, dtype="float32" if args.device == "cpu" else "auto",
+                                  **kv, **{**ENGINES, **APART, **FLEX, BEFORE: {}}[args.serve]))
     server = start_in_process(engine, Directory.connect(args.redis))
     print(f"PORT {server.port}", flush=True)
     print(f"KV {getattr(getattr(engine, 'scheduler', None), 'slot_bytes', 0)}", flush=True)  # (KV bytes per token)
@@ -214,7 +227,10 @@ def main(argv=None) -> int:
             sides(args.against, logs) if args.against else nullcontext({}) as paths:
         try:
             redis = EmbeddedRedis()
-            for name in {**ENGINES, **(APART if args.adapters_apart else {})}:
+            wanted = {**ENGINES, **(APART if args.adapters_apart else {}), **(FLEX if args.flex else {})}
+            for name in wanted:
+                if name == "serial" and args.no_serial:
+                    continue
                 servers[name] = Server(name, args, redis.url, logs)
             if rev:
                 servers[BEFORE] = Server(BEFORE, args, redis.url, logs, pythonpath=list(paths.values())[1])
@@ -243,28 +259,40 @@ def main(argv=None) -> int:
     for transport in args.transports:
         for c in args.concurrency:
             row = {r["engine"]: r for r in rows if r["concurrency"] == c and r["transport"] == transport}
-            r = {"transport": transport, "concurrency": c, **compare(row["scheduler"], row["serial"])}
+            r = {"transport": transport, "concurrency": c}
             ratios.append(r)
-            print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
-                  f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
-                  f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
+            if "serial" in row:
+                r.update(compare(row["scheduler"], row["serial"]))
+                print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
+                      f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
+                      f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
             if BEFORE in row:
                 r["against"] = compare(row["scheduler"], row[BEFORE])
                 x = r["against"]
                 print(f"{'':>5} c={c:<3} scheduler/{rev}: token throughput {x['token_throughput_x']:.2f}x, "
                       f"workflows {x['workflow_throughput_x']:.2f}x, median TTFT {x['median_ttft_ratio']:.2f}x, "
                       f"p99 TTFT {x['p99_ttft_ratio']:.2f}x")
+            if "flex" in row:
+                r["flex_vs_scheduler_token_throughput_x"] = compare(row["flex"], row["scheduler"])["token_throughput_x"]
+                r["flex_vs_scheduler_median_ttft_ratio"] = compare(row["flex"], row["scheduler"])["median_ttft_ratio"]
+                print(f"{'':>5} c={c:<3} attention flex/sdpa: token throughput "
+                      f"{r['flex_vs_scheduler_token_throughput_x']:.2f}x, median TTFT "
+                      f"{r['flex_vs_scheduler_median_ttft_ratio']:.2f}x")
             if "apart" in row:
                 r["mixed_vs_apart_token_throughput_x"] = compare(row["scheduler"], row["apart"])["token_throughput_x"]
                 r["apart_vs_serial_token_throughput_x"] = compare(row["apart"], row["serial"])["token_throughput_x"]
                 print(f"{'':>5} c={c:<3} adapters mixed/apart: token throughput "
                       f"{r['mixed_vs_apart_token_throughput_x']:.2f}x (apart/serial "
                       f"{r['apart_vs_serial_token_throughput_x']:.2f}x)")
-    result = {"model": args.model, "device": "cpu", "kv_bytes_per_token": kv_per_token, "config": vars(args),
+    from braid.results import device_name  # (not up top: a server of another revision imports this file)
+
+    kind = "cpu" if args.device == "cpu" else "cuda"
+    result = {"model": args.model, "device": device_name(args.device), "kv_bytes_per_token": kv_per_token,
+              "config": vars(args),
               "this": this, "against": rev, "workload": workload.__dict__, "rows": rows, "ratios": ratios}
     from braid.methods.calibration import fingerprints_at
 
-    stem = write_json(args.out, "serving_cpu" + ("_against" if rev else ""), result, device="cpu",
+    stem = write_json(args.out, f"serving_{kind}" + ("_against" if rev else ""), result, device=args.device,
                       **fingerprints_at(EngineConfig(args.model)))
     plot(rows, stem + ".png")
     print(f"wrote {stem}.json and its plot")
