@@ -266,18 +266,14 @@ def main(argv=None) -> int:
                 print(f"{transport:>5} c={c:<3} scheduler/serial: token throughput {r['token_throughput_x']:.2f}x, "
                       f"workflows {r['workflow_throughput_x']:.2f}x, median TTFT {r['median_ttft_ratio']:.2f}x, "
                       f"p99 TTFT {r['p99_ttft_ratio']:.2f}x")
-            if BEFORE in row:
-                r["against"] = compare(row["scheduler"], row[BEFORE])
-                x = r["against"]
-                print(f"{'':>5} c={c:<3} scheduler/{rev}: token throughput {x['token_throughput_x']:.2f}x, "
-                      f"workflows {x['workflow_throughput_x']:.2f}x, median TTFT {x['median_ttft_ratio']:.2f}x, "
-                      f"p99 TTFT {x['p99_ttft_ratio']:.2f}x")
-            if "flex" in row:
-                r["flex_vs_scheduler_token_throughput_x"] = compare(row["flex"], row["scheduler"])["token_throughput_x"]
-                r["flex_vs_scheduler_median_ttft_ratio"] = compare(row["flex"], row["scheduler"])["median_ttft_ratio"]
-                print(f"{'':>5} c={c:<3} attention flex/sdpa: token throughput "
-                      f"{r['flex_vs_scheduler_token_throughput_x']:.2f}x, median TTFT "
-                      f"{r['flex_vs_scheduler_median_ttft_ratio']:.2f}x")
+            # the scheduler against that revision's engine; with attention flex against the default (sdpa)
+            for key, new, old, label in (("against", "scheduler", BEFORE, f"scheduler/{rev}"),
+                                         ("flex", "flex", "scheduler", "attention flex/sdpa")):
+                if new in row and old in row:
+                    r[key] = x = compare(row[new], row[old])
+                    print(f"{'':>5} c={c:<3} {label}: token throughput {x['token_throughput_x']:.2f}x, "
+                          f"workflows {x['workflow_throughput_x']:.2f}x, median TTFT {x['median_ttft_ratio']:.2f}x, "
+                          f"p99 TTFT {x['p99_ttft_ratio']:.2f}x")
             if "apart" in row:
                 r["mixed_vs_apart_token_throughput_x"] = compare(row["scheduler"], row["apart"])["token_throughput_x"]
                 r["apart_vs_serial_token_throughput_x"] = compare(row["apart"], row["serial"])["token_throughput_x"]
