@@ -102,6 +102,8 @@ def make_servicer(logic: AgentLogic, workflows: WorkflowDriver, keys: ApiKeys | 
     for method in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
         if method.name == "RunWorkflow":
             fn = workflows.run
+        elif method.name == "RunGraph":  # (recorded where the cluster records what it serves)
+            fn = functools.partial(_recorded_graph, logic, workflows)
         elif method.name in STREAMING:  # (a blocking generator: on a thread of its own)
             fn = functools.partial(_blocking_stream, getattr(logic, method.name))
         else:
@@ -112,6 +114,10 @@ def make_servicer(logic: AgentLogic, workflows: WorkflowDriver, keys: ApiKeys | 
 
 def _blocking_stream(fn, request, caller: str):
     return in_thread(lambda: fn(request, caller))
+
+
+def _recorded_graph(logic: AgentLogic, workflows: WorkflowDriver, request, caller: str):
+    return workflows.record_graph(request, _blocking_stream(logic.RunGraph, request, caller))
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):

@@ -158,7 +158,7 @@ class AgentIngress:
             yield event
 
     async def RunGraph(self, request, grpc_context=None):
-        async for event in self._stream("RunGraph", request, grpc_context):
+        async for event in self.workflows.record_graph(request, self._stream("RunGraph", request, grpc_context)):
             yield event
 
     async def RunWorkflow(self, request: pb.WorkflowRequest, grpc_context=None):

@@ -43,7 +43,7 @@ from braid.runtime.messages import (
     SynthesizerInfo,
 )
 from braid.runtime.quotas import KeyLimits
-from braid.runtime.traces import TraceRecorder, WorkflowTrace
+from braid.runtime.traces import GraphTrace, TraceRecorder, WorkflowTrace
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "grpc", "collective", "text")
@@ -126,6 +126,27 @@ class WorkflowDriver:
                         trace.see(event)
                     yield event
         if trace is not None and trace.done:  # (a workflow that failed or was left is not recorded)
+            self.recorder.record(trace.line)
+
+    async def record_graph(self, request: pb.GraphRequest,
+                           events: AsyncIterator[pb.GraphEvent]) -> AsyncIterator[pb.GraphEvent]:
+        """A RunGraph request's events as they come (`events`: the graph's run), recorded where the cluster records
+        what it serves (runtime.traces.GraphTrace). A graph that fails, is left midway, or is refused is not."""
+        trace = None
+        if self.recorder is not None:
+            try:
+                graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase, self.renderer)
+            except Exception:  # noqa: BLE001 - (refused by the run itself, with its status)
+                graph = None
+            if graph is not None:
+                info = await self.roles.info()
+                trace = GraphTrace(graph, info.fingerprint, info.calibration_digest)
+        async with aclosing(events) as stream:
+            async for event in stream:
+                if trace is not None:
+                    trace.see(event)
+                yield event
+        if trace is not None and trace.done:
             self.recorder.record(trace.line)
 
     async def _workflow(self, wf: convert.Workflow, info: SynthesizerInfo, session: str,

@@ -81,11 +81,6 @@ def eval_cmd(args) -> int:
             workflows = split(workflows, args.held_out_traces)[1]
         results = evaluate_traces(engine, workflows, config, modes)
     else:
-        from braid.models.chat import synthetic_layout_problem
-
-        problem = synthetic_layout_problem(engine.lm.tokenizer, path)
-        if problem:
-            raise ValueError(f"the synthetic tasks: {problem}")
         results = evaluate(engine, config, modes)
     out = report(config, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))

@@ -26,8 +26,8 @@ from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.methods.synthesis import TEXT as TEXT_MODE
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
-from braid.models.chat import END, header, turn
-from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, Task, sample
+from braid.models.chat import END, ChatRenderer, TemplateError, task_renderer, turn
+from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, WITHOUT_WORKERS, Task, sample
 from braid.models.traces import TraceWorkflow
 
 
@@ -149,19 +149,24 @@ def _drain(stream) -> list[str]:
     return ["".join(texts.get(c, [])) for c in range(len(texts))]
 
 
-def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConfig) -> TaskResult:
+def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConfig,
+             renderer: ChatRenderer | None = None) -> TaskResult:
+    """One synthetic task in every mode, laid out as the model is served (`renderer`: models.chat.task_renderer;
+    None, the reference role tokens). In a model's own layout, replies and answers are compared as plain text (its
+    special tokens, such as its end of turn, left out)."""
     made: list[str] = []
+    plain = _plain_text(engine) if renderer is not None else (lambda text: text)
     try:
-        system = turn("system", task.system)
+        system, contexts, opens, prompt = (task.workflow_texts(renderer) if task.has_workers
+                                           else (turn("system", task.system), [], "", task.prompt()))
         if task.has_workers:
-            workers = fan_out(engine, system, [turn("user", b.context) for b in task.branches], header("worker"),
-                              SamplingParams(max_tokens=config.worker_max_tokens))
+            workers = fan_out(engine, system, contexts, opens, SamplingParams(max_tokens=config.worker_max_tokens))
             try:
                 outputs = _drain(workers)
             finally:
                 made += [*workers.prefix, *workers.contexts, *(workers.ids or ())]
             prefix, branches = workers.prefix, workers.ids
-            outputs = [o.removesuffix(END).strip() for o in outputs]
+            outputs = [plain(o).removesuffix(END).strip() for o in outputs]
             workers_correct = all(o == b.output for o, b in zip(outputs, task.branches))
         else:
             prefix = engine.prefill([PrefillCall(system)])
@@ -174,14 +179,14 @@ def run_task(engine: Engine, task: Task, modes: Sequence[Mode], config: EvalConf
         answer = SamplingParams(max_tokens=config.answer_max_tokens)
         for mode in modes:
             if mode.staircase is not None and task.has_workers:
-                text, ttft = _staircase(engine, task, mode, prefix, config, answer, made)
+                text, ttft = _staircase(engine, (system, contexts, opens, prompt), mode, prefix, config, answer, made)
             else:
-                stream = synthesis_stream(engine, branches, task.prompt(), prefix=prefix, mode=mode.synthesis,
+                stream = synthesis_stream(engine, branches, prompt, prefix=prefix, mode=mode.synthesis,
                                           sampling=answer)
                 text, ttft = _drain(stream)[0], stream.timings["first_token"]
                 made += stream.ids
             result.answers[mode.name] = text
-            result.correct[mode.name] = task.correct(text)
+            result.correct[mode.name] = task.correct(plain(text))
             result.ttft[mode.name] = ttft
         return result
     finally:
@@ -232,16 +237,17 @@ def _plain_text(engine: Engine):
     return plain
 
 
-def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfig, answer: SamplingParams,
-               made: list[str]) -> tuple[str, float]:
+def _staircase(engine: Engine, texts: tuple[str, list[str], str, str], mode: Mode, prefix, config: EvalConfig,
+               answer: SamplingParams, made: list[str]) -> tuple[str, float]:
     """The workers again (greedy: the same replies), the answer streamed from their chunks as they decode; its
-    TTFT runs from the workers' start, since the answer starts before they end."""
+    TTFT runs from the workers' start, since the answer starts before they end. `texts`: the task's
+    (Task.workflow_texts)."""
     start = time.perf_counter()
-    workers = fan_out(engine, turn("system", task.system), [turn("user", b.context) for b in task.branches],
-                      header("worker"), SamplingParams(max_tokens=config.worker_max_tokens))
+    system, contexts, opens, prompt = texts
+    workers = fan_out(engine, system, contexts, opens, SamplingParams(max_tokens=config.worker_max_tokens))
     feed, result, texts, first = BranchFeed([workers]), StaircaseResult(), [], None
     try:
-        run = staircase(engine, feed, task.prompt(), prefix, mode.schedule, mode.staircase, mode.synthesis, answer,
+        run = staircase(engine, feed, prompt, prefix, mode.schedule, mode.staircase, mode.synthesis, answer,
                         result=result)
         with contextlib.closing(run):
             for event in run:
@@ -256,12 +262,26 @@ def _staircase(engine: Engine, task: Task, mode: Mode, prefix, config: EvalConfi
 
 
 def evaluate(engine: Engine, config: EvalConfig, modes: Sequence[Mode], progress: bool = True) -> list[TaskResult]:
+    """The synthetic tasks in every mode (run_task), laid out as the engine's model is served; a ValueError where they
+    cannot be (a template that cannot render a workflow, or tasks laid out only in the reference role tokens)."""
+    model = engine.config.model_path
+    try:
+        renderer = task_renderer(engine.lm.tokenizer, model)
+    except TemplateError as e:
+        raise ValueError(f"the synthetic tasks cannot be laid out as {model} is served ({e}); evaluate your own "
+                         "workflows with --traces FILE") from None
+    reference_only = [t for t in config.tasks if t in WITHOUT_WORKERS]
+    if renderer is not None and reference_only:
+        raise ValueError(f"{', '.join(reference_only)}: laid out only in the reference model's role tokens, which "
+                         f"{model}'s chat template does not use; evaluate worker tasks "
+                         f"({', '.join(t for t in TASKS if t not in WITHOUT_WORKERS)}) or your own workflows "
+                         "(--traces FILE)")
     jobs = [(name, m) for name in config.tasks for m in config.branches]
     results = []
     with tqdm(total=len(jobs) * config.samples, desc="evaluating", unit="task", disable=not progress) as bar:
         for name, m in jobs:
             for task in sample(name, config.samples, config.seed, m, config.length):
-                results.append(run_task(engine, task, modes, config))
+                results.append(run_task(engine, task, modes, config, renderer))
                 bar.update()
     return results
 

@@ -58,14 +58,15 @@ class Workload:
 def trace_requests(paths: list[str], n: int, worker_max_tokens: int, answer_max_tokens: int,
                    transports: tuple[str, ...] = ("auto",), seed: int = 0
                    ) -> tuple[list[pb.WorkflowRequest], list[float]]:
-    """n requests replaying the workflows recorded in the trace files at `paths` (runtime.traces), in the order of
+    """n requests replaying the workflows recorded in the trace files at `paths` (runtime.traces; graphs are left
+    out), in the order of
     their recorded times and again from the first when there are fewer; and the gaps (seconds) between their
     recorded arrivals, for a replay at the recorded rate. Sampling and transport are the load test's, as for
     generated workloads."""
-    traces = [t for path in paths for _, t in read_traces(path)]
+    traces = [t for path in paths for _, t in read_traces(path) if t.get("kind", "workflow") == "workflow"]
     traces = sorted(traces, key=lambda t: float(t.get("time") or 0)) if all(t.get("time") for t in traces) else traces
     if not traces:
-        raise ValueError(f"{', '.join(paths)} hold no traces")
+        raise ValueError(f"{', '.join(paths)} hold no workflow traces (graph traces are not replayed)")
     rng = random.Random(seed)
     requests, times = [], []
     for i in range(n):

@@ -140,26 +140,19 @@ class ChatRenderer:
         return self._after(before, self._whole(before, self.roles[role]), f"a {role} turn's header")
 
 
-def synthetic_layout_problem(tokenizer, name: str = "") -> str | None:
-    """Why Braid's synthetic tasks (models.tasks, written in the reference model's role tokens with `turn` and
-    `header`) are not laid out as this model is served, or None where they are: a model without a chat template is
-    served raw strings whose workers' turns open with the reference header (cluster config `worker_header`), and
-    the reference template renders exactly those strings. A calibration or an eval on the synthetic tasks of any
-    other model would train or measure a layout it is never served in; its own workflows (`--traces`) are."""
-    try:
-        r = ChatRenderer(tokenizer, name)
-    except TemplateError:
+def task_renderer(tokenizer, name: str = "") -> "ChatRenderer | None":
+    """How Braid's synthetic tasks (models.tasks) are laid out for this model, as it serves workflows. None where that
+    is the reference model's role tokens (`turn`, `header`): a model without a chat template is served raw strings
+    whose workers' turns open with the reference header (the cluster config's `worker_header`), and the reference
+    template renders exactly those strings. Otherwise the model's own renderer, which lays a task out from its chat
+    messages as RunWorkflow lays out chat messages (ChatRenderer.workflow), so that a calibration trains, and an eval
+    measures, the layout served. A template that cannot render them is a TemplateError naming the model and why."""
+    if not getattr(tokenizer, "chat_template", None):
         return None
+    r = ChatRenderer(tokenizer, name)
     system, user = {"role": "system", "content": " x"}, {"role": "user", "content": " y"}
-    try:
-        same = (r.render([system]) == turn("system", " x") and r.render([user], [system]) == turn("user", " y")
-                and r.header("worker", [system, user]) == WORKER_HEADER
-                and r.header("synthesizer", [system, user]) == SYNTHESIZER_HEADER)
-    except TemplateError:
-        same = False
-    if same:
-        return None
-    return (f"model {r.name}'s chat template lays turns out otherwise than Braid's synthetic tasks, which are "
-            f"written in the reference model's role tokens ({', '.join(header(role) for role in ROLES)}): "
-            "calibrate and verify on your own workflows instead, recorded with `braid serve --record DIR` "
-            "(--sources none --traces FILE; docs/bring-your-own-model.md)")
+    r.workflow([system], [[user], [user]], [user])  # (refuses a template that cannot render a workflow)
+    same = (r.render([system]) == turn("system", " x") and r.render([user], [system]) == turn("user", " y")
+            and r.header("worker", [system, user]) == WORKER_HEADER
+            and r.header("synthesizer", [system, user]) == SYNTHESIZER_HEADER)
+    return None if same else r

@@ -31,7 +31,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from braid.models.chat import END, header, turn
+from braid.models.chat import END, ChatRenderer, header, turn
 
 PEOPLE = ["ann", "bob", "cal", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee", "max", "ned",
           "ola", "pam", "ray", "sue", "tom", "uma", "vic", "wes", "yan", "zoe"]
@@ -73,11 +73,20 @@ class Task:
         """The synthesizer's own turn after the branches, up to where it starts answering."""
         return turn("user", self.question) + header("synthesizer")
 
-    def workflow_texts(self) -> tuple[str, list[str], str, str]:
-        """The task as an agent workflow's messages (methods.dag.presets.notes_graph): the system turn, each solver's
-        notes, the header its reply follows, and the final node's prompt."""
-        return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
-                self.prompt())
+    def workflow_texts(self, renderer: ChatRenderer | None = None) -> tuple[str, list[str], str, str]:
+        """The task as an agent workflow's messages (methods.dag.presets.notes_graph), as they are encoded: the system
+        turn, each solver's notes after it, the header its reply follows, and the final node's prompt (which opens
+        the answer). In the reference role tokens, or (`renderer`: models.chat.task_renderer) rendered by a model's
+        own template from the task's chat messages, as RunWorkflow renders a workflow sent as chat messages. A
+        worker's reply, and the answer, end with the model's end-of-turn token."""
+        if renderer is None:
+            return (turn("system", self.system), [turn("user", b.context) for b in self.branches], header("worker"),
+                    self.prompt())
+        task, prompts, synthesis, opens = renderer.workflow(
+            [{"role": "system", "content": self.system}],
+            [[{"role": "user", "content": b.context}] for b in self.branches],
+            [{"role": "user", "content": self.question}])
+        return task, prompts, opens, synthesis
 
     def answer_apart(self) -> str:
         """The answer as a synthesizer that reads the branches encoded apart, all at one position, can write it:
@@ -188,6 +197,7 @@ def _multiqa(rng: random.Random, m: int, length: tuple[int, int]):
 
 
 GENERATORS = {"chain": _chain, "vote": _vote, "trail": _trail, "multiqa": _multiqa}
+WITHOUT_WORKERS = ("multiqa",)  # tasks whose branches are user turns, with no worker replies (Task.has_workers)
 TASKS = tuple(GENERATORS)
 
 

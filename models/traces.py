@@ -11,6 +11,17 @@ A trace line (version 1) holds what a client sent and what the cluster answered,
      "text_branches": [<the branches the answer read from their text>, ...],
      "worker_header": "<what opened each worker's reply>"}
 
+A RunGraph request is a line of kind "graph", each node as it was served:
+
+    {"version": 1, "kind": "graph", "time": <unix seconds>,
+     "nodes": [{"name": "<name>", "text": "<its text as encoded: chat messages rendered>",
+                "parents": [{"node": "<name>" | null, "message_id": "<a session message>" | null,
+                             "offset": <int> | null}, ...],
+                "decode": true | false, "output": "kv" | "text", "reply": "<its reply>"}, ...],
+     "model": "<weights' fingerprint>", "calibration": "<its digest>" | "", "calibrated": true | false}
+
+Calibration and verification read the syntheses a graph holds (`graph_workflows`); load tests replay workflows only.
+
 A request sent as strings fills `task` and each `prompt` (and `worker_header` says how the workers' replies were
 opened, which a trace read back lays them out with); one sent as chat messages fills `*messages`. Nothing else
 of the request is kept: no session, no API key, no metadata. Traces a user writes themselves need only the
@@ -41,11 +52,25 @@ def _check_messages(value, where: str) -> None:
                              f"a string}}; got {m!r}")
 
 
+def _check_graph(line: dict, where: str) -> dict:
+    nodes = line.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise TraceError(f"{where}: \"nodes\" must be a non-empty list")
+    for i, n in enumerate(nodes):
+        if not (isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("text"), str)
+                and isinstance(n.get("parents", []), list) and all(isinstance(p, dict) for p in n.get("parents", []))):
+            raise TraceError(f"{where}: nodes[{i}] is {{\"name\": a string, \"text\": a string, \"parents\": "
+                             f"[{{\"node\" or \"message_id\", \"offset\"}}, ...], \"decode\", \"reply\"}}; got {n!r}")
+    return line
+
+
 def _check(line: dict, where: str) -> dict:
-    if not isinstance(line, dict) or line.get("kind", "workflow") != "workflow":
-        raise TraceError(f"{where}: a trace line is a JSON object of kind \"workflow\"")
+    if not isinstance(line, dict) or line.get("kind", "workflow") not in ("workflow", "graph"):
+        raise TraceError(f"{where}: a trace line is a JSON object of kind \"workflow\" or \"graph\"")
     if line.get("version", TRACE_VERSION) != TRACE_VERSION:
         raise TraceError(f"{where}: trace version {line.get('version')!r}; this Braid reads version {TRACE_VERSION}")
+    if line.get("kind") == "graph":
+        return _check_graph(line, where)
     branches = line.get("branches")
     if not isinstance(branches, list) or not branches:
         raise TraceError(f"{where}: \"branches\" must be a non-empty list")
@@ -109,6 +134,9 @@ def load_trace_workflows(paths: list[str], tokenizer, fingerprint: str, worker_h
     for path in paths:
         for number, trace in read_traces(path):
             where = f"{path}, line {number}"
+            if trace.get("kind") == "graph":
+                out += graph_workflows(trace, where, fingerprint)
+                continue
             branches = trace["branches"]
             try:
                 if trace.get("task_messages") is not None or any(b.get("messages") is not None for b in branches):
@@ -125,6 +153,51 @@ def load_trace_workflows(paths: list[str], tokenizer, fingerprint: str, worker_h
             out.append(TraceWorkflow(where, task or " ", tuple(prompts), synthesis, header,
                                      tuple(b["reply"] for b in branches) if mine else None, trace.get("reference")))
     return out
+
+
+def graph_workflows(trace: dict, where: str, fingerprint: str) -> list[TraceWorkflow]:
+    """The syntheses a recorded graph holds, as workflows. A synthesis is a decoding node whose parents are a shared
+    prefix (nodes each reading the ones before it) and then two or more decoding nodes with one text (the header
+    their replies follow), each reading the prefix and then a context of its own (a node reading the prefix), every
+    edge a node of the graph at its default offset: the prefix is the task, the contexts the workers' prompts, the
+    decoding parents' replies theirs, and the node's text the synthesis prompt. Its nodes' texts are as they were
+    served (rendered with the recording model's template). Other nodes are not calibrated from."""
+    nodes = {n["name"]: n for n in trace["nodes"]}
+
+    def refs(node: dict) -> list[str] | None:  # (its parents' names; None where one is no plain node edge)
+        out = []
+        for p in node.get("parents") or []:
+            if not p.get("node") or p.get("message_id") or p.get("offset") is not None or p["node"] not in nodes:
+                return None
+            out.append(p["node"])
+        return out
+
+    def synthesis(final: dict) -> TraceWorkflow | None:
+        parents = refs(final)
+        if not final.get("decode") or not parents:
+            return None
+        k = next((i for i, name in enumerate(reversed(parents)) if not nodes[name].get("decode")), len(parents))
+        prefix, branches = parents[:len(parents) - k], [nodes[name] for name in parents[len(parents) - k:]]
+        if k < 2 or not prefix or any(refs(nodes[name]) != prefix[:i] for i, name in enumerate(prefix)) \
+                or len({b["text"] for b in branches}) != 1:
+            return None
+        contexts = []
+        for b in branches:
+            read = refs(b)
+            if read is None or read[:-1] != prefix or len(read) != len(prefix) + 1:
+                return None
+            context = nodes[read[-1]]
+            if context.get("decode") or refs(context) != prefix:
+                return None
+            contexts.append(context["text"])
+        task = "".join(nodes[name]["text"] + (nodes[name].get("reply") or "" if nodes[name].get("decode") else "")
+                       for name in prefix)
+        replies = tuple(b.get("reply") or "" for b in branches)
+        mine = trace.get("model") == fingerprint and all(replies)
+        return TraceWorkflow(f"{where}, node {final['name']}", task, tuple(contexts), final["text"],
+                             branches[0]["text"], replies if mine else None)
+
+    return [w for w in map(synthesis, trace["nodes"]) if w is not None]
 
 
 def split(workflows: list[TraceWorkflow], every: int) -> tuple[list[TraceWorkflow], list[TraceWorkflow]]:

@@ -1,4 +1,4 @@
-"""Recorded workflows: what a cluster served, one JSON line per RunWorkflow request (the format:
+"""Recorded workflows: what a cluster served, one JSON line per RunWorkflow or RunGraph request (the format:
 braid.models.traces), written off the request path; and a trace as the request it records."""
 
 import json
@@ -45,6 +45,30 @@ class WorkflowTrace:
         elif kind == "done":
             self.line["answer"], self.done = event.done.answer_text, True
             self.line["text_branches"] = list(event.done.text_branches)
+
+
+class GraphTrace:
+    """One RunGraph request's trace, filled from the events its client is sent: each node as served (its text, chat
+    messages rendered with the model's template, as the graph ran it), its parents and its reply."""
+
+    def __init__(self, graph, model: str, calibration: str):
+        """`graph`: the request as runtime.convert.graph validated and rendered it (a methods.dag Graph)."""
+        self.line = {
+            "version": TRACE_VERSION, "kind": "graph", "time": time.time(),
+            "nodes": [{"name": n.name, "text": n.prompt,
+                       "parents": [{"node": e.node or None, "message_id": e.message or None, "offset": e.offset}
+                                   for e in n.parents],
+                       "decode": n.sampling is not None, "output": n.output, "reply": ""} for n in graph.nodes],
+            "model": model, "calibration": calibration, "calibrated": graph.calibrated}
+        self._nodes = {n["name"]: n for n in self.line["nodes"]}
+        self.done = False
+
+    def see(self, event: pb.GraphEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "node_done" and event.node_done.node in self._nodes:
+            self._nodes[event.node_done.node]["reply"] = event.node_done.text
+        elif kind == "done":
+            self.done = True
 
 
 class TraceRecorder:

@@ -231,23 +231,54 @@ def test_a_model_without_a_template_refuses_chat_messages_and_serves_strings(che
         redis.stop()
 
 
-def test_synthetic_tasks_are_refused_for_a_model_served_in_another_layout(qwen_server, checkpoint, capsys):
-    """Braid's synthetic tasks are written in the reference model's role tokens: a model whose template lays turns
-    out otherwise is refused by `braid calibrate` on synthetic sources and by `braid eval` without traces, pointed to
-    its own workflows; the reference model and a model without a template (served raw strings) are not."""
+def test_synthetic_tasks_are_laid_out_as_the_model_is_served(qwen_server, checkpoint):
+    """Braid's synthetic tasks in a model's own layout: rendered by its template from the task's chat messages, as
+    RunWorkflow renders a workflow sent as chat messages (the same ChatRenderer.workflow); in the reference role
+    tokens where that is the served layout (the reference template, or no template: raw strings)."""
+    from braid.models.chat import task_renderer
+    from braid.models.tasks import generate
+
+    task = generate("chain", 3, 2)
+    reference = (turn("system", task.system), [turn("user", b.context) for b in task.branches], header("worker"),
+                 task.prompt())
+    for tok in (AutoTokenizer.from_pretrained(REFERENCE_MODEL), tokenizer_with(checkpoint, None)):
+        assert task_renderer(tok) is None
+        assert task.workflow_texts(task_renderer(tok)) == reference
+    _, server = qwen_server
+    r = task_renderer(AutoTokenizer.from_pretrained(server.path), "qwen-style")
+    system, contexts, opens, prompt = task.workflow_texts(r)
+    assert system == f"<|im_start|>system\n{task.system}<|im_end|>\n"
+    assert contexts == [f"<|im_start|>user\n{b.context}<|im_end|>\n" for b in task.branches]
+    assert opens == "<|im_start|>assistant\n"
+    assert prompt == f"<|im_start|>user\n{task.question}<|im_end|>\n<|im_start|>assistant\n"
+    assert (system, contexts, prompt, opens) == r.workflow(*[
+        [msg("system", task.system)], [[msg("user", b.context)] for b in task.branches], [msg("user", task.question)]])
+    with pytest.raises(TemplateError, match="alternate"):
+        task_renderer(tokenizer_with(checkpoint, ALTERNATING))
+
+
+def test_calibration_and_eval_on_synthetic_tasks_in_a_models_own_layout(qwen_server, tmp_path, capsys):
+    """`braid calibrate` and `braid eval` draw the worker tasks in a Qwen-style model's own layout; tasks laid out only
+    in the reference role tokens (multiqa, the parallel source) are refused for it, naming what to draw instead."""
     from braid.cli import main
-    from braid.models.chat import synthetic_layout_problem
+    from braid.methods.calibration import Calibration
 
     _, server = qwen_server
-    tok = AutoTokenizer.from_pretrained(server.path)
-    assert "--traces" in synthetic_layout_problem(tok, "qwen-style")
-    assert synthetic_layout_problem(AutoTokenizer.from_pretrained(REFERENCE_MODEL)) is None
-    assert synthetic_layout_problem(tokenizer_with(checkpoint, None)) is None
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", server.path, "--out", str(out), "--tasks", "chain", "--branches", "2",
+            "--sources", "synthesis=1,distill=1", "--steps", "2", "--tasks-per-step", "2", "--eval-every", "2",
+            "--held-out-per-cell", "1", "--worker-max-tokens", "4", "--answer-max-tokens", "4", "--lora-rank", "2"]
+    assert main(args) == 0
+    assert Calibration.load(str(out)).record["steps"] == 2
     capsys.readouterr()
-    assert main(["calibrate", "--model", server.path, "--out", "/nonexistent/cal", "--steps", "1"]) == 2
-    assert "--sources none --traces" in capsys.readouterr().err
-    assert main(["eval", "--model", server.path, "--calibration", "none", "--samples", "1", "--modes", "text"]) == 2
-    assert "synthetic tasks" in capsys.readouterr().err
+    assert main([*args[:5], "--tasks", "chain,multiqa", *args[7:]]) == 2
+    assert "multiqa: laid out only in the reference" in capsys.readouterr().err
+    assert main(["eval", "--model", server.path, "--calibration", "none", "--tasks", "chain", "--branches", "2",
+                 "--samples", "1", "--modes", "text", "--worker-max-tokens", "4", "--answer-max-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", server.path, "--calibration", "none", "--tasks", "multiqa", "--samples", "1",
+                 "--modes", "text"]) == 2
+    assert "--traces" in capsys.readouterr().err
 
 
 def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_path):
@@ -276,7 +307,8 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
             "--answer-max-tokens", "4", "--lora-rank", "2"]
     assert main(args) == 0
     record = Calibration.load(str(out)).record
-    n = len(open(traces).read().splitlines())
+    # (the graphs served before are recorded too; none of them holds a synthesis)
+    n = sum('"kind":"workflow"' in line for line in open(traces).read().splitlines())
     assert record["traces"] == {"files": [traces], "workflows": n, "held_out": (n + 1) // 2,
                                 "replies_decoded_again": 0}
     assert set(record["held_out_accuracy"][-1]) == {"step", "traces"}  # (traces alone: no synthetic check)
@@ -297,3 +329,47 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
     plain = make_random_checkpoint(str(tmp_path / "plain"), "llama", "tiny")
     assert main(["calibrate", "--model", plain, "--out", str(tmp_path / "cal2"), "--traces", str(bad),
                  *args[7:]]) == 2
+
+
+def test_a_graph_served_is_recorded_and_its_synthesis_read_as_a_workflow(qwen_server, tmp_path):
+    """RunGraph is recorded (one line of kind "graph": each node as served, chat messages rendered, with its reply);
+    a graph shaped as a synthesis (a task, workers each over notes of their own, a final node reading their replies)
+    reads back as the workflow RunWorkflow lays out from the same messages, with the replies these weights wrote;
+    other nodes give none, and a graph that fails is not recorded."""
+    from braid.models.chat import WORKER_HEADER
+    from braid.models.traces import load_trace_workflows
+
+    _, qwen = qwen_server
+    redis = EmbeddedRedis()
+    engine = Engine(EngineConfig(qwen.path))
+    server = start_in_process(engine, Directory.connect(redis.url), record_dir=str(tmp_path))
+    try:
+        stub = agent_pb2_grpc.AgentServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        opens = "<|im_start|>assistant\n"
+        nodes = [pb.GraphNode(name="system", messages=chat(("system", "add the parts")))]
+        for j in range(2):
+            nodes += [pb.GraphNode(name=f"notes{j}", messages=chat(("user", f"part {j}")),
+                                   parents=[pb.GraphParent(node="system")]),
+                      pb.GraphNode(name=f"solve{j}", prompt=opens, decode=True, sampling=GREEDY,
+                                   parents=[pb.GraphParent(node="system"), pb.GraphParent(node=f"notes{j}")])]
+        nodes.append(pb.GraphNode(name="final", messages=chat(("user", "the sum?")), reply_role="synthesizer",
+                                  decode=True, sampling=GREEDY, parents=[pb.GraphParent(node=n)
+                                                                         for n in ("system", "solve0", "solve1")]))
+        events = list(stub.RunGraph(pb.GraphRequest(nodes=nodes)))
+        replies = {e.node_done.node: e.node_done.text for e in events if e.HasField("node_done")}
+        with pytest.raises(grpc.RpcError):  # (refused: not recorded)
+            list(stub.RunGraph(pb.GraphRequest(nodes=[pb.GraphNode(name="x", prompt="y", decode=True,
+                                                                   parents=[pb.GraphParent(node="nowhere")])])))
+    finally:
+        server.stop()
+        redis.stop()
+    lines = open(server.recorder.path).read().splitlines()
+    assert len(lines) == 1 and '"kind":"graph"' in lines[0]
+    (w,) = load_trace_workflows([server.recorder.path], engine.lm.tokenizer, engine.fingerprint, WORKER_HEADER)
+    assert w.where.endswith("line 1, node final") and w.replies == (replies["solve0"], replies["solve1"])
+    task, prompts, synthesis, header = ChatRenderer(engine.lm.tokenizer).workflow(
+        [msg("system", "add the parts")], [[msg("user", f"part {j}")] for j in range(2)], [msg("user", "the sum?")])
+    assert (w.task, list(w.prompts), w.synthesis, w.header) == (task, prompts, synthesis, header)
+    # another model's trace: its replies are decoded again
+    (again,) = load_trace_workflows([server.recorder.path], engine.lm.tokenizer, "another", WORKER_HEADER)
+    assert again.replies is None

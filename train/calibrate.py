@@ -49,8 +49,8 @@ from braid.engine.model import fingerprint_checkpoint
 from braid.kernels import rerotate_keys_torch
 from braid.methods.calibration import ADAPTER_DIR, MANIFEST, CacheMapper, Calibration, LoraSettings, MapperConfig
 from braid.methods.synthesis import Placement, Refresh, kept_apart, place_branches, refresh_of
-from braid.models.chat import END, WORKER_HEADER, synthetic_layout_problem, turn
-from braid.models.tasks import MAX_BRANCHES, TASKS, Task, generate
+from braid.models.chat import END, WORKER_HEADER, TemplateError, task_renderer, turn
+from braid.models.tasks import MAX_BRANCHES, TASKS, WITHOUT_WORKERS, Task, generate
 from braid.models.traces import TraceWorkflow, load_trace_workflows, split
 from braid.train.train import run_cli
 
@@ -199,7 +199,7 @@ class Example:
     branches: list[torch.Tensor]  # each branch message's KV, re-encoded to its placed offset
     num_branches: int
     prompt: list[int]
-    target: list[int]  # the answer the synthesizer is trained on (ends with END)
+    target: list[int]  # the answer the synthesizer is trained on (ends with the end-of-turn token)
     new_offset: int  # where the prompt starts
     teacher: torch.Tensor | None  # [len(target), V] log-probabilities of the text pipeline (distill only)
     source: str
@@ -216,8 +216,10 @@ class Example:
 class Encoder:
     """Tokenizes tasks as the engine does (each message on its own) and runs the base model's no-grad passes."""
 
-    def __init__(self, model, tokenizer, inv_freq: torch.Tensor, cfg: CalibrateConfig):
-        self.model, self.tok, self.inv_freq, self.cfg = model, tokenizer, inv_freq, cfg
+    def __init__(self, model, tokenizer, inv_freq: torch.Tensor, cfg: CalibrateConfig, renderer=None):
+        """`renderer`: how the synthetic tasks are laid out for this model (synthetic_renderer; None: the reference
+        role tokens)."""
+        self.model, self.tok, self.inv_freq, self.cfg, self.renderer = model, tokenizer, inv_freq, cfg, renderer
         ids = model.generation_config.eos_token_id if model.generation_config is not None else None
         ids = tokenizer.eos_token_id if ids is None else ids
         self.eos = set(ids) if isinstance(ids, (list, tuple)) else {ids}  # the engine's stop tokens
@@ -226,6 +228,11 @@ class Encoder:
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def closed(self, text: str) -> list[int]:
+        """A synthetic reply or answer as it ends: with the reference END in the reference layout (the reference
+        model's end of turn), else with the model's own end-of-turn token."""
+        return self.ids(text + END) if self.renderer is None else self.ids(text) + [self.end]
 
     @torch.no_grad()
     def forward(self, rows: list[list[int]], want_logits: bool = False):
@@ -264,13 +271,16 @@ class Encoder:
         if source == "traces":
             return self.trace_example(task, placement)
         cfg = self.cfg
-        system = self.ids(turn("system", task.system))
-        n = len(system)
         workers = task.has_workers and source != "parallel"
+        # (as served: a worker-shaped task in the model's own layout; the others in the reference role tokens, which
+        # only a model served in them is trained on: synthetic_renderer)
+        texts = task.workflow_texts(self.renderer) if workers else (turn("system", task.system), [], "", task.prompt())
+        system = self.ids(texts[0])
+        n = len(system)
         if workers:  # each branch: its context, then the worker's reply, decoded greedily by the model itself
-            header = self.ids(WORKER_HEADER)
-            contexts = [self.ids(turn("user", b.context)) for b in task.branches]
-            replies = [header + self.ids(b.output + END) for b in task.branches]
+            header = self.ids(texts[2])
+            contexts = [self.ids(c) for c in texts[1]]
+            replies = [header + self.closed(b.output) for b in task.branches]
             rows = [system + c + r for c, r in zip(contexts, replies)]
             argmax, kv, _ = self.forward(rows)
             fixed = [header + self.greedy(system + c + header, r[len(header):], argmax[i].tolist(),
@@ -284,11 +294,11 @@ class Encoder:
             _, kv, _ = self.forward([system + r for r in replies])
             starts = [n] * len(replies)
         branches, new_offset, kept, refreshed = self.placed(kv, n, starts, replies, placement)
-        prompt = self.ids(task.prompt())
+        prompt = self.ids(texts[3])
         # branches all kept apart at one position show no order: the answer as such a reader writes it (what
         # run 10 of the reference model was trained on), and no text teacher, whose answer follows the order
         apart = all(kept)
-        target = self.ids((task.answer_apart() if apart else task.answer) + END)
+        target = self.closed(task.answer_apart() if apart else task.answer)
         teacher = None
         if source == "distill" and not apart:  # the text pipeline: the replies' tokens re-prefilled after the prefix
             context = system + [t for r in replies for t in r] + prompt
@@ -480,6 +490,28 @@ def synthesizer_loss(model, mapper: CacheMapper | None, examples: list[Example],
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
+def synthetic_renderer(cfg: CalibrateConfig, tokenizer):
+    """How this run lays the synthetic tasks out (models.chat.task_renderer: None, the reference role tokens), or a
+    ValueError where it cannot lay out what it is asked to draw as the model is served: a template that cannot render
+    a workflow, or (in a model's own template) tasks without workers or the `parallel` source, whose layouts exist
+    only in the reference role tokens."""
+    if not cfg.source_weights:
+        return None
+    try:
+        renderer = task_renderer(tokenizer, cfg.model)
+    except TemplateError as e:
+        raise ValueError(f"--sources {cfg.sources}: the synthetic tasks cannot be laid out as {cfg.model} is served "
+                         f"({e}); calibrate from your own workflows with --sources none --traces FILE") from None
+    reference_only = [t for t in cfg.task_names if t in WITHOUT_WORKERS] + \
+        (["the parallel source"] if cfg.source_weights.get("parallel") else [])
+    if renderer is not None and reference_only:
+        raise ValueError(f"{', '.join(reference_only)}: laid out only in the reference model's role tokens, which "
+                         f"{cfg.model}'s chat template does not use; draw worker tasks "
+                         f"({', '.join(t for t in TASKS if t not in WITHOUT_WORKERS)}) from the synthesis and distill "
+                         "sources, or calibrate from your own workflows (--sources none --traces FILE)")
+    return renderer
+
+
 def draw(cfg: CalibrateConfig, rng: random.Random, traces: list[TraceWorkflow] = ()
          ) -> tuple["Task | TraceWorkflow", str, Placement]:
     """One training item: a synthetic task of a source drawn by weight, or (with `traces`) a recorded workflow."""
@@ -577,15 +609,13 @@ def calibrate(cfg: CalibrateConfig) -> dict:
                                                  attn_implementation=attention.NAME)
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    problem = synthetic_layout_problem(tokenizer, cfg.model) if cfg.source_weights else None
-    if problem:
-        raise ValueError(f"--sources {cfg.sources}: {problem}")
+    renderer = synthetic_renderer(cfg, tokenizer)
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSettings.of(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     peft_model, mapper = untrained(model, lora, cfg.mapper_rank, cfg.mapper_conditioned, cfg.mapper_branch_slots)
     inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
-    encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg)
+    encoder = Encoder(model, tokenizer, inv_freq.to(device), cfg, renderer)
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": lora_params, "lr": cfg.lr, "weight_decay": 0.0},
                              {"params": list(mapper.parameters()), "lr": cfg.mapper_lr, "weight_decay": 0.0}])
