@@ -61,7 +61,7 @@ class WorkflowConfig:
     worker_header: str = WORKER_HEADER
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
     staircase: StaircaseSchedule = StaircaseSchedule(strict=False)  # a staircase request's, where it sets none
-    record_dir: str = ""  # where the ingress records what it serves (runtime.traces; "": nowhere)
+    record_dir: str = ""  # where the ingress records the workflows and graphs it serves (runtime.traces; "": nowhere)
 
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
@@ -132,17 +132,18 @@ class WorkflowDriver:
                            events: AsyncIterator[pb.GraphEvent]) -> AsyncIterator[pb.GraphEvent]:
         """A RunGraph request's events as they come (`events`: the graph's run), recorded where the cluster records
         what it serves (runtime.traces.GraphTrace). A graph that fails, is left midway, or is refused is not."""
-        trace = None
-        if self.recorder is not None:
-            try:
-                graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase, self.renderer)
-            except Exception:  # noqa: BLE001 - (refused by the run itself, with its status)
-                graph = None
-            if graph is not None:
-                info = await self.roles.info()
-                trace = GraphTrace(graph, info.fingerprint, info.calibration_digest)
+        trace, started = None, False
         async with aclosing(events) as stream:
             async for event in stream:
+                if self.recorder is not None and not started:  # (made at the first event: the caller has been let in)
+                    started = True
+                    try:
+                        graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase,
+                                              self.renderer)
+                        info = await self.roles.info()
+                        trace = GraphTrace(graph, info.fingerprint, info.calibration_digest)
+                    except Exception as e:  # noqa: BLE001 - (recording never fails a request)
+                        log.warning("a graph is not recorded: %s: %s", type(e).__name__, e)
                 if trace is not None:
                     trace.see(event)
                 yield event

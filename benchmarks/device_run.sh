@@ -57,6 +57,8 @@ if [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]]; then  # (its braid
   [[ -e $BASELINE/models/braid-reference ]] || ln -s "$PWD/models/braid-reference" "$BASELINE/models/braid-reference"
   rm -rf /tmp/braid-baseline
   PYTHONPATH=. $PY -c "from benchmarks.revision import package; package('$BASELINE', '/tmp/braid-baseline')"
+  PYTHONPATH=/tmp/braid-baseline $PY -c "import os, braid.engine; print('baseline engine:', os.path.realpath(
+braid.engine.__file__), open('$BASELINE/REVISION').read().strip() if os.path.exists('$BASELINE/REVISION') else '')"
 fi
 step baseline_decode 300 env PYTHONPATH=/tmp/braid-baseline $PY "$BASELINE/benchmarks/profile_decode.py" \
   --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" --rows 5 ${BASE_ARGS:-} --out "$OUT/baseline"

@@ -1391,7 +1391,8 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       "ab_synthesis_ttft_100m_dense_default", "ab_serving_c16_dense_default", "ab_serving_local_c16_dense_default",
       # the engine with its defaults (dense home, sdpa attention) after attention in place was added, against the
       # engine before the GPU-engine work, 9 repeats (the dense default's 5-repeat runs above had read slower)
-      "ab_serving_local_c16_vs_pre48"]
+      "ab_serving_local_c16_vs_pre48", "ab_synthesis_ttft_100m_vs_pre48", "ab_synthesis_ttft_100m_vs_pre48_9x",
+      "ab_serving_local_c16_aa"]
 
 
 def engine_ab(r: Report) -> str:
@@ -1412,7 +1413,10 @@ def engine_ab(r: Report) -> str:
             "the repeats (`this / against`) and the median of the repeats' own ratios (`paired`), which holds up",
             "where the machine drifts from repeat to repeat. The `_paged` runs measure `kv_home: paged` as the",
             "default against the dense engine before it (`_paged_copy`: with a call whose context is mostly copied",
-            "copying its paged parents too); `_dense_default` measures the tree that keeps `dense` the default.")),
+            "copying its paged parents too); `_dense_default` measures the tree that keeps `dense` the default.",
+            "The `_vs_pre48` runs measure the engine with its defaults (the dense home, `sdpa` attention) after",
+            "attention in place was added against the engine before the GPU-engine work (d3cd457), with 9 repeats",
+            "where 5 had left the serving figure in doubt; `_aa` runs one code on both sides (this machine's drift).")),
         r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
                  "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),

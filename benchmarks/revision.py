@@ -28,6 +28,7 @@ def labels(against: str) -> tuple[str, str]:
 
 def package(tree: str, dest: str) -> str:
     """A directory to put on PYTHONPATH so that `import braid` is checkout `tree`'s."""
+    tree = os.path.abspath(tree)  # (the links it makes must not resolve against their own directory)
     with open(os.path.join(tree, "pyproject.toml"), "rb") as f:
         dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
     pkg = os.path.join(dest, "braid")

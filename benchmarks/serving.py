@@ -274,7 +274,7 @@ def main(argv=None) -> int:
                     print(f"{'':>5} c={c:<3} {label}: token throughput {x['token_throughput_x']:.2f}x, "
                           f"workflows {x['workflow_throughput_x']:.2f}x, median TTFT {x['median_ttft_ratio']:.2f}x, "
                           f"p99 TTFT {x['p99_ttft_ratio']:.2f}x")
-            if "apart" in row:
+            if "apart" in row and "serial" in row:
                 r["mixed_vs_apart_token_throughput_x"] = compare(row["scheduler"], row["apart"])["token_throughput_x"]
                 r["apart_vs_serial_token_throughput_x"] = compare(row["apart"], row["serial"])["token_throughput_x"]
                 print(f"{'':>5} c={c:<3} adapters mixed/apart: token throughput "

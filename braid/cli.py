@@ -400,8 +400,9 @@ def main(argv=None) -> int:
                    help="ship KV or re-prefill text (default: auto, decided per request)")
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--record", metavar="DIR",
-                   help="record every RunWorkflow served, one JSON line each (requests, replies, answers; no keys), in "
-                        "DIR/traces-*.jsonl: traces for braid loadtest --traces (default: off)")
+                   help="record every RunWorkflow and RunGraph served, one JSON line each (requests, replies, answers; "
+                        "no keys), in DIR/traces-*.jsonl: traces for braid calibrate, eval and loadtest --traces "
+                        "(default: off)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265")
     p.add_argument("--no-auth", action="store_true", help="turn Ray's token authentication off (local use only)")

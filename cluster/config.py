@@ -88,7 +88,7 @@ class ClusterConfig:
     grpc_port: int = 9000
     session_ttl_s: int = 3600
     worker_header: str = WORKER_HEADER  # opens each worker's answer (the reference model's chat role)
-    # record what RunWorkflow serves, one JSON line per request, in this directory (runtime.traces; "": off)
+    # record what RunWorkflow and RunGraph serve, one JSON line per request, in this directory (runtime.traces; "": off)
     record_dir: str = ""
     # Serve autoscaling instead of a fixed replica count (then *_replicas is ignored)
     worker_autoscaling: Autoscaling | None = None

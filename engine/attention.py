@@ -160,7 +160,11 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, paged: PagedMask, sca
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
         run = _compiled_flex
-    return run(query, k, v, block_mask=paged.block_mask, scale=scale, enable_gqa=query.shape[1] != kv.shape[1])
+    # (the compiled kernel's KV tile must divide the pool's block: a smaller tile where the block is under the default)
+    b = paged.block_mask.BLOCK_SIZE[1]
+    options = {"BLOCK_N": b, "BLOCK_M": 64} if query.device.type == "cuda" and b < 64 else None
+    return run(query, k, v, block_mask=paged.block_mask, scale=scale, enable_gqa=query.shape[1] != kv.shape[1],
+               kernel_options=options)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,

@@ -194,6 +194,9 @@ class Engine:
             self.paged = config.kv_home == "paged"  # stored messages' KV lives in the pool (engine.store.PagedKV)
             self.store = MessageStore(_store_budget(config, self.lm.device) if self.paged
                                       else config.store_budget_bytes)
+            if config.attention == "flex" and self.lm.device.type == "cuda" and config.kv_block_tokens < 16:
+                raise ValueError(f"attention flex on CUDA needs kv_block_tokens of 16 or more (its kernel's smallest "
+                                 f"tile), got {config.kv_block_tokens}")
             self.runner = ModelRunner(self.lm, config.attention)
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()

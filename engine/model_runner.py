@@ -45,8 +45,8 @@ class KVPool:
     """An engine's work KV, paged: one tensor [L, 2, H, blocks * block_tokens, D] cut into fixed-size blocks.
     Every running call's WorkCache holds a block table; one forward writes and reads the KV of all its calls
     with one indexed op per layer. Any free blocks serve any call (no fragmentation); the memory is touched
-    only as it is used. Parents placed where they were encoded are kept once, as SharedRuns, whatever the
-    number of running calls that read them."""
+    only as it is used (unless `zeroed`). Parents placed where they were encoded are kept once, as SharedRuns,
+    whatever the number of running calls that read them."""
 
     def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16, work_blocks: int | None = None,
                  zeroed: bool = False):

@@ -57,8 +57,13 @@ def _check_graph(line: dict, where: str) -> dict:
     if not isinstance(nodes, list) or not nodes:
         raise TraceError(f"{where}: \"nodes\" must be a non-empty list")
     for i, n in enumerate(nodes):
+        parents = n.get("parents", []) if isinstance(n, dict) else None
         if not (isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("text"), str)
-                and isinstance(n.get("parents", []), list) and all(isinstance(p, dict) for p in n.get("parents", []))):
+                and isinstance(n.get("reply", ""), str) and isinstance(n.get("decode", False), bool)
+                and isinstance(parents, list) and all(
+                    isinstance(p, dict) and isinstance(p.get("node") or "", str)
+                    and isinstance(p.get("message_id") or "", str) and isinstance(p.get("offset") or 0, int)
+                    for p in parents)):
             raise TraceError(f"{where}: nodes[{i}] is {{\"name\": a string, \"text\": a string, \"parents\": "
                              f"[{{\"node\" or \"message_id\", \"offset\"}}, ...], \"decode\", \"reply\"}}; got {n!r}")
     return line

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from braid.cluster.inprocess import start_in_process
 from braid.engine import Engine, EngineConfig
 from braid.models import REFERENCE_MODEL
-from braid.models.chat import ROLES, ChatRenderer, TemplateError, header, turn
+from braid.models.chat import END, ROLES, ChatRenderer, TemplateError, header, turn
 from braid.models.checkpoints import make_random_checkpoint
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
@@ -373,3 +373,25 @@ def test_a_graph_served_is_recorded_and_its_synthesis_read_as_a_workflow(qwen_se
     # another model's trace: its replies are decoded again
     (again,) = load_trace_workflows([server.recorder.path], engine.lm.tokenizer, "another", WORKER_HEADER)
     assert again.replies is None
+
+
+def test_a_models_own_layout_closes_turns_with_the_stop_token_its_template_writes(checkpoint):
+    """In a model's own layout the synthetic replies and answers end with the stop token its template closes a turn
+    with (as Llama 3's <|eot_id|>), not the first of the model's stop tokens (its <|end_of_text|>)."""
+    from transformers import AutoModelForCausalLM
+
+    from braid.models.chat import task_renderer
+    from braid.train.calibrate import CalibrateConfig, Encoder
+
+    path = checkpoint("llama")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot|>{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    encoder = Encoder(model, tok, model.model.rotary_emb.inv_freq, CalibrateConfig(model=path), task_renderer(tok))
+    assert encoder.end == eot and encoder.closed("hi") == encoder.ids("hi") + [eot]
+    reference = Encoder(model, tok, model.model.rotary_emb.inv_freq, CalibrateConfig(model=path))
+    assert reference.end == tok.eos_token_id and reference.closed("hi") == reference.ids("hi" + END)

@@ -224,6 +224,9 @@ class Encoder:
         ids = tokenizer.eos_token_id if ids is None else ids
         self.eos = set(ids) if isinstance(ids, (list, tuple)) else {ids}  # the engine's stop tokens
         self.end = ids[0] if isinstance(ids, (list, tuple)) else ids  # the one that ends a turn (listed first)
+        if renderer is not None:  # (in a model's own template: the stop token its turns close with, where it has one)
+            marked = renderer.render([{"role": "worker", "content": "Braid"}], [{"role": "user", "content": "y"}])
+            self.end = next((t for t in self.ids(marked.rsplit("Braid", 1)[1]) if t in self.eos), self.end)
         self.device = next(model.parameters()).device
 
     def ids(self, text: str) -> list[int]:
@@ -231,7 +234,8 @@ class Encoder:
 
     def closed(self, text: str) -> list[int]:
         """A synthetic reply or answer as it ends: with the reference END in the reference layout (the reference
-        model's end of turn), else with the model's own end-of-turn token."""
+        model's end of turn), else with the model's own end-of-turn token (the stop token its template closes an
+        assistant turn with: Llama 3's <|eot_id|>, not the first of its stop tokens, <|end_of_text|>)."""
         return self.ids(text + END) if self.renderer is None else self.ids(text) + [self.end]
 
     @torch.no_grad()
