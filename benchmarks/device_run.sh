@@ -5,7 +5,10 @@
 #               back from it. The copy of the tree there has no .git: the commit is passed for the results' stamps;
 #               carry .wheels, made here by benchmarks/device_wheels.sh, for the serving step's Redis)
 #   here, as a dry run of every step: SHAPE=tiny DEVICE=cpu OUT=/tmp/dev bash benchmarks/device_run.sh
-# Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log.
+# Each step has its own time limit and the next runs whatever it returned; one log, $OUT/device.log. The steps run
+# in priority order within BUDGET seconds for the whole call (default 300): a step gets at most what is left, and one
+# that would get under 20 s is skipped, said in the log (run again with STEPS naming the rest, and a BUDGET of up to
+# about 540 where one call may take the device's whole 600 s).
 # STEPS picks some of: graph_tests profile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm
 # batched_forward engine_tests
 # (default: all);
@@ -25,6 +28,8 @@ export PYTHONUNBUFFERED=1
 export PYTHONSAFEPATH=1  # (the checkout's top-level folders, kernels/ among them, must not shadow packages)
 exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
+BUDGET=${BUDGET:-300}
+START=$SECONDS
 STEPS=${STEPS:-graph_tests profile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm batched_forward engine_tests}
 # the engine before this change, as `git archive` gives it (benchmarks/device_baseline.sh; carried), timed by its own
 # profile_decode in the same call: baseline_decode runs only where it is there
@@ -36,6 +41,9 @@ step() {  # step NAME SECONDS COMMAND...
     baseline_decode) [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]] || return 0 ;;
     *) [[ " $STEPS " == *" $name "* ]] || return 0 ;;
   esac
+  local left=$((BUDGET - (SECONDS - START)))
+  if (( left < 20 )); then log "$name skipped: ${left}s of the call's ${BUDGET}s budget left"; return 0; fi
+  (( secs > left )) && secs=$left
   log "$name"
   timeout "$secs" "$@" 2>&1 | grep -v -E "it/s\]|s/it\]|request/s\]|text/s\]" ; log "$name rc=${PIPESTATUS[0]}"
 }

@@ -291,7 +291,8 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
 
     script = os.path.join(ROOT, "benchmarks", "device_run.sh")
     env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "OUT": str(tmp_path), "PY": sys.executable,
-           "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree")}
+           "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree"),
+           "BUDGET": "1500"}
     for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS", "CAL_ARGS", "SERVE_ARGS",
                  "BASE_ARGS", "KV_GIB"):
         env.pop(name, None)  # (the script's own defaults)
@@ -315,6 +316,11 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
     assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)
     assert log.rstrip().endswith("done") and (tmp_path / "device.log").exists()
+    # past the call's budget, the steps left are skipped and said so
+    spent = subprocess.run(["bash", script], cwd=ROOT, env={**env, "BUDGET": "5", "STEPS": "profile_decode",
+                                                            "OUT": str(tmp_path / "spent")},
+                           capture_output=True, text=True, timeout=300)
+    assert "profile_decode skipped:" in spent.stdout and "profile_decode rc=" not in spent.stdout, spent.stdout
 
 
 def test_ab_benchmark_runs_each_side_s_own_script_in_turns(tmp_path):
