@@ -1,6 +1,7 @@
 """Starting the cluster on a local Ray: `braid serve`, the tests and the benchmarks share this."""
 
 import logging
+import random
 import socket
 from dataclasses import dataclass
 
@@ -17,9 +18,24 @@ log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for local clusters, tests and benchmarks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A TCP port free now on every interface, for local clusters, tests and benchmarks: below the range the kernel
+    hands out to other sockets (ip_local_port_range), so that no connection opened before the port is taken (Ray
+    opens many while it starts) is given it meanwhile, as one from that range can be."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, ephemeral))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (none free below the range: any the kernel gives)
+        s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
 
 

@@ -743,3 +743,17 @@ def test_a_synthesizer_killed_under_session_load_loses_no_session(cluster):
     assert result["passed"], (result["why_failed"], result["in_flight_by_kind"])
     assert result["in_flight_at_fault"] >= 1 and result["hung"] == 0 and result["sessions_lost"] == 0
     assert result["replicas_before"] == 2 and result["sessions_on_replaced"] >= 1
+
+
+def test_free_ports_lie_below_the_range_the_kernel_hands_out():
+    """free_port: a port free on every interface, below ip_local_port_range, so that no socket Ray opens while it
+    starts is given it before its server binds it (a port from that range once was, failing a deploy)."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < ephemeral
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
