@@ -470,20 +470,18 @@ class Engine:
         where reading any parent in place gathers the whole cache each forward), nor when their runs would not fit
         the pool."""
         pool, none = self.scheduler.pool, [False] * len(plan.entries)
-        if transform is not None:
+        if transform is not None or not self.config.share_parents:
             return none
         home = [off == m.offset and self._at_home(m) for m, off in plan.entries]  # (in place: no copy, no run)
-        if not self.config.share_parents:
-            return none
         yes = [h or off == m.offset and m.num_tokens >= pool.block_tokens for h, (m, off) in zip(home, plan.entries)]
         shared = [m.num_tokens for h, (m, _), y in zip(home, plan.entries, yes) if y and not h]
+        kept = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if y)
         copied = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if not y)
         fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.work_blocks
         # (a call that copies most of its context anyway copies it all, its paged parents too: its cache is then one
         # run of its own blocks, read as a view each forward, where reading any parent in place gathers the whole
         # cache each forward, which costs more than the copy: benchmarks/results/ab_synthesis_ttft_100m_paged.json)
-        return yes if fits and sum(shared) + sum(m.num_tokens for h, (m, _) in zip(home, plan.entries) if h) >= copied \
-            else none
+        return yes if fits and kept >= copied else none
 
     def _at_home(self, msg: Message) -> bool:
         """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): where it was encoded, it is
