@@ -43,8 +43,8 @@ def main(argv=None) -> int:
         for _ in range(g):
             cache = WorkCache(lm, args.context + 4 * args.repeats * 2 + 8, pool,
                               pool.allocate(args.context + 4 * args.repeats * 2 + 8))
-            cache.append(torch.randn(*pool.kv.shape[:3], args.context, pool.kv.shape[4], dtype=pool.kv.dtype,
-                                     device=pool.kv.device), segment=0)
+            cache.append(*torch.randn(*pool.kv.shape[:3], args.context, pool.kv.shape[4], dtype=pool.kv.dtype,
+                                      device=pool.kv.device).unbind(1), segment=0)
             caches.append(cache)
         visible = torch.ones(calls, 1 + calls, dtype=torch.bool)
 

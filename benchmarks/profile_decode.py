@@ -61,8 +61,8 @@ def runner_steps(eng, context, steps, sync):
 
     pool = eng.scheduler.pool
     cache = WorkCache(eng.lm, context + steps, pool, pool.allocate(context + steps))
-    cache.append(torch.randn(*pool.kv.shape[:3], context, pool.kv.shape[4], dtype=pool.kv.dtype,
-                             device=pool.kv.device), segment=0)
+    cache.append(*torch.randn(*pool.kv.shape[:3], context, pool.kv.shape[4], dtype=pool.kv.dtype,
+                              device=pool.kv.device).unbind(1), segment=0)
     dev = pool.kv.device
     visible = torch.ones(1, 2, dtype=torch.bool, device=dev)
     sync()

@@ -328,7 +328,7 @@ class Engine:
             s = self.spec
             return torch.empty(s.num_layers, 2, s.num_kv_heads, 0, s.head_dim, dtype=self.lm.dtype,
                                device=self.lm.device)
-        return torch.cat([self._placed(p, o) for p, o in parents], dim=3)
+        return torch.cat([torch.stack(self._placed(p, o), dim=1) for p, o in parents], dim=3)
 
     def view(self, message_id: str, start: int, end: int) -> str:
         """A new message over tokens [start, end) of a stored one, at their own positions, sharing its KV (no
@@ -655,27 +655,31 @@ class Engine:
                 else:
                     cache.reference(next(runs), segment=e)
                 continue
-            mapped = plan.mapped[e]
-            slots = unmapped.pop((msg.id, off), None) if mapped else None
-            # (one copy at a time, read back from the pool rather than kept: no more memory held at once than
-            # one message's copy, which the allocator then reuses)
-            placed = cache.gather(slots) if slots is not None else self._placed(msg, off)
-            if mapped:
-                placed = placed.clone() if placed is msg.kv.read() else placed  # (a transform may work in place)
+            if plan.mapped[e]:
+                # (one copy at a time, read back from the pool rather than kept: no more memory held at once than
+                # one message's copy, which the allocator then reuses; the engine's own, which a transform may
+                # work in place on)
+                slots = unmapped.pop((msg.id, off), None)
+                placed = cache.gather(slots) if slots is not None else torch.stack(self._placed(msg, off), dim=1)
                 placed = transform.apply(msg, placed)
-            elif transform is not None and msg.id in transform.ids:
-                unmapped[(msg.id, off)] = torch.arange(cache.length, cache.length + msg.num_tokens,
-                                                       device=cache.index.device)
-            cache.append(placed, segment=e)
+                keys, values = placed[:, 0], placed[:, 1]
+            else:
+                keys, values = self._placed(msg, off)
+                if transform is not None and msg.id in transform.ids:
+                    unmapped[(msg.id, off)] = torch.arange(cache.length, cache.length + msg.num_tokens,
+                                                           device=cache.index.device)
+            cache.append(keys, values, segment=e)
         return cache
 
-    def _placed(self, msg: Message, off: int) -> torch.Tensor:
-        """The message's KV [L, 2, H, T, D] at offset `off`: its own (not a copy) where it was encoded there."""
-        kv = msg.kv.read()
-        if off == msg.offset:
-            return kv
-        delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=kv.device)
-        return torch.stack([rerotate_keys(kv[:, 0], delta, self.lm.inv_freq), kv[:, 1]], dim=1)
+    def _placed(self, msg: Message, off: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The message's keys and values [L, H, T, D] at offset `off`, apart (whoever copies them into the pool
+        copies each once, with no [L, 2, H, T, D] stacked in between): a dense message's own (views, no copy)
+        where it was encoded there, its keys re-rotated into a new tensor elsewhere."""
+        keys, values = msg.kv.keys_values()
+        if off != msg.offset:
+            delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=keys.device)
+            keys = rerotate_keys(keys, delta, self.lm.inv_freq)
+        return keys, values
 
     def _commit(self, plan: _Plan, request: Request) -> list[str]:
         """Store the messages of the request's stored calls (a reused cached start put back in front); with

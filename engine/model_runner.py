@@ -233,11 +233,13 @@ class WorkCache:
             out.add(self._blocks[(own + slot - start) // b])
         return out
 
-    def append(self, kv: torch.Tensor, segment: int) -> None:
-        """Copy an already-encoded (and placed) block [L, 2, H, T, D] in as one segment."""
-        start, end = self.length, self.length + kv.shape[3]
-        self.pool.kv.index_copy_(3, self._claim(start, end), kv.to(self.pool.kv.dtype))
-        self.pool.copied["reuse"] += kv.numel() * self.pool.kv.element_size()
+    def append(self, keys: torch.Tensor, values: torch.Tensor, segment: int) -> None:
+        """Copy already-encoded (and placed) keys and values [L, H, T, D] in as one segment."""
+        start, end = self.length, self.length + keys.shape[2]
+        own = self._claim(start, end)
+        for half, x in enumerate((keys, values)):
+            self.pool.kv[:, half].index_copy_(2, own, x.to(self.pool.kv.dtype))
+        self.pool.copied["reuse"] += 2 * keys.numel() * self.pool.kv.element_size()
         self.segment[start:end] = segment
         self.length = end
 

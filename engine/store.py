@@ -31,8 +31,7 @@ def _span(n: int, start: int, end: int | None) -> tuple[int, int]:
 
 class DenseKV:
     """A message's KV in one tensor [layers, 2 (k, v), kv_heads, tokens, head_dim], keys rotated to the message's
-    positions: the store's one kind of KV handle today (a paged kind, in the engine's pool, is to come). Immutable:
-    callers read it, never write to what `read` returns."""
+    positions. Immutable: callers read it, never write to what `read` returns."""
 
     __slots__ = ("_kv",)
 
@@ -57,6 +56,10 @@ class DenseKV:
         tensor itself for the whole range (callers may test identity to know it is not a copy)."""
         start, end = self._range(start, end)
         return self._kv if start == 0 and end == self._kv.shape[3] else self._kv[:, :, :, start:end]
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All its keys and values [L, H, T, D], apart: views, no copy."""
+        return self._kv[:, 0], self._kv[:, 1]
 
     def part(self, start: int, end: int | None = None) -> "DenseKV":
         """A handle over tokens [start, end) sharing this one's memory (a view or a prefix-cache hit); itself for
@@ -149,6 +152,11 @@ class PagedKV:
         """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: gathered from the pool, a copy."""
         start, end = _span(self.num_tokens, start, end)
         return self.pool.kv.index_select(3, self.index[start:end])
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All its keys and values [L, H, T, D], apart: each gathered from the pool, a copy."""
+        kv = self.pool.kv
+        return kv[:, 0].index_select(2, self.index), kv[:, 1].index_select(2, self.index)
 
     def part(self, start: int, end: int | None = None) -> "PagedKV":
         """A handle over tokens [start, end) in the same blocks (a view or a prefix-cache hit); itself when whole."""

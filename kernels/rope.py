@@ -13,13 +13,19 @@ import torch
 
 
 def rerotate_keys_torch(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate `keys` [..., T, D] by `delta` [T] positions; returns a new tensor."""
+    """Rotate `keys` [..., T, D] by `delta` [T] positions; returns a new tensor. Differentiable where `keys`
+    needs a gradient (the trainer's); otherwise written half by half into one output, no other tensor of its
+    size made (the engine's, placing a moved parent)."""
     half = keys.shape[-1] // 2
     angles = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()
     x = keys.to(torch.float32)
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)  # x2 cos + x1 sin
     return out.to(keys.dtype)
 
 

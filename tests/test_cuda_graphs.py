@@ -26,7 +26,7 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
     for length, n in zip(lengths, rows):
         cache = WorkCache(eng.lm, length + n, pool, pool.allocate(length + n))
         kv = torch.randn(*pool.kv.shape[:3], length, pool.kv.shape[4], generator=gen)
-        cache.append(kv.to(device=dev, dtype=pool.kv.dtype), segment=0)
+        cache.append(*kv.to(device=dev, dtype=pool.kv.dtype).unbind(1), segment=0)
         visible = torch.ones(n, 1 + n, dtype=torch.bool, device=dev)
         visible[:, 1:] = torch.eye(n, dtype=torch.bool, device=dev)  # (each call sees its own tokens)
         ids = torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).to(dev)

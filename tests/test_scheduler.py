@@ -154,7 +154,7 @@ def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
     assert len(c) == 5 and pool.free_blocks == 0
     cache = WorkCache(llama_engine.lm, 20, pool, c)
     kv = torch.randn(*pool.kv.shape[:3], 20, pool.kv.shape[4], device=pool.kv.device)
-    cache.append(kv, segment=0)
+    cache.append(kv[:, 0], kv[:, 1], segment=0)
     assert torch.equal(cache.gather(torch.arange(20, device=kv.device)), kv)  # logical order, whatever the blocks
     assert torch.equal(cache.layer_kv(1, 0, 20), kv[1]) and torch.equal(cache.layer_kv(1, 5, 20), kv[1, :, :, 5:])
 
