@@ -56,7 +56,7 @@ class EngineConfig:
     # reads a parent placed where it was encoded in place. The pool then holds kv_budget_bytes of work KV and
     # store_budget_bytes of stored messages. Dense by default: on CPU a moved parent's gather out of the pool costs
     # a synthesis 5-17% of its TTFT (docs/engine.md)
-    kv_home: str = "dense"
+    kv_home: str = "paged"
     # base-weight calls share a forward with an adapter's calls (a calibration's LoRA), which reads its merged
     # weights on its own rows only; false: they take turns, a forward each (engine.scheduler). Forwards that may
     # run as CUDA graphs take turns either way: a graph swaps one set of weights in over every row
