@@ -1392,7 +1392,10 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       # the engine with its defaults (dense home, sdpa attention) after attention in place was added, against the
       # engine before the GPU-engine work, 9 repeats (the dense default's 5-repeat runs above had read slower)
       "ab_serving_local_c16_vs_pre48", "ab_synthesis_ttft_100m_vs_pre48", "ab_synthesis_ttft_100m_vs_pre48_9x",
-      "ab_serving_local_c16_aa"]
+      "ab_serving_local_c16_aa",
+      # the paged home as the default again, a moved parent's keys and values placed apart (each copied once),
+      # against the engine before the GPU-engine work
+      "ab_synthesis_ttft_100m_paged_split", "ab_serving_c16_paged_split"]
 
 
 def engine_ab(r: Report) -> str:
@@ -1416,7 +1419,9 @@ def engine_ab(r: Report) -> str:
             "copying its paged parents too); `_dense_default` measures the tree that keeps `dense` the default.",
             "The `_vs_pre48` runs measure the engine with its defaults (the dense home, `sdpa` attention) after",
             "attention in place was added against the engine before the GPU-engine work (d3cd457), with 9 repeats",
-            "where 5 had left the serving figure in doubt; `_aa` runs one code on both sides (this machine's drift).")),
+            "where 5 had left the serving figure in doubt; `_aa` runs one code on both sides (this machine's drift).",
+            "The `_paged_split` runs measure `kv_home: paged` as the default again, once a moved parent's keys and",
+            "values were placed apart (each gathered and copied once, nothing stacked between), against d3cd457.")),
         r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
                  "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),

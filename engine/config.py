@@ -50,12 +50,11 @@ class EngineConfig:
     # a parent placed where it was encoded is read in place: one copy in the work KV for every running call
     # that reads it so (false: each call copies its parents into its own blocks)
     share_parents: bool = True
-    # where stored messages' KV lives: "dense", a tensor of its own per message (a finished call's KV is copied out
-    # of the work KV, and copied back in by each call that reads it, unless shared as above); "paged", in the work
-    # KV's pool itself, in the blocks the call wrote (engine.store.PagedKV): storing copies nothing, and a call
-    # reads a parent placed where it was encoded in place. The pool then holds kv_budget_bytes of work KV and
-    # store_budget_bytes of stored messages. Dense by default: on CPU a moved parent's gather out of the pool costs
-    # a synthesis 5-17% of its TTFT (docs/engine.md)
+    # where stored messages' KV lives: "paged", in the work KV's pool itself, in the blocks the call wrote
+    # (engine.store.PagedKV): storing copies nothing, a call reads a parent placed where it was encoded in place,
+    # and only a parent read at another offset gets a re-rotated copy; the pool then holds kv_budget_bytes of work
+    # KV and store_budget_bytes of stored messages. "dense": a tensor of its own per message (a finished call's KV
+    # is copied out of the work KV, and copied back in by each call that reads it, unless shared as above)
     kv_home: str = "paged"
     # base-weight calls share a forward with an adapter's calls (a calibration's LoRA), which reads its merged
     # weights on its own rows only; false: they take turns, a forward each (engine.scheduler). Forwards that may

@@ -367,6 +367,7 @@ def test_the_paged_home_answers_as_the_dense_one_bit_for_bit(checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(d_kv, p_kv))
     assert all(isinstance(dense.message(m).kv, DenseKV) for m in d_ids)
     assert all(isinstance(paged.message(m).kv, PagedKV) for m in p_ids)
+    assert all(torch.equal(torch.stack(paged.message(m).kv.keys_values(), dim=1), kv) for m, kv in zip(p_ids, p_kv))
     assert paged.kv_copied["commit"] == 0 and dense.kv_copied["commit"] > 0
     assert paged.kv_copied["reuse"] < dense.kv_copied["reuse"]  # (only the moved parents were copied)
     pool = paged.scheduler.pool

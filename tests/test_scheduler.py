@@ -334,7 +334,8 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home, atten
     assert tight.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
     assert pool.free_blocks == pool.blocks - pool.held_blocks  # (held: the blocks the stored answers live in)
     # the same calls, reserving up front on the same pool: nobody is preempted, and fewer run at once
-    fixed = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_on_demand=False))
+    fixed = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_on_demand=False,
+                                kv_home=home))
     assert [t for t, _ in concurrently(lambda t, s: run(fixed, t, s), calls)] == [t for t, _ in alone]
     assert fixed.scheduler.preemptions == 0
     mean_batch = lambda e: e.scheduler.groups_stepped / e.scheduler.steps  # noqa: E731

@@ -79,6 +79,8 @@ def test_kv_is_a_handle_read_exactly_and_counted_once_with_its_parts():
     assert kv.read() is t and kv.part(0, 10) is kv and kv.num_tokens == 10 and kv.nbytes == t.numel() * 4
     assert torch.equal(kv.read(3, 7), t[:, :, :, 3:7]) and torch.equal(kv.read(4), t[:, :, :, 4:])
     assert kv.read(0, 0).shape == (2, 2, 1, 0, 8)
+    keys, values = kv.keys_values()  # (apart: views, no copy)
+    assert torch.equal(keys, t[:, 0]) and torch.equal(values, t[:, 1]) and keys.data_ptr() == t.data_ptr()
     part = kv.part(2, 9)
     assert part.num_tokens == 7 and torch.equal(part.read(), t[:, :, :, 2:9])
     assert torch.equal(part.read(1, 3), t[:, :, :, 3:5])
