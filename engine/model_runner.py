@@ -45,23 +45,25 @@ class KVPool:
     """An engine's work KV, paged: one tensor [L, 2, H, blocks * block_tokens, D] cut into fixed-size blocks.
     Every running call's WorkCache holds a block table; one forward writes and reads the KV of all its calls
     with one indexed op per layer. Any free blocks serve any call (no fragmentation); the memory is touched
-    only as it is used (unless `zeroed`). Parents placed where they were encoded are kept once, as SharedRuns,
+    only as it is used. Parents placed where they were encoded are kept once, as SharedRuns,
     whatever the number of running calls that read them."""
 
     def __init__(self, lm: LoadedModel, blocks: int, block_tokens: int = 16, work_blocks: int | None = None,
                  zeroed: bool = False):
         """`work_blocks`: the most blocks running calls hold at once (default: all of them); the rest are for
-        stored messages (engine.store.PagedKV), which hold blocks calls wrote. `zeroed`: every slot starts at
-        zero (attention in place reads slots it masks, engine.attention.paged_attention, and a masked NaN would
-        still spread)."""
+        stored messages (engine.store.PagedKV), which hold blocks calls wrote. `zeroed`: every slot is zero when
+        its block is first handed out (attention in place reads the slots it masks within the blocks handed out so
+        far, engine.attention.paged_attention, and a masked NaN would still spread); blocks never handed out stay
+        untouched, as without it."""
         s = lm.spec
         self.block_tokens = block_tokens
         self.blocks = blocks
         self.work_blocks = blocks if work_blocks is None else min(work_blocks, blocks)
         # one block more than it hands out: its first slot is where the padding rows of a static forward write
         # their KV, which nothing reads (engine.cuda_graphs)
-        self.kv = (torch.zeros if zeroed else torch.empty)(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens,
-                                                             s.head_dim, dtype=lm.dtype, device=lm.device)
+        self.kv = torch.empty(s.num_layers, 2, s.num_kv_heads, (blocks + 1) * block_tokens, s.head_dim,
+                              dtype=lm.dtype, device=lm.device)
+        self.zeroed = zeroed
         self.trash = blocks * block_tokens
         self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
         self.slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.kv.element_size()
@@ -128,6 +130,8 @@ class KVPool:
                 return None
             k = min(n, len(self.free))
             taken = self.free[len(self.free) - k:][::-1] + list(range(self._fresh, self._fresh + n - k))
+            if self.zeroed and n > k:  # (fresh blocks come in order: one run)
+                self.kv[:, :, :, self._fresh * self.block_tokens:(self._fresh + n - k) * self.block_tokens].zero_()
             self.free, self._fresh = self.free[:len(self.free) - k], self._fresh + n - k
             self.in_use.update(taken)
         return taken

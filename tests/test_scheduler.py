@@ -143,6 +143,23 @@ def test_a_cancelled_call_leaves_the_batch_and_stores_nothing(llama_engine):
     assert len(workflow(eng, *REQUESTS[0])) == 2
 
 
+def test_a_zeroed_pool_zeroes_a_block_when_it_first_hands_it_out(llama_engine):
+    """KVPool(zeroed=True) (attention in place reads the slots it masks): a block is zero when first handed out,
+    whatever its memory held; one handed back and out again keeps what was written to it; blocks never handed out
+    are left untouched (no memory of a large pool's store part is written before it is used)."""
+    from braid.engine.model_runner import KVPool
+
+    pool = KVPool(llama_engine.lm, 6, block_tokens=4, zeroed=True)
+    pool.kv[:, :, :, :pool.trash] = float("nan")  # (what fresh memory may hold)
+    a = pool.allocate(9)  # 3 fresh blocks
+    assert a == [0, 1, 2] and not pool.kv[:, :, :, :12].any() and pool.kv[:, :, :, 12:pool.trash].isnan().all()
+    pool.kv[:, :, :, 4:8] = 1.0  # (a call writes block 1)
+    pool.release(a)
+    b = pool.allocate(16)  # 3 handed back (as written) and 1 fresh (zeroed)
+    assert sorted(b) == [0, 1, 2, 3] and (pool.kv[:, :, :, 4:8] == 1).all() and not pool.kv[:, :, :, 12:16].any()
+    assert pool.kv[:, :, :, 16:pool.trash].isnan().all()
+
+
 def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
     from braid.engine.model_runner import KVPool, WorkCache
 
