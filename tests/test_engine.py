@@ -377,6 +377,54 @@ def test_the_paged_home_answers_as_the_dense_one_bit_for_bit(checkpoint):
     assert pool.held_blocks == 0 and pool.free_blocks == pool.blocks and paged.store.used_bytes == 0
 
 
+@pytest.mark.parametrize("seed,options", [(0, {}), (1, {"kv_block_tokens": 4, "prefix_caching": False})])
+def test_random_workflows_answer_alike_on_both_homes(checkpoint, seed, options):
+    """Random choreographies (parallel prefills and decodes over random parents at their own or random offsets,
+    views, frees) give the same tokens and bit-identical stored KV with the paged home as with the dense one, and
+    freeing what is left hands every block back."""
+    import random
+
+    from braid.engine import Engine, EngineConfig
+
+    def run(home):
+        eng, rng = Engine(EngineConfig(checkpoint("llama"), kv_home=home, **options)), random.Random(seed)
+        ids, out = [], []
+        for _ in range(14):
+            kind = rng.random()
+            parents = rng.sample(ids, k=min(len(ids), rng.randint(0, 3)))
+            offsets = [rng.choice([None, None, rng.randint(0, 200)]) for _ in parents]
+            tokens = lambda most: [rng.randint(3, 200) for _ in range(rng.randint(1, most))]  # noqa: E731
+            if kind < 0.35:
+                new = eng.prefill([PrefillCall(tokens(40), parents=parents, offsets=offsets)
+                                   for _ in range(rng.randint(1, 3))])
+            elif kind < 0.8:
+                sampling = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)
+                new = eng.decode([DecodeCall(tokens(6), parents=parents, offsets=offsets, sampling=sampling)
+                                  for _ in range(rng.randint(1, 3))])
+            elif ids and kind < 0.9:
+                m = eng.message(rng.choice(ids))
+                start = rng.randint(0, m.num_tokens - 1)
+                new = [eng.view(m.id, start, rng.randint(start + 1, m.num_tokens))]
+            elif ids:
+                gone = rng.choice(ids)
+                eng.free(gone)
+                ids.remove(gone)
+                continue
+            else:
+                continue
+            ids += new
+            out += [(eng.message(m).token_ids, eng.message(m).kv.read()) for m in new]
+        for m in list(eng.store.ids()):
+            eng.free(m)
+        pool = eng.scheduler.pool
+        assert pool.held_blocks == 0 and pool.free_blocks == pool.blocks and eng.store.used_bytes == 0
+        return out
+
+    dense, paged = run("dense"), run("paged")
+    assert len(dense) >= 10 and [t for t, _ in paged] == [t for t, _ in dense]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(paged, dense))
+
+
 def _a_workflow_of_every_kind(eng) -> tuple[list[str], list[list[int]], list[torch.Tensor]]:
     """Parallel prefill and decode, parents read in place and moved, a view and a prefix-cache hit: the messages'
     ids, tokens and stored KV."""
