@@ -58,3 +58,22 @@ def test_one_group_needs_no_padding():
     query = torch.randn(1, h, 6, d)
     got = paged_attention(query, kv, paged_mask([[5, 6, 7, 1]], slots, None, mask, b), None)
     assert (got - _gathered(query, kv, slots, [len(keys)], mask, d ** -0.5)).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs on CUDA")
+def test_flash_attn_where_installed_matches_sdpa():
+    """With flash-attn installed (the `gpu` extra), a plain causal group (one call that sees its whole cache, no
+    mask) runs flash-attn's bottom-right-aligned causal kernel: against SDPA with the same rule as a boolean mask,
+    in bf16, GQA, with more keys than queries (a chunk after a cached context)."""
+    pytest.importorskip("flash_attn")
+    from braid.engine.attention import attention_forward, use_flash
+
+    assert use_flash(torch.device("cuda"), torch.bfloat16)
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 37, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got = attention_forward(None, q, k, v, None, scaling=0.125)[0]  # [1, Q, H, D]
+    causal = torch.ones(37, 100, dtype=torch.bool, device="cuda").tril(diagonal=100 - 37)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal, scale=0.125,
+                                          enable_gqa=True).transpose(1, 2)
+    assert (got.float() - want).abs().max() < 2e-2
