@@ -32,7 +32,7 @@ from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Request, RequestStatus, Scheduler
 from braid.engine.store import DenseKV, Message, MessageStore, PagedAlloc, PagedKV, new_message_id
 from braid.engine.threads import one_thread
-from braid.kernels import rerotate_keys
+from braid.kernels import rerotate_keys, rerotate_keys_
 
 log = logging.getLogger(__name__)
 CACHED_PREFIX = "~cached-"  # ids of the prefix cache's own messages (never given to callers)
@@ -328,7 +328,7 @@ class Engine:
             s = self.spec
             return torch.empty(s.num_layers, 2, s.num_kv_heads, 0, s.head_dim, dtype=self.lm.dtype,
                                device=self.lm.device)
-        return torch.cat([torch.stack(self._placed(p, o), dim=1) for p, o in parents], dim=3)
+        return torch.cat([self._placed_copy(p, o) for p, o in parents], dim=3)
 
     def view(self, message_id: str, start: int, end: int) -> str:
         """A new message over tokens [start, end) of a stored one, at their own positions, sharing its KV (no
@@ -660,8 +660,7 @@ class Engine:
                 # one message's copy, which the allocator then reuses; the engine's own, which a transform may
                 # work in place on)
                 slots = unmapped.pop((msg.id, off), None)
-                placed = cache.gather(slots) if slots is not None else torch.stack(self._placed(msg, off), dim=1)
-                placed = transform.apply(msg, placed)
+                placed = transform.apply(msg, cache.gather(slots) if slots is not None else self._placed_copy(msg, off))
                 keys, values = placed[:, 0], placed[:, 1]
             else:
                 keys, values = self._placed(msg, off)
@@ -677,9 +676,20 @@ class Engine:
         where it was encoded there, its keys re-rotated into a new tensor elsewhere."""
         keys, values = msg.kv.keys_values()
         if off != msg.offset:
-            delta = torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=keys.device)
-            keys = rerotate_keys(keys, delta, self.lm.inv_freq)
+            keys = rerotate_keys(keys, self._delta(msg, off), self.lm.inv_freq)
         return keys, values
+
+    def _placed_copy(self, msg: Message, off: int) -> torch.Tensor:
+        """The message's KV [L, 2, H, T, D] at offset `off` in one tensor of the caller's own (which a transform may
+        work in place on): one copy, its keys re-rotated in it."""
+        kv = msg.kv.copy()
+        if off != msg.offset:
+            rerotate_keys_(kv[:, 0], self._delta(msg, off), self.lm.inv_freq)
+        return kv
+
+    def _delta(self, msg: Message, off: int) -> torch.Tensor:
+        """[T]: how far each of the message's tokens moves to be read at offset `off`."""
+        return torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=self.lm.device)
 
     def _commit(self, plan: _Plan, request: Request) -> list[str]:
         """Store the messages of the request's stored calls (a reused cached start put back in front); with

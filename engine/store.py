@@ -61,6 +61,10 @@ class DenseKV:
         """All its keys and values [L, H, T, D], apart: views, no copy."""
         return self._kv[:, 0], self._kv[:, 1]
 
+    def copy(self) -> torch.Tensor:
+        """All its KV [L, 2, H, T, D] as a new tensor of the caller's own."""
+        return self._kv.clone()
+
     def part(self, start: int, end: int | None = None) -> "DenseKV":
         """A handle over tokens [start, end) sharing this one's memory (a view or a prefix-cache hit); itself for
         the whole range."""
@@ -157,6 +161,10 @@ class PagedKV:
         """All its keys and values [L, H, T, D], apart: each gathered from the pool, a copy."""
         kv = self.pool.kv
         return kv[:, 0].index_select(2, self.index), kv[:, 1].index_select(2, self.index)
+
+    def copy(self) -> torch.Tensor:
+        """All its KV [L, 2, H, T, D] as a new tensor of the caller's own (gathered from the pool)."""
+        return self.read()
 
     def part(self, start: int, end: int | None = None) -> "PagedKV":
         """A handle over tokens [start, end) in the same blocks (a view or a prefix-cache hit); itself when whole."""

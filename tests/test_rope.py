@@ -68,3 +68,22 @@ def test_triton_rerotation_equals_torch(dtype, atol, rtol):
     want = rerotate_keys_torch(keys, delta, inv_freq)
     assert got.dtype == dtype and got.shape == keys.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rerotation_in_place_equals_the_copy(dtype):
+    """rerotate_keys_ (the engine's, on a placed copy it owns: the keys of a [L, 2, H, T, D] tensor, strided)
+    rotates in place exactly as rerotate_keys makes a new tensor, and leaves the values alone; the differentiable
+    path (keys that need a gradient) agrees with the one without to fp32 rounding."""
+    from braid.kernels import rerotate_keys, rerotate_keys_
+
+    torch.manual_seed(0)
+    kv = torch.randn(2, 2, 3, 50, 64).to(dtype)
+    delta = torch.randint(-3000, 3000, (50,))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    want, values = rerotate_keys(kv[:, 0], delta, inv_freq), kv[:, 1].clone()
+    assert rerotate_keys_(kv[:, 0], delta, inv_freq).data_ptr() == kv.data_ptr()
+    assert torch.equal(kv[:, 0], want) and torch.equal(kv[:, 1], values)
+    grad = rerotate_keys_torch(want.float().requires_grad_(), delta, inv_freq)
+    assert grad.requires_grad
+    torch.testing.assert_close(grad, rerotate_keys_torch(want.float(), delta, inv_freq), atol=1e-5, rtol=1e-5)
