@@ -39,34 +39,35 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id (0-d tensor) from fp32 logits [vocab]."""
-    if params.temperature == 0:
-        return logits.argmax()
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One sampled token id (0-d tensor, on the logits' device: nothing read on the host) from fp32 logits [vocab]
+    at params' temperature and top_p. An exponential race, argmax(probs / E) with E ~ Exp(1) drawn from the call's
+    generator, is exact sampling from probs without torch.multinomial, which waits on the device."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
+    order = None
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the top token
-        sorted_probs = sorted_probs * keep
-        return order[torch.multinomial(sorted_probs, 1, generator=generator)[0]]
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        probs, order = probs.sort(descending=True)
+        probs = probs * (probs.cumsum(-1) - probs < params.top_p)  # (always keeps the top token)
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    choice = (probs / race).argmax()
+    return choice if order is None else order[choice]
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators,
-                greedy: list[int] | None = None) -> list[int]:
-    """One token per row of fp32 logits [rows, vocab], row i sampled with params[i]. `greedy`: the rows' argmax,
-    when the caller has read them already (greedy_rows)."""
-    if greedy is None:
-        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy call
-    return [g if p.temperature == 0 else int(sample(logits[i], p, gen))
-            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]
-
-
-def greedy_rows(logits: list[torch.Tensor | None]) -> list[list[int] | None]:
-    """The argmax of every row of every group's logits ([rows, vocab] each, or None), read in one device sync for
-    the whole step, not one per group."""
-    present = [x for x in logits if x is not None]
-    if not present:
+def step_tokens(logits: list[torch.Tensor | None], params: list[list[SamplingParams]],
+                generators: list[list[torch.Generator | None]]) -> list[list[int] | None]:
+    """Every group's next tokens for one step, read in one device sync for the whole step: group i's rows
+    [rows, vocab] (or None: it samples nothing this step), row r taken greedily or sampled with params[i][r] and
+    generators[i][r] (`draw`, on the device)."""
+    picks = []
+    for x, ps, gens in zip(logits, params, generators):
+        if x is None:
+            continue
+        top = x.argmax(dim=-1)  # [rows]
+        for r, (p, gen) in enumerate(zip(ps, gens)):
+            if p.temperature > 0:
+                top[r] = draw(x[r], p, gen)
+        picks.append(top)
+    if not picks:
         return [None] * len(logits)
-    flat = iter((torch.cat(present) if len(present) > 1 else present[0]).argmax(dim=-1).tolist())
+    flat = iter((torch.cat(picks) if len(picks) > 1 else picks[0]).tolist())
     return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in logits]

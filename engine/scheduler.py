@@ -33,7 +33,7 @@ import torch
 from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
 from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
-from braid.engine.sampling import greedy_rows, sample_rows
+from braid.engine.sampling import SamplingParams, step_tokens
 from braid.engine.store import DenseKV
 from braid.engine.threads import claim
 
@@ -202,9 +202,15 @@ class Request:
                                    plain=self.plain)
         return self._input
 
-    def advance(self, logits: torch.Tensor | None, greedy: list[int] | None = None) -> bool:
-        """After the forward: record slots, sample, queue the sampled tokens. True when it is complete. `greedy`:
-        the argmax of each row of `logits`, if the caller read them for the whole step at once."""
+    def draws(self) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
+        """How this step's logit rows are sampled (one per call that samples now, in order): each call's sampling
+        params and generator."""
+        calls = [self.calls[c] for c in self._logit_calls] if self._logit_rows else []
+        return [c.sampling for c in calls], [c.generator for c in calls]
+
+    def advance(self, sampled: list[int] | None) -> bool:
+        """After the forward: record slots, queue the tokens its calls sampled (`sampled`, one per `draws` row;
+        None: it sampled nothing this step). True when it is complete."""
         slots = self._input.slots.tolist() if self._input.lead_rows else range(self._base, self.cache.length)
         for (_, _, c), slot in zip(self._taken, slots):  # (no device read on a plain decode step)
             self.calls[c].slots.append(slot)
@@ -218,12 +224,11 @@ class Request:
                 call = self.calls[c]
                 if not call.decodes and len(call.slots) == len(call.tokens):
                     call.status = CallStatus.ENCODED
-        if logits is not None:
+        if sampled is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
-            calls = [self.calls[c] for c in self._logit_calls]
-            sampled = sample_rows(logits, [c.sampling for c in calls], [c.generator for c in calls], greedy)
             events = []
-            for c, call, token in zip(self._logit_calls, calls, sampled):
+            for c, token in zip(self._logit_calls, sampled):
+                call = self.calls[c]
                 events.append(call.sampled(token, c - self.lead))
                 self.pending.append((token, call.offset + len(call.all_tokens) - 1, c))  # (fed once: it gets KV)
             self.events.put(events)  # one put per step
@@ -508,15 +513,16 @@ class Scheduler:
             return []
 
     def postprocess(self, batch: list[tuple[Request, RequestInput]], logits: list[torch.Tensor | None]) -> None:
-        try:
-            greedy = greedy_rows(logits)
+        draws = [g.draws() for g, _ in batch]
+        try:  # (every request's tokens, read at once)
+            tokens = step_tokens(logits, *zip(*draws)) if batch else []
         except Exception:  # (e.g. out of memory for the step's logits): each request samples its own, failing alone
-            log.exception("reading the step's greedy tokens at once failed; sampling request by request")
-            greedy = [None] * len(logits)
-        for (g, _), lg, top in zip(batch, logits, greedy):
+            log.exception("reading the step's tokens at once failed; sampling request by request")
+            tokens = None
+        for i, ((g, _), lg) in enumerate(zip(batch, logits)):
             g.served += 1
             try:
-                done = g.advance(lg, top)
+                done = g.advance(tokens[i] if tokens is not None else step_tokens([lg], *zip(draws[i]))[0])
             except Exception as e:
                 g.fail(e)
                 continue

@@ -417,23 +417,44 @@ def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back
     assert set(eng.store.ids()) == before - {prefix[0]}
 
 
-def test_a_step_reads_its_greedy_tokens_at_once():
-    """sampling.greedy_rows: every group's argmax in one read, in place (groups without logits: None), and what
-    sample_rows takes instead of reading its own."""
-    from braid.engine.sampling import greedy_rows, sample_rows
+def test_a_step_reads_its_tokens_at_once():
+    """sampling.step_tokens: every group's tokens in one read, greedy rows their argmax and sampled rows drawn on
+    the device from their own generators (so the same seed gives the same token whatever else is in the step);
+    groups without logits: None."""
+    from braid.engine.sampling import draw, step_tokens
 
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(2, 50, generator=gen), None, torch.randn(1, 50, generator=gen),
               torch.randn(3, 50, generator=gen)]
-    top = greedy_rows(logits)
-    assert top == [None if x is None else x.argmax(-1).tolist() for x in logits]
-    assert greedy_rows([None, None]) == [None, None]
     greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=3)
-    params = [greedy, sampled, greedy]
-    x = logits[3]
-    alone = sample_rows(x, params, [None, torch.Generator().manual_seed(3), None])
-    assert sample_rows(x, params, [None, torch.Generator().manual_seed(3), None], top[3]) == alone
-    assert alone[0] == top[3][0] and alone[2] == top[3][2]
+    seeded = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    params = [[greedy, greedy], [], [greedy], [greedy, sampled, greedy]]
+    gens = [[None, None], [], [None], [None, seeded(), None]]
+    got = step_tokens(logits, params, gens)
+    top = [None if x is None else x.argmax(-1).tolist() for x in logits]
+    assert got[:3] == top[:3] and got[3][0::2] == top[3][0::2]
+    assert got[3][1] == int(draw(logits[3][1], sampled, seeded()))  # (alone: the same draw)
+    assert step_tokens([logits[3]], [params[3]], [[None, seeded(), None]]) == [got[3]]
+    assert step_tokens([None, None], [[], []], [[], []]) == [None, None]
+
+
+def test_a_draw_samples_from_the_distribution_top_p_keeps():
+    """sampling.draw (an exponential race on the device): token frequencies follow softmax(logits / temperature),
+    and top_p keeps the smallest head of the distribution whose mass reaches it (the top token always)."""
+    from braid.engine.sampling import draw
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    gen, n = torch.Generator().manual_seed(0), 20000
+    counts = torch.bincount(torch.stack([draw(probs.log(), SamplingParams(temperature=1.0), gen)
+                                         for _ in range(n)]), minlength=4) / n
+    assert (counts - probs).abs().max() < 0.015
+    hot = torch.bincount(torch.stack([draw(probs.log(), SamplingParams(temperature=2.0), gen) for _ in range(n)]),
+                         minlength=4) / n
+    assert (hot - torch.softmax(probs.log() / 2, -1)).abs().max() < 0.015
+    head = torch.bincount(torch.stack([draw(probs.log(), SamplingParams(temperature=1.0, top_p=0.7), gen)
+                                       for _ in range(n)]), minlength=4) / n
+    assert head[2:].sum() == 0 and abs(head[0] - 0.5 / 0.8) < 0.015
+    assert {int(draw(probs.log(), SamplingParams(temperature=1.0, top_p=0.01), gen)) for _ in range(50)} == {0}
 
 
 def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
@@ -533,4 +554,9 @@ def test_a_step_reads_the_device_once(checkpoint):
     ctx = eng.prefill([PrefillCall(t, parents=prefix) for t in ["Part 3.", "Part 4 and 5 then six."]])
     eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=SamplingParams(max_tokens=12, ignore_eos=True))
                 for c in ctx])
+    assert max(steps) <= 1 and sum(steps) == 12 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
+    steps.clear()  # sampled calls beside greedy ones: still one read a step (drawn on the device)
+    eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=SamplingParams(
+        max_tokens=12, ignore_eos=True, temperature=t, top_p=p, seed=1))
+        for c, t, p in zip(ctx * 2, (0, 1, .8, 1), (1, 1, .9, .5))])
     assert max(steps) <= 1 and sum(steps) == 12 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
