@@ -328,7 +328,8 @@ class Engine:
             s = self.spec
             return torch.empty(s.num_layers, 2, s.num_kv_heads, 0, s.head_dim, dtype=self.lm.dtype,
                                device=self.lm.device)
-        return torch.cat([self._placed_copy(p, o) for p, o in parents], dim=3)
+        copies = [self._placed_copy(p, o) for p, o in parents]
+        return copies[0] if len(copies) == 1 else torch.cat(copies, dim=3)
 
     def view(self, message_id: str, start: int, end: int) -> str:
         """A new message over tokens [start, end) of a stored one, at their own positions, sharing its KV (no

@@ -41,33 +41,36 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """One sampled token id (0-d tensor, on the logits' device: nothing read on the host) from fp32 logits [vocab]
-    at params' temperature and top_p. An exponential race, argmax(probs / E) with E ~ Exp(1) drawn from the call's
-    generator, is exact sampling from probs without torch.multinomial, which waits on the device."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    at params' temperature and top_p; -1 where the logits are not finite (the caller fails the call). An
+    exponential race, argmax(probs / E) with E ~ Exp(1) drawn from the call's generator, is exact sampling from
+    probs without torch.multinomial, which waits on the device."""
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)  # (no overflow however small)
     order = None
     if params.top_p < 1:
         probs, order = probs.sort(descending=True)
         probs = probs * (probs.cumsum(-1) - probs < params.top_p)  # (always keeps the top token)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    choice = (probs / race).argmax()
-    return choice if order is None else order[choice]
+    choice = (probs / race).argmax(dim=-1, keepdim=True)  # [1]
+    token = choice if order is None else order.gather(-1, choice)  # (a tensor index: indexing with it would read it)
+    return torch.where(torch.isfinite(logits).all(), token, -1)[0]
 
 
-def step_tokens(logits: list[torch.Tensor | None], params: list[list[SamplingParams]],
-                generators: list[list[torch.Generator | None]]) -> list[list[int] | None]:
-    """Every group's next tokens for one step, read in one device sync for the whole step: group i's rows
-    [rows, vocab] (or None: it samples nothing this step), row r taken greedily or sampled with params[i][r] and
-    generators[i][r] (`draw`, on the device)."""
-    picks = []
-    for x, ps, gens in zip(logits, params, generators):
-        if x is None:
-            continue
-        top = x.argmax(dim=-1)  # [rows]
-        for r, (p, gen) in enumerate(zip(ps, gens)):
-            if p.temperature > 0:
-                top[r] = draw(x[r], p, gen)
-        picks.append(top)
-    if not picks:
-        return [None] * len(logits)
-    flat = iter((torch.cat(picks) if len(picks) > 1 else picks[0]).tolist())
-    return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in logits]
+def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+         ) -> torch.Tensor:
+    """A group's next tokens [rows] on the device (nothing read): row r of `logits` [rows, vocab] its argmax, or
+    drawn with params[r] and generators[r] (`draw`)."""
+    top = logits.argmax(dim=-1)
+    for r, (p, gen) in enumerate(zip(params, generators)):
+        if p.temperature > 0:
+            top[r] = draw(logits[r], p, gen)
+    return top
+
+
+def read_tokens(picks: list[torch.Tensor | None]) -> list[list[int] | None]:
+    """Every group's picked tokens (`pick`; None: it samples nothing this step) read back at once: one device
+    sync for the whole step."""
+    present = [x for x in picks if x is not None]
+    if not present:
+        return [None] * len(picks)
+    flat = iter((torch.cat(present) if len(present) > 1 else present[0]).tolist())
+    return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in picks]

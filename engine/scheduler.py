@@ -33,7 +33,7 @@ import torch
 from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
 from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
-from braid.engine.sampling import SamplingParams, step_tokens
+from braid.engine.sampling import SamplingParams, pick, read_tokens
 from braid.engine.store import DenseKV
 from braid.engine.threads import claim
 
@@ -229,6 +229,9 @@ class Request:
             events = []
             for c, token in zip(self._logit_calls, sampled):
                 call = self.calls[c]
+                if token < 0:  # (sampling.draw)
+                    raise ValueError(f"call {c - self.lead}: the model's logits are not finite (NaN or inf); "
+                                     "nothing can be sampled from them")
                 events.append(call.sampled(token, c - self.lead))
                 self.pending.append((token, call.offset + len(call.all_tokens) - 1, c))  # (fed once: it gets KV)
             self.events.put(events)  # one put per step
@@ -513,16 +516,23 @@ class Scheduler:
             return []
 
     def postprocess(self, batch: list[tuple[Request, RequestInput]], logits: list[torch.Tensor | None]) -> None:
-        draws = [g.draws() for g, _ in batch]
-        try:  # (every request's tokens, read at once)
-            tokens = step_tokens(logits, *zip(*draws)) if batch else []
-        except Exception:  # (e.g. out of memory for the step's logits): each request samples its own, failing alone
-            log.exception("reading the step's tokens at once failed; sampling request by request")
+        picks: list = []  # each request's tokens on the device (or the error picking them, which fails it alone)
+        for (g, _), lg in zip(batch, logits):
+            try:
+                picks.append(None if lg is None else pick(lg, *g.draws()))
+            except Exception as e:
+                picks.append(e)
+        try:  # (read at once; a sampled token is drawn once, read however it is read)
+            tokens = read_tokens([None if isinstance(p, Exception) else p for p in picks])
+        except Exception:  # (e.g. out of memory joining them): each request's read alone, failing alone
+            log.exception("reading the step's tokens at once failed; reading them request by request")
             tokens = None
-        for i, ((g, _), lg) in enumerate(zip(batch, logits)):
+        for i, ((g, _), p) in enumerate(zip(batch, picks)):
             g.served += 1
             try:
-                done = g.advance(tokens[i] if tokens is not None else step_tokens([lg], *zip(draws[i]))[0])
+                if isinstance(p, Exception):
+                    raise p
+                done = g.advance(tokens[i] if tokens is not None else read_tokens([p])[0])
             except Exception as e:
                 g.fail(e)
                 continue

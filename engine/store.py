@@ -8,8 +8,9 @@ prefix-cache hit or a view is a new message over part of another's KV; the messa
 blocks): bytes are counted once per memory they live in, and freed when its last message goes."""
 
 import secrets
+import threading
 from collections import Counter, OrderedDict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -103,23 +104,48 @@ class DenseKV:
 
 class PagedAlloc:
     """Blocks of a KV pool that stored messages hold: the pool keeps them from the free list until `release`.
-    The messages one request stored share one (and so do views and prefix-cache hits over them)."""
+    The messages one request stored share one (and so do views and prefix-cache hits over them). A reader that
+    holds a message outside the store's lock (a transport shipping it, a trainer reading a context) reads it
+    `reading()`: blocks let go meanwhile go back to the pool once the last such read is done, and a read after
+    they were let go is refused, never served from blocks another call may have written since."""
 
-    __slots__ = ("pool", "blocks", "held")
+    __slots__ = ("pool", "blocks", "held", "_readers", "_lock")
 
     def __init__(self, pool, blocks: list[int]):
-        self.pool, self.blocks, self.held = pool, list(blocks), True
+        self.pool, self.blocks, self.held, self._readers = pool, list(blocks), True, 0
+        self._lock = threading.Lock()
         pool.hold(self.blocks)
 
     @property
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_tokens * self.pool.slot_bytes
 
+    @contextmanager
+    def reading(self):
+        """Its blocks kept for the reads made inside (UnknownMessageError if they were let go already)."""
+        with self._lock:
+            if not self.held:
+                raise UnknownMessageError("the message's KV was freed or evicted while it was being read")
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                last = not self._readers and not self.held
+            if last:
+                self.pool.unhold(self.blocks)
+
     def release(self) -> None:
-        """Hand the blocks back (once): the pool frees those no running call and no other allocation holds."""
-        if self.held:
+        """Let the blocks go (once): the pool frees those no running call, no other allocation and no read in
+        progress holds."""
+        with self._lock:
+            if not self.held:
+                return
             self.held = False
-            self.pool.unhold(self.blocks)
+            if self._readers:  # (the last read hands them back)
+                return
+        self.pool.unhold(self.blocks)
 
 
 class PagedKV:
@@ -155,12 +181,22 @@ class PagedKV:
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) (default: all) as a tensor [L, 2, H, end - start, D]: gathered from the pool, a copy."""
         start, end = _span(self.num_tokens, start, end)
-        return self.pool.kv.index_select(3, self.index[start:end])
+        with self._reading():
+            return self.pool.kv.index_select(3, self.index[start:end])
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All its keys and values [L, H, T, D], apart: each gathered from the pool, a copy."""
         kv = self.pool.kv
-        return kv[:, 0].index_select(2, self.index), kv[:, 1].index_select(2, self.index)
+        with self._reading():
+            return kv[:, 0].index_select(2, self.index), kv[:, 1].index_select(2, self.index)
+
+    @contextmanager
+    def _reading(self):
+        """Its allocations' blocks kept while it is read (PagedAlloc.reading)."""
+        with ExitStack() as stack:
+            for alloc in self.allocs:
+                stack.enter_context(alloc.reading())
+            yield
 
     def copy(self) -> torch.Tensor:
         """All its KV [L, 2, H, T, D] as a new tensor of the caller's own (gathered from the pool)."""

@@ -14,8 +14,8 @@ import torch
 
 def rerotate_keys_torch(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate `keys` [..., T, D] by `delta` [T] positions; returns a new tensor. Differentiable where `keys`
-    needs a gradient (the trainer's); otherwise written half by half into one output, no other tensor of its
-    size made (the engine's, placing a moved parent)."""
+    needs a gradient (the trainer's); otherwise written half by half into one output (the engine's, placing a
+    moved parent: fp32 keys make no other tensor of their size)."""
     half = keys.shape[-1] // 2
     cos, sin = _cos_sin(delta, inv_freq)
     x = keys.to(torch.float32)

@@ -14,7 +14,7 @@ def _rerotate_kernel(
     keys_ptr, out_ptr, delta_ptr, inv_freq_ptr, T,
     HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    row = tl.program_id(0)  # one (layer, head) row of [T, D] keys
+    row = tl.program_id(0).to(tl.int64)  # one (layer, head) row of [T, D] keys (int64: offsets pass 2**31 at long T)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, BLOCK_H)
     t_ok = t < T

@@ -74,11 +74,11 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
         try:
             self.check(request.session_id, request.message_id)
             msg = self.engine.message(request.message_id)  # NOT_FOUND once freed or evicted here
+            kv = msg.kv.read()  # (a copy where it lives in the pool: NOT_FOUND if it went meanwhile)
         except BraidError as e:
             context.abort(grpc.StatusCode[e.code], str(e))
         first = True
-        # (a message is immutable; holding `msg` keeps its KV alive even if it is freed meanwhile)
-        for chunk, _ in iter_chunks(msg.id, msg.fingerprint, msg.kv.read(), self.max_chunk_bytes,
+        for chunk, _ in iter_chunks(msg.id, msg.fingerprint, kv, self.max_chunk_bytes,
                                     total_tokens=msg.num_tokens, token_ids=msg.token_ids, offset=msg.offset):
             if first:
                 chunk.parents.extend(msg.parents)

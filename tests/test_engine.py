@@ -425,6 +425,27 @@ def test_random_workflows_answer_alike_on_both_homes(checkpoint, seed, options):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(paged, dense))
 
 
+def test_a_paged_message_read_outside_the_store_keeps_its_blocks_or_is_refused(checkpoint):
+    """A paged message held outside the store's lock (a transport shipping it): its blocks stay out of the pool
+    while a read of it is in progress, even if it is freed meanwhile, and go back when that read ends; a read
+    after that is refused (NOT_FOUND), never served from blocks another call may have written since."""
+    from braid.engine import Engine, EngineConfig
+    from braid.engine.errors import UnknownMessageError
+
+    eng = Engine(EngineConfig(checkpoint("llama"), prefix_caching=False))  # (no cached twin keeping it)
+    (p,) = eng.prefill([PrefillCall(list(range(3, 43)))])
+    msg, pool = eng.message(p), eng.scheduler.pool
+    want, held = msg.kv.read(), pool.held_blocks
+    with msg.kv.allocs[0].reading():  # (a read in progress in another thread)
+        eng.free(p)
+        assert pool.held_blocks == held and p not in eng.store
+    assert pool.held_blocks == held - 3 and pool.free_blocks == pool.blocks  # (40 tokens: 3 blocks of 16)
+    with pytest.raises(UnknownMessageError, match="freed or evicted"):
+        msg.kv.read()
+    (q,) = eng.prefill([PrefillCall(list(range(3, 43)))])
+    assert torch.equal(eng.message(q).kv.read(), want)
+
+
 def _a_workflow_of_every_kind(eng) -> tuple[list[str], list[list[int]], list[torch.Tensor]]:
     """Parallel prefill and decode, parents read in place and moved, a view and a prefix-cache hit: the messages'
     ids, tokens and stored KV."""

@@ -418,10 +418,13 @@ def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back
 
 
 def test_a_step_reads_its_tokens_at_once():
-    """sampling.step_tokens: every group's tokens in one read, greedy rows their argmax and sampled rows drawn on
-    the device from their own generators (so the same seed gives the same token whatever else is in the step);
-    groups without logits: None."""
-    from braid.engine.sampling import draw, step_tokens
+    """sampling.pick and read_tokens: every group's tokens in one read, greedy rows their argmax and sampled rows
+    drawn on the device from their own generators (so the same seed gives the same token whatever else is in the
+    step); groups without logits: None."""
+    from braid.engine.sampling import draw, pick, read_tokens
+
+    def step_tokens(logits, params, gens):
+        return read_tokens([None if x is None else pick(x, p, g) for x, p, g in zip(logits, params, gens)])
 
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(2, 50, generator=gen), None, torch.randn(1, 50, generator=gen),
@@ -455,6 +458,13 @@ def test_a_draw_samples_from_the_distribution_top_p_keeps():
                                        for _ in range(n)]), minlength=4) / n
     assert head[2:].sum() == 0 and abs(head[0] - 0.5 / 0.8) < 0.015
     assert {int(draw(probs.log(), SamplingParams(temperature=1.0, top_p=0.01), gen)) for _ in range(50)} == {0}
+    # a temperature however small is greedy in the limit (no overflow); logits that are not finite give -1,
+    # which fails the call (Request.advance)
+    assert {int(draw(probs.log(), SamplingParams(temperature=1e-38), gen)) for _ in range(20)} == {0}
+    for bad in (float("nan"), float("inf")):
+        for top_p in (1.0, 0.5):
+            assert int(draw(probs.log().index_fill(0, torch.tensor([2]), bad),
+                            SamplingParams(temperature=1.0, top_p=top_p), gen)) == -1
 
 
 def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
