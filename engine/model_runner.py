@@ -277,13 +277,13 @@ class WorkCache:
         self.lead_slots = slice(start, self.length)
         self._lead_next = start
 
-    def next_lead(self, n: int) -> torch.Tensor:
-        """The claimed slots of the next `n` leading prefill tokens."""
+    def next_lead(self, n: int) -> range:
+        """The claimed slots of the next `n` leading prefill tokens (one run, known on the host)."""
         at, self._lead_next = self._lead_next, self._lead_next + n
         if self._lead_next > self.lead_slots.stop:
             claimed = self.lead_slots.stop - self.lead_slots.start
             raise RuntimeError(f"{n} leading prefill tokens past the {claimed} claimed")
-        return torch.arange(at, at + n, device=self.index.device)
+        return range(at, at + n)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The KV of the given logical slots as a contiguous block [L, 2, H, T, D]."""
@@ -311,6 +311,7 @@ class RequestInput:
     logit_rows: list[int] | None  # (host indices: one copy for all the groups of a forward)
     lead_rows: int = 0  # how many of the rows (the first) are leading prefill calls' tokens
     slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
+    lead_slots: range = range(0)  # (set by the forward) the leading prefill rows' slots, on the host
     # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
     # it, so its mask need not be built (Request.plain)
     plain: bool = False
@@ -501,9 +502,9 @@ class ModelRunner:
         g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
         write = cache.index[rest]  # (a view: its rows' slots are one run of its cache)
         if r:
-            lead = cache.next_lead(r)
-            g.slots = torch.cat([lead, g.slots])
-            write = torch.cat([cache.index[lead], write])
+            g.lead_slots = lead = cache.next_lead(r)
+            g.slots = torch.cat([torch.arange(lead.start, lead.stop, device=cache.index.device), g.slots])
+            write = torch.cat([cache.index[lead.start:lead.stop], write])
         mask, full = None, False
         if masked or mask_needed(self.lm.device, self.lm.dtype, g.visible):
             if g.plain and not r and len(g.input_ids) == 1:
@@ -514,4 +515,4 @@ class ModelRunner:
                 mask = g.visible[g.call_of_row][:, cache.segment[lo:cache.length]] & (keys[None, :] <= g.slots[:, None])
                 mask = mask[None, None]
         rows = slice(start, start + len(g.input_ids))
-        return _Part(cache, rows, write, mask, r, int(g.slots[r - 1]) + 1 if r else 0, full)
+        return _Part(cache, rows, write, mask, r, g.lead_slots.stop if r else 0, full)

@@ -211,8 +211,8 @@ class Request:
     def advance(self, sampled: list[int] | None) -> bool:
         """After the forward: record slots, queue the tokens its calls sampled (`sampled`, one per `draws` row;
         None: it sampled nothing this step). True when it is complete."""
-        slots = self._input.slots.tolist() if self._input.lead_rows else range(self._base, self.cache.length)
-        for (_, _, c), slot in zip(self._taken, slots):  # (no device read on a plain decode step)
+        slots = [*self._input.lead_slots, *range(self._base, self.cache.length)]  # (the host's: no device read)
+        for (_, _, c), slot in zip(self._taken, slots):
             self.calls[c].slots.append(slot)
         if self.cache.front and not (self.pending and self.pending[0][2] < self.lead):
             # every prefill call's row is encoded: the blocks holding only what they read go back to the pool

@@ -570,3 +570,10 @@ def test_a_step_reads_the_device_once(checkpoint):
         max_tokens=12, ignore_eos=True, temperature=t, top_p=p, seed=1))
         for c, t, p in zip(ctx * 2, (0, 1, .8, 1), (1, 1, .9, .5))])
     assert max(steps) <= 1 and sum(steps) == 12 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
+    from braid.engine.engine import Sibling
+
+    steps.clear()  # a decode request whose prefill calls come first (lead rows: their slots known on the host)
+    list(eng.decode_stream([PrefillCall("Part 9 and ten.", parents=prefix, store=False),
+                            DecodeCall("Worker:", parents=[*prefix, Sibling(0)],
+                                       sampling=SamplingParams(max_tokens=6, ignore_eos=True))]))
+    assert max(steps) <= 1 and sum(steps) == 6 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
