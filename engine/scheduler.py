@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -211,7 +212,7 @@ class Request:
     def advance(self, sampled: list[int] | None) -> bool:
         """After the forward: record slots, queue the tokens its calls sampled (`sampled`, one per `draws` row;
         None: it sampled nothing this step). True when it is complete."""
-        slots = [*self._input.lead_slots, *range(self._base, self.cache.length)]  # (the host's: no device read)
+        slots = chain(self._input.lead_slots, range(self._base, self.cache.length))  # (the host's: no device read)
         for (_, _, c), slot in zip(self._taken, slots):
             self.calls[c].slots.append(slot)
         if self.cache.front and not (self.pending and self.pending[0][2] < self.lead):

@@ -14,18 +14,15 @@ import torch
 
 def rerotate_keys_torch(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate `keys` [..., T, D] by `delta` [T] positions; returns a new tensor. Differentiable where `keys`
-    needs a gradient (the trainer's); otherwise written half by half into one output (the engine's, placing a
-    moved parent: fp32 keys make no other tensor of their size)."""
+    needs a gradient (the trainer's); otherwise one fp32 copy rotated in place (the engine's, placing a moved
+    parent)."""
     half = keys.shape[-1] // 2
     cos, sin = _cos_sin(delta, inv_freq)
     x = keys.to(torch.float32)
     x1, x2 = x[..., :half], x[..., half:]
     if torch.is_grad_enabled() and x.requires_grad:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
-    out = torch.empty_like(x)
-    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
-    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)  # x2 cos + x1 sin
-    return out.to(keys.dtype)
+    return _rotate_in_place(x.clone() if x is keys else x, cos, sin).to(keys.dtype)
 
 
 def rerotate_keys_(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -34,13 +31,18 @@ def rerotate_keys_(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     _check(keys, delta, inv_freq)
     if keys.is_cuda or keys.dtype != torch.float32 or (torch.is_grad_enabled() and keys.requires_grad):
         return keys.copy_(rerotate_keys(keys, delta, inv_freq))
-    half = keys.shape[-1] // 2
-    cos, sin = _cos_sin(delta, inv_freq)
-    x1, x2 = keys[..., :half], keys[..., half:]
+    return _rotate_in_place(keys, *_cos_sin(delta, inv_freq))
+
+
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 keys [..., T, D] rotated by angles whose cos and sin are [T, D/2], in place, with one temporary of half
+    their size; returns `x`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
     first = x1.clone()  # (the second half needs it as it was)
-    x1.mul_(cos).addcmul_(x2, sin, value=-1)
-    x2.mul_(cos).addcmul_(first, sin)
-    return keys
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    x2.mul_(cos).addcmul_(first, sin)  # x2 cos + x1 sin
+    return x
 
 
 def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
