@@ -34,6 +34,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
+from braid.engine.host import to_device
+
 NAME = "braid"
 # (on CPU, flex runs eagerly on purpose: module docstring)
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
@@ -121,9 +123,9 @@ def paged_mask(pages: list[list[int]], slots: torch.Tensor, inside: torch.Tensor
     table = [[x - lo for x in p] + [0] * (most - len(p)) for p in pages]
     flat = [i * n + x - lo for i, p in enumerate(pages) for x in p]
     pos = [k for p in pages for k in range(len(p))]
-    host = torch.tensor(table, dtype=torch.int32).to(device)  # [G, most]
+    host = to_device(table, device, torch.int32)  # [G, most]
     page_of = torch.full((g * n,), most, dtype=torch.int32, device=device)  # most: not one of the group's pages
-    page_of[torch.tensor(flat, device=device)] = torch.tensor(pos, dtype=torch.int32, device=device)
+    page_of[to_device(flat, device)] = to_device(pos, device, torch.int32)
     page_of = page_of.view(g, n)
     keypos = torch.full((g, most + 1, b), t, dtype=torch.int32, device=device)  # t: none of the group's keys
     rel = slots - lo * b
@@ -139,7 +141,7 @@ def paged_mask(pages: list[list[int]], slots: torch.Tensor, inside: torch.Tensor
         return allowed[bi, q, keypos[bi, page_of[bi, kv // b], kv % b]]
 
     q_blocks = -(-r // FLEX_Q_BLOCK)
-    counts = torch.tensor([len(p) for p in pages], dtype=torch.int32, device=device)
+    counts = to_device([len(p) for p in pages], device, torch.int32)
     kv_indices = torch.zeros(g, 1, q_blocks, n, dtype=torch.int32, device=device)
     kv_indices[:, 0, :, :most] = host[:, None]
     block_mask = BlockMask.from_kv_blocks(counts.view(g, 1, 1).expand(g, 1, q_blocks).contiguous(), kv_indices,

@@ -8,6 +8,7 @@ is stored when the request ends.
 """
 
 import enum
+from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,6 +71,9 @@ class Call:
     unrecorded: str = ""  # what shaped its KV beyond what its message records ("": nothing; engine.store.Message)
     status: CallStatus = CallStatus.ENCODING
     slots: list[int] = field(default_factory=list)
+    # rows (token, position, call) fed a token it sampled, in order, while that token is not read yet: their token
+    # is its place on the device until then (engine.scheduler.Request.feed)
+    fed: deque = field(default_factory=deque)
 
     def start(self, eos_ids: tuple[int, ...], tokenizer, device: torch.device) -> None:
         """Its sampler and detokenizer (a decode call), made once when its request is built."""
@@ -107,6 +111,12 @@ class Call:
     def sampling_now(self) -> bool:
         """It samples a token from its last encoded row."""
         return self.status in (CallStatus.ENCODING, CallStatus.DECODING) and self.sampling is not None
+
+    @property
+    def samples_next(self) -> bool:
+        """It samples from its next row's logits: it samples now, and its draws not read yet leave it tokens to
+        sample (it may have stopped on one of them: that draw is then discarded)."""
+        return self.sampling_now and len(self.generated) + len(self.fed) < self.sampling.max_tokens
 
     def rows(self) -> list[tuple[int, int]]:
         """(token, position) of everything it has, to encode from the start (first, or again after a preemption)."""

@@ -73,6 +73,11 @@ class EngineConfig:
     # built from the groups' page tables (compiled on CUDA; eager on CPU, where it is slower). Forwards then run as
     # they come: decode_graphs capture the sdpa path only
     attention: str = "sdpa"
+    # build and launch each step before reading the tokens the step before sampled (engine.scheduler): on CUDA the
+    # host's work of a step (scheduling, inputs, reading tokens, detokenizing) then runs while the device runs the
+    # step before, at the cost of one discarded draw for a call that stops on a stop token. Tokens are the same
+    # either way. Off by default until a GPU run measures it (benchmarks/device_run.sh); on CPU it cannot pay
+    overlap: bool = False
     # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the
     # engine has (torch's default: the cores). The engine keeps the scheduler's thread the only one with several
     # (engine.threads: libgomp slows every pool down once the process's pooled threads outnumber the cores), so a
@@ -98,7 +103,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
-        for name in ("share_parents", "kv_on_demand", "mix_adapters"):
+        for name in ("share_parents", "kv_on_demand", "mix_adapters", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:

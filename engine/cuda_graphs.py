@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.engine.host import to_device
 from braid.engine.model_runner import (
     SHARED_ATTENTION_ROWS,
     KVPool,
@@ -98,8 +99,8 @@ class PaddedStep(_Step):
         _, r, t = self.shape
         self.clear()
         g = len(groups)
-        rows = torch.tensor([i * r + j for i, x in enumerate(groups) for j in range(len(x.input_ids))],
-                            device=self.input_ids.device)
+        rows = to_device([i * r + j for i, x in enumerate(groups) for j in range(len(x.input_ids))],
+                         self.input_ids.device)
         self.input_ids[0].index_copy_(0, rows, torch.cat([x.input_ids for x in groups]))
         self.positions[0].index_copy_(0, rows, torch.cat([x.positions for x in groups]))
         self.write_index.index_copy_(0, rows, torch.cat([p.write_index for p in parts]))

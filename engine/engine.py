@@ -25,6 +25,7 @@ from braid.engine.errors import (
     InvalidOffsetError,
     PreconditionError,
 )
+from braid.engine.host import to_device
 from braid.engine.model import LoadedModel, load_model
 from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
 from braid.engine.prefix_cache import PrefixCache, content_seed
@@ -170,7 +171,7 @@ class DecodeStream:
                 parts.append(c.prefix.kv.read(start, min(end, n)))
             if end > n:
                 lo = max(start, n) - n
-                slots = torch.tensor(c.slots[lo:end - n], dtype=torch.long, device=r.cache.index.device)
+                slots = to_device(c.slots[lo:end - n], r.cache.index.device)
                 tokens += c.all_tokens[lo:end - n]
                 parts.append(r.cache.gather(slots))
             return list(tokens), parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3)
@@ -212,7 +213,8 @@ class Engine:
                                               zeroed=self.runner.in_place),
                                        config.max_running_calls, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
-                                       threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters)
+                                       threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters,
+                                       overlap=config.overlap)
             graphs = config.decode_graphs
             if not self.runner.in_place and (graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda")):
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
@@ -645,8 +647,8 @@ class Engine:
             if plan.lead and e == plan.lead_only:
                 cache.front = cache.claimed
             if plan.lead and e == plan.lead_at:
-                cache.reserve_lead(torch.tensor([len(plan.entries) + c for c in range(plan.lead)
-                                                    for _ in plan.calls[c].tokens], device=cache.index.device))
+                cache.reserve_lead(to_device([len(plan.entries) + c for c in range(plan.lead)
+                                              for _ in plan.calls[c].tokens], cache.index.device))
             if entry is None:
                 break
             msg, off = entry
@@ -705,7 +707,7 @@ class Engine:
             if c in handles:  # (in the blocks it was written to: nothing copied)
                 kv = handles[c]
             else:
-                kv = request.cache.gather(torch.tensor(call.slots, dtype=torch.long, device=self.lm.device))
+                kv = request.cache.gather(to_device(call.slots, self.lm.device))
                 self.scheduler.pool.copied["commit"] += kv.nbytes
                 if call.prefix is not None:
                     kv = torch.cat([call.prefix.kv.read(), kv], dim=3)
@@ -736,7 +738,7 @@ class Engine:
         blocks: set[int] = set()
         for c, call in enumerate(request.calls):
             if call.store and (call.prefix is None or self._at_home(call.prefix)):
-                slots[c] = cache.index[torch.tensor(call.slots, dtype=torch.long, device=cache.index.device)]
+                slots[c] = cache.index[to_device(call.slots, cache.index.device)]
                 blocks |= cache.blocks_of(call.slots)
         if not slots:
             return {}

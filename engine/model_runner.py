@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from braid.engine.attention import mask_needed, paged_mask
+from braid.engine.host import to_device
 from braid.engine.model import LoadedModel
 from braid.engine.store import DenseKV
 
@@ -163,7 +164,7 @@ class KVPool:
 
 def _slots(blocks: list[int], block_tokens: int, device) -> torch.Tensor:
     """The pool slots of `blocks`, in order: [len(blocks) * block_tokens]."""
-    table = torch.tensor(blocks, dtype=torch.long, device=device)
+    table = to_device(blocks, device)
     return (table[:, None] * block_tokens + torch.arange(block_tokens, device=device)[None, :]).flatten()
 
 
@@ -312,6 +313,7 @@ class RequestInput:
     lead_rows: int = 0  # how many of the rows (the first) are leading prefill calls' tokens
     slots: torch.Tensor | None = None  # (set by the forward) each row's slot in the cache
     lead_slots: range = range(0)  # (set by the forward) the leading prefill rows' slots, on the host
+    own_slots: range = range(0)  # (set by the forward) the other rows' slots, on the host
     # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
     # it, so its mask need not be built (Request.plain)
     plain: bool = False
@@ -355,7 +357,7 @@ def padded_keys(parts: list[_Part], t: int, pad: int) -> tuple[torch.Tensor, tor
     for n in lengths[:-1]:
         firsts.append(firsts[-1] + n)
     # key k of part i (k < its length) goes to i * t + k; it is key firsts[i] + k of the parts' keys laid end to end
-    host = torch.tensor([lengths, [i * t - f for i, f in enumerate(firsts)]], dtype=torch.long).to(device)
+    host = to_device([lengths, [i * t - f for i, f in enumerate(firsts)]], device)
     total = firsts[-1] + lengths[-1]
     where = torch.arange(total, device=device) + torch.repeat_interleave(host[1], host[0], output_size=total)
     index = torch.full((len(parts) * t,), pad, dtype=torch.long, device=device)
@@ -414,9 +416,9 @@ class _Step:
             valid.extend(range(i * r, i * r + n))
             rows.extend(range(p.rows.start, p.rows.stop))
         self.shape = (g, r, t)
-        self.row_index = torch.tensor(row_index, device=device)  # [g * r]: each padded query row's row in the forward
-        self.valid = torch.tensor(valid, device=device)  # which padded rows are real
-        self.rows = torch.tensor(rows, device=device)  # and their rows in the forward, in the same order
+        self.row_index = to_device(row_index, device)  # [g * r]: each padded query row's row in the forward
+        self.valid = to_device(valid, device)  # which padded rows are real
+        self.rows = to_device(rows, device)  # and their rows in the forward, in the same order
         self.read_index, inside = padded_keys(small, t, self.pool.trash)  # [g * t]; bool [g, t]
         self.mask = torch.empty(g, 1, r, t, dtype=torch.bool, device=device)
         fill_masks(self.mask, small, inside)
@@ -480,8 +482,8 @@ class ModelRunner:
         wanted = [g.logit_rows for g in groups if g.logit_rows is not None]
         if not wanted:
             return [None] * len(groups)
-        index = torch.tensor([i + r.start for g, r in zip(groups, rows) if g.logit_rows is not None
-                              for i in g.logit_rows], device=hidden.device)
+        index = to_device([i + r.start for g, r in zip(groups, rows) if g.logit_rows is not None
+                           for i in g.logit_rows], hidden.device)
         logits = iter(self.lm_head(hidden.index_select(0, index)).float().split([len(w) for w in wanted]))
         return [None if g.logit_rows is None else next(logits) for g in groups]
 
@@ -500,6 +502,7 @@ class ModelRunner:
         r, cache = g.lead_rows, g.cache
         rest = cache.reserve(g.call_of_row[r:] + num_entries)  # (leading prefill rows: their slots claimed ahead)
         g.slots = torch.arange(rest.start, rest.stop, device=cache.index.device)
+        g.own_slots = range(rest.start, rest.stop)
         write = cache.index[rest]  # (a view: its rows' slots are one run of its cache)
         if r:
             g.lead_slots = lead = cache.next_lead(r)

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.engine.host import ToHost
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -66,11 +68,23 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
     return top
 
 
-def read_tokens(picks: list[torch.Tensor | None]) -> list[list[int] | None]:
-    """Every group's picked tokens (`pick`; None: it samples nothing this step) read back at once: one device
-    sync for the whole step."""
-    present = [x for x in picks if x is not None]
-    if not present:
-        return [None] * len(picks)
-    flat = iter((torch.cat(present) if len(present) > 1 else present[0]).tolist())
-    return [None if x is None else [next(flat) for _ in range(x.shape[0])] for x in picks]
+class Picked:
+    """A step's picked tokens (`pick`, one tensor per group; None: the group samples nothing this step), together
+    on the device as `tokens` (flat, group i's from `starts[i]`: what the next step's rows read when it is built
+    before these are read, Scheduler `overlap`) and on their way to the host, where `read` gets them all at once:
+    one device read for the whole step."""
+
+    def __init__(self, picks: list[torch.Tensor | None]):
+        present = [x for x in picks if x is not None]
+        self.sizes = [None if x is None else x.shape[0] for x in picks]
+        self.starts, at = [], 0
+        for n in self.sizes:
+            self.starts.append(at)
+            at += n or 0
+        self.tokens = (torch.cat(present) if len(present) > 1 else present[0]) if present else None
+        self._host = ToHost(self.tokens) if self.tokens is not None else None
+
+    def read(self) -> list[list[int] | None]:
+        """Each group's tokens (None where it sampled nothing); a sampled token is drawn once, however read."""
+        flat = self._host.values() if self._host is not None else []
+        return [None if n is None else flat[s:s + n] for s, n in zip(self.starts, self.sizes)]

@@ -33,8 +33,9 @@ import torch
 
 from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
+from braid.engine.host import to_device
 from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
-from braid.engine.sampling import SamplingParams, pick, read_tokens
+from braid.engine.sampling import Picked, SamplingParams, pick
 from braid.engine.store import DenseKV
 from braid.engine.threads import claim
 
@@ -45,6 +46,29 @@ log = logging.getLogger(__name__)
 class _Done:
     ids: list[str] | None = None  # the stored messages
     error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Take:
+    """A request's part of one step, from `Request.take` to `Request.advance`: its rows, the calls that sample from
+    their logits (in the order of their logit rows), and its input once built. With overlap two are out at once:
+    the step in flight and the one being built."""
+
+    rows: list  # (token, position, call); a token not read yet is -1 - its index in the step before's picks
+    logit_calls: list[int]
+    logit_rows: list[int] | None  # (RequestInput.logit_rows)
+    input: RequestInput | None = None
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A launched step: its requests' takes and picks (a tensor, None: nothing sampled, or the error picking),
+    their tokens on their way to the host (`picked`), or already read (`tokens`, when they could not go together)."""
+
+    batch: list[tuple["Request", Take]]
+    picks: list
+    picked: Picked | None
+    tokens: list | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -89,7 +113,7 @@ class Request:
         self.decode_calls = [c for c in calls if c.decodes]
         adapters = {c.adapter for c in calls} - {None}
         self.adapter = adapters.pop() if adapters else None  # (the engine allows one besides the base weights)
-        self.adapted = torch.tensor([c.adapter is not None for c in calls])  # bool [calls]: rows on the adapter
+        self.adapted = [c.adapter is not None for c in calls]  # per call: its rows run on the adapter
         self.visible = visible  # bool [calls, entries + calls]
         self.plain = visible.shape[0] == 1 and bool(visible.all())  # (RequestInput.plain: read once, here)
         self.capacity = capacity  # the tokens of its own blocks (its work cache less the parents read in place)
@@ -116,6 +140,7 @@ class Request:
         self.timings: dict[str, float] = {}
         self.submitted = time.perf_counter()
         self.served = 0  # steps it took part in (fairness among decoding requests)
+        self.out = 0  # its takes not advanced yet (in this step, or in the one in flight): it cannot be preempted
 
     @property
     def cancelled(self) -> bool:
@@ -153,12 +178,14 @@ class Request:
         return rows - lead
 
     # ---- called by the scheduler ----------------------------------------------------------------
-    def start(self, device: torch.device, blocks: list[int]) -> None:
+    def start(self, device: torch.device, blocks: list[int], sync: bool = True) -> None:
+        """Assemble its work cache over `blocks`; `sync`: wait for the device, so that `assemble` times its work
+        (not with overlap: a step may be running)."""
         begin = time.perf_counter()
         self.timings.setdefault("queued", begin - self.submitted)  # (before it first ran)
         self.blocks = blocks
         self.cache = self.kv.assemble(blocks, self.runs)
-        if device.type == "cuda":
+        if sync and device.type == "cuda":
             torch.cuda.synchronize(device)
         self.timings["assemble"] = self.timings.get("assemble", 0.0) + time.perf_counter() - begin
         with self.lock:
@@ -174,6 +201,7 @@ class Request:
         """(preempted, under its lock: its blocks already handed back) forget its work cache; every token it has,
         generated ones included, is encoded again when it is admitted next. What it sampled stays: it samples on
         from there."""
+        assert not self.out, "a request with rows in a step cannot be preempted"
         self.cache = None
         for c in self.calls:
             c.slots = []
@@ -182,65 +210,89 @@ class Request:
         if self.status is RequestStatus.RUNNING:  # (the scheduler holds its lock)
             self.status = RequestStatus.WAITING
 
-    def take(self, budget: int) -> list[tuple[int, int, int]]:
+    def take(self, budget: int) -> Take:
         """Up to `budget` pending rows (token, position, call) for this step; `input` then makes them its input."""
         rows = [self.pending.popleft() for _ in range(min(budget, len(self.pending)))]
-        self._taken = rows
-        self._base = self.cache.length  # (rows other than prefill calls' take the slots from here on, in order)
-        self._logit_rows = None
-        if self.decodes:  # logits where a call's encoded tokens end, while it still samples
-            last = {c: i for i, (_, _, c) in enumerate(rows)}
-            unfinished = {c for _, _, c in self.pending}  # calls with rows left for later steps
-            ends = sorted(i for c, i in last.items() if self.calls[c].sampling_now and c not in unfinished)
-            self._logit_calls = [rows[i][2] for i in ends]
-            self._logit_rows = ends or None
-        return rows
+        self.out += 1
+        if not self.decodes:
+            return Take(rows, [], None)
+        last = {c: i for i, (_, _, c) in enumerate(rows)}  # logits where a call's encoded tokens end, while it samples
+        unfinished = {c for _, _, c in self.pending}  # calls with rows left for later steps
+        ends = sorted(i for c, i in last.items() if self.calls[c].samples_next and c not in unfinished)
+        return Take(rows, [rows[i][2] for i in ends], ends or None)
 
-    def input(self, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> RequestInput:
-        """This step's input: the rows `take` gave, as tensors (the scheduler makes every request's in one copy)."""
-        lead_rows = sum(c < self.lead for _, _, c in self._taken) if self.lead else 0  # (they come first)
-        self._input = RequestInput(self.cache, self.visible, ids, positions, calls, self._logit_rows, lead_rows,
-                                   plain=self.plain)
-        return self._input
+    def input(self, take: Take, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> RequestInput:
+        """The take's rows as tensors (the scheduler makes every request's in one copy): its input for the step."""
+        lead_rows = sum(c < self.lead for _, _, c in take.rows) if self.lead else 0  # (they come first)
+        take.input = RequestInput(self.cache, self.visible, ids, positions, calls, take.logit_rows, lead_rows,
+                                  plain=self.plain)
+        return take.input
 
-    def draws(self) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
-        """How this step's logit rows are sampled (one per call that samples now, in order): each call's sampling
-        params and generator."""
-        calls = [self.calls[c] for c in self._logit_calls] if self._logit_rows else []
+    def draws(self, take: Take) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
+        """How the take's logit rows are sampled (one per call that samples, in order): each call's sampling params
+        and generator."""
+        calls = [self.calls[c] for c in take.logit_calls]
         return [c.sampling for c in calls], [c.generator for c in calls]
 
-    def advance(self, sampled: list[int] | None) -> bool:
-        """After the forward: record slots, queue the tokens its calls sampled (`sampled`, one per `draws` row;
-        None: it sampled nothing this step). True when it is complete."""
-        slots = chain(self._input.lead_slots, range(self._base, self.cache.length))  # (the host's: no device read)
-        for (_, _, c), slot in zip(self._taken, slots):
+    def feed(self, take: Take, start: int | None, tokens: list[int] | None = None) -> None:
+        """(Once the take's step is launched, before its tokens are read) queue a row for each token it samples:
+        every sampled token is encoded next (it gets KV). The row's token is the pick's place among the step's
+        picks on the device (`start` + i, read there by the next step's input), or `tokens[i]` when already read."""
+        for i, c in enumerate(take.logit_calls):
+            call = self.calls[c]
+            token = tokens[i] if tokens is not None else -1 - (start + i)
+            row = [token, call.offset + len(call.all_tokens) + len(call.fed), c]  # (after the ones not read yet)
+            call.fed.append(row)
+            self.pending.append(row)
+
+    def advance(self, take: Take, sampled: list[int] | None) -> bool:
+        """After the take's forward: record slots, and the tokens its calls sampled (`sampled`, one per logit row;
+        None: it sampled nothing), which their fed rows now hold. True when it is complete."""
+        self.out -= 1
+        inp = take.input
+        for (_, _, c), slot in zip(take.rows, chain(inp.lead_slots, inp.own_slots)):  # (host ranges: no device read)
             self.calls[c].slots.append(slot)
         if self.cache.front and not (self.pending and self.pending[0][2] < self.lead):
-            # every prefill call's row is encoded: the blocks holding only what they read go back to the pool
+            # every prefill call's row is encoded: the blocks holding only what they read go back to the pool (a
+            # step in flight that reads them runs before any later one that could write them: stream order)
             k, self.cache.front = self.cache.front // self.cache.pool.block_tokens, 0
             self.cache.pool.release(self.blocks[:k])
             self.blocks = self.blocks[k:]
         if self.lead or not self.decodes:  # (prefill calls' rows in this step: not a decode step's hot path)
-            for _, _, c in self._taken:
+            for _, _, c in take.rows:
                 call = self.calls[c]
                 if not call.decodes and len(call.slots) == len(call.tokens):
                     call.status = CallStatus.ENCODED
         if sampled is not None:
             self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
             events = []
-            for c, token in zip(self._logit_calls, sampled):
+            for c, token in zip(take.logit_calls, sampled):
                 call = self.calls[c]
+                if not call.sampling_now:  # it stopped on a token read after this step was built: drawn in vain
+                    continue
                 if token < 0:  # (sampling.draw)
                     raise ValueError(f"call {c - self.lead}: the model's logits are not finite (NaN or inf); "
                                      "nothing can be sampled from them")
+                call.fed.popleft()[0] = token
                 events.append(call.sampled(token, c - self.lead))
-                self.pending.append((token, call.offset + len(call.all_tokens) - 1, c))  # (fed once: it gets KV)
+                if not call.sampling_now:  # (it stopped) a row fed a token drawn after this one is never encoded
+                    for later in call.fed:
+                        self._drop(later)
+                    call.fed.clear()
             self.events.put(events)  # one put per step
-        if self.pending or any(c.sampling_now for c in self.decode_calls):
+        if self.pending or self.out or any(c.sampling_now for c in self.decode_calls):
             return False
         if self.decodes:
             self.timings["decode"] = time.perf_counter() - self.submitted - self.timings["first_token"]
         return True
+
+    def _drop(self, row: list) -> None:
+        """Take a pending row out (it is still pending: Scheduler.step reads a step's tokens before the next take)."""
+        for i, r in enumerate(self.pending):
+            if r is row:
+                del self.pending[i]
+                return
+        raise RuntimeError("a row fed a token drawn in vain was already taken")
 
     def finish(self) -> None:
         """Store its messages; its parents are unpinned before the consumer hears it is done."""
@@ -305,12 +357,14 @@ class Scheduler:
     where running groups' work caches live (a group waits until enough blocks are free); `max_running`:
     groups at once (0: no cap); `adapters`: the adapters calls may name, by id (the engine's registry, read at
     each step); `mix_adapters`: base-weight groups join an adapter's forwards; `threads`: torch's intra-op threads
-    in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads)."""
+    in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads); `overlap`: build and launch each step
+    before reading the tokens of the one before, which the device is still running (EngineConfig.overlap)."""
 
     def __init__(self, runner: ModelRunner, max_batched_tokens: int, pool: KVPool, max_running: int = 0,
                  name: str = "engine", mix_adapters: bool = True, threads: int = 0,
-                 adapters: dict[str, Adapter] | None = None):
-        self.runner, self.pool, self.mix_adapters = runner, pool, mix_adapters
+                 adapters: dict[str, Adapter] | None = None, overlap: bool = False):
+        self.runner, self.pool, self.mix_adapters, self.overlap = runner, pool, mix_adapters, overlap
+        self._flight: _Flight | None = None  # the launched step whose tokens are not read yet
         self.adapters = adapters if adapters is not None else {}
         self.max_batched_tokens = max_batched_tokens
         self.slot_bytes = pool.kv[:, :, :, 0].numel() * pool.kv.element_size()
@@ -322,6 +376,7 @@ class Scheduler:
         self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
         self.busy_s = 0.0  # time spent in steps (against wall time: how loaded the model is)
         self.rows_stepped = 0  # tokens encoded over all forwards
+        self.discarded = 0  # draws discarded: made for a call that had stopped on a token not read yet (overlap)
         self._turn = 0
         self._cv = threading.Condition()
         # The thread holds the scheduler weakly, so an engine nobody uses any more is freed with its model and
@@ -365,17 +420,19 @@ class Scheduler:
             return self.pool.allocate(g.needed(), also=also + spare)
         return self.pool.allocate(g.capacity, also=also)
 
-    def _room(self, g: Request, rows: int, taken: list[tuple[Request, RequestInput]]) -> bool:
+    def _room(self, g: Request, rows: int) -> bool:
         """Blocks for `rows` more of g's rows. While the pool is short, the newest request that grows (by when it
-        was made, g included; never one already in this step's batch) is preempted, so the oldest go on.
-        False: that was g, which skips this step."""
+        was made, g included; never one with rows in this step or the one in flight) is preempted, so the oldest
+        go on. False: that was g, or only a request in flight could give them; g skips this step."""
         short = rows - g.cache.free_slots
         if short <= 0:
             return True
         while (blocks := self.pool.allocate(short)) is None:
-            victim = max((v for v in self.running if v.grows and all(v is not t for t, _ in taken)),
+            victim = max((v for v in self.running if v.grows and not v.out),
                          key=lambda v: v.submitted, default=None)  # (g is among them, if it grows)
             if victim is None:  # (a group that holds all it may write is never short: nothing to take back)
+                if self._flight is not None:  # (step checks the pool before building one while another runs)
+                    return False
                 raise RuntimeError(f"a call needs {short} more work-KV slots and no running call can give them")
             self._preempt(victim)
             if victim is g:
@@ -400,20 +457,45 @@ class Scheduler:
 
     # ---- one step: schedule, run, postprocess ---------------------------------------------------
     def step(self) -> None:
+        """Schedule, run, postprocess. With `overlap`, the step before is postprocessed (its tokens read) only once
+        this one is launched: the host builds a step while the device runs the one before, whose sampled tokens
+        this one's rows read on the device. A step that would have to preempt waits for the one in flight."""
         start = time.perf_counter()
         try:
+            if self._flight is not None and self._short():
+                self._land()
             batch, adapter = self.schedule()
-            if batch:
-                logits = self.run(batch, adapter)
-                self.postprocess(batch, logits)
+            flight = self.run(batch, adapter) if batch else None
+            prev, self._flight = self._flight, flight
+            if prev is not None:
+                self.postprocess(prev)
+            if not self.overlap:
+                self._land()
         except Exception as e:  # a step that failed before failing its requests: they fail now, not wait forever
             log.exception("scheduler step failed")
+            self._flight = None
             for g in list(self.running):
                 g.fail(StepFailedError(f"the engine's step failed: {type(e).__name__}: {e}"))
         finally:
             self.busy_s += time.perf_counter() - start
 
-    def schedule(self) -> tuple[list[tuple[Request, RequestInput]], str | None]:
+    def _land(self) -> None:
+        """Postprocess the step in flight, if any."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self.postprocess(flight)
+
+    def _short(self) -> bool:
+        """Whether the free blocks may not cover every ready request's next rows (then a request may have to be
+        preempted, which one with rows in flight cannot be: the step in flight is landed first)."""
+        need = 0
+        for g in self.running:
+            if g.cache is not None and g.pending:
+                short = g.new_slots(min(self.max_batched_tokens, len(g.pending))) - g.cache.free_slots
+                need += self.pool.blocks_for(short) if short > 0 else 0
+        return need > self.pool.free_blocks
+
+    def schedule(self) -> tuple[list[tuple[Request, Take]], str | None]:
         """Admit what fits, drop what was cancelled, and pick this step's rows and adapter."""
         for g in [g for g in self.running if g.cancelled]:
             g.fail(RuntimeError("cancelled"))
@@ -427,12 +509,13 @@ class Scheduler:
         for g in ready:
             if budget <= 0:
                 break
-            if g.cache is None or not self._room(g, g.new_slots(min(budget, len(g.pending))), batch):
-                continue  # (preempted in this loop)
-            rows = g.take(budget)
-            budget -= len(rows)
-            batch.append((g, rows))
-        batch = _inputs(batch, self.runner.lm.device)
+            if g.cache is None or not self._room(g, g.new_slots(min(budget, len(g.pending)))):
+                continue  # (preempted in this loop, or waiting for the step in flight)
+            take = g.take(budget)
+            budget -= len(take.rows)
+            batch.append((g, take))
+        flight = self._flight
+        _inputs(batch, self.runner.lm.device, flight.picked.tokens if flight and flight.picked else None)
         if not any(g.adapter == adapter for g, _ in batch):  # (its calls were preempted or out of budget)
             adapter = None
         elif adapter is not None:  # (the adapter's calls together: its rows are then a run or two of the forward's)
@@ -454,7 +537,7 @@ class Scheduler:
         finally:
             for g, blocks in admitted:
                 try:
-                    g.start(self.runner.lm.device, blocks)
+                    g.start(self.runner.lm.device, blocks, sync=not self.overlap)
                     self.running.append(g)
                 except Exception as e:
                     g.fail(e)
@@ -501,39 +584,63 @@ class Scheduler:
         joins = mix and adapter is not None and _mixes_rows(self.adapters[adapter])
         return adapter, [g for g in ready if g.adapter == adapter or (joins and g.adapter is None)]
 
-    def run(self, batch: list[tuple[Request, RequestInput]], adapter: str | None) -> list[torch.Tensor | None]:
+    def run(self, batch: list[tuple[Request, Take]], adapter: str | None) -> _Flight | None:
+        """Launch the forward and the picks of its tokens (on the device; nothing read) and feed each pick to the
+        row that encodes it next. None: the forward failed, and so did its requests."""
         self.steps += 1
         self.groups_stepped += len(batch)
-        self.rows_stepped += sum(len(inp.input_ids) for _, inp in batch)
+        self.rows_stepped += sum(len(take.rows) for _, take in batch)
         weights = self.adapters[adapter] if adapter is not None else None
         try:
             with _adapted(weights, adapter, batch):
                 # (a static forward has no prefill calls' rows, so the adapter, if any, is in place over every row)
-                return self.runner.step([inp for _, inp in batch], weights=weights)
+                logits = self.runner.step([take.input for _, take in batch], weights=weights)
         except Exception as e:  # a failed forward fails its requests; nothing of theirs is stored
             log.exception("forward failed for %d request(s)", len(batch))
             for g, _ in batch:
                 g.fail(e)
-            return []
-
-    def postprocess(self, batch: list[tuple[Request, RequestInput]], logits: list[torch.Tensor | None]) -> None:
+            return None
         picks: list = []  # each request's tokens on the device (or the error picking them, which fails it alone)
-        for (g, _), lg in zip(batch, logits):
+        for (g, take), lg in zip(batch, logits):
             try:
-                picks.append(None if lg is None else pick(lg, *g.draws()))
+                picks.append(None if lg is None else pick(lg, *g.draws(take)))
             except Exception as e:
                 picks.append(e)
-        try:  # (read at once; a sampled token is drawn once, read however it is read)
-            tokens = read_tokens([None if isinstance(p, Exception) else p for p in picks])
-        except Exception:  # (e.g. out of memory joining them): each request's read alone, failing alone
-            log.exception("reading the step's tokens at once failed; reading them request by request")
-            tokens = None
-        for i, ((g, _), p) in enumerate(zip(batch, picks)):
+        flight = _Flight(batch, picks, None)
+        try:  # (together: one copy to the host, and the next step's rows read them there)
+            flight.picked = Picked([None if isinstance(p, Exception) else p for p in picks])
+        except Exception:  # (e.g. out of memory joining them): each request's read alone, now
+            log.exception("joining the step's tokens failed; reading them request by request")
+            flight.tokens = [p if isinstance(p, Exception) else _read_alone(p) for p in picks]
+        for i, (g, take) in enumerate(batch):
+            p = picks[i] if flight.tokens is None else flight.tokens[i]
+            if p is not None and not isinstance(p, Exception):
+                g.feed(take, flight.picked.starts[i] if flight.tokens is None else None,
+                       p if flight.tokens is not None else None)
+        return flight
+
+    def postprocess(self, flight: _Flight) -> None:
+        """Read the flight's tokens (the step's one device read) and advance its requests; those complete are
+        stored."""
+        tokens = flight.tokens
+        if tokens is None and flight.picked is not None:
+            try:  # (a sampled token is drawn once, however it is read)
+                tokens = flight.picked.read()
+            except Exception:  # each request's read alone, failing alone
+                log.exception("reading the step's tokens at once failed; reading them request by request")
+                tokens = [p if isinstance(p, Exception) else _read_alone(p) for p in flight.picks]
+        for i, ((g, take), p) in enumerate(zip(flight.batch, flight.picks)):
+            if g.status.ended:  # (failed or cancelled while its step ran)
+                continue
             g.served += 1
             try:
                 if isinstance(p, Exception):
                     raise p
-                done = g.advance(tokens[i] if tokens is not None else read_tokens([p])[0])
+                if isinstance(tokens[i], Exception):
+                    raise tokens[i]
+                if tokens[i] is not None:
+                    self.discarded += sum(not g.calls[c].sampling_now for c in take.logit_calls)
+                done = g.advance(take, tokens[i])
             except Exception as e:
                 g.fail(e)
                 continue
@@ -552,31 +659,43 @@ class Scheduler:
         g.runs = []
 
 
-def _inputs(taken: list[tuple[Request, list[tuple[int, int, int]]]], device) -> list[tuple[Request, RequestInput]]:
-    """Each group's rows (token, position, call) as its RequestInput: one tensor for the whole step, copied to the
-    device once, each group's input views of it (not a few small tensors per group)."""
-    if not taken:
-        return []
-    flat = torch.tensor([row for _, rows in taken for row in rows], dtype=torch.long).T.contiguous().to(device)
-    return [(g, g.input(*part.unbind(0))) for (g, _), part in zip(taken, flat.split([len(r) for _, r in taken], 1))]
+def _inputs(batch: list[tuple[Request, Take]], device, picked: torch.Tensor | None) -> None:
+    """Each request's rows (token, position, call) as its input: one tensor for the whole step, copied to the device
+    once, each request's input views of it (not a few small tensors per request). A row whose token is not read
+    yet reads it from `picked`, the step in flight's picks on the device."""
+    if not batch:
+        return
+    flat = to_device(torch.tensor([row for _, take in batch for row in take.rows]).T.contiguous(), device)
+    if picked is not None:  # ids < 0: -1 - a pick's place (a non-finite draw, -1, reads token 0: its call fails)
+        ids = flat[0]
+        flat[0] = torch.where(ids < 0, picked.clamp_min(0)[(-1 - ids).clamp(0, picked.numel() - 1)], ids)
+    for (g, take), part in zip(batch, flat.split([len(take.rows) for _, take in batch], 1)):
+        g.input(take, *part.unbind(0))
+
+
+def _read_alone(p: torch.Tensor | None) -> list[int] | Exception | None:
+    """One request's picks read on their own (when the step's could not be read together), or the error."""
+    try:
+        return Picked([p]).read()[0]
+    except Exception as e:
+        return e
 
 
 def _mixes_rows(adapter: Adapter) -> bool:
     return getattr(adapter, "mixes_rows", False)  # (an adapter that does not say cannot share its forwards)
 
 
-def _adapted(weights: Adapter | None, adapter: str | None, batch: list[tuple[Request, RequestInput]]
+def _adapted(weights: Adapter | None, adapter: str | None, batch: list[tuple[Request, Take]]
              ) -> AbstractContextManager:
     """The adapter's weights in place for one forward: over every row, or, when base-weight rows are among them
     (other requests', or calls of its own on the base weights), over its own calls' rows only:
-    `weights(rows=bool [rows])`."""
+    `weights(rows=bool [rows])` (built on the host: nothing read from the device)."""
     if weights is None:
         return nullcontext()
-    if all(g.adapter == adapter and bool(g.adapted.all()) for g, _ in batch):
+    rows = [g.adapter == adapter and g.adapted[c] for g, take in batch for _, _, c in take.rows]
+    if all(rows):
         return weights()
-    rows = torch.cat([g.adapted.to(inp.call_of_row.device)[inp.call_of_row] if g.adapter == adapter
-                      else torch.zeros_like(inp.call_of_row, dtype=torch.bool) for g, inp in batch])
-    return weights() if bool(rows.all()) else weights(rows=rows)
+    return weights(rows=to_device(rows, batch[0][1].input.input_ids.device, torch.bool))
 
 
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, claimed: threading.Event) -> None:
@@ -593,7 +712,7 @@ def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, 
             scheduler = ref()
             if scheduler is None:
                 return
-            idle = not scheduler.waiting and not scheduler.running
+            idle = not scheduler.waiting and not scheduler.running and scheduler._flight is None
             del scheduler
             if idle:
                 cv.wait(timeout=1.0)

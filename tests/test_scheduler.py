@@ -316,20 +316,22 @@ def test_a_run_that_cannot_be_copied_in_fails_its_call_alone(checkpoint, monkeyp
     assert len(eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])) == 1 and len(tries) == 2
 
 
-@pytest.mark.parametrize("home,attention", [("dense", "sdpa"), ("paged", "sdpa"), ("paged", "flex")])
-def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home, attention):
+@pytest.mark.parametrize("home,attention,overlap", [("dense", "sdpa", False), ("paged", "sdpa", False),
+                                                    ("paged", "flex", False), ("paged", "sdpa", True)])
+def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home, attention, overlap):
     """kv_on_demand: with a pool for about two calls' max_tokens, six calls run at once on the blocks they hold,
     growing as they decode; when the pool runs dry the call admitted last is preempted and encoded again later.
     Every call's tokens (greedy and seeded sampling, fp32) are those it gives alone on an engine that reserves
     up front, its stored KV matches within fp32 noise, and everything is handed back at the end. With either KV
     home (paged: the work budget is the same, the stored answers hold blocks beside it), and with attention read in
-    place (flex: blocks handed back and taken again by other calls while a call's page table grows)."""
+    place (flex: blocks handed back and taken again by other calls while a call's page table grows), and with
+    overlap (a step that may have to preempt waits for the one in flight: a request with rows in it cannot be)."""
     path = checkpoint("llama")
     spec = Engine(EngineConfig(path)).spec
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     upfront = Engine(EngineConfig(path, kv_on_demand=False, kv_home=home))
     tight = Engine(EngineConfig(path, kv_budget_bytes=120 * per_token, kv_block_tokens=4, kv_home=home,
-                                attention=attention))
+                                attention=attention, overlap=overlap))
     calls = [(f"User: request {i}, {'with more words ' * (i % 3)}go.",
               SamplingParams(max_tokens=48, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, seed=i)) for i in range(6)]
@@ -418,13 +420,13 @@ def test_a_preempted_call_that_is_cancelled_while_it_waits_hands_everything_back
 
 
 def test_a_step_reads_its_tokens_at_once():
-    """sampling.pick and read_tokens: every group's tokens in one read, greedy rows their argmax and sampled rows
+    """sampling.pick and Picked: every group's tokens in one read, greedy rows their argmax and sampled rows
     drawn on the device from their own generators (so the same seed gives the same token whatever else is in the
     step); groups without logits: None."""
-    from braid.engine.sampling import draw, pick, read_tokens
+    from braid.engine.sampling import Picked, draw, pick
 
     def step_tokens(logits, params, gens):
-        return read_tokens([None if x is None else pick(x, p, g) for x, p, g in zip(logits, params, gens)])
+        return Picked([None if x is None else pick(x, p, g) for x, p, g in zip(logits, params, gens)]).read()
 
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(2, 50, generator=gen), None, torch.randn(1, 50, generator=gen),
@@ -489,26 +491,30 @@ def test_only_a_lone_call_that_sees_all_it_holds_is_plain(llama_engine):
     eng.free(ctx)
 
 
-@pytest.mark.parametrize("where", ["admit", "inputs"])
-def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next(checkpoint, monkeypatch, where):
+@pytest.mark.parametrize("where,overlap", [("admit", False), ("inputs", False), ("inputs", True)])
+def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next(checkpoint, monkeypatch, where,
+                                                                                 overlap):
     """A step that raises outside any one request's forward (admitting it; building the step's inputs) fails the
     request it held, with a status, instead of leaving its consumer waiting; the next request is served, with the
-    same tokens as on a fresh engine."""
+    same tokens as on a fresh engine. With overlap, the step in flight is dropped with it."""
     from braid.engine import scheduler as scheduler_module
     from braid.engine.errors import StepFailedError
 
-    eng = Engine(EngineConfig(checkpoint("llama")))
+    eng = Engine(EngineConfig(checkpoint("llama"), overlap=overlap))
     prefix = eng.prefill([PrefillCall("User: short.")])
     want = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
-    failures = []
+    failures, calls, in_flight = [], [], []
 
-    def broken(*args, **kwargs):  # (the first call fails, as a bug or a device error would)
+    def broken(*args, **kwargs):  # (one call fails, as a bug or a device error would)
         failures.append(where)
+        in_flight.append(eng.scheduler._flight is not None)
         raise RuntimeError("step broke")
 
     target = (eng.scheduler, "_admit") if where == "admit" else (scheduler_module, "_inputs")
     real = getattr(*target)
-    monkeypatch.setattr(*target, lambda *a, **k: broken() if not failures else real(*a, **k))
+    fail_at = 2 if overlap else 1  # (with overlap: the second step's, while the first is in flight)
+    monkeypatch.setattr(*target, lambda *a, **k: broken() if calls.append(1) or len(calls) == fail_at
+                        else real(*a, **k))
     stream, outcome = eng.decode_stream([DecodeCall("A:", parents=prefix, sampling=GREEDY)]), []
 
     def consume():  # (on a thread: a request the step lost would leave it waiting forever)
@@ -523,13 +529,14 @@ def test_a_failed_step_fails_the_requests_it_held_and_the_engine_serves_the_next
     assert not consumer.is_alive(), "the request's consumer was never told its step failed"
     error, = outcome
     assert isinstance(error, StepFailedError if where == "inputs" else RuntimeError) and "step broke" in str(error)
-    assert failures == [where] and getattr(error, "code", "INTERNAL") == "INTERNAL"
+    assert failures == [where] and getattr(error, "code", "INTERNAL") == "INTERNAL" and in_flight == [overlap]
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
     again = eng.decode([DecodeCall("A:", parents=prefix, sampling=GREEDY)])
     assert eng.message(again[0]).token_ids == eng.message(want[0]).token_ids
 
 
-def test_a_step_reads_the_device_once(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_reads_the_device_once(checkpoint, overlap):
     """What waits on the device (a read of a tensor's values on the host: item, tolist, bool, ...) happens once per
     step, for the sampled tokens, and never at commit (a paged message's blocks are found on the host). Counted
     for every torch call the scheduler's steps make, through a TorchFunctionMode, over parallel prefill and
@@ -550,7 +557,7 @@ def test_a_step_reads_the_device_once(checkpoint):
                 self.seen[func.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    eng = Engine(EngineConfig(checkpoint("llama")))
+    eng = Engine(EngineConfig(checkpoint("llama"), overlap=overlap))
     prefix = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
     counter, steps, step = Count(), [], eng.scheduler.step
 
@@ -577,3 +584,130 @@ def test_a_step_reads_the_device_once(checkpoint):
                             DecodeCall("Worker:", parents=[*prefix, Sibling(0)],
                                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))]))
     assert max(steps) <= 1 and sum(steps) == 6 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
+
+
+@pytest.mark.parametrize("options", [{}, {"decode_graphs": "eager"}, {"attention": "flex", "kv_block_tokens": 4}])
+def test_overlap_answers_as_the_step_by_step_loop(checkpoint, options):
+    """With overlap (each step built and launched before the tokens of the one before are read, which its rows read
+    on the device), concurrent workflows of parallel prefills and decodes (greedy and seeded sampling, stop tokens,
+    stop strings, max_tokens) give the same tokens, finish reasons and stored KV as the step-by-step loop. Calls
+    that stop on a stop token while the next step is built have that step's draw discarded (counted), none of its
+    rows is encoded, and everything is handed back."""
+    import random
+
+    def workload(seed):
+        rng = random.Random(seed)
+        stops = tuple(rng.sample(range(3, 512), 40))  # (a stop every dozen tokens or so)
+        calls = []
+        for i in range(rng.randint(1, 3)):
+            kind = rng.choice(["greedy", "seeded", "stop-ids", "stop-ids", "string"])
+            calls.append(SamplingParams(
+                max_tokens=rng.randint(1, 20), ignore_eos=True, stop_token_ids=stops if kind == "stop-ids" else (),
+                temperature=0.9 if kind == "seeded" else 0.0, seed=seed * 10 + i,
+                stop=("e",) if kind == "string" else ()))
+        return rng.choice([t for t, _ in REQUESTS]), rng.sample(["Part 3.", "One more part.", "x y z"], k=2), calls
+
+    def run(eng, task, contexts, samplings):
+        prefix = eng.prefill([PrefillCall(task)])
+        ctx = eng.prefill([PrefillCall(c, parents=prefix) for c in contexts])
+        stream = eng.decode_stream([DecodeCall("Assistant:", parents=[*prefix, ctx[i % 2]], sampling=s)
+                                    for i, s in enumerate(samplings)])
+        reasons = {e.call: e.finish_reason for e in stream if e.finish_reason}
+        return [(eng.message(m).token_ids, eng.message(m).kv.read(), reasons[i]) for i, m in enumerate(stream.ids)]
+
+    work = [workload(seed) for seed in range(8)]
+    answers = {}
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(checkpoint("llama"), overlap=overlap, **options))
+        answers[overlap] = concurrently(lambda *w: run(eng, *w), work)
+        if overlap:
+            assert eng.scheduler.discarded > 0  # (stop tokens hit while the next step was in flight)
+        pool = eng.scheduler.pool
+        assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+        assert pool.free_blocks == pool.blocks - pool.held_blocks
+    reasons = [r for a in answers[False] for _, _, r in a]
+    assert {"stop", "length"} <= set(reasons)
+    for want, got in zip(answers[False], answers[True]):
+        assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+        for (_, a, _), (_, b, _) in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_overlap_reads_a_step_s_tokens_after_launching_the_next(checkpoint):
+    """The order that lets the device run while the host works: with overlap, step k's tokens are read after step
+    k+1's forward is launched (its rows fed those tokens on the device), once per step; step by step, each step's
+    tokens are read before the next forward."""
+    from braid.engine import sampling
+
+    order = []
+    real_read = sampling.Picked.read
+
+    def read(self):
+        order.append("read")
+        return real_read(self)
+
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(checkpoint("llama"), overlap=overlap))
+        prefix = eng.prefill([PrefillCall("User: add the partial results.")])
+        forward = eng.runner.step
+        eng.runner.step = lambda *a, **k: order.append("forward") or forward(*a, **k)
+        order.clear()
+        sampling.Picked.read = read
+        try:
+            eng.decode([DecodeCall("Worker:", parents=prefix, sampling=SamplingParams(max_tokens=6, ignore_eos=True))])
+        finally:
+            sampling.Picked.read = real_read
+        # 7 forwards: the header, then each sampled token fed (the last one too: it gets KV), and 7 reads (the last
+        # step samples nothing)
+        assert order.count("forward") == 7 and order.count("read") == 7, order
+        if overlap:
+            assert order == ["forward", "forward"] + ["read", "forward"] * 5 + ["read", "read"], order
+        else:
+            assert order == ["forward", "read"] * 7, order
+
+
+def test_a_step_copies_host_values_to_the_device_without_waiting_for_it(checkpoint):
+    """Every host value a step sends to the device goes without waiting for the device's queue (engine.host:
+    pinned and asynchronous on CUDA, where a plain copy synchronises the stream and a step built while the one
+    before runs would wait for it). Checked on CPU through the torch calls Braid's code makes in the steps (the model's
+    own code moves only device tensors): no tensor made from host data straight on a device, no `to` a device that
+    may block."""
+    import os
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    import braid
+
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(braid.engine.__file__)))  # (the repository's folders)
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if torch.compiler.is_compiling():  # (flex attention's own tracing: nothing of ours)
+                return func(*args, **kwargs)
+            name = getattr(func, "__name__", "")
+            where = os.path.realpath(sys._getframe(1).f_code.co_filename)
+            if where.startswith(ours) and ".venv" not in where:
+                if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+                    seen.append((name, where, sys._getframe(1).f_lineno))
+                if name == "to" and not kwargs.get("non_blocking") and (
+                        "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])):
+                    seen.append((name, where, sys._getframe(1).f_lineno))
+            return func(*args, **kwargs)
+
+    for options in ({}, {"decode_graphs": "eager"}, {"attention": "flex"}):
+        eng = Engine(EngineConfig(checkpoint("llama"), overlap=True, **options))
+        prefix = eng.prefill([PrefillCall("User: add the partial results of every worker please.")])
+        step = eng.scheduler.step
+
+        def watched():
+            with Watch():
+                step()
+
+        eng.scheduler.step = watched
+        ctx = eng.prefill([PrefillCall(t, parents=prefix) for t in ["Part 3.", "Part 4 and 5 then six."]])
+        eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=SamplingParams(max_tokens=5, ignore_eos=True))
+                    for c in ctx])
+        assert not seen, (options, seen)
