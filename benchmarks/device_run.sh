@@ -22,6 +22,7 @@ PY=${PY:-python3}
 if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape's 4096 positions, one timed run)
   LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
   SERVE_ARGS=${SERVE_ARGS:---concurrency 2 --requests-per-level 1 --transports local --worker-max-tokens 4 --answer-max-tokens 4}
+  DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -60,7 +61,7 @@ fi
 step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
   tests/test_cuda_graphs.py
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
-  --rows 15 --flex --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
+  --rows 15 --flex --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 if [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]]; then  # (its braid on PYTHONPATH: benchmarks.revision)
   [[ -e $BASELINE/models/braid-reference ]] || ln -s "$PWD/models/braid-reference" "$BASELINE/models/braid-reference"
   rm -rf /tmp/braid-baseline

@@ -10,7 +10,9 @@ thread), then torch.profiler's tables of the forwards as they come (top ops by s
 time, and the host-device copies and synchronisations) and the launches of a graphed one. With `--flex`, a second
 engine on the same checkpoint whose attention reads the KV pool in place (attention: flex, FlexAttention through
 page tables; compiled on CUDA, eager on CPU) decodes the same way, its rounds alternating with the first engine's
-graphed ones, and at each concurrency. Writes JSON.
+graphed ones, and at each concurrency. With `--overlap`, the first engine's scheduler (graphs on) with and without
+overlap (EngineConfig.overlap: each step launched before the tokens of the one before are read), alternating:
+ms per token at batch 1 and tokens/s at each concurrency. Writes JSON.
 """
 
 import argparse
@@ -39,6 +41,7 @@ def parse_args(argv=None):
                    help="calls decoding at once, for the throughput table (none: skip it)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each side-by-side timing (median kept)")
     p.add_argument("--flex", action="store_true", help="also time an engine with attention: flex (module doc)")
+    p.add_argument("--overlap", action="store_true", help="also time the scheduler's overlap on against off")
     p.add_argument("--kv-gib", type=float, default=0.0,
                    help="each engine's work KV in GiB (0: the engine's default; give one with --flex on a GPU, so "
                         "that two engines and transformers' copy fit)")
@@ -153,6 +156,29 @@ def flex_side_by_side(eng, flex, prompt, args, sync) -> dict:
     return out
 
 
+def overlap_side_by_side(eng, ctx, args) -> dict:
+    """The engine's scheduler with overlap off and on (the same engine, switched between runs), rounds alternating:
+    ms per token at batch 1, then tokens/s at each concurrency (medians)."""
+    def both(measure):
+        runs = {False: [], True: []}
+        for _ in range(args.rounds):
+            for on in runs:
+                eng.scheduler.overlap = on
+                runs[on].append(measure())
+        eng.scheduler.overlap = eng.config.overlap
+        return [sorted(v)[len(v) // 2] for v in runs.values()]
+
+    off_s, on_s = both(lambda: engine_decode(eng, ctx, args.tokens))
+    out = {"off_ms_per_token": 1e3 * off_s, "on_ms_per_token": 1e3 * on_s, "speedup": off_s / on_s,
+           "concurrency": []}
+    print(f"overlap: {1e3 * on_s:.2f} ms/token against {1e3 * off_s:.2f} without ({out['speedup']:.2f}x)", flush=True)
+    for n in args.concurrency:
+        off, on = both(lambda: concurrent_decode(eng, ctx, args.tokens, n))
+        out["concurrency"].append({"calls": n, "off_tokens_per_s": off, "on_tokens_per_s": on})
+        print(f"  {n} calls at once: overlap {on:.1f} tokens/s, without {off:.1f} ({on / off:.2f}x)", flush=True)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,6 +224,8 @@ def main(argv=None):
               f"({rate['graphs'] / rate['eager']:.2f}x)", flush=True)
     if flex is not None:
         result["flex"] = flex_side_by_side(eng, flex, prompt, args, sync)
+    if args.overlap:
+        result["overlap"] = overlap_side_by_side(eng, ctx, args)
     if graphs is not None:
         result["graph_buckets"], result["graph_captures"] = len(graphs.buckets), graphs.captures
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -1347,9 +1347,17 @@ def decode_gpu_rows(full: dict) -> list[list[str]]:
              f"{full['graphs_launches_per_forward']:.0f}", ""],
             ["device busy per forward, ms", f"{full['device_ms_per_forward']:.1f}",
              f"{full['graphs_device_ms_per_forward']:.1f}", ""]]
-    return rows + [[f"{w['calls']} call{'s' if w['calls'] > 1 else ''} at once, tokens/s",
-                    f"{w['eager_tokens_per_s']:.0f}", f"{w['graphs_tokens_per_s']:.0f}",
-                    times(w["graphs_tokens_per_s"] / w["eager_tokens_per_s"])] for w in full["concurrency"]]
+    rows += [[f"{w['calls']} call{'s' if w['calls'] > 1 else ''} at once, tokens/s",
+              f"{w['eager_tokens_per_s']:.0f}", f"{w['graphs_tokens_per_s']:.0f}",
+              times(w["graphs_tokens_per_s"] / w["eager_tokens_per_s"])] for w in full["concurrency"]]
+    if "overlap" in full:  # (graphs on, the scheduler's overlap off then on: the columns' second comparison)
+        o = full["overlap"]
+        rows += [["graphs, overlap off / on: batch-1 ms per token", f"{o['off_ms_per_token']:.2f}",
+                  f"{o['on_ms_per_token']:.2f}", times(o["speedup"], 1)]]
+        rows += [[f"graphs, overlap off / on: {w['calls']} calls, tokens/s", f"{w['off_tokens_per_s']:.0f}",
+                  f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
+                 for w in o["concurrency"] if w["calls"] > 1]
+    return rows
 
 
 def engine_decode_gpu(r: Report) -> str:

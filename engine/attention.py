@@ -50,10 +50,10 @@ def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
     return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def mask_needed(device: torch.device, dtype: torch.dtype, visible: torch.Tensor) -> bool:
+def mask_needed(device: torch.device, dtype: torch.dtype, plain: bool) -> bool:
     """False only when a group can go to flash-attn without a mask: plain causal attention over its whole cache
-    (one call, bool visible [1, segments], that sees every entry). Reads `visible` only where flash is usable."""
-    return not (use_flash(device, dtype) and visible.shape[0] == 1 and bool(visible.all()))
+    (`plain`: one call that sees every entry, known on the host: RequestInput.plain)."""
+    return not (use_flash(device, dtype) and plain)
 
 
 DECODE_ROWS = 8  # masked queries of at most this many rows skip cuDNN on CUDA (module docstring)

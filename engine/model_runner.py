@@ -509,7 +509,7 @@ class ModelRunner:
             g.slots = torch.cat([torch.arange(lead.start, lead.stop, device=cache.index.device), g.slots])
             write = torch.cat([cache.index[lead.start:lead.stop], write])
         mask, full = None, False
-        if masked or mask_needed(self.lm.device, self.lm.dtype, g.visible):
+        if masked or mask_needed(self.lm.device, self.lm.dtype, g.plain):
             if g.plain and not r and len(g.input_ids) == 1:
                 full = True
             else:

@@ -63,10 +63,11 @@ def test_loadtest_drives_a_server_and_writes_its_report(tmp_path, capsys):
 
 
 def test_short_soak_stays_within_its_memory_bounds():
-    """The soak script's short version: a 4 MiB store (the working set of 4 workflows, and little more) keeps
-    evicting the prefix cache and finished sessions' messages all along, and 1 MiB of work KV (256 tokens of
-    this model) keeps preempting calls; nothing fails."""
-    result = soak(REFERENCE_MODEL, 8.0, 4, 4 << 20, Workload(worker_max_tokens=8, answer_max_tokens=8),
+    """The soak script's short version: a 4 MiB store (about the working set of the workflows running at once)
+    keeps evicting the prefix cache and finished sessions' messages all along, and 1 MiB of work KV (256 tokens of
+    this model) under 8 workflows at once keeps preempting calls (at 4 at once it preempted 0 to 4 times in 8 s:
+    too near 0 to test); nothing fails."""
+    result = soak(REFERENCE_MODEL, 8.0, 8, 4 << 20, Workload(worker_max_tokens=8, answer_max_tokens=8),
                   kv_budget_bytes=1 << 20)
     ok, line = verdict(result, max_growth_mib=128)
     assert ok, line
