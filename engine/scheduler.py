@@ -16,6 +16,7 @@ and it waits at the head of the queue to encode again what it had (recompute, as
 goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
 """
 
+import atexit
 import enum
 import logging
 import queue
@@ -385,6 +386,7 @@ class Scheduler:
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv, threads, claimed),
                                         name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
+        _LOOPS[:] = [(t, cv) for t, cv in _LOOPS if t.is_alive()] + [(self._thread, self._cv)]
         claimed.wait()
 
     def submit(self, group: Request) -> None:
@@ -698,8 +700,25 @@ def _adapted(weights: Adapter | None, adapter: str | None, batch: list[tuple[Req
     return weights(rows=to_device(rows, batch[0][1].input.input_ids.device, torch.bool))
 
 
+# Every scheduler thread, ended at exit before the interpreter finalizes: a daemon thread still in a step then (freeing
+# its tensors releases the GIL, which it may not take back once finalizing) would abort the process.
+_LOOPS: list[tuple[threading.Thread, threading.Condition]] = []
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _end_loops() -> None:
+    _EXITING.set()
+    for _, cv in _LOOPS:
+        with cv:
+            cv.notify_all()
+    for thread, _ in _LOOPS:
+        thread.join(timeout=30)
+
+
 def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, claimed: threading.Event) -> None:
-    """The scheduler's thread: step while there is work, wait (holding no reference to it) while not."""
+    """The scheduler's thread: step while there is work, wait (holding no reference to it) while not; it ends with
+    its scheduler, or at exit."""
     try:
         if threads:
             claim(threads)
@@ -707,7 +726,7 @@ def _loop(ref: "weakref.ref[Scheduler]", cv: threading.Condition, threads: int, 
         log.exception("could not set the scheduler's intra-op threads to %d", threads)
     finally:
         claimed.set()
-    while True:
+    while not _EXITING.is_set():
         with cv:
             scheduler = ref()
             if scheduler is None:

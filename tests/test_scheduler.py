@@ -711,3 +711,29 @@ def test_a_step_copies_host_values_to_the_device_without_waiting_for_it(checkpoi
         eng.decode([DecodeCall("Worker:", parents=[*prefix, c], sampling=SamplingParams(max_tokens=5, ignore_eos=True))
                     for c in ctx])
         assert not seen, (options, seen)
+
+
+def test_a_process_that_exits_as_its_last_calls_end_exits_cleanly(checkpoint):
+    """The scheduler's thread is ended at exit, before the interpreter finalizes: a step still freeing its tensors
+    when the main thread returns (its consumers were told first) would otherwise abort the process ("terminate
+    called without an active exception"; it did in about half of such runs)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import threading
+from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
+eng = Engine(EngineConfig({checkpoint("llama")!r}))
+ctx = eng.prefill([PrefillCall(list(range(3, 67)))])
+streams = [eng.decode_stream([DecodeCall([5 + i], parents=ctx, sampling=SamplingParams(max_tokens=16,
+                                                                                        ignore_eos=True))])
+           for i in range(64)]
+threads = [threading.Thread(target=lambda s=s: list(s)) for s in streams]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
