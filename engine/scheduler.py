@@ -14,6 +14,12 @@ and takes more, a block at a time, as it decodes; any other request is admitted 
 may write. When no block is free, the newest request that may grow is preempted: its blocks go back,
 and it waits at the head of the queue to encode again what it had (recompute, as vLLM's default), then
 goes on sampling where it stopped. Its consumer sees nothing of this but the pause.
+
+Every sampled token is fed back as a row (it gets KV), queued when its step is launched, its id still on the device
+(Request.feed). Step by step, the step's tokens are read before the next is scheduled. With `overlap`, the next step is
+built and launched first, its fed rows reading their ids on the device, and the tokens are read while it runs; a call
+that stopped on one of them has its next draw discarded. A request with rows in a launched step is never preempted: a
+step that may have to preempt waits for the one in flight.
 """
 
 import atexit
@@ -102,7 +108,8 @@ class RequestKV(Protocol):
 class Request:
     """One engine request through the scheduler: its calls (engine.call.Call), its work cache, its status.
 
-    Built by the engine after validation. Rows are (token, position, call index); a decode call samples its next
+    Built by the engine after validation. Rows are (token, position, call index) (a fed row's token, until read, the
+    place of its pick on the device: Take.rows); a decode call samples its next
     token from the logits of its last encoded row. A decode request's prefill calls come first (`lead` of them):
     their rows are encoded before any other, attending a run of the cache of their own (engine.model_runner)."""
 

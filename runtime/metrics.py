@@ -40,6 +40,8 @@ def metrics() -> dict:
         "work_kv_bytes": Gauge("braid_work_kv_bytes", "Paged work-KV bytes held by running calls."),
         "preemptions": Counter("braid_scheduler_preemptions", "Calls preempted for work-KV room (encoded again "
                                "later)."),
+        "discarded": Counter("braid_scheduler_discarded_draws", "Tokens drawn in vain with overlap: for a call that "
+                             "had stopped on a token not read yet."),
         "kv_copied": Counter("braid_kv_copied_bytes", "KV bytes an engine copied: parents into its pool at reuse "
                              "(none for a parent read in place), a finished call's KV out at commit.",
                              tag_keys=("at",)),
@@ -63,7 +65,7 @@ def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) ->
     """Keep this replica's engine gauges (scheduler queue, batch and preemptions, work KV, store, prefix cache)
     current, and with `recovery` (runtime.sessions.AgentLogic.recovery) its counts of messages encoded again."""
     m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
-    counted = {"preemptions": 0, "reuse": 0, "commit": 0, **{k: 0 for k in RECOVERY}}
+    counted = {"preemptions": 0, "discarded": 0, "reuse": 0, "commit": 0, **{k: 0 for k in RECOVERY}}
 
     def loop():
         while (engine := ref()) is not None:
@@ -72,10 +74,11 @@ def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) ->
                 m["waiting"].set(load["waiting"])
                 m["running"].set(load["running"])
                 m["work_kv_bytes"].set(load["reserved_bytes"])
-                preemptions = engine.scheduler.preemptions
-                if preemptions > counted["preemptions"]:
-                    m["preemptions"].inc(preemptions - counted["preemptions"])
-                    counted["preemptions"] = preemptions
+                for key in ("preemptions", "discarded"):
+                    now = getattr(engine.scheduler, key)
+                    if now > counted[key]:
+                        m[key].inc(now - counted[key])
+                        counted[key] = now
                 m["store_bytes"].set(engine.store.used_bytes)
                 for at, copied in engine.kv_copied.items():
                     if copied > counted[at]:
