@@ -1407,7 +1407,10 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       # then a mapped parent placed as one copy, its keys rotated in it in place
       "ab_synthesis_ttft_100m_paged_placed",
       # the final tree of that work (sampled rows drawn on the device too) at serving
-      "ab_serving_c16_final", "ab_synthesis_ttft_100m_final"]
+      "ab_serving_c16_final", "ab_synthesis_ttft_100m_final",
+      # the step loop with one Take per request per step and host copies that do not wait (overlap off, the default),
+      # against the tree before it
+      "ab_serving_c16_take", "ab_synthesis_ttft_100m_take"]
 
 
 def engine_ab(r: Report) -> str:
@@ -1436,7 +1439,10 @@ def engine_ab(r: Report) -> str:
             "values were placed apart (each gathered and copied once, nothing stacked between), against d3cd457;",
             "`_paged_placed`, once a parent a calibration's mapper maps was also placed as one copy, its keys",
             "rotated in it in place (the `_9x` run before it had the mapped modes 2.6% and 4.3% slower by median);",
-            "`_final`, the tree at the end of that work (sampled rows drawn on the device, paged reads guarded).")),
+            "`_final`, the tree at the end of that work (sampled rows drawn on the device, paged reads guarded).",
+            "The `_take` runs measure the step loop rebuilt for overlap scheduling (one `Take` per request per",
+            "step, fed rows, host copies that do not wait), with overlap off as by default, against the tree",
+            "before it (efd9e9a).")),
         r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
                  "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),
