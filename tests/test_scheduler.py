@@ -716,7 +716,7 @@ def test_a_step_copies_host_values_to_the_device_without_waiting_for_it(checkpoi
 def test_a_process_that_exits_as_its_last_calls_end_exits_cleanly(checkpoint):
     """The scheduler's thread is ended at exit, before the interpreter finalizes: a step still freeing its tensors
     when the main thread returns (its consumers were told first) would otherwise abort the process ("terminate
-    called without an active exception"; without the fix, one of two runs of this test saw it)."""
+    called without an active exception"; without the fix, about one such process in three did)."""
     import subprocess
     import sys
 
