@@ -248,7 +248,8 @@ class Request:
         picks on the device (`start` + i, read there by the next step's input), or `tokens[i]` when already read."""
         for i, c in enumerate(take.logit_calls):
             call = self.calls[c]
-            token = tokens[i] if tokens is not None else -1 - (start + i)
+            # (a non-finite draw, -1, is fed as token 0: its call fails when advanced, never reaching the embedding)
+            token = max(tokens[i], 0) if tokens is not None else -1 - (start + i)
             row = [token, call.offset + len(call.all_tokens) + len(call.fed), c]  # (after the ones not read yet)
             call.fed.append(row)
             self.pending.append(row)
@@ -295,7 +296,8 @@ class Request:
         return True
 
     def _drop(self, row: list) -> None:
-        """Take a pending row out (it is still pending: Scheduler.step reads a step's tokens before the next take)."""
+        """Take a pending row out (it is still pending: one step is in flight at most, so the only row fed after the
+        token read now was fed by the step just launched, after its take)."""
         for i, r in enumerate(self.pending):
             if r is row:
                 del self.pending[i]
