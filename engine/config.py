@@ -75,9 +75,18 @@ class EngineConfig:
     attention: str = "sdpa"
     # build and launch each step before reading the tokens the step before sampled (engine.scheduler): on CUDA the
     # host's work of a step (scheduling, inputs, reading tokens, detokenizing) then runs while the device runs the
-    # step before, at the cost of one discarded draw for a call that stops on a stop token. Tokens are the same
-    # either way. Off by default until a GPU run measures it (benchmarks/device_run.sh); on CPU it cannot pay
+    # step before, at the cost of one discarded draw for a call that stops on a stop token. Each call gets the
+    # tokens it would get step by step wherever the kernels give a row the same result in any batch (the CPU
+    # tests); on a GPU the batches differ, so rare near-ties may not. Off by default until a GPU run measures it
+    # (benchmarks/device_run.sh); on CPU it cannot pay
     overlap: bool = False
+    # base-weight forwards run the decoder through torch.compile (inductor): one graph for every row count, the norms,
+    # rotary embeddings and activations between the attention ops fused into fewer kernels (on CUDA, fewer launches
+    # for a forward run as it comes and for each decode graph's replay). Attention and the KV writes stay as they are,
+    # one op per layer the compiler does not look into (engine.attention.step_attention). The first forwards
+    # compile (seconds to minutes, logged); a model that does not compile runs as it comes. Adapter forwards run as
+    # they come. Off by default until a GPU run measures it (benchmarks/device_run.sh); on CPU it compiles C++
+    compile: bool = False
     # intra-op threads of the forwards on CPU, set in the scheduler's thread; 0: as many as the thread making the
     # engine has (torch's default: the cores). The engine keeps the scheduler's thread the only one with several
     # (engine.threads: libgomp slows every pool down once the process's pooled threads outnumber the cores), so a
@@ -103,7 +112,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (0: auto), got {self.kv_budget_bytes}")
-        for name in ("share_parents", "kv_on_demand", "mix_adapters", "overlap"):
+        for name in ("share_parents", "kv_on_demand", "mix_adapters", "overlap", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:

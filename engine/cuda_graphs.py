@@ -19,7 +19,9 @@ padded forward without capturing it.
 
 A graph replays the weights it was captured with. The scheduler's LoRA forwards swap merged copies of the
 adapted weights in (methods.calibration.MergedLora) over every row when there are no leading prefill rows, as in a
-static forward, so buckets are kept per weights: base, or each adapter, captured while it is in place.
+static forward, so buckets are kept per weights: base, or each adapter, captured while it is in place. Where the
+runner compiles (EngineConfig.compile), a base-weight bucket's forward is the compiled one (compiled in the warm-up
+before its capture), and its graph replays the compiled kernels.
 """
 
 import logging
@@ -113,6 +115,7 @@ class PaddedStep(_Step):
 @dataclass(eq=False)
 class _Bucket:
     step: PaddedStep
+    weights: object = None  # the weights in place for its forwards (None: the base ones)
     graph: "torch.cuda.CUDAGraph | None" = None
     hidden: torch.Tensor | None = None  # the captured forward's output: last hidden states [G * R, hidden]
     replays: int = 0
@@ -152,7 +155,7 @@ class DecodeGraphs:
         key = (weights, shape)
         b = self.buckets.get(key)
         if b is None:
-            b = self._bucket(shape)
+            b = self._bucket(shape, weights)
             if b is None:
                 return None
             if len(self.buckets) == MAX_BUCKETS:
@@ -161,22 +164,22 @@ class DecodeGraphs:
         self.buckets.move_to_end(key)
         b.step.load(groups, parts)
         if b.graph is None:
-            return self._forward(b.step)
+            return self._forward(b)
         with torch.cuda.device(self.pool.kv.device):  # (the engine's device may not be the thread's current one)
             b.graph.replay()
         self.replays += 1
         b.replays += 1
         return b.hidden
 
-    def _forward(self, step: PaddedStep) -> torch.Tensor:
-        return self.runner.forward(step.input_ids, step.positions, step)  # [G * R, hidden]
+    def _forward(self, b: _Bucket) -> torch.Tensor:
+        return self.runner.forward(b.step.input_ids, b.step.positions, b.step, b.weights)  # [G * R, hidden]
 
-    def _bucket(self, shape: tuple[int, int, int]) -> _Bucket | None:
+    def _bucket(self, shape: tuple[int, int, int], weights=None) -> _Bucket | None:
         """A new bucket's buffers, and its graph captured over them while every row is padding (it writes
         only the trash slot). None when the device has no memory for it. A capture that fails otherwise (an op
         a graph cannot hold) leaves that bucket, and every later one, eager."""
         try:
-            b = _Bucket(PaddedStep(self.pool, shape))
+            b = _Bucket(PaddedStep(self.pool, shape), weights)
             if self.capture:
                 self._capture(b)
             return b
@@ -193,12 +196,12 @@ class DecodeGraphs:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # (warm-up off the graph: lazy initialisations, cuBLAS workspaces)
-                    for _ in range(2):
-                        self._forward(b.step)
+                    for _ in range(2):  # (a compiled forward compiles here, where the shape is new to it)
+                        self._forward(b)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                    b.hidden = self._forward(b.step)
+                    b.hidden = self._forward(b)
             b.graph = graph
             self.captures += 1
             log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *b.step.shape)

@@ -198,7 +198,7 @@ class Engine:
             if config.attention == "flex" and self.lm.device.type == "cuda" and config.kv_block_tokens < 16:
                 raise ValueError(f"attention flex on CUDA needs kv_block_tokens of 16 or more (its kernel's smallest "
                                  f"tile), got {config.kv_block_tokens}")
-            self.runner = ModelRunner(self.lm, config.attention)
+            self.runner = ModelRunner(self.lm, config.attention, config.compile)
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None

@@ -18,16 +18,19 @@ whose blocks go back to the pool once the lead rows are encoded.
 """
 
 import bisect
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from braid.engine.attention import mask_needed, paged_mask
+from braid.engine.attention import IN_GRAPH, forward_step, mask_needed, paged_mask
 from braid.engine.host import to_device
 from braid.engine.model import LoadedModel
 from braid.engine.store import DenseKV
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -442,13 +445,22 @@ class _Step:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, attention: str = "sdpa"):
-        """`attention`: "sdpa" (keys gathered out of the pool) or "flex" (read in place: _Step's `in_place`)."""
+    def __init__(self, lm: LoadedModel, attention: str = "sdpa", compile: bool = False):
+        """`attention`: "sdpa" (keys gathered out of the pool) or "flex" (read in place: _Step's `in_place`).
+        `compile`: base-weight forwards run the decoder through torch.compile (EngineConfig.compile)."""
         self.lm = lm
         self.in_place = attention == "flex"
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
+        self.compiled = self.compiled_decoder() if compile else None
+        self.compiled_forwards = 0  # forwards that ran compiled
+
+    def compiled_decoder(self):
+        """The decoder through torch.compile (compiled at its first forward): one graph for every forward's rows
+        (dynamic), attention an opaque op per layer (attention.step_attention); fullgraph, so that a model whose
+        graph would break runs as it comes instead (`forward`)."""
+        return torch.compile(self.decoder, dynamic=True, fullgraph=True)
 
     @torch.inference_mode()
     def step(self, groups: list[RequestInput], weights=None) -> list[torch.Tensor | None]:
@@ -473,7 +485,7 @@ class ModelRunner:
                                                      for i, g in enumerate(groups)])
         input_ids = torch.cat([g.input_ids for g in groups])[None]
         positions = torch.cat([g.positions for g in groups])[None]
-        hidden = self.forward(input_ids, positions, _Step(parts, self.in_place))
+        hidden = self.forward(input_ids, positions, _Step(parts, self.in_place), weights)
         return self._logits(groups, hidden, [p.rows for p in parts])
 
     def _logits(self, groups: list[RequestInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
@@ -487,9 +499,25 @@ class ModelRunner:
         logits = iter(self.lm_head(hidden.index_select(0, index)).float().split([len(w) for w in wanted]))
         return [None if g.logit_rows is None else next(logits) for g in groups]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step") -> torch.Tensor:
-        """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step", weights=None) -> torch.Tensor:
+        """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden].
+        Compiled where the runner compiles and the base weights are in place (`weights` None: an adapter's swap
+        would be another graph's worth of guards)."""
         placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # (masks are per part)
+        if self.compiled is not None and weights is None:
+            if not self.compiled_forwards:
+                log.info("compiling the decoder: its first forwards take seconds to minutes")
+            try:
+                # (off: a debug check that runs a compiled graph's first call under a dispatch mode of its own, in
+                # which FlexAttention's eager mask, inside the attention op, cannot be built)
+                with forward_step(step), torch._functorch.config.patch(check_custom_op_aliasing=False):
+                    out = self.compiled(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
+                                        use_cache=False, braid_step=IN_GRAPH)
+                self.compiled_forwards += 1
+                return out.last_hidden_state[0]
+            except torch._dynamo.exc.TorchDynamoException:  # (compiling failed: nothing of this forward ran)
+                log.exception("compiling the decoder failed; its forwards run as they come")
+                self.compiled = None
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
                            past_key_values=step, use_cache=True, braid_step=step)
         return out.last_hidden_state[0]

@@ -395,7 +395,8 @@ class Scheduler:
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._cv, threads, claimed),
                                         name=f"braid-scheduler-{name}", daemon=True)
         self._thread.start()
-        _LOOPS[:] = [(t, cv) for t, cv in _LOOPS if t.is_alive()] + [(self._thread, self._cv)]
+        with _LOOPS_LOCK:  # (engines may be built on several threads at once)
+            _LOOPS[:] = [(t, cv) for t, cv in _LOOPS if t.is_alive()] + [(self._thread, self._cv)]
         claimed.wait()
 
     def submit(self, group: Request) -> None:
@@ -712,16 +713,19 @@ def _adapted(weights: Adapter | None, adapter: str | None, batch: list[tuple[Req
 # Every scheduler thread, ended at exit before the interpreter finalizes: a daemon thread still in a step then (freeing
 # its tensors releases the GIL, which it may not take back once finalizing) would abort the process.
 _LOOPS: list[tuple[threading.Thread, threading.Condition]] = []
+_LOOPS_LOCK = threading.Lock()
 _EXITING = threading.Event()
 
 
 @atexit.register
 def _end_loops() -> None:
     _EXITING.set()
-    for _, cv in _LOOPS:
+    with _LOOPS_LOCK:
+        loops = list(_LOOPS)
+    for _, cv in loops:
         with cv:
             cv.notify_all()
-    for thread, _ in _LOOPS:
+    for thread, _ in loops:
         thread.join(timeout=30)
 
 

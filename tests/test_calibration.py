@@ -77,6 +77,30 @@ def test_identity_calibration_leaves_cached_synthesis_bit_identical(checkpoint, 
     workers.free()
 
 
+def test_compiled_forwards_run_the_base_weights_and_answer_as_without(checkpoint, tmp_path):
+    """With `compile`, a calibrated synthesis (the workers on the base weights, the synthesizer under its LoRA,
+    whose rows share forwards with base rows) gives the same tokens and KV as without: forwards with the base
+    weights in place run compiled, those with the adapter's run as they come (a compiled graph would hold the
+    weights it was traced with)."""
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "cal", random=True)
+    plain, compiled = (load_engine(EngineConfig(ckpt, calibration=cal, compile=c)) for c in (False, True))
+    runner, seen = compiled.runner, []
+    forward = runner.forward
+
+    def checked(input_ids, positions, step, weights=None):
+        seen.append(weights is None)
+        return forward(input_ids, positions, step, weights)
+
+    runner.forward = checked
+    task = generate("chain", 3, 3)
+    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
+           for e in (plain, compiled)]
+    assert got[0][0] == got[1][0]
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-4, atol=1e-4)
+    assert True in seen and False in seen and runner.compiled_forwards == seen.count(True)
+
+
 def test_mapper_scale_commutes_with_rope_and_starts_as_identity():
     mapper = CacheMapper(MapperConfig(2, 2, 8, branch_slots=2))
     kv = torch.randn(2, 2, 2, 5, 8)

@@ -294,7 +294,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
            "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree"),
            "BUDGET": "1500"}
     for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS", "CAL_ARGS", "SERVE_ARGS",
-                 "BASE_ARGS", "KV_GIB"):
+                 "BASE_ARGS", "KV_GIB", "GRAPH_TESTS"):
         env.pop(name, None)  # (the script's own defaults)
     # the engine to compare against, as the device run carries it (here this commit's, where there is git history)
     baseline = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_baseline.sh"), "HEAD",
@@ -311,9 +311,10 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
         assert (tmp_path / "baseline" / "profile_decode_cpu.json").exists()
     for name in ("profile_decode", "serving", "synthesis_ttft", "kvcomm", "batched_forward", "calibration_cost_tiny"):
         assert (tmp_path / f"{name}_cpu.json").exists(), name
-    with open(tmp_path / "profile_decode_cpu.json") as f:  # (attention flex, and overlap, timed beside the default)
+    with open(tmp_path / "profile_decode_cpu.json") as f:  # (attention flex, overlap and compile beside the default)
         decode = json.load(f)
     assert decode["flex"]["flex_ms_per_token"] > 0 and decode["overlap"]["on_ms_per_token"] > 0
+    assert decode["compile"]["on_ms_per_token"] > 0 and decode["compile"]["on_prefill_ms"] > 0
     engine_tests = log.split(" engine_tests\n", 1)[1].split(" engine_tests rc=", 1)[0]
     assert "[100%]" in engine_tests, engine_tests  # (they ran: pytest's rc 0 means collected and passed)
     assert log.rstrip().endswith("done") and (tmp_path / "device.log").exists()

@@ -186,12 +186,13 @@ def test_the_padded_forward_never_waits_for_the_device(padded_engine, monkeypatc
     for g in groups:
         parts.append(padded_engine.runner._part(g, start, masked=True))
         start = parts[-1].rows.stop
-    padded = graphs._bucket(shape).step
+    bucket = graphs._bucket(shape)
+    padded = bucket.step
     padded.load(groups, parts)
     # (as on CUDA: decode-sized masked queries on SDPA's math kernel, which CPU runs too)
     monkeypatch.setattr(attention, "skips_cudnn", lambda *args: True)
     with torch.inference_mode(), Ops():
-        graphs._forward(padded)
+        graphs._forward(bucket)
     assert {"linear", "index_copy_", "index_select", "_scaled_dot_product_attention_math"} <= seen
     assert not seen & set(SYNCS)
     release(padded_engine, groups)
@@ -282,6 +283,26 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
     assert {w for w, _ in buckets} == {None, lora}
     for weights in (None, lora):  # (both sets of weights replayed from graphs of their own)
         assert any(b.graph is not None and b.replays for (w, _), b in buckets.items() if w == weights)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_compiled_forwards_are_captured_and_replayed(checkpoint):
+    """On CUDA, with `compile`: each bucket's graph captures the compiled forward and replays it bit-identically
+    (against the same compiled padded forward run as it comes), and whole workflows give the tokens of an engine
+    that neither compiles nor captures."""
+    graphed, eager, off = (load_engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", compile=c,
+                                                    decode_graphs=mode, kv_budget_bytes=BUDGET))
+                           for mode, c in (("auto", True), ("eager", True), ("off", False)))
+    for seed, (lengths, rows) in enumerate((([7, 33, 90], [1, 3, 2]), ([200], [1]))):
+        a, b = groups_over(graphed, lengths, rows, seed), groups_over(eager, lengths, rows, seed)
+        for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
+            assert torch.equal(x, y)
+        release(graphed, a), release(eager, b)
+    graphs = graphed.runner.graphs
+    assert graphs.capture and graphs.captures == 2 and graphed.runner.compiled is not None  # (nothing fell back)
+    alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
+    assert concurrently(lambda t, c: workflow(graphed, t, c), REQUESTS * 2) == alone * 2
+    assert graphs.replays > 2
 
 
 def test_a_plain_call_s_decode_row_builds_no_mask_and_reads_the_same(padded_engine):

@@ -586,28 +586,27 @@ def test_a_step_reads_the_device_once(checkpoint, overlap):
     assert max(steps) <= 1 and sum(steps) == 6 and set(counter.seen) == {"tolist"}, (steps, counter.seen)
 
 
-@pytest.mark.parametrize("options", [{}, {"decode_graphs": "eager"}, {"attention": "flex", "kv_block_tokens": 4}])
-def test_overlap_answers_as_the_step_by_step_loop(checkpoint, options):
-    """With overlap (each step built and launched before the tokens of the one before are read, which its rows read
-    on the device), concurrent workflows of parallel prefills and decodes (greedy and seeded sampling, stop tokens,
-    stop strings, max_tokens) give the same tokens, finish reasons and stored KV as the step-by-step loop. Calls
-    that stop on a stop token while the next step is built have that step's draw discarded (counted), none of its
-    rows is encoded, and everything is handed back."""
+def _workload(seed):
+    """A workflow: a task, two branch contexts, and 1-3 decode calls' sampling (greedy, seeded, stop tokens about
+    every dozen tokens, a stop string; max_tokens 1-20)."""
     import random
 
-    def workload(seed):
-        rng = random.Random(seed)
-        stops = tuple(rng.sample(range(3, 512), 40))  # (a stop every dozen tokens or so)
-        calls = []
-        for i in range(rng.randint(1, 3)):
-            kind = rng.choice(["greedy", "seeded", "stop-ids", "stop-ids", "string"])
-            calls.append(SamplingParams(
-                max_tokens=rng.randint(1, 20), ignore_eos=True, stop_token_ids=stops if kind == "stop-ids" else (),
-                temperature=0.9 if kind == "seeded" else 0.0, seed=seed * 10 + i,
-                stop=("e",) if kind == "string" else ()))
-        return rng.choice([t for t, _ in REQUESTS]), rng.sample(["Part 3.", "One more part.", "x y z"], k=2), calls
+    rng = random.Random(seed)
+    stops = tuple(rng.sample(range(3, 512), 40))
+    calls = []
+    for i in range(rng.randint(1, 3)):
+        kind = rng.choice(["greedy", "seeded", "stop-ids", "stop-ids", "string"])
+        calls.append(SamplingParams(
+            max_tokens=rng.randint(1, 20), ignore_eos=True, stop_token_ids=stops if kind == "stop-ids" else (),
+            temperature=0.9 if kind == "seeded" else 0.0, seed=seed * 10 + i,
+            stop=("e",) if kind == "string" else ()))
+    return rng.choice([t for t, _ in REQUESTS]), rng.sample(["Part 3.", "One more part.", "x y z"], k=2), calls
 
-    def run(eng, task, contexts, samplings):
+
+def _answers(eng, workflows=8):
+    """`workflows` workflows run at once on `eng` (parallel prefills, then decodes reading them): each decode call's
+    tokens, stored KV and finish reason; then checks that everything was handed back."""
+    def run(task, contexts, samplings):
         prefix = eng.prefill([PrefillCall(task)])
         ctx = eng.prefill([PrefillCall(c, parents=prefix) for c in contexts])
         stream = eng.decode_stream([DecodeCall("Assistant:", parents=[*prefix, ctx[i % 2]], sampling=s)
@@ -615,22 +614,88 @@ def test_overlap_answers_as_the_step_by_step_loop(checkpoint, options):
         reasons = {e.call: e.finish_reason for e in stream if e.finish_reason}
         return [(eng.message(m).token_ids, eng.message(m).kv.read(), reasons[i]) for i, m in enumerate(stream.ids)]
 
-    work = [workload(seed) for seed in range(8)]
+    answers = concurrently(run, [_workload(seed) for seed in range(workflows)])
+    pool = eng.scheduler.pool
+    assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
+    assert pool.free_blocks == pool.blocks - pool.held_blocks
+    return answers
+
+
+def _assert_same_answers(got, want):
+    assert {"stop", "length"} <= {r for a in want for _, _, r in a}
+    for g, w in zip(got, want):
+        assert [(t, r) for t, _, r in g] == [(t, r) for t, _, r in w]
+        for (_, a, _), (_, b, _) in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{}, {"decode_graphs": "eager"}, {"attention": "flex", "kv_block_tokens": 4}])
+def test_overlap_answers_as_the_step_by_step_loop(checkpoint, options):
+    """With overlap (each step built and launched before the tokens of the one before are read, which its rows read
+    on the device), concurrent workflows of parallel prefills and decodes (greedy and seeded sampling, stop tokens,
+    stop strings, max_tokens) give the same tokens, finish reasons and stored KV as the step-by-step loop. Calls
+    that stop on a stop token while the next step is built have that step's draw discarded (counted), none of its
+    rows is encoded, and everything is handed back."""
     answers = {}
     for overlap in (False, True):
         eng = Engine(EngineConfig(checkpoint("llama"), overlap=overlap, **options))
-        answers[overlap] = concurrently(lambda *w: run(eng, *w), work)
+        answers[overlap] = _answers(eng)
         if overlap:
             assert eng.scheduler.discarded > 0  # (stop tokens hit while the next step was in flight)
-        pool = eng.scheduler.pool
-        assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
-        assert pool.free_blocks == pool.blocks - pool.held_blocks
-    reasons = [r for a in answers[False] for _, _, r in a]
-    assert {"stop", "length"} <= set(reasons)
-    for want, got in zip(answers[False], answers[True]):
-        assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
-        for (_, a, _), (_, b, _) in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    _assert_same_answers(answers[True], answers[False])
+
+
+@pytest.mark.parametrize("options", [{}, {"decode_graphs": "eager", "overlap": True},
+                                     {"attention": "flex", "kv_block_tokens": 4}])
+def test_compiled_forwards_answer_as_forwards_run_as_they_come(checkpoint, options):
+    """With `compile` (the decoder through torch.compile, attention one opaque op per layer), the same concurrent
+    workflows give the same tokens, finish reasons and stored KV as forwards run as they come: steps that mix
+    prefill chunks and decode rows, decode-only steps (padded to their bucket's shape with decode_graphs "eager"),
+    and FlexAttention over the pool. The decoder compiled whole (fullgraph: a graph break would have left it
+    uncompiled) into one graph for every row count, and one for a single row (sizes 1 are specialised)."""
+    from torch._dynamo.utils import counters
+
+    want = _answers(Engine(EngineConfig(checkpoint("llama"), **options)))
+    eng = Engine(EngineConfig(checkpoint("llama"), compile=True, **options))
+    calls, compiled = [], eng.runner.compiled
+    eng.runner.compiled = lambda **kw: calls.append(kw["input_ids"].shape[1]) or compiled(**kw)
+    graphs = counters["stats"]["unique_graphs"]
+    _assert_same_answers(_answers(eng), want)
+    assert eng.runner.compiled is not None  # (still compiled: nothing failed to compile)
+    assert len(set(calls)) > 3 and 1 in calls and max(calls) > 16  # (forwards of many sizes: decode rows, prefills)
+    if "attention" not in options:  # (flex compiles its eager mask on its own, into graphs of its own)
+        assert counters["stats"]["unique_graphs"] - graphs <= 2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_compiled_forwards_in_other_families(checkpoint, family):
+    """The other model families (attention biases, q/k norms, sliding windows) compile whole too, and answer as
+    their forwards run as they come."""
+    runs = []
+    for compile in (False, True):
+        eng = Engine(EngineConfig(checkpoint(family), compile=compile))
+        runs.append(_answers(eng, workflows=2))
+        assert compile is (eng.runner.compiled is not None)
+    _assert_same_answers(runs[1], runs[0])
+
+
+def test_a_decoder_that_does_not_compile_runs_as_it_comes(checkpoint, caplog):
+    """A model torch.compile cannot take whole fails at its first compiled forward, before any of it runs: that
+    forward and every later one run as they come, with the failure logged, and the tokens are those of an engine
+    that never compiled."""
+    want = _answers(Engine(EngineConfig(checkpoint("llama"))), workflows=2)
+    eng = Engine(EngineConfig(checkpoint("llama"), compile=True))
+    tried = []
+
+    def fails(**kwargs):  # (what dynamo raises for a graph break under fullgraph, or a failed inductor compile)
+        tried.append(1)
+        raise torch._dynamo.exc.Unsupported("a graph break")
+
+    eng.runner.compiled = fails
+    with caplog.at_level("ERROR", logger="braid.engine.model_runner"):
+        _assert_same_answers(_answers(eng, workflows=2), want)
+    assert tried == [1] and eng.runner.compiled is None
+    assert "compiling the decoder failed" in caplog.text
 
 
 def test_overlap_reads_a_step_s_tokens_after_launching_the_next(checkpoint):
