@@ -1424,7 +1424,9 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       # against the tree before it
       "ab_serving_c16_take", "ab_synthesis_ttft_100m_take",
       # the tree with that step loop against the engine before the GPU-engine work
-      "ab_serving_c16_loop", "ab_synthesis_ttft_100m_loop"]
+      "ab_serving_c16_loop", "ab_synthesis_ttft_100m_loop",
+      # the tree with compiled forwards added (compile off, the default) against the tree before it
+      "ab_serving_c16_compile_off", "ab_synthesis_ttft_100m_compile_off"]
 
 
 def engine_ab(r: Report) -> str:
@@ -1456,7 +1458,9 @@ def engine_ab(r: Report) -> str:
             "`_final`, the tree at the end of that work (sampled rows drawn on the device, paged reads guarded).",
             "The `_take` runs measure the step loop rebuilt for overlap scheduling (one `Take` per request per",
             "step, fed rows, host copies that do not wait), with overlap off as by default, against the tree",
-            "before it (efd9e9a); the `_loop` runs, the tree with it against d3cd457.")),
+            "before it (efd9e9a); the `_loop` runs, the tree with it against d3cd457. The `_compile_off` runs",
+            "measure the tree with compiled forwards added, `compile` off as by default, against the tree before it",
+            "(409e3b2).")),
         r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
                  "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),
