@@ -9,7 +9,7 @@
 # in priority order within BUDGET seconds for the whole call (default 300): a step gets at most what is left, and one
 # that would get under 20 s is skipped, said in the log (run again with STEPS naming the rest, and a BUDGET of up to
 # about 540 where one call may take the device's whole 600 s).
-# STEPS picks some of: graph_tests profile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm
+# STEPS picks some of: graph_tests profile_decode compile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm
 # batched_forward engine_tests
 # (default: all);
 # LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests, GRAPH_TESTS the
@@ -33,7 +33,7 @@ exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
 BUDGET=${BUDGET:-300}
 START=$SECONDS
-STEPS=${STEPS:-graph_tests profile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm batched_forward engine_tests}
+STEPS=${STEPS:-graph_tests profile_decode compile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm batched_forward engine_tests}
 # the engine before this change, as `git archive` gives it (benchmarks/device_baseline.sh; carried), timed by its own
 # profile_decode in the same call: baseline_decode runs only where it is there
 BASELINE=${BASELINE:-.baseline}
@@ -63,7 +63,9 @@ fi
 step graph_tests 120 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
   ${GRAPH_TESTS:-tests/test_cuda_graphs.py}
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
-  --rows 15 --flex --overlap --compile --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
+  --rows 15 --flex --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
+step compile_decode 240 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
+  --compile-only --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 if [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]]; then  # (its braid on PYTHONPATH: benchmarks.revision)
   [[ -e $BASELINE/models/braid-reference ]] || ln -s "$PWD/models/braid-reference" "$BASELINE/models/braid-reference"
   rm -rf /tmp/braid-baseline

@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--flex", action="store_true", help="also time an engine with attention: flex (module doc)")
     p.add_argument("--overlap", action="store_true", help="also time the scheduler's overlap on against off")
     p.add_argument("--compile", action="store_true", help="also time the decoder compiled against as it comes")
+    p.add_argument("--compile-only", action="store_true",
+                   help="time only that, into profile_decode_compile_<device>.json (a device run's step of its own)")
     p.add_argument("--kv-gib", type=float, default=0.0,
                    help="each engine's work KV in GiB (0: the engine's default; give one with --flex on a GPU, so "
                         "that two engines and transformers' copy fit)")
@@ -216,6 +218,7 @@ def compile_side_by_side(eng, graphs, ctx, args, sync, activities) -> dict:
         eng.free(ids[0])
         return took
 
+    ran = runner.compiled_forwards
     on("on")  # (the first forwards of each kind compile: one row, several rows; decode buckets are captured)
     start = time.perf_counter()
     engine_decode(eng, ctx, 4)
@@ -237,6 +240,8 @@ def compile_side_by_side(eng, graphs, ctx, args, sync, activities) -> dict:
         out["concurrency"].append({"calls": n, "off_tokens_per_s": off, "on_tokens_per_s": on_rate})
         print(f"  {n} calls at once: compiled {on_rate:.1f} tokens/s, as it comes {off:.1f} ({on_rate / off:.2f}x)",
               flush=True)
+    # (the forwards that ran compiled: 0 where compiling failed, and every "on" figure is then as it comes)
+    out["compiled_forwards"] = runner.compiled_forwards - ran
     if len(activities) > 1:  # (a compiled forward's launches, as it comes: what a graph of it replays)
         runner.compiled, runner.graphs = sides["on"][0], None
         with torch.profiler.profile(activities=activities) as prof:
@@ -258,12 +263,26 @@ def main(argv=None):
         kv = int(args.kv_gib * (1 << 30))
         eng = Engine(EngineConfig(path, device=device, decode_graphs="auto" if device != "cpu" else "eager",
                                   kv_budget_bytes=kv))
-        flex = Engine(EngineConfig(path, device=device, attention="flex", kv_budget_bytes=kv)) if args.flex else None
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device)
+        more = not args.compile_only
+        flex = Engine(EngineConfig(path, device=device, attention="flex", kv_budget_bytes=kv)) if args.flex and more \
+            else None
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device) \
+            if more else None
     graphs = eng.runner.graphs
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompt = torch.randint(3, eng.spec.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     ctx = eng.prefill([PrefillCall(prompt[0].tolist())])
+    if args.compile_only:
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        for n in args.concurrency:  # (the graphs of the side without compile captured, as in the full run)
+            concurrent_decode(eng, ctx, 4, n)
+        result = {"device": device_name(device), "torch": torch.__version__, "shape": args.shape,
+                  "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens,
+                  "compile": compile_side_by_side(eng, graphs, ctx, args, sync, activities)}
+        write_json(args.out, f"profile_decode_compile_{'cpu' if device == 'cpu' else 'cuda'}", result,
+                   device=device, model=eng.fingerprint, calibration=None)
+        return
     side_by_side(eng, graphs, 1, lambda: (engine_decode(eng, ctx, 4), runner_steps(eng, args.context, 2, sync)))
     hf_decode(hf, prompt.to(device), 4, sync)
     decode = side_by_side(eng, graphs, args.rounds, lambda: engine_decode(eng, ctx, args.tokens))

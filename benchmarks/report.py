@@ -1358,17 +1358,23 @@ def decode_gpu_rows(full: dict) -> list[list[str]]:
                   f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
                  for w in o["concurrency"] if w["calls"] > 1]
     if "compile" in full:  # (graphs on, the decoder as it comes then compiled: the columns' third comparison)
-        c = full["compile"]
-        rows += [["graphs, compile off / on: batch-1 ms per token", f"{c['off_ms_per_token']:.2f}",
-                  f"{c['on_ms_per_token']:.2f}", times(c["speedup"], 1)],
-                 [f"compile off / on: a {full['context']}-token prefill, ms", f"{c['off_prefill_ms']:.1f}",
-                  f"{c['on_prefill_ms']:.1f}", times(c["prefill_speedup"], 1)]]
-        rows += [[f"graphs, compile off / on: {w['calls']} calls, tokens/s", f"{w['off_tokens_per_s']:.0f}",
-                  f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
-                 for w in c["concurrency"] if w["calls"] > 1]
-        if "kernel_launches_per_forward" in c:
-            rows += [["compiled: launches / device busy ms per forward", f"{c['kernel_launches_per_forward']:.0f}",
-                      f"{c['device_ms_per_forward']:.1f}", ""]]
+        rows += compile_rows(full)
+    return rows
+
+
+def compile_rows(full: dict) -> list[list[str]]:
+    """A profile_decode file's `--compile` rows: each side with decode graphs, the decoder as it comes then compiled."""
+    c = full["compile"]
+    rows = [["graphs, compile off / on: batch-1 ms per token", f"{c['off_ms_per_token']:.2f}",
+             f"{c['on_ms_per_token']:.2f}", times(c["speedup"], 1)],
+            [f"compile off / on: a {full['context']}-token prefill, ms", f"{c['off_prefill_ms']:.1f}",
+             f"{c['on_prefill_ms']:.1f}", times(c["prefill_speedup"], 1)]]
+    rows += [[f"graphs, compile off / on: {w['calls']} calls, tokens/s", f"{w['off_tokens_per_s']:.0f}",
+              f"{w['on_tokens_per_s']:.0f}", times(w["on_tokens_per_s"] / w["off_tokens_per_s"])]
+             for w in c["concurrency"] if w["calls"] > 1]
+    if "kernel_launches_per_forward" in c:
+        rows += [["compiled: launches / device busy ms per forward", f"{c['kernel_launches_per_forward']:.0f}",
+                  f"{c['device_ms_per_forward']:.1f}", ""]]
     return rows
 
 
@@ -1395,6 +1401,12 @@ def engine_decode_gpu(r: Report) -> str:
         r.table(["", "forwards as they come", "CUDA graphs", "ratio"], decode_gpu_rows(h100),
                 "profile_decode_cuda_h100"),
         r.plot("profile_decode_cuda_h100", "decode with CUDA graphs, H100"),
+        *([paragraph(f"Compiled forwards (`profile_decode.py --compile-only`, {compiled['device']},",
+                     f"{compiled['compile']['compiled_forwards']} forwards ran compiled; the first forwards, compiling",
+                     f"and capturing, took {compiled['compile']['first_forwards_s']:.0f} s):"),
+           r.table(["", "as they come", "compiled", "ratio"], compile_rows(compiled), "profile_decode_compile_cuda")]
+          if (compiled := r.load("profile_decode_compile_cuda") if r.has("profile_decode_compile_cuda") else None)
+          else []),
         paragraph("The same profile cut to fewer layers, with decode-sized queries kept off cuDNN (`8_layers`) and",
                   "with cuDNN in every forward (`cudnn`), ms per token; the profiler's tables are in",
                   "`benchmarks/results/profile_decode_cuda.log`:"),

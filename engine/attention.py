@@ -183,11 +183,16 @@ _forward = threading.local()  # (each engine's forwards run on its scheduler's t
 @contextlib.contextmanager
 def forward_step(step):
     """Make `step` (engine.model_runner._Step) the one this thread's compiled forward attends through."""
-    _forward.step = step
+    _forward.step, _forward.ran = step, False
     try:
         yield
     finally:
         _forward.step = None
+
+
+def forward_ran() -> bool:
+    """Whether this thread's last compiled forward reached an attention op (so it was compiled, and ran)."""
+    return getattr(_forward, "ran", False)
 
 
 @torch.library.custom_op("braid::step_attention", mutates_args=())
@@ -197,7 +202,7 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     groups' caches, then every group's attention over its own, as a forward run as it comes does it: queries
     [1, H, N, D] -> [1, N, H, D]. Opaque to torch.compile, which fuses what lies between these ops; it writes the
     KV pool, which no op of the graph reads, layer `layer`'s part of it only."""
-    step = _forward.step
+    step, _forward.ran = _forward.step, True
     step.update(key, value, layer)
     return _grouped(layer, query, step, scale, 0.0).contiguous()
 

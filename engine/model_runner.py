@@ -18,6 +18,7 @@ whose blocks go back to the pool once the lead rows are encoded.
 """
 
 import bisect
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -25,12 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.engine.attention import IN_GRAPH, forward_step, mask_needed, paged_mask
+from braid.engine.attention import IN_GRAPH, forward_ran, forward_step, mask_needed, paged_mask
 from braid.engine.host import to_device
 from braid.engine.model import LoadedModel
 from braid.engine.store import DenseKV
 
 log = logging.getLogger(__name__)
+# what torch.compile raises when it cannot compile (a graph break under fullgraph, a failed backend, a guard that
+# would recompile past the limit): the compiled forward then never started
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
+                  *((torch._dynamo.exc.FailOnRecompileLimitHit,)
+                    if hasattr(torch._dynamo.exc, "FailOnRecompileLimitHit") else ()))
 
 
 @dataclass(eq=False)
@@ -444,6 +450,21 @@ class _Step:
         return kv[0], kv[1]
 
 
+RECOMPILE_LIMIT = 64  # graphs torch.compile keeps for the decoder's code: each engine's weights add one or two
+
+
+@contextlib.contextmanager
+def _compiling():
+    """torch.compile's settings for a compiled forward, as this thread's own (torch keeps a patch per thread):
+    - a debug check off, which runs a compiled graph's first call under a dispatch mode of its own, in which
+      FlexAttention's eager mask, inside the attention op, cannot be built;
+    - more graphs kept per code object: the decoder's code is every engine's in the process, and each engine's weights
+      are graphs of their own (torch's default, 8, would leave a process's ninth one uncompiled)."""
+    with torch._functorch.config.patch(check_custom_op_aliasing=False), \
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        yield
+
+
 class ModelRunner:
     def __init__(self, lm: LoadedModel, attention: str = "sdpa", compile: bool = False):
         """`attention`: "sdpa" (keys gathered out of the pool) or "flex" (read in place: _Step's `in_place`).
@@ -508,14 +529,14 @@ class ModelRunner:
             if not self.compiled_forwards:
                 log.info("compiling the decoder: its first forwards take seconds to minutes")
             try:
-                # (off: a debug check that runs a compiled graph's first call under a dispatch mode of its own, in
-                # which FlexAttention's eager mask, inside the attention op, cannot be built)
-                with forward_step(step), torch._functorch.config.patch(check_custom_op_aliasing=False):
+                with forward_step(step), _compiling():
                     out = self.compiled(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
                                         use_cache=False, braid_step=IN_GRAPH)
                 self.compiled_forwards += 1
                 return out.last_hidden_state[0]
-            except torch._dynamo.exc.TorchDynamoException:  # (compiling failed: nothing of this forward ran)
+            except COMPILE_ERRORS:
+                if forward_ran():  # (it compiled, and failed as it ran: a forward's failure, its requests' to hear)
+                    raise
                 log.exception("compiling the decoder failed; its forwards run as they come")
                 self.compiled = None
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
