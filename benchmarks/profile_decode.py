@@ -20,6 +20,7 @@ kernel launches of a compiled forward. Writes JSON after each part (a run cut sh
 """
 
 import argparse
+import itertools
 import tempfile
 import threading
 import time
@@ -207,7 +208,7 @@ def compile_side_by_side(eng, graphs, ctx, args, sync, activities) -> dict:
         on("off")
         return [sorted(v)[len(v) // 2] for v in runs.values()]
 
-    rounds = iter(range(1 << 30))
+    rounds = itertools.count()
 
     def prefill():  # (a new prompt each time: nothing of it in the prefix cache)
         prompt = torch.randint(3, eng.spec.vocab_size, (args.context,),
@@ -272,14 +273,14 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompt = torch.randint(3, eng.spec.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     ctx = eng.prefill([PrefillCall(prompt[0].tolist())])
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    result = {"device": device_name(device), "torch": torch.__version__, "shape": args.shape,
+              "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens}
     if args.compile_only:
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
         for n in args.concurrency:  # (the graphs of the side without compile captured, as in the full run)
             concurrent_decode(eng, ctx, 4, n)
-        result = {"device": device_name(device), "torch": torch.__version__, "shape": args.shape,
-                  "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens,
-                  "compile": compile_side_by_side(eng, graphs, ctx, args, sync, activities)}
+        result["compile"] = compile_side_by_side(eng, graphs, ctx, args, sync, activities)
         write_json(args.out, f"profile_decode_compile_{'cpu' if device == 'cpu' else 'cuda'}", result,
                    device=device, model=eng.fingerprint, calibration=None)
         return
@@ -287,12 +288,10 @@ def main(argv=None):
     hf_decode(hf, prompt.to(device), 4, sync)
     decode = side_by_side(eng, graphs, args.rounds, lambda: engine_decode(eng, ctx, args.tokens))
     forward = side_by_side(eng, graphs, args.rounds, lambda: runner_steps(eng, args.context, args.tokens, sync))
-    result = {"device": device_name(device), "torch": torch.__version__,
-              "shape": args.shape, "layers": eng.spec.num_layers, "context": args.context, "tokens": args.tokens,
-              "engine_ms_per_token": 1e3 * decode["eager"], "engine_graphs_ms_per_token": 1e3 * decode["graphs"],
-              "graphs_speedup": decode["eager"] / decode["graphs"],
-              "transformers_ms_per_token": 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync),
-              "engine_forward_ms": 1e3 * forward["eager"], "engine_graphs_forward_ms": 1e3 * forward["graphs"]}
+    result.update({"engine_ms_per_token": 1e3 * decode["eager"], "engine_graphs_ms_per_token": 1e3 * decode["graphs"],
+                   "graphs_speedup": decode["eager"] / decode["graphs"],
+                   "transformers_ms_per_token": 1e3 * hf_decode(hf, prompt.to(device), args.tokens, sync),
+                   "engine_forward_ms": 1e3 * forward["eager"], "engine_graphs_forward_ms": 1e3 * forward["graphs"]})
     if device != "cpu":  # transformers again, with SDPA's cuDNN backend off (a process-wide switch; one thread here)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -326,9 +325,6 @@ def main(argv=None):
         save()
     if graphs is not None:
         result["graph_buckets"], result["graph_captures"] = len(graphs.buckets), graphs.captures
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     eng.runner.graphs = None  # (the forwards as they come: where the host time goes)
     with torch.profiler.profile(activities=activities) as prof:
         runner_steps(eng, args.context, PROFILED, sync)
