@@ -23,7 +23,7 @@ import tempfile
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision)
 
 from benchmarks.revision import labels, sides  # noqa: E402
-from braid.results import pyplot, write_json  # noqa: E402
+from braid.results import pyplot, write_json, written  # noqa: E402
 
 
 def _ttft(result: dict) -> dict[str, float]:
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     stem = write_json(args.out, args.name or f"ab_{args.benchmark}", result, device=measured["device"],
                       model=measured["model"], calibration=measured["calibration"])
     plot(result, stem + ".png")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -16,7 +16,7 @@ from braid.engine import Engine, EngineConfig
 from braid.engine.model_runner import RequestInput, WorkCache
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import device_name, pyplot, write_json
+from braid.results import device_name, pyplot, write_json, written
 
 
 def parse_args(argv=None):
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

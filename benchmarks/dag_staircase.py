@@ -25,7 +25,7 @@ from braid.methods.dag import NodeToken, run_dag
 from braid.methods.dag.presets import mad_par, moa
 from braid.methods.staircase import Variant
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 
 MODES = ("wait", "reprefill", "append")
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

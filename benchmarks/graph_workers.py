@@ -32,7 +32,7 @@ from braid.methods.dag.presets import mad_iter, mad_par, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.results import grouped_bars, write_json
+from braid.results import grouped_bars, write_json, written
 from braid.runtime.convert import graph_request
 
 APPS = {"workers": "braid", "synthesizer": "braid-here"}
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                  [(label, {"on the synthesizer": [r["synthesizer"][key] for r in rows],
                            f"on {args.workers} Worker replica(s)": [r["workers"][key] for r in rows]})
                   for key, label in (("e2e_s", "E2E (s)"), ("ttft_mean_ms", "mean node TTFT (ms)"))])
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.methods.kvcomm import AgentPrompt, KVComm, KVCommConfig
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import device_name, pyplot, write_json
+from braid.results import device_name, pyplot, write_json, written
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=120)
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

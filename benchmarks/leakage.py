@@ -27,7 +27,7 @@ from braid.methods.dag import DagRun, Edge, Graph, Node, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import SYNTHESIZER_HEADER, turn
 from braid.models.tasks import CHAIN_SYSTEM, CITIES, PEOPLE
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 
 MODES = ("leak", "control", "text")
 ANSWER = SamplingParams(max_tokens=8)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -31,7 +31,7 @@ from braid.models import REFERENCE_MODEL
 from braid.models.tasks import generate
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 from braid.runtime.directory import Directory, EmbeddedRedis
 
 CHART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helm", "braid")
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         ax.set_title(f"workers' node -> synthesizers' node ({args.task}, {args.branches} branches)")
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=120)
-        print(f"wrote {stem}.json and its plot")
+        print(written(stem + ".json"))
     return 0 if result["answers_equal"] else 1
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import tempfile
 
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 from braid.train.train import TrainConfig, train
 
 
@@ -53,7 +53,7 @@ def main(argv=None):
     plot(result, stem + ".png")
     print(f"cached-token ratio {result['cached_token_ratio']}, step time flat/graph {result['step_time_ratio']}x, "
           f"loss gap at step 1 {gaps[0]:.1e}, mean over the last 50 steps {result['mean_loss_gap_last_50']:.1e}")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return result
 
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from braid.engine import attention
 from braid.models.checkpoints import SHAPES, make_config
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 from braid.train.prompt_tree import PromptGraph, attention_backend, dense_mask, graph_loss, pack
 
 # (P, F, S): cached-token ratios about 1, 4, 16 and 64 at 1024 packed tokens
@@ -139,7 +139,7 @@ def main(argv=None):
     stem = write_json(args.out, f"prompt_trees_{'cpu' if device.type == 'cpu' else 'cuda'}", result, device=str(device),
                       model=None, calibration=None)
     plot(result, stem + ".png")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return result
 
 

@@ -8,7 +8,9 @@ committed calibration's manifest, and every table says where its rows were measu
     python benchmarks/report.py --check    # exits 1 naming every page that differs from what it would write
 
 `headline_table()` is the index's headline table; it is also written into the README, between its
-headline markers (README_OPEN, README_CLOSE), and checked there with the pages.
+headline markers (README_OPEN, README_CLOSE), and checked there with the pages. It reads only files measured on a
+clean tree under the stamp contract (`braid.results.unclean`), and lists the rows it holds back. A baseline (a
+revision a run was measured against) is named by what it is (BASELINES), its commit in a column of its own.
 """
 
 import argparse
@@ -19,6 +21,9 @@ import os
 import re
 import statistics
 import sys
+from typing import NamedTuple
+
+from braid.results import unclean
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -225,6 +230,35 @@ def known(*values):
     return next((v for v in values if isinstance(v, str) and v not in NO_VALUE), None)
 
 
+# What each revision a run was measured against is (a run records only its commit, `--against REV`): the pages
+# name a baseline by what it is, its commit in a column of its own.
+BASELINES = {
+    "9959479": "the engine before the scheduler, each call run alone under the engine's lock",
+    "6f629b6": "the engine before issue 44's refactor of its core",
+    "d3cd457": "the engine before issue 48's GPU-engine work",
+    "efd9e9a": "the step loop before its rebuild for overlap scheduling",
+    "409e3b2": "the engine before compiled forwards",
+    "63de3fa": "the engine before a decode step's host work was batched",
+    "88043d2": "the engine before only the scheduler's thread had an OpenMP pool",
+    "14eeb4b": "the in-process API on a thread-pool gRPC server, before grpc.aio",
+    "4a95c46": "the grpc.aio server before RunWorkflow's Redis calls left its loop",
+}
+
+
+def baseline(result: dict) -> str:
+    """What the revision a run was measured against (its `against`) is: BASELINES's name for it, or the run's own
+    commit (an A/A run), or that commit without the changes the run measured."""
+    rev, this = result["against"], str(result.get("this") or "")
+    if rev == this:
+        return "the same commit (an A/A run: the machine's drift)"
+    if this == rev + "+changes":
+        return "the same commit without the uncommitted changes measured"
+    if rev not in BASELINES:
+        raise KeyError(f"say what revision {rev} is in BASELINES (benchmarks/report.py): a page names a baseline by "
+                       "what it is")
+    return BASELINES[rev]
+
+
 def provenance(result: dict, committed: str | None = None) -> str:
     """Where a file's rows were measured: "commit abc1234, NVIDIA H200, torch 2.11.0, model abc1234,
     calibration abc1234, written 2026-11-27" (the model flagged when it is not `committed`)."""
@@ -272,6 +306,12 @@ class Report:
                 self._loaded[name] = json.load(f)
         self.used.add(name)
         return self._loaded[name]
+
+    def newest_clean(self, names: list[str]) -> str:
+        """Of files that measure the same thing, the clean one (`braid.results.unclean`) written last; the first
+        named where none is clean."""
+        clean = [n for n in names if unclean(self.load(n)) is None]
+        return max(clean, key=lambda n: stamp_of(self.load(n))["written"]) if clean else names[0]
 
     def plot(self, name: str, alt: str) -> str:
         """The plot a benchmark wrote beside its JSON (served at docs/results/plots/), or nothing."""
@@ -1122,8 +1162,14 @@ def serving_engines(result: dict) -> list[str]:
     return [e for e in ("before", "serial", "scheduler", "apart") if e in present]
 
 
-def engine_label(result: dict, engine: str) -> str:
-    return f"{result['against']}" if engine == "before" else engine
+def engine_label(engine: str) -> str:
+    """An engine of a serving run as its tables head it: the revision measured against is `against`."""
+    return "against" if engine == "before" else engine
+
+
+def against_line(result: dict) -> str:
+    """What a run's `against` side was, and its commit."""
+    return f"`against`: {baseline(result)}, commit `{result['against']}`."
 
 
 def serving_levels(result: dict) -> dict[tuple[str, int], dict[str, dict]]:
@@ -1142,9 +1188,9 @@ def throughput_x(level: dict[str, dict], a: str, b: str) -> float | None:
 def serving_table(r: Report, name: str) -> str:
     result = r.load(name)
     engines = serving_engines(result)
-    labels = " / ".join(engine_label(result, e) for e in engines)
+    labels = " / ".join(engine_label(e) for e in engines)
     header = ["transport", "workflows at once", f"tok/s ({labels})", "scheduler vs serial"]
-    header += [f"scheduler vs {result['against']}"] if "before" in engines else []
+    header += ["scheduler vs against"] if "before" in engines else []
     header += [f"TTFT p50 ({labels})", f"TTFT p99 ({labels})", f"TPOT p50 ({labels})", "calls per forward (scheduler)"]
     rows = []
     for (transport, conc), level in serving_levels(result).items():
@@ -1156,19 +1202,20 @@ def serving_table(r: Report, name: str) -> str:
         row += [each("median_ttft_ms", lambda x: f"{x:.0f}") + " ms", each("p99_ttft_ms", lambda x: f"{x:.0f}") + " ms",
                 each("median_tpot_ms", lambda x: f"{x:.1f}") + " ms", f"{level['scheduler']['calls_per_forward']:.1f}"]
         rows.append(row)
-    return r.table(header, rows, name)
+    return (against_line(result) + "\n\n" if "before" in engines else "") + r.table(header, rows, name)
 
 
 def serving_runs_table(r: Report, names: list[str]) -> str:
-    header = ["run", "against", "transport", "workflows at once", "tok/s (against / serial / scheduler)",
-              "scheduler vs against", "scheduler vs serial", "ms per forward (against / scheduler)"]
+    header = ["run", "against", "against's commit", "transport", "workflows at once",
+              "tok/s (against / serial / scheduler)", "scheduler vs against", "scheduler vs serial",
+              "ms per forward (against / scheduler)"]
     rows, sources = [], []
     for name in names:
         result = r.load(name)
         for (transport, conc), level in serving_levels(result).items():
             tok = " / ".join(f"{level[e]['generated_token_throughput']:.0f}" for e in ("before", "serial", "scheduler"))
-            rows.append([name.removeprefix("serving_cpu_"), result["against"], transport, str(conc), tok,
-                         times(throughput_x(level, "scheduler", "before")),
+            rows.append([name.removeprefix("serving_cpu_"), baseline(result), result["against"], transport, str(conc),
+                         tok, times(throughput_x(level, "scheduler", "before")),
                          times(throughput_x(level, "scheduler", "serial")),
                          " / ".join(maybe(level[e].get("ms_per_forward"), lambda x: f"{x:.1f}")
                                     for e in ("before", "scheduler"))])
@@ -1184,10 +1231,10 @@ def against_summary(r: Report, names: list[str], concurrency: int) -> list[str]:
         for (transport, conc), level in serving_levels(result).items():
             x = throughput_x(level, "scheduler", "before")
             if conc == concurrency and x is not None:
-                ratios.setdefault((result["against"], transport), []).append(x)
-    return [f"against {rev}, {transport}: {span(xs, times, ' to ')} over {len(xs)} run{'s' if len(xs) > 1 else ''}"
-            + (f" (median {times(statistics.median(xs))})" if len(xs) > 2 else "")
-            for (rev, transport), xs in sorted(ratios.items())]
+                ratios.setdefault((baseline(result), result["against"], transport), []).append(x)
+    return [f"against {what} (`{rev}`), {transport}: {span(xs, times, ' to ')} over {len(xs)} "
+            f"run{'s' if len(xs) > 1 else ''}" + (f" (median {times(statistics.median(xs))})" if len(xs) > 2 else "")
+            for (what, rev, transport), xs in sorted(ratios.items())]
 
 
 def engine_serving(r: Report) -> str:
@@ -1207,8 +1254,9 @@ def engine_serving(r: Report) -> str:
             "`text` (branches re-prefilled) and `local` (their KV reused in place). Engines: `serial` (the measured",
             "revision's engine run one call at a time), `scheduler` (batching across requests), `apart` (the",
             "scheduler with base and LoRA calls in separate forwards), and, with `--against REV`, that revision's",
-            "engine with its own defaults (named by its commit). Throughput is every generated token (branches and",
-            f"answers) per second. KV is {count(main['kv_bytes_per_token'])} bytes per token for this model.")),
+            "engine with its own defaults (`against`, named by what it is). Throughput is every generated token",
+            f"(branches and answers) per second. KV is {count(main['kv_bytes_per_token'])} bytes per token for this",
+            "model.")),
         serving_table(r, "serving_cpu"),
         r.plot("serving_cpu", "serving throughput"),
         paragraph(
@@ -1262,7 +1310,7 @@ def engine_step_host(r: Report) -> str:
     for name in STEP_HOST:
         result = r.load(name)
         for w in result["rows"]:
-            rows.append([name.removeprefix("step_host_tiny_"), result["this"], result["against"],
+            rows.append([name.removeprefix("step_host_tiny_"), result["this"], baseline(result), result["against"],
                          result["decode_graphs"], f"{result['rounds']} x {result['repeats']}", str(w["calls"]),
                          f"{w['this_ms_per_step']:.1f}", f"{w['against_ms_per_step']:.1f}",
                          f"**{times(w['speedup'])}**"])
@@ -1275,8 +1323,8 @@ def engine_step_host(r: Report) -> str:
             f"random weights ({first['model']}, {first['tokens']} tokens decoded after a {first['context']}-token",
             "context), medians over rounds of repeats. `decode_graphs` `eager` runs the static padded forwards that",
             "CUDA graphs capture, on the CPU.")),
-        r.table(["run", "this", "against", "decode_graphs", "rounds x repeats", "calls at once",
-                 "ms per step, this", "ms per step, against", "speedup"], rows, sources),
+        r.table(["run", "this commit", "against", "against's commit", "decode_graphs", "rounds x repeats",
+                 "calls at once", "ms per step, this", "ms per step, against", "speedup"], rows, sources),
         r.plot("step_host_tiny_cpu", "a decode step's host time"),
         r.plot("step_host_tiny_eager_cpu", "a decode step's host time, static forwards"),
     ])
@@ -1291,14 +1339,16 @@ def engine_cpu_threads(r: Report) -> str:
     for name in ("cpu_threads_braid-reference_against", "cpu_threads_braid-reference", "cpu_threads_100m_against"):
         result = r.load(name)
         keys = list(result["rows"][0]["ms"])
-        header = ["forward"] + keys + ["one thread over every core"]
-        header += [f"every core over every core @ {result['against']}"] if result.get("against") else []
+        # (a setting run on the revision compared is keyed "<setting> @ <its commit>": headed `against`)
+        header = ["forward"] + [k.replace(f"@ {result.get('against')}", "@ against") for k in keys]
+        header += ["one thread over every core"]
+        header += ["every core over every core, against"] if result.get("against") else []
         rows = []
         for w in result["rows"]:
             row = [w["case"]] + [f"{w['ms'][k]:.1f}" for k in keys] + [times(w["one_thread_x"])]
             row += [times(w["every_core_x_against"])] if result.get("against") else []
             rows.append(row)
-        against = f", against {result['against']}" if result.get("against") else ""
+        against = f", against {baseline(result)} (commit `{result['against']}`)" if result.get("against") else ""
         parts += [paragraph(f"`{result['model']}` on {result['cores']} cores, {result['threads']} threads for",
                             f"`every core`, {result['rounds']} rounds{against}:"),
                   r.table(header, rows, name), r.plot(name, f"CPU threads, {result['model']}")]
@@ -1447,8 +1497,9 @@ def engine_ab(r: Report) -> str:
         result = r.load(name)
         for figure, c in result["compared"].items():
             rows.append([name.removeprefix("ab_"), f"{result['benchmark']} {' '.join(result['args'])}",
-                         result["this"], result["against"], str(result["repeats"]), f"`{figure}`",
-                         f"{c['this_median']:.1f}", f"{c['against_median']:.1f}", f"{c['this_over_against']:.3f}",
+                         result["this"], baseline(result), result["against"], str(result["repeats"]),
+                         f"`{figure}`", f"{c['this_median']:.1f}", f"{c['against_median']:.1f}",
+                         f"{c['this_over_against']:.3f}",
                          maybe(c.get("paired_ratio_median"), lambda x: f"{x:.3f}"),
                          "higher" if c["higher_is_better"] else "lower"])
             sources.append(name)
@@ -1461,20 +1512,22 @@ def engine_ab(r: Report) -> str:
             "default against the dense engine before it (`_paged_copy`: with a call whose context is mostly copied",
             "copying its paged parents too); `_dense_default` measures the tree that keeps `dense` the default.",
             "The `_vs_pre48` runs measure the engine with its defaults (the dense home, `sdpa` attention) after",
-            "attention in place was added against the engine before the GPU-engine work (d3cd457), with 9 repeats",
+            "attention in place was added against the engine before issue 48's GPU-engine work, with 9 repeats",
             "where 5 had left the serving figure in doubt; `_aa` runs one code on both sides (this machine's drift).",
             "The `_paged_split` runs measure `kv_home: paged` as the default again, once a moved parent's keys and",
-            "values were placed apart (each gathered and copied once, nothing stacked between), against d3cd457;",
+            "values were placed apart (each gathered and copied once, nothing stacked between), against that same",
+            "engine;",
             "`_paged_placed`, once a parent a calibration's mapper maps was also placed as one copy, its keys",
             "rotated in it in place (the `_9x` run before it had the mapped modes 2.6% and 4.3% slower by median);",
             "`_final`, the tree at the end of that work (sampled rows drawn on the device, paged reads guarded).",
             "The `_take` runs measure the step loop rebuilt for overlap scheduling (one `Take` per request per",
-            "step, fed rows, host copies that do not wait), with overlap off as by default, against the tree",
-            "before it (efd9e9a); the `_loop` runs, the tree with it against d3cd457. The `_compile_off` runs",
-            "measure the tree with compiled forwards added, `compile` off as by default, against the tree before it",
-            "(409e3b2).")),
-        r.table(["run", "benchmark", "this", "against", "repeats", "figure", "this (median)", "against (median)",
-                 "this / against", "paired", "better"], rows, sources),
+            "step, fed rows, host copies that do not wait), with overlap off as by default, against the step loop",
+            "before it; the `_loop` runs, the tree with it against the engine before issue 48's work. The",
+            "`_compile_off` runs measure the tree with compiled forwards added, `compile` off as by default, against",
+            "the engine before them. `against` names what each revision compared is; the commits are in columns of",
+            "their own.")),
+        r.table(["run", "benchmark", "this commit", "against", "against's commit", "repeats", "figure",
+                 "this (median)", "against (median)", "this / against", "paired", "better"], rows, sources),
         "\n\n".join(r.plot(name, f"A/B {name}") for name in AB),
     ])
 
@@ -2051,14 +2104,31 @@ PAGES = [("quality.md", "Answer quality", "every synthesis mode against text, th
          ("reliability.md", "Reliability", "fuzzing, faults under load, soak, leakage, dashboard")]
 
 
-def measured_on(r: Report, name: str) -> str:
-    result = r.load(name)
-    device = known(stamp_of(result).get("device_name"), stamp_of(result).get("device"), result.get("device"))
-    return (f"`{name}.json`, {device or 'device unknown'}, checkpoint {r.checkpoint(name)}, "
-            f"calibration {r.calibrated(name)}")
+class Headline(NamedTuple):
+    """A row of the headline: what it shows, its value, the files it reads (by name), its link to the details, and
+    the commit of the baseline its value names, where it names one."""
+    result: str
+    value: str
+    files: list[str]
+    more: str
+    against: str | None = None
 
 
-def headline_rows(r: Report, base: str) -> list[list[str]]:
+def measured_on(r: Report, names: list[str]) -> str:
+    """Where files were measured, files alike named together: "`a.json`: cpu, checkpoint committed, calibration
+    committed"."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        stamp = stamp_of(r.load(name))
+        device = known(stamp.get("device_name"), stamp.get("device"), r.load(name).get("device"))
+        where = f"{device or 'device unknown'}, checkpoint {r.checkpoint(name)}, calibration {r.calibrated(name)}"
+        groups.setdefault(where, []).append(f"`{name}.json`")
+    return "; ".join(f"{listing(files)}: {where}" for where, files in groups.items())
+
+
+def headline_rows(r: Report, base: str) -> list[Headline]:
+    """Every row the headline would show, read from its files whether they are clean or not (`headline_table`
+    keeps the clean ones)."""
     def link(page_name: str, heading: str) -> str:
         return f"[details]({base}{page_name}#{slug(heading)})"
 
@@ -2067,75 +2137,81 @@ def headline_rows(r: Report, base: str) -> list[list[str]]:
     served = [c for c in verify["summary"] if c["mode"] == "calibrated+refresh"]
     text = [c for c in verify["summary"] if c["mode"] == "text"]
     check = r.manifest.get("verification") or {}
-    rows.append(["Answer quality, KV against text (served path, reference tasks)",
-                 f"`calibrated+refresh` {span([c['accuracy'] for c in served], pct)}% against text "
-                 f"{span([c['accuracy'] for c in text], pct)}% at m = {span(eval_counts([verify]))}, largest gap "
-                 f"{points(min(c['vs_text'] for c in served))} points (n = {verify['config']['samples']} per cell); "
-                 f"verified up to {check.get('max_branches')} branches of up to {check.get('max_branch_tokens')} "
-                 "tokens",
-                 measured_on(r, "eval_verify_mixed_cpu"), link("quality.md", H_COMMITTED)])
+    rows.append(Headline(
+        "Answer quality, KV against text (served path, reference tasks)",
+        f"`calibrated+refresh` {span([c['accuracy'] for c in served], pct)}% against text "
+        f"{span([c['accuracy'] for c in text], pct)}% at m = {span(eval_counts([verify]))}, largest gap "
+        f"{points(min(c['vs_text'] for c in served))} points (n = {verify['config']['samples']} per cell); "
+        f"verified up to {check.get('max_branches')} branches of up to {check.get('max_branch_tokens')} tokens",
+        ["eval_verify_mixed_cpu"], link("quality.md", H_COMMITTED)))
     if r.has("eval_trace_quality_cpu"):
         res = r.load("eval_trace_quality_cpu")
         s_all, mode = res["summary"]["all"], res["calibrated_mode"]
-        rows.append(["Your own workflows: a calibration from recorded traces alone (reference model, held-out traces)",
-                     f"`{mode}` agrees with text on {pct(s_all[mode]['agreement'], 1)}% "
-                     f"({points_ci(s_all[mode]['minus_text'], s_all[mode]['minus_text_ci95'], 1)} points, "
-                     f"n = {s_all['n']}); uncalibrated " + ", ".join(
-                         f"`{m}` {pct(s_all[m]['agreement'], 1)}%" for m in res["uncalibrated_modes"]),
-                     measured_on(r, "eval_trace_quality_cpu"),
-                     link("quality.md", "Your own workflows, calibrated from traces")])
-    for name, where in (("synthesis_ttft_cpu", "CPU"), ("synthesis_ttft_cuda", "GPU")):
+        rows.append(Headline(
+            "Your own workflows: a calibration from recorded traces alone (reference model, held-out traces)",
+            f"`{mode}` agrees with text on {pct(s_all[mode]['agreement'], 1)}% "
+            f"({points_ci(s_all[mode]['minus_text'], s_all[mode]['minus_text_ci95'], 1)} points, "
+            f"n = {s_all['n']}); uncalibrated " + ", ".join(
+                f"`{m}` {pct(s_all[m]['agreement'], 1)}%" for m in res["uncalibrated_modes"]),
+            ["eval_trace_quality_cpu"], link("quality.md", "Your own workflows, calibrated from traces")))
+    for names, where in ((["synthesis_ttft_cpu"], "CPU"), (["synthesis_ttft_cuda", "synthesis_ttft_cuda_h100"], "GPU")):
+        name = r.newest_clean(names)
         result = r.load(name)
         w = result["rows"]
         shape = os.path.basename(str(result["shape"]))
-        rows.append([f"Synthesis TTFT speedup over text re-prefill ({where}, `{shape}`)",
-                     f"cache path {span([x['speedup_branch_point'] for x in w], lambda x: times(x, 1))}, served path "
-                     f"{span([x['speedup_served'] for x in w], lambda x: times(x, 1))} at "
-                     f"{span([x['branch_tokens'] for x in w])} tokens per branch (m = {w[0]['branches']})",
-                     measured_on(r, name), link("engine.md", H_SYNTHESIS)])
+        rows.append(Headline(
+            f"Synthesis TTFT speedup over text re-prefill ({where}, `{shape}`)",
+            f"cache path {span([x['speedup_branch_point'] for x in w], lambda x: times(x, 1))}, served path "
+            f"{span([x['speedup_served'] for x in w], lambda x: times(x, 1))} at "
+            f"{span([x['branch_tokens'] for x in w])} tokens per branch (m = {w[0]['branches']})",
+            [name], link("engine.md", H_SYNTHESIS)))
     serving = r.load("serving_cpu_against_aio")
     at16 = {t: level for (t, c), level in serving_levels(serving).items() if c == LEVEL}
-    rows.append([f"Serving throughput, {LEVEL} workflows at once",
-                 "; ".join(f"{t}: scheduler {level['scheduler']['generated_token_throughput']:.0f} tok/s, "
-                           f"{times(throughput_x(level, 'scheduler', 'serial'))} the serial engine, "
-                           f"{times(throughput_x(level, 'scheduler', 'before'))} {serving['against']}'s engine"
-                           for t, level in at16.items()),
-                 measured_on(r, "serving_cpu_against_aio"), link("engine.md", H_SERVING)])
-    for name, where in (("kvcomm_cpu", "CPU"), ("kvcomm_cuda", "GPU")):
-        result = r.load(name)
-        others = result["rows"][1:]
-        rows.append([f"KVComm TTFT over dense prefill, agents {span([w['agent'] for w in others])} ({where})",
-                     "; ".join(f"recompute {level}: "
-                               + span([w["by_recompute"][level]["speedup"] for w in others], times)
-                               for level in others[0]["by_recompute"]),
-                     measured_on(r, name), link("streaming.md", H_KVCOMM)])
+    rows.append(Headline(
+        f"Serving throughput, {LEVEL} workflows at once",
+        "scheduler " + ", ".join(f"{level['scheduler']['generated_token_throughput']:.0f} tok/s {t}"
+                                 for t, level in at16.items())
+        + "; over the serial engine " + ", ".join(f"{times(throughput_x(level, 'scheduler', 'serial'))} {t}"
+                                                  for t, level in at16.items())
+        + f"; over {baseline(serving)}: " + ", ".join(f"{times(throughput_x(level, 'scheduler', 'before'))} {t}"
+                                                      for t, level in at16.items()),
+        ["serving_cpu_against_aio"], link("engine.md", H_SERVING), serving["against"]))
+    for names, where in ((["kvcomm_cpu"], "CPU"), (["kvcomm_cuda", "kvcomm_cuda_h100"], "GPU")):
+        name = r.newest_clean(names)
+        others = r.load(name)["rows"][1:]
+        rows.append(Headline(
+            f"KVComm TTFT over dense prefill, agents {span([w['agent'] for w in others])} ({where})",
+            "; ".join(f"recompute {level}: " + span([w["by_recompute"][level]["speedup"] for w in others], times)
+                      for level in others[0]["by_recompute"]),
+            [name], link("streaming.md", H_KVCOMM)))
     quality = r.load("eval_kvcomm_recompute_cpu")
     best = max(quality["configs"], key=lambda c: c["recompute"])
-    rows.append([f"KVComm answers against dense prefill ({quality['agents']} agents)",
-                 f"recompute {best['recompute']:.1f}: {pct(best['accuracy']['value'], 1)}% against dense "
-                 f"{pct(quality['dense_accuracy']['value'], 1)}%, "
-                 f"{interval(best['minus_dense'], points_ci)} "
-                 f"points at {pct(best['reuse_rate'], 1)}% reuse",
-                 measured_on(r, "eval_kvcomm_recompute_cpu"), link("streaming.md", H_KVCOMM)])
+    rows.append(Headline(
+        f"KVComm answers against dense prefill ({quality['agents']} agents)",
+        f"recompute {best['recompute']:.1f}: {pct(best['accuracy']['value'], 1)}% against dense "
+        f"{pct(quality['dense_accuracy']['value'], 1)}%, {interval(best['minus_dense'], points_ci)} points at "
+        f"{pct(best['reuse_rate'], 1)}% reuse",
+        ["eval_kvcomm_recompute_cpu"], link("streaming.md", H_KVCOMM)))
     stair = r.load("staircase_cpu")
     longest = max(w["length"] for w in stair["rows"])
     rows_ = staircase_rows(stair)
     first = statistics.mode(w["first_chunk"] for w in stair["rows"])
     wait = rows_[(longest, False, "wait-for-all", "kv", first, 0)]
     reprefill = rows_[(longest, False, "reprefill", "kv", first, 0)]
-    rows.append([f"Staircase TTFT, {longest} tokens per branch",
-                 f"{ms(1000 * reprefill['ttft_s'])} against {ms(1000 * wait['ttft_s'])} waiting for every branch "
-                 f"({pct(1 - reprefill['ttft_s'] / wait['ttft_s'], 1)}% lower; the answer sees the first chunks only)",
-                 measured_on(r, "staircase_cpu"), link("streaming.md", H_STAIRCASE)])
+    rows.append(Headline(
+        f"Staircase TTFT, {longest} tokens per branch",
+        f"{ms(1000 * reprefill['ttft_s'])} against {ms(1000 * wait['ttft_s'])} waiting for every branch "
+        f"({pct(1 - reprefill['ttft_s'] / wait['ttft_s'], 1)}% lower; the answer sees the first chunks only)",
+        ["staircase_cpu"], link("streaming.md", H_STAIRCASE)))
     for name, label, heading in (("fuzz_cpu", "Fuzzing the API", H_FUZZ), ("soak_cpu", "Soak", H_SOAK),
                                  ("soak_kv1mib_cpu", "Soak, {kv_mib:.0f} MiB of work KV", H_SOAK)):
         result = r.load(name)
-        label = label.format(**result["config"])
-        rows.append([label, verdict(result["passed"]), measured_on(r, name), link("reliability.md", heading)])
+        rows.append(Headline(label.format(**result["config"]), verdict(result["passed"]), [name],
+                             link("reliability.md", heading)))
     faults = CHAOS + ["chaos_client_leaves_cpu"] + SESSION_FAULTS
-    rows.append(["Faults under load",
-                 "; ".join(f"{fault_name(r.load(n))}: {verdict(r.load(n)['passed'])}" for n in faults),
-                 "; ".join(f"`{n}.json`" for n in faults), link("reliability.md", H_CHAOS)])
+    rows.append(Headline(
+        "Faults under load", "; ".join(f"{fault_name(r.load(n))}: {verdict(r.load(n)['passed'])}" for n in faults),
+        faults, link("reliability.md", H_CHAOS)))
     return rows
 
 
@@ -2146,11 +2222,30 @@ def fault_name(result: dict) -> str:
     return c["fault"] + (f" ({variant})" if variant else "")
 
 
+def held_back(r: Report, row: Headline) -> dict[str, str]:
+    """Why a headline row's files do not stand as measured (`braid.results.unclean`), by file; empty: they do."""
+    return {name: why for name in row.files if (why := unclean(r.load(name)))}
+
+
 def headline_table(report: Report | None = None, base: str = "docs/results/") -> str:
     """The few results a user cares about, with links to their pages (relative to the README by default; the
-    index passes base="")."""
+    index passes base=""). Only rows whose every file is clean are in it, with the commit they were measured at;
+    the others are listed after it with why, until they are measured again on a clean tree."""
     r = report or Report()
-    return table(["result", "value", "measured", "more"], headline_rows(r, base))
+    rows = headline_rows(r, base)
+    shown = [row for row in rows if not held_back(r, row)]
+    cells = [[row.result, row.value,
+              ", ".join(dict.fromkeys(f"`{short(stamp_of(r.load(n)).get('commit'))}`" for n in row.files))
+              + (f", against `{row.against}`" if row.against else ""),
+              measured_on(r, row.files), row.more] for row in shown]
+    text = (table(["result", "value", "commit (clean tree)", "measured", "more"], cells) if cells
+            else "No headline figure was measured on a clean tree yet.")
+    held = [f"{row.result} ({row.more}): " + "; ".join(f"`{name}.json`: {why}" for name, why in
+                                                       held_back(r, row).items())
+            for row in rows if held_back(r, row)]
+    if held:
+        text += "\n\n" + paragraph("Not in the headline until measured again on a clean tree:") + "\n\n" + bullets(held)
+    return text
 
 
 def other_files(r: Report) -> str:
@@ -2183,7 +2278,9 @@ def index_page(r: Report) -> str:
         "into its file is quoted as written), none is typed by hand. Every table says",
         "where its rows were measured: the commit, the device, torch, and whether the checkpoint was the committed",
         f"`models/braid-reference` (fingerprint `{short(r.model)}`) and the calibration its committed one",
-        f"(digest `{short(r.calibration)}`), another one, random weights, or unknown.")
+        f"(digest `{short(r.calibration)}`), another one, random weights, or unknown. The headline shows only",
+        "figures from files measured on a clean tree under the stamp contract; a row whose file is not is listed",
+        "after it with why, and stays on its page, its stamp saying so.")
     pages = bullets([f"[{title}]({name}): {what}" for name, title, what in PAGES])
     return page("Results", intro, [
         section("Headline", headline_table(r, base="")),

@@ -32,7 +32,7 @@ try:
 except ImportError:  # (a revision from before the runtime room)
     from braid.api.directory import Directory, EmbeddedRedis
 
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
 APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     stem = write_json(args.out, f"serving_{kind}" + ("_against" if rev else ""), result, device=args.device,
                       **fingerprints_at(EngineConfig(args.model)))
     plot(rows, stem + ".png")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -23,7 +23,7 @@ from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedu
 from braid.methods.synthesis import TEXT, Placement, Refresh, SynthesisMode, synthesis_stream
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import SYNTHESIZER_HEADER, WORKER_HEADER, turn
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 
 TASK = turn("system", "workers each report their part; the synthesizer joins them.")
 PROMPT = turn("user", "join the parts.") + SYNTHESIZER_HEADER
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         axes[1].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=120)
-        print(f"wrote {stem}.json and its plot")
+        print(written(stem + ".json"))
     return 0
 
 

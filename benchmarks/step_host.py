@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from benchmarks.revision import labels, sides
     from braid.engine.model import fingerprint_checkpoint
     from braid.models.checkpoints import benchmark_model
-    from braid.results import device_name, grouped_bars, write_json
+    from braid.results import device_name, grouped_bars, write_json, written
 
     head, rev = labels(args.against)
     with tempfile.TemporaryDirectory(prefix="braid-step-host-") as tmp:
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                   ("tokens/s", {f"this tree ({head})": [r["this_tokens_per_s"] for r in rows],
                                 rev: [r["against_tokens_per_s"] for r in rows]})],
                  xlabel="calls decoding at once")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -7,15 +7,19 @@ on the reference model, where answers can be scored:
    gRPC and Redis) serves workflows sent as chat messages, with the text transport, so that each trace holds the
    answer text gives. The workflows are the reference model's own skills (chain, vote, trail) in a shape no
    calibration here has trained on: every branch's work 7 to 12 steps long (calibrations here train at most 8),
-   2 to 12 branches, from a seed range no calibration or evaluation draws from. Every `--held-out`-th trace is
-   what calibration holds out, and only those get reference answers (a user's labelled evaluation set); the rest
-   are trained on without labels: the target is the model's own text answer (self-distillation).
+   2 to 12 branches, from a seed range no calibration or evaluation draws from. The traces calibration holds out
+   with `--held-out-traces N` (models.traces.split: about one in N of each kind, branch count and task, by a hash
+   of each workflow) are the only ones given reference answers (a user's labelled evaluation set); the rest are
+   trained on without labels: the target is the model's own text answer (self-distillation). The split does not
+   read the references, so adding them leaves it as it was.
 2. `calibrate`: `braid calibrate --traces ... --sources none` (the command, in its own process): a fresh mapper
    and LoRA from the traces alone.
-3. `verify`: `braid eval --traces ... --verify` on the held-out traces: text, the calibrated cache path, and the
-   same cache path uncalibrated (with and without the boundary refresh), every mode held to text's answer.
+3. `verify`: `braid eval --traces ... --verify --verification held-out-traces` on the held-out traces: text, the
+   calibrated cache path, and the same cache path uncalibrated (with and without the boundary refresh), every mode
+   held to text's answer; the envelope from the paired lower bound per branch-count band (evals.harness.verify),
+   recorded beside the calibration.
 4. `report`: agreement with text over all held-out traces and per family, paired 95% intervals (bootstrap), text's
-   own accuracy against the references beside it; JSON in benchmarks/results.
+   own accuracy against the references beside it, and the envelope's bands; JSON in benchmarks/results.
 
     python benchmarks/trace_quality.py --work /tmp/traces-demo --workflows 1200 --steps 800
 
@@ -36,9 +40,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from braid.evals.harness import format_bands  # noqa: E402
 from braid.evals.stats import accuracy_ci, paired_difference_ci  # noqa: E402
 from braid.models import REFERENCE_MODEL  # noqa: E402
 from braid.models.tasks import generate  # noqa: E402
+from braid.models.traces import SPLIT_RULE  # noqa: E402
 from braid.results import write_json  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -60,13 +66,16 @@ def _key(task_messages, branches, synthesis) -> str:
 
 
 def record(work: str, n: int, seed: int, held_out: int, concurrency: int) -> str:
-    """Serve n workflows with recording on; write work/traces.jsonl (references on the held-out lines only) and
-    work/families.json (each line's family). Returns the traces' path."""
+    """Serve n workflows with recording on; write work/traces.jsonl (references on the lines calibration and
+    verification hold out with --held-out-traces `held_out` only) and work/families.json (each line's family).
+    Returns the traces' path."""
     import grpc
 
     from braid.cluster.inprocess import start_in_process
     from braid.engine import EngineConfig
     from braid.methods.calibration import load_engine
+    from braid.models.chat import WORKER_HEADER
+    from braid.models.traces import load_trace_workflows, split
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
     from braid.runtime.directory import Directory, EmbeddedRedis
@@ -107,15 +116,23 @@ def record(work: str, n: int, seed: int, held_out: int, concurrency: int) -> str
     lines = [json.loads(x) for x in open(path) if x.strip()]
     if len(lines) != n:
         raise RuntimeError(f"{n} workflows served, {len(lines)} recorded (see braid_traces_dropped_total)")
+    # only the lines calibration holds out carry a reference (models.traces.split, as braid calibrate and braid eval
+    # read the file: by the workflows' contents, which a reference does not change); the rest are trained on as a
+    # user's unlabelled traffic
+    with open(out + ".tmp", "w") as f:
+        f.writelines(json.dumps({**line, "reference": None}) + "\n" for line in lines)
+    read = load_trace_workflows([out + ".tmp"], engine.lm.tokenizer, engine.fingerprint, WORKER_HEADER,
+                                REFERENCE_MODEL)
+    if len(read) != len(lines):
+        raise RuntimeError(f"{len(lines)} lines recorded, {len(read)} workflows read back")
+    held = {id(w) for w in split(read, held_out)[1]}
     families = []
     with open(out + ".tmp", "w") as f:
-        for i, line in enumerate(lines):
+        for line, workflow in zip(lines, read):
             key = _key(line["task_messages"], [b["messages"] for b in line["branches"]],
                        line["synthesis"]["messages"])
             families.append(family[key])
-            # only the lines calibration holds out (models.traces.split: every held_out-th, from the first) carry
-            # a reference: the rest are trained on as a user's unlabelled traffic
-            line["reference"] = reference[key] if i % held_out == 0 else None
+            line["reference"] = reference[key] if id(workflow) in held else None
             f.write(json.dumps(line) + "\n")
     json.dump(families, open(os.path.join(work, "families.json"), "w"))
     os.replace(out + ".tmp", out)
@@ -138,24 +155,29 @@ def calibrate(work: str, traces: str, held_out: int, steps: int, tasks_per_step:
     return out
 
 
+VERIFICATION = "held-out-traces"  # the name the verification is recorded under, beside the calibration
+
+
 def verify(work: str, traces: str, calibration: str, held_out: int, mode: str) -> str:
     out = os.path.join(work, "eval.json")
     if os.path.exists(out):
         return out
     args = ["eval", "--model", REFERENCE_MODEL, "--calibration", calibration, "--traces", traces,
             "--held-out-traces", str(held_out), "--modes", f"text,cache:mixed,cache:mixed+refresh,{mode}",
-            "--verify", "--verify-mode", mode, "--json", out, "--device", "cpu"]
+            "--verify", "--verify-mode", mode, "--verification", VERIFICATION, "--json", out, "--device", "cpu"]
     braid(args)  # (its JSON is written whole or not at all: braid.results)
     return out
 
 
-def summarize(evaluation: dict, families: list[str], held_out: int, mode: str) -> dict:
+def summarize(evaluation: dict, families: list[str], referenced: list[bool], mode: str) -> dict:
     """Agreement with text per mode, over all held-out traces and per family, with paired 95% intervals, and
-    text's accuracy against the references."""
+    text's accuracy against the references. `referenced`: which lines of the trace file carry a reference (the
+    held-out ones, which braid eval ran in file order)."""
     results = evaluation["results"]
-    held = [families[i] for i in range(0, len(families), held_out)]
-    if len(held) != len(results):
-        raise ValueError(f"{len(results)} evaluated traces, {len(held)} held out: not the same run")
+    held = [f for f, r in zip(families, referenced) if r]
+    if len(held) != len(results) or any(r["reference_correct"] is None for r in results):
+        raise ValueError(f"{len(results)} evaluated traces, {len(held)} held out with references: not the same "
+                         "split")
     modes = [m for m in evaluation["modes"] if m != "text"]
 
     def rows(group: list[dict]) -> dict:
@@ -210,7 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/braid-trace-quality", help="where each stage keeps its output")
     p.add_argument("--workflows", type=int, default=1200, help="workflows served and recorded (default: 1200)")
     p.add_argument("--seed", type=int, default=SEEDS, help=f"first task seed (default: {SEEDS})")
-    p.add_argument("--held-out", type=int, default=3, help="every N-th trace is held out (default: 3)")
+    p.add_argument("--held-out", type=int, default=3,
+                   help="about one trace in N of each kind is held out: braid calibrate and eval "
+                        "--held-out-traces N (default: 3)")
     p.add_argument("--concurrency", type=int, default=4, help="workflows in flight while recording (default: 4)")
     p.add_argument("--steps", type=int, default=800, help="calibration steps (default: 800)")
     p.add_argument("--tasks-per-step", type=int, default=8, help="traces per calibration step (default: 8)")
@@ -227,14 +251,19 @@ def main(argv=None) -> int:
     mode = mode_name(refresh_of(args.refresh))
     evaluation = json.load(open(verify(args.work, traces, calibration, args.held_out, mode)))
     families = json.load(open(os.path.join(args.work, "families.json")))
+    referenced = [json.loads(x)["reference"] is not None for x in open(traces) if x.strip()]
     cal = Calibration.load(calibration)
+    verification = evaluation["verification"]  # (what braid eval recorded beside the calibration, as VERIFICATION)
     result = {"config": {**vars(args), "families": list(FAMILIES), "length": list(LENGTH)},
-              "held_out": "one line in %d of the trace file, none trained on; task seeds %d-%d, a range no other "
-                          "calibration or evaluation here draws from" % (args.held_out, args.seed,
-                                                                         args.seed + args.workflows - 1),
+              "held_out": "%d of %d lines of the trace file, none trained on (about one in %d of each kind, branch "
+                          "count and task, by a hash of each workflow: %s); task seeds %d-%d, a range no other "
+                          "calibration or evaluation here draws from" % (
+                              sum(referenced), len(referenced), args.held_out, SPLIT_RULE, args.seed,
+                              args.seed + args.workflows - 1),
               "calibration_record": {k: cal.record.get(k) for k in ("steps", "train_seconds", "traces",
                                                                     "held_out_accuracy")},
-              "verification": cal.verification, **summarize(evaluation, families, args.held_out, mode)}
+              "verification": verification, "verification_name": VERIFICATION,
+              **summarize(evaluation, families, referenced, mode)}
     from braid.engine import EngineConfig
     from braid.methods.calibration import fingerprints_at
 
@@ -246,6 +275,8 @@ def main(argv=None) -> int:
     for m in [mode, "cache:mixed", "cache:mixed+refresh"]:
         print(f"  {m}: agrees with text {s[m]['agreement']:.1%}, minus text {100 * s[m]['minus_text']:+.1f} points "
               f"(95% CI {100 * s[m]['minus_text_ci95'][0]:+.1f} to {100 * s[m]['minus_text_ci95'][1]:+.1f})")
+    print(format_bands(verification))
+    print(f"{mode} verified up to {verification['max_branches']} branches")
     print(f"wrote {path}.json")
     return 0
 

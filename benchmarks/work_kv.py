@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import grouped_bars, write_json
+from braid.results import grouped_bars, write_json, written
 
 MODES = {"parents": ("in place", "copied"), "on-demand": ("on demand", "up front")}
 
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                  [(label, {f"{what} {mode}": [r[mode][key] for r in rows] for mode in (old, new)})
                   for key, label in (("requests_per_s", "requests per second"), ("ttft_mean_ms", "mean TTFT (ms)"),
                                      ("peak_work_kv_bytes", "peak work KV (bytes)"))], xlabel="concurrent requests")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

@@ -30,7 +30,7 @@ from braid.methods.dag import run_dag
 from braid.methods.dag.presets import mad_iter, mad_par, notes_graph, notes_turns, tot
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.models.tasks import generate
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 
 SEED_RATIOS = {"mad-iter": 2.0, "tot": 3.5, "mad-par": 6.2}  # Prompt Choreography's TTFT speedups (Llama-3.1-8B, GPU)
 
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0
 
 

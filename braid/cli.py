@@ -36,10 +36,12 @@ def eval_cmd(args) -> int:
     """Run the synthetic tasks through every synthesis mode; print accuracy (95% CI) and TTFT, write JSON."""
 
     from braid.engine import EngineConfig
+    from braid.engine.config import OWN_VERIFICATION, verification_file
     from braid.evals.harness import (
         EvalConfig,
         engine_modes,
         evaluate,
+        format_bands,
         format_table,
         hooked_modes,
         load_hooks,
@@ -50,6 +52,21 @@ def eval_cmd(args) -> int:
     from braid.methods.calibration import calibration_of, fingerprints, load_engine, mode_name, served_refresh
     from braid.results import write_json_to
 
+    if args.verification is not None:  # (checked before anything is loaded or run)
+        if not args.verify:
+            raise ValueError("--verification names the verification --verify records: add --verify")
+        if args.verification != OWN_VERIFICATION:
+            verification_file("", args.verification)  # (the name's form)
+    elif args.verify:
+        raise ValueError(f"--verify records a verification, by name: --verification NAME writes it beside the "
+                         f"calibration (<calibration>/verifications/NAME.json), its own record left as it is, and a "
+                         f"deployment trusts it with `verification: NAME`; --verification {OWN_VERIFICATION} replaces "
+                         "the calibration's own record (in its manifest, trusted by default): for a calibration of "
+                         "your own, not a shipped one")
+    if args.verify and not 0 < args.tolerance < 1:
+        raise ValueError(f"--tolerance must be in (0, 1) (a fraction of accuracy), got {args.tolerance}")
+    if args.traces and args.held_out_traces < 0:
+        raise ValueError(f"--held-out-traces must be >= 0 (0: every trace), got {args.held_out_traces}")
     config = EvalConfig(tasks=tuple(args.tasks.split(",")), branches=_ints(args.branches, "--branches"),
                         samples=args.samples, seed=args.seed, length=_length(args.length),
                         worker_max_tokens=args.worker_max_tokens, answer_max_tokens=args.answer_max_tokens)
@@ -70,19 +87,24 @@ def eval_cmd(args) -> int:
     if args.verify and (calibration_of(engine) is None or not {"text", args.verify_mode} <= set(names)):
         raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
                          "calibration and run both modes")
+    ran: EvalConfig | dict = config
     if args.traces:  # recorded workflows instead of synthetic tasks (those calibrate --traces held out, by default)
-        from braid.evals.harness import evaluate_traces
+        from braid.evals.harness import evaluate_traces, traces_config
         from braid.models.chat import WORKER_HEADER
         from braid.models.traces import load_trace_workflows, split
 
-        workflows = load_trace_workflows(args.traces.split(","), engine.lm.tokenizer, engine.fingerprint,
-                                         WORKER_HEADER, path)
-        if args.held_out_traces:
-            workflows = split(workflows, args.held_out_traces)[1]
+        files = args.traces.split(",")
+        workflows = load_trace_workflows(files, engine.lm.tokenizer, engine.fingerprint, WORKER_HEADER, path)
+        workflows = split(workflows, args.held_out_traces)[1] if args.held_out_traces else workflows
+        if not workflows:
+            raise ValueError(f"no workflow in {args.traces} is held out with --held-out-traces "
+                             f"{args.held_out_traces}: record more traces, or give a smaller N (the one braid "
+                             "calibrate --traces held out with)")
+        ran = traces_config(config, files, args.held_out_traces, workflows)
         results = evaluate_traces(engine, workflows, config, modes)
     else:
         results = evaluate(engine, config, modes)
-    out = report(config, path, engine.fingerprint, modes, results)
+    out = report(ran, path, engine.fingerprint, modes, results)
     print(format_table(out["summary"]))
     if args.verify:
         # the longest branch it was checked on: `auto` ships KV only for requests whose branches cannot be longer
@@ -91,19 +113,27 @@ def eval_cmd(args) -> int:
         # (what was verified: where its mode placed the branches, and on which weights)
         referenced = [r.reference_correct for r in results if r.reference_correct is not None]
         checked = ({"traces": args.traces.split(","), "held_out_traces": args.held_out_traces,
+                    "held_out": ran["held_out"],
                     # (text's own accuracy where traces carry reference answers: agreeing with it counts for little
                     # where it is low)
                     "text_reference_accuracy": sum(referenced) / len(referenced) if referenced else None}
                    if args.traces else {"seed": config.seed, "length": list(config.length)})
-        verification = {**verify(out["summary"], args.verify_mode, args.tolerance), **checked,
+        verification = {**verify(results, args.verify_mode, args.tolerance), **checked,
                         "max_branch_tokens": max(t for r in results for t in r.branch_tokens),
                         "placement": verified.placement.value if verified.placement else "",
                         "calibration": calibration.digest,
                         "base_fingerprint": engine.fingerprint}
-        out["verification"] = verification
-        calibration_of(engine).calibration.record_verification(verification)
-        print(f"\n{args.verify_mode} answers match text (within {100 * args.tolerance:g} points on every task) up to "
-              f"{verification['max_branches']} branches; recorded in {calibration_of(engine).calibration.path}")
+        out["verification"], out["verification_name"] = verification, args.verification
+        recorded_at = calibration.record_verification(verification, args.verification)
+        print(f"\n{format_bands(verification)}")
+        short = [b for b in verification["bands"] if not b["verifiable"]]
+        if short:
+            print(f"  (bands of fewer than {verification['needed_per_band']} samples cannot pass even with every "
+                  f"answer agreeing: evaluate more{' traces' if args.traces else ' --samples'})")
+        print(f"{args.verify_mode} is verified up to {verification['max_branches']} branches; recorded as "
+              f"verification {args.verification!r} in {recorded_at}"
+              + ("" if args.verification == OWN_VERIFICATION else
+                 f" (a deployment trusts it with `verification: {args.verification}`)"))
     if args.json:
         stem = write_json_to(args.json, out, device=str(engine.lm.device), **fingerprints(engine))
         plot_accuracy(out["summary"], stem + ".png")
@@ -172,19 +202,22 @@ def serve_cmd(args) -> int:
         os.environ["RAY_AUTH_MODE"] = "disabled"
     from braid.api.auth import drop_local_key
     from braid.cluster.config import ClusterConfig
+    from braid.cluster.listen import check_host, reach
     from braid.cluster.local import APP, start_local_cluster
 
+    check_host(args.host)  # (refused here, in one line, before Ray starts)
     path = _model_path(args)
     keys_file, made, keys = _serve_keys(args)
     try:
         config = ClusterConfig(path, colocate=args.colocate, worker_replicas=args.workers,
                                synthesizer_replicas=args.synthesizers,
                                kv_transport=args.kv_transport, redis_url=args.redis_url, grpc_port=args.port,
-                               calibration=args.calibration, api_keys_file=keys_file, record_dir=args.record or "")
-        cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard)
+                               calibration=args.calibration, verification=args.verification,
+                               api_keys_file=keys_file, record_dir=args.record or "")
+        cluster = start_local_cluster(config, num_cpus=args.num_cpus, dashboard=args.dashboard, host=args.host)
         try:
-            # (Serve's gRPC proxy binds every interface and has no option to bind fewer: the key is what guards it)
-            print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on every interface, "
+            print(f"braid: agent API (gRPC, braid.v1.AgentService, metadata application={APP}) on "
+                  f"{reach(cluster.host)}, "
                   f"{cluster.listen_address} (from this machine: {cluster.address})\n"
                   f"  api key      {keys}\n"
                   f"  model        {path}\n  calibration  {config.engine_config().resolved().calibration}\n"
@@ -234,6 +267,39 @@ def serve_config_cmd(args) -> int:
     return 0
 
 
+def notes_request(args, sampling, output: str, stair):
+    """A preset over the workers' own notes (methods.dag.presets.notes_graph, the shape the reference model's
+    workflows take) as a RunGraph request in chat messages: --task the system message, each --branch one solver's
+    notes (a user message) and --prompt the question the last node answers; the server renders them with the
+    model's template. The graph is built once with placeholders and each placeholder becomes its messages."""
+    import dataclasses
+
+    from braid.methods.dag.presets import notes_graph
+    from braid.protos import agent_pb2 as pb
+    from braid.runtime.convert import graph_request
+
+    if args.preset == "moa":
+        raise ValueError("--preset moa takes --question (it has no form over the workers' notes); over notes use "
+                         "tot, mad-iter or mad-par")
+    if not args.prompt:
+        raise ValueError(f"--preset {args.preset} over notes needs --prompt: the question its last node answers")
+    notes = [f"\0notes{j}" for j in range(len(args.branch))]
+    graph = notes_graph(args.preset, "\0system", notes, "\0header", "\0final", solver=sampling, final=sampling,
+                        output=output, staircase=stair is not None)
+    if stair is not None:
+        graph = dataclasses.replace(graph, variant=stair)
+    chat = {"\0system": ([pb.ChatMessage(role="system", content=args.task)], ""),
+            "\0final": ([pb.ChatMessage(role="user", content=args.prompt)], "synthesizer"),
+            "\0header": ([], "worker"),
+            **{n: ([pb.ChatMessage(role="user", content=b)], "") for n, b in zip(notes, args.branch)}}
+    request = graph_request(graph)
+    for node in request.nodes:
+        messages, node.reply_role = chat[node.prompt]
+        node.prompt = ""
+        node.messages.extend(messages)
+    return request
+
+
 def run_preset(stub, args, metadata) -> None:
     """A preset agent workflow (methods.dag.presets) as RunGraph DAGs; each node's reply printed as it ends."""
     from braid.engine import SamplingParams
@@ -247,10 +313,20 @@ def run_preset(stub, args, metadata) -> None:
     if stair is not None and args.preset == "mad-iter":
         raise ValueError("--staircase: mad-iter has no staircase (each turn reads every earlier turn); use it "
                          "with mad-par, tot or moa")
-    graph = {"mad-iter": lambda: mad_iter(args.question, args.rounds, sampling, output),
-             "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output, stair),
-             "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output, stair),
-             "moa": lambda: moa(args.question, args.agents, args.rounds, sampling, output, stair)}[args.preset]()
+    shape = {"--rounds": args.rounds, "--agents": args.agents, "--voters": args.voters}
+    if not args.question:
+        given = [name for name, value in shape.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a preset over notes has a solver per --branch and its own "
+                             "rounds; these shape the --question presets only")
+        request = notes_request(args, sampling, output, stair)
+    else:
+        args.rounds, args.agents, args.voters = args.rounds or 3, args.agents or 3, args.voters or 2
+        free = {"mad-iter": lambda: mad_iter(args.question, args.rounds, sampling, output),
+                "mad-par": lambda: mad_par(args.question, args.agents, args.rounds, sampling, output, stair),
+                "tot": lambda: tot(args.question, args.agents, args.voters, sampling, output, stair),
+                "moa": lambda: moa(args.question, args.agents, args.rounds, sampling, output, stair)}
+        request = graph_request(free[args.preset]())
 
     def run(request) -> tuple[str, dict]:
         outputs, session = {}, ""
@@ -273,8 +349,8 @@ def run_preset(stub, args, metadata) -> None:
                 print(f"[done] session {session} in {event.done.seconds:.2f} s")
         return session, outputs
 
-    session, outputs = run(graph_request(graph))
-    if args.preset == "tot":
+    session, outputs = run(request)
+    if args.preset == "tot" and args.question:
         votes = [outputs[f"voter{j}"].text for j in range(args.voters)]
         winner = count_votes(votes, args.agents)
         print(f"[votes] solution {winner} wins")
@@ -291,8 +367,10 @@ def run_cmd(args) -> int:
     from braid.protos import agent_pb2 as pb
     from braid.protos import agent_pb2_grpc
 
-    if args.preset and not args.question:
-        raise ValueError("--preset needs --question")
+    if args.preset and not (bool(args.question) ^ bool(args.task and args.branch)):
+        raise ValueError("--preset runs over the workers' notes (--task, a --branch per solver and --prompt: the "
+                         "reference model's workflows) or on a free-form --question (a general chat model's): give "
+                         "one of the two")
     if not args.preset and not (args.task and args.branch):
         raise ValueError("a workflow needs --task and at least one --branch (or use --preset)")
     if args.preset:
@@ -311,7 +389,7 @@ def run_cmd(args) -> int:
     sampling = pb.Sampling(max_tokens=args.max_tokens, temperature=args.temperature)
     request = pb.WorkflowRequest(worker_sampling=sampling, synthesis_sampling=sampling,
                                  transport=pb.Transport.Value(f"TRANSPORT_{args.transport.upper()}"),
-                                 placement=args.placement)
+                                 placement=args.placement or "")
     if args.raw:  # strings the model reads as they are (its role tokens written in by the user)
         request.task, request.synthesis_prompt = args.task, args.prompt or "<|synthesizer|>"
         request.branch_prompts.extend(args.branch)
@@ -391,6 +469,9 @@ def main(argv=None) -> int:
                        description=serve_cmd.__doc__)
     p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port of the agent API (default: 9000)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address the agent API listens on: 0.0.0.0 (or ::) for every interface, IPv4 and IPv6 "
+                        "(default: 127.0.0.1, this machine only)")
     p.add_argument("--redis-url", help="Redis for the control plane (default: an embedded redis-server)")
     p.add_argument("--workers", type=int, default=1, help="worker replicas (default: 1)")
     p.add_argument("--synthesizers", type=int, default=1, help="synthesizer replicas (default: 1)")
@@ -399,6 +480,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-transport", default="auto", choices=["auto", "grpc", "text"],
                    help="ship KV or re-prefill text (default: auto, decided per request)")
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
+    p.add_argument("--verification", default="own",
+                   help="which verification of the calibration `auto` transport trusts: own (its manifest's) or a "
+                        "NAME that braid eval --verify --verification NAME recorded beside it (default: own)")
     p.add_argument("--record", metavar="DIR",
                    help="record every RunWorkflow and RunGraph served, one JSON line each (requests, replies, answers; "
                         "no keys), in DIR/traces-*.jsonl: traces for braid calibrate, eval and loadtest --traces "
@@ -411,8 +495,8 @@ def main(argv=None) -> int:
                         "none given, so it makes one, prints it and leaves it in ~/.braid/api-key-PORT, where "
                         "braid run and braid loadtest on this machine find it)")
     p.add_argument("--open-api", action="store_true",
-                   help="serve the agent API without keys: anyone who can reach the port (it listens on every "
-                        "interface) can run workflows and read sessions")
+                   help="serve the agent API without keys: anyone who can reach the port (see --host) can run "
+                        "workflows and read sessions")
     p.set_defaults(func=serve_cmd)
 
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
@@ -422,13 +506,18 @@ def main(argv=None) -> int:
     p.add_argument("--branch", action="append", help="one worker's instruction (a user message; repeat per worker)")
     p.add_argument("--preset", choices=["mad-iter", "mad-par", "tot", "moa"],
                    help="instead, an agent workflow as a RunGraph DAG: iterative debate, parallel debate, tree of "
-                        "thoughts, or mixture-of-agents (--transport text: its text re-prefill baseline)")
-    p.add_argument("--question", help="the question a --preset workflow works on")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="--preset mad-iter/mad-par: debate rounds; moa: proposer layers (default: 3)")
-    p.add_argument("--agents", type=int, default=3,
-                   help="--preset mad-par: agents; tot: solutions; moa: proposers per layer (default: 3)")
-    p.add_argument("--voters", type=int, default=2, help="--preset tot: voters (default: 2)")
+                        "thoughts, or mixture-of-agents (--transport text: its text re-prefill baseline). With "
+                        "--task, a --branch per solver (its notes) and --prompt, the solvers reply from their notes "
+                        "and a last node answers (the reference model's workflows; not moa); with --question, a "
+                        "free-form debate for a general chat model")
+    p.add_argument("--question", help="the free-form question a --preset workflow works on (a general chat model: "
+                                      "the reference model answers only over notes)")
+    p.add_argument("--rounds", type=int,
+                   help="--preset with --question, mad-iter/mad-par: debate rounds; moa: proposer layers (default: 3)")
+    p.add_argument("--agents", type=int,
+                   help="--preset with --question, mad-par: agents; tot: solutions; moa: proposers per layer "
+                        "(default: 3)")
+    p.add_argument("--voters", type=int, help="--preset tot with --question: voters (default: 2)")
     p.add_argument("--staircase", choices=["reprefill", "append"],
                    help="answer from the first chunks of what is read (Staircase Streaming), in this variant: the "
                         "synthesizer from the workers' KV as it arrives (needs --transport grpc or collective "
@@ -445,7 +534,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],
                    help="force a transport (default: the cluster decides)")
-    p.add_argument("--placement", default="", choices=["", "branch_point", "sequential", "mixed", "none"],
+    p.add_argument("--placement", choices=["branch_point", "sequential", "mixed", "none"],
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")
     p.add_argument("--show-branches", action="store_true", help="print every worker token")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up (default: 600)")
@@ -489,21 +578,29 @@ def main(argv=None) -> int:
     p.add_argument("--hooks", action="append", default=[], metavar="NAME=MODULE:FACTORY",
                    help="add the cached modes again through factory(engine) -> SynthesisHooks (repeatable)")
     p.add_argument("--verify", action="store_true",
-                   help="record in the calibration up to which branch count its answers match text's; `auto` "
-                        "transport ships KV only up to there")
+                   help="record up to which branch count the calibration's answers match text's, by a paired "
+                        "one-sided 95%% bound over branch-count bands (docs/calibration.md); `auto` transport ships "
+                        "KV only up to there. Needs --verification")
+    p.add_argument("--verification", metavar="NAME",
+                   help="with --verify, the name it records under: NAME, in <calibration>/verifications/NAME.json "
+                        "beside the calibration (its own record left as it is; a deployment trusts it with its "
+                        "`verification: NAME` setting); own: the calibration's own record, in its manifest, which "
+                        "deployments trust by default (replaces it: for a calibration of your own)")
     p.add_argument("--verify-mode", default=None,
                    help="the mode --verify checks: the one the synthesizer serves (default: the calibration with "
                         "the boundary refresh it was trained with, as an unset refresh_tokens serves it: "
                         "calibrated+refresh for a token at each end, calibrated for none)")
     p.add_argument("--tolerance", type=float, default=0.02,
-                   help="accuracy points (as a fraction) --verify allows below text on each task (default: 0.02)")
+                   help="how far below text (accuracy, as a fraction) --verify lets each band's paired lower bound "
+                        "go, on every task (default: 0.02; a band then needs at least 149 samples per task)")
     p.add_argument("--traces", metavar="FILE[,FILE]",
                    help="evaluate recorded workflows (braid serve --record) instead of synthetic tasks: every mode "
                         "is held to the text pipeline's answer on the same branches; text's own accuracy against the "
                         "traces' reference answers, where they carry one, is reported beside it")
     p.add_argument("--held-out-traces", type=int, default=10,
-                   help="with --traces: evaluate only every N-th trace, those braid calibrate --traces held out "
-                        "with the same N (0: all of them; default: 10)")
+                   help="with --traces: evaluate only the traces braid calibrate --traces held out with the same N: "
+                        "about one in N of each kind (branch count and task), by a hash of each workflow "
+                        "(models.traces.split; 0: all of them; default: 10)")
     p.add_argument("--json", help="write the table and every answer to this JSON file, and a plot beside it")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")

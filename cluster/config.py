@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
-from braid.engine.config import paths_elsewhere, paths_here
+from braid.engine.config import OWN_VERIFICATION, paths_elsewhere, paths_here
 from braid.methods.kvcomm import KVCommConfig
 from braid.methods.staircase import StaircaseSchedule
 from braid.models.chat import WORKER_HEADER
@@ -58,6 +58,9 @@ class ClusterConfig:
     # the synthesizer's calibration (braid calibrate): "auto" loads <model_path>/calibration when it is there;
     # "none" runs the cache path uncalibrated (then kv_transport=auto re-prefills text)
     calibration: str = "auto"
+    # which of the calibration's verifications `auto` transport trusts: "own", the one in its manifest; a name, the one
+    # `braid eval --verify --verification NAME` recorded beside it (<calibration>/verifications/NAME.json)
+    verification: str = OWN_VERIFICATION
     store_budget_bytes: int = 2 << 30
     kv_budget_bytes: int = 0  # each engine's work KV for the calls it batches at once (more wait); 0: auto
     max_batched_tokens: int = 512  # rows per forward of each engine's scheduler
@@ -183,7 +186,8 @@ class ClusterConfig:
                             store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
                             max_batched_tokens=self.max_batched_tokens, cpu_threads=self.cpu_threads,
                             overlap=self.overlap, compile=self.compile,
-                            calibration=self.calibration if role == "synthesizer" else "none")
+                            calibration=self.calibration if role == "synthesizer" else "none",
+                            verification=self.verification if role == "synthesizer" else OWN_VERIFICATION)
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.worker_header, self.kv_chunk_bytes, tuple(self.kv_schedule))

@@ -11,6 +11,7 @@ from ray.serve.config import gRPCOptions
 
 from braid.cluster.app import APP, SERVICER, build_app
 from braid.cluster.config import ClusterConfig
+from braid.cluster.listen import ENV_HOST, bind_address, check_host, every_interface
 from braid.kv.peer_auth import ensure_cluster_token
 from braid.runtime.directory import EmbeddedRedis
 
@@ -44,19 +45,20 @@ class LocalCluster:
     config: ClusterConfig
     redis_url: str
     redis_server: EmbeddedRedis | None
+    host: str = "127.0.0.1"  # where the agent API listens (cluster.listen: 0.0.0.0 or :: for every interface)
     dashboard_url: str | None = None  # the Ray dashboard, when started
     metrics_url: str | None = None  # this node's Prometheus export (Serve metrics are prefixed ray_)
 
     @property
     def address(self) -> str:
         """How this machine reaches the agent API."""
-        return f"127.0.0.1:{self.config.grpc_port}"
+        host = "127.0.0.1" if every_interface(self.host) else self.host
+        return bind_address(host, self.config.grpc_port)
 
     @property
     def listen_address(self) -> str:
-        """Where the agent API listens: Serve's gRPC proxy binds every interface, IPv4 and IPv6 ([::]), and has no
-        option to bind fewer."""
-        return f"[::]:{self.config.grpc_port}"
+        """Where the agent API listens ([::]:port: every interface, IPv4 and IPv6)."""
+        return bind_address(self.host, self.config.grpc_port)
 
     def stop(self) -> None:
         serve.shutdown()
@@ -66,7 +68,11 @@ class LocalCluster:
 
 
 def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dashboard: bool = False,
-                        metrics_port: int | None = None, temp_dir: str | None = None) -> LocalCluster:
+                        metrics_port: int | None = None, temp_dir: str | None = None,
+                        host: str = "127.0.0.1") -> LocalCluster:
+    """A cluster on a new local Ray whose agent API listens on `host` (default: this machine only; 0.0.0.0 or ::
+    for every interface), with an embedded Redis unless the config names one."""
+    host = check_host(host)
     redis_server = None if config.redis_url else EmbeddedRedis()
     redis_url = config.redis_url or redis_server.url
     ensure_cluster_token()  # (before Ray starts: its processes, the replicas among them, inherit it)
@@ -74,7 +80,10 @@ def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dash
         try:
             ctx = ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                            log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                           _metrics_export_port=metrics_port)
+                           _metrics_export_port=metrics_port,
+                           # (the process that runs Serve's gRPC proxy binds `host`: cluster.listen)
+                           runtime_env={"worker_process_setup_hook": "braid.cluster.listen.bind_agent_api_host",
+                                        "env_vars": {ENV_HOST: host}})
             break
         except Exception:  # noqa: BLE001
             ray.shutdown()
@@ -92,5 +101,5 @@ def start_local_cluster(config: ClusterConfig, num_cpus: int | None = None, dash
     dashboard_url = ctx.dashboard_url and f"http://{ctx.dashboard_url}"
     node = next((n for n in ray.nodes() if n.get("Alive")), {})
     export = node.get("MetricsExportPort") or metrics_port
-    return LocalCluster(config, redis_url, redis_server, dashboard_url or None,
+    return LocalCluster(config, redis_url, redis_server, host, dashboard_url or None,
                         f"http://127.0.0.1:{export}/metrics" if export else None)

@@ -3,11 +3,16 @@
 import contextlib
 import contextvars
 import os
+import re
 from dataclasses import dataclass, replace
 
 import torch
 
 CALIBRATION_MANIFEST = "calibration.json"  # (methods.calibration.MANIFEST)
+# named verifications of a calibration, beside its manifest: <calibration>/verifications/<name>.json (braid eval
+# --verify --verification NAME); OWN_VERIFICATION is the one in its manifest
+VERIFICATIONS_DIR = "verifications"
+OWN_VERIFICATION = "own"
 DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.cuda_graphs)
 ATTENTION = ("sdpa", "flex")  # (engine.attention)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +33,23 @@ def paths_elsewhere():
 
 def paths_here() -> bool:
     return _PATHS_HERE.get()
+
+
+def verification_file(calibration: str, name: str) -> str:
+    """Where the verification `name` of the calibration directory `calibration` is stored (not OWN_VERIFICATION,
+    which is in its manifest); a ValueError for a name that is no plain file name."""
+    if name == OWN_VERIFICATION or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise ValueError(f"verification {name!r} must be {OWN_VERIFICATION!r} (the calibration's own, in its "
+                         "manifest) or a name of letters, digits, '.', '_' and '-' (up to 100, not starting with "
+                         "'.', '_' or '-')")
+    return os.path.join(calibration, VERIFICATIONS_DIR, f"{name}.json")
+
+
+def verification_names(calibration: str) -> list[str]:
+    """The named verifications recorded beside a calibration directory."""
+    folder = os.path.join(calibration, VERIFICATIONS_DIR)
+    return sorted(f.removesuffix(".json") for f in os.listdir(folder) if f.endswith(".json")) \
+        if os.path.isdir(folder) else []
 
 
 @dataclass
@@ -65,6 +87,10 @@ class EngineConfig:
     # a calibration directory written by `braid calibrate`, attached by methods.calibration.load_engine (the engine
     # itself never reads it); "auto": the model's own <model_path>/calibration when it has one; "none": uncalibrated
     calibration: str = "auto"
+    # which verification of the calibration `auto` transport trusts (the synthesizer's gate: up to how many branches,
+    # of how many tokens, at which placement): "own", the one in its manifest; a name, the one `braid eval --verify
+    # --verification NAME` wrote beside it, in <calibration>/verifications/NAME.json
+    verification: str = OWN_VERIFICATION
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.cuda_graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
@@ -130,17 +156,37 @@ class EngineConfig:
         if paths_here() and self.calibration not in ("auto", "none") and not os.path.isfile(manifest):
             raise ValueError(f"calibration {self.calibration!r} is not a directory written by `braid calibrate` "
                              f"(no {CALIBRATION_MANIFEST}); give one, 'auto' or 'none'")
+        if self.verification != OWN_VERIFICATION:
+            self._check_verification()
+
+    def _check_verification(self) -> None:
+        """A named verification: a well-formed name, of a calibration that is loaded, recorded beside it."""
+        verification_file("", self.verification)  # (the name's form)
+        calibration = self._calibration_here() if paths_here() else self.calibration
+        if calibration == "none":
+            raise ValueError(f"verification {self.verification!r} names a verification of a calibration, and "
+                             f"calibration is {self.calibration!r}" + (" (the model has none of its own)"
+                                                                       if self.calibration == "auto" else ""))
+        if paths_here() and not os.path.isfile(verification_file(calibration, self.verification)):
+            recorded = verification_names(calibration)
+            raise ValueError(f"verification {self.verification!r} is not recorded beside calibration {calibration} "
+                             f"(no {verification_file(calibration, self.verification)}); recorded there: "
+                             f"{', '.join(recorded) or 'none'} besides {OWN_VERIFICATION!r}, the one in its manifest. "
+                             f"`braid eval --verify --verification {self.verification}` writes it")
 
     def resolved(self) -> "EngineConfig":
         """This config on this machine: "auto" device and dtype made concrete (the engine calls it, so a
         config built on a CPU-only head resolves on the GPU replica that runs it)."""
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
         dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
-        calibration = self.calibration
-        if calibration == "auto":
-            own = os.path.join(self.model_path, "calibration")
-            calibration = own if os.path.isfile(os.path.join(own, CALIBRATION_MANIFEST)) else "none"
-        return replace(self, device=device, dtype=dtype, calibration=calibration)
+        return replace(self, device=device, dtype=dtype, calibration=self._calibration_here())
+
+    def _calibration_here(self) -> str:
+        """The calibration directory on this machine ("auto": the model's own when it has one, else "none")."""
+        if self.calibration != "auto":
+            return self.calibration
+        own = os.path.join(self.model_path, "calibration")
+        return own if os.path.isfile(os.path.join(own, CALIBRATION_MANIFEST)) else "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from braid.engine import Engine, PrefillCall, SamplingParams
 from braid.engine.engine import TokenEvent
-from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
+from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci, paired_lower_bound, samples_needed
 from braid.methods.calibration import Attached, calibration_of, mode_name
 from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
@@ -28,7 +28,7 @@ from braid.methods.synthesis import TEXT as TEXT_MODE
 from braid.methods.synthesis import Placement, Refresh, SynthesisHooks, SynthesisMode, synthesis_stream
 from braid.models.chat import END, ChatRenderer, TemplateError, task_renderer, turn
 from braid.models.tasks import DEFAULT_LENGTH, MAX_BRANCHES, TASKS, WITHOUT_WORKERS, Task, sample
-from braid.models.traces import TraceWorkflow
+from braid.models.traces import SPLIT_RULE, TraceWorkflow
 
 
 @dataclass(frozen=True)
@@ -316,30 +316,112 @@ def summarize(results: Sequence[TaskResult], modes: Sequence[Mode]) -> list[dict
     return rows
 
 
-def verify(rows: Sequence[dict], mode: str = "calibrated", tolerance: float = 0.02) -> dict:
-    """Up to which branch count `mode` answers as well as text re-prefill: a branch count passes when on every
-    task its accuracy is at least text's minus `tolerance` (the paired point estimate); `max_branches` is the
-    largest count with every evaluated count up to it passing (0: none). `auto` transport ships KV only up to
-    there (api/decision.py)."""
-    by_key = {(r["task"], r["branches"], r["mode"]): r for r in rows}
-    counts = sorted({r["branches"] for r in rows})
-    tasks = sorted({r["task"] for r in rows})
-    missing = [f"{t}/{m}/{name}" for t in tasks for m in counts for name in (TEXT.name, mode)
-               if (t, m, name) not in by_key]
-    if missing:
+VERIFY_LEVEL = 0.95  # the one-sided confidence of verify's bounds
+ENVELOPE_RULE = ("branch counts pooled, from the fewest, into bands of at least needed_per_band paired samples per "
+                 "task (a remainder too small for a band of its own joins the band below it); a band passes when on "
+                 "every task the one-sided {level:.0%} lower bound on the paired difference (mode minus text: minus "
+                 "the exact Clopper-Pearson upper bound on the rate of pairs where the mode is wrong and text right) "
+                 "is at least -tolerance; max_branches is the largest count of the last band in the unbroken run of "
+                 "passing bands from the fewest branches")
+
+
+def branch_bands(samples: dict[int, int], needed: int) -> list[tuple[int, ...]]:
+    """Branch counts pooled into bands: `samples` maps each count to the paired samples at it (on the task with the
+    fewest); counts are taken from the fewest up, and a band closes once it holds `needed` samples. A remainder short
+    of `needed` joins the band below it; with no band below (fewer than `needed` samples in all), it is a band of
+    its own, which no outcome can pass. The bands depend on the sample counts only, never on the answers."""
+    bands, current, held = [], [], 0
+    for m in sorted(samples):
+        current.append(m)
+        held += samples[m]
+        if held >= needed:
+            bands.append(tuple(current))
+            current, held = [], 0
+    if current:
+        if bands:
+            bands[-1] = (*bands[-1], *current)
+        else:
+            bands.append(tuple(current))
+    return bands
+
+
+def verify(results: Sequence[TaskResult], mode: str = "calibrated", tolerance: float = 0.02,
+           level: float = VERIFY_LEVEL) -> dict:
+    """Up to which branch count `mode` answers as well as text re-prefill, by a paired confidence bound over
+    pooled samples (ENVELOPE_RULE): branch counts are pooled into bands of at least `needed_per_band` samples per
+    task (branch_bands; stats.samples_needed: the fewest at which answers that all agree could pass), and a band
+    passes when on every task its one-sided `level` lower bound on mode's accuracy minus text's, paired over the
+    same tasks (stats.paired_lower_bound), is at least -`tolerance`. `max_branches` is the largest count of the
+    last band in the unbroken run of passing bands from the fewest branches (0: none). `auto` transport ships KV
+    only up to there (api/decision.py). Each band reports, per task and at its worst over tasks: n, the pairs the
+    mode won and lost against text, the paired mean difference and its lower bound. `passed` (per count: its
+    band's) and `gaps` (per task and count: the point estimate, mode's accuracy minus text's) are kept for the
+    tables that show a verification."""
+    by_cell: dict[tuple[str, int], list[TaskResult]] = {}
+    for r in results:
+        by_cell.setdefault((r.task, r.branches), []).append(r)
+    counts = sorted({m for _, m in by_cell})
+    tasks = sorted({t for t, _ in by_cell})
+    missing = [f"{t}/{m}" for t in tasks for m in counts if (t, m) not in by_cell]
+    missing += sorted({f"{r.task}/{r.branches}/{name}" for r in results for name in (TEXT.name, mode)
+                       if name not in r.correct})
+    if not results or missing:
         raise ValueError(f"verifying {mode!r} needs it and text on every task and branch count; missing "
-                         f"{', '.join(missing[:6])}")
-    passed = {m: all(by_key[(t, m, mode)]["accuracy"] >= by_key[(t, m, TEXT.name)]["accuracy"] - tolerance
-                     for t in tasks) for m in counts}
+                         f"{', '.join(missing[:6]) or 'every result'}")
+    needed = samples_needed(tolerance, level)
+    bands = []
+    for band in branch_bands({m: min(len(by_cell[(t, m)]) for t in tasks) for m in counts}, needed):
+        per_task = {}
+        for t in tasks:
+            group = [r for m in band for r in by_cell[(t, m)]]
+            a, b = [r.correct[mode] for r in group], [r.correct[TEXT.name] for r in group]
+            wins, losses = sum(x and not y for x, y in zip(a, b)), sum(y and not x for x, y in zip(a, b))
+            lower = paired_lower_bound(a, b, level)
+            per_task[t] = {"n": len(group), "wins": wins, "losses": losses,
+                           "mean_difference": round((wins - losses) / len(group), 6), "lower_bound": round(lower, 6),
+                           "passed": lower >= -tolerance}
+        bands.append({"branches": list(band), "n": min(v["n"] for v in per_task.values()),
+                      "mean_difference": min(v["mean_difference"] for v in per_task.values()),
+                      "lower_bound": min(v["lower_bound"] for v in per_task.values()),
+                      "verifiable": min(v["n"] for v in per_task.values()) >= needed,
+                      "passed": all(v["passed"] for v in per_task.values()), "tasks": per_task})
     max_branches = 0
-    for m in counts:
-        if not passed[m]:
+    for band in bands:
+        if not band["passed"]:
             break
-        max_branches = m
-    return {"mode": mode, "tolerance": tolerance, "max_branches": max_branches, "tasks": tasks,
-            "samples": min(r["n"] for r in rows), "passed": {str(m): ok for m, ok in passed.items()},
-            "gaps": {f"{t}/{m}": round(by_key[(t, m, mode)]["accuracy"] - by_key[(t, m, TEXT.name)]["accuracy"], 4)
+        max_branches = band["branches"][-1]
+
+    def accuracy(group: list[TaskResult], name: str) -> float:
+        return sum(r.correct[name] for r in group) / len(group)
+
+    return {"mode": mode, "tolerance": tolerance, "level": level, "rule": ENVELOPE_RULE.format(level=level),
+            "needed_per_band": needed, "max_branches": max_branches, "tasks": tasks,
+            "samples": min(len(g) for g in by_cell.values()), "bands": bands,
+            "passed": {str(m): next(b["passed"] for b in bands if m in b["branches"]) for m in counts},
+            "gaps": {f"{t}/{m}": round(accuracy(by_cell[(t, m)], mode) - accuracy(by_cell[(t, m)], TEXT.name), 4)
                      for t in tasks for m in counts}}
+
+
+def format_bands(verification: dict) -> str:
+    """verify's bands as a table, each with what it found, and where too few samples could not decide it."""
+    needed, tolerance = verification["needed_per_band"], verification["tolerance"]
+    lines = [f"{verification['mode']} minus text by branch-count band, in accuracy points, paired (the task with "
+             "the lowest bound shown):",
+             f"  a band passes where on every task the one-sided {verification['level']:.0%} exact lower bound is at "
+             f"least -{100 * tolerance:g}; it needs at least {needed} samples per task to pass at all",
+             f"  {'branches':<9} {'n':>5} {'won':>4} {'lost':>4} {'mean diff':>10} {'lower bound':>12}  result"]
+    for band in verification["bands"]:
+        counts = band["branches"]
+        span = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0])
+        task, worst = min(band["tasks"].items(), key=lambda kv: kv[1]["lower_bound"])  # (the task that decides it)
+        on = f" (on {task})" if len(band["tasks"]) > 1 else ""
+        if not band["verifiable"]:
+            result = f"not verifiable: too few samples ({band['n']}; need {needed})"
+        else:
+            result = ("passed" if band["passed"] else "failed") + on
+        lines.append(f"  {span:<9} {worst['n']:>5} {worst['wins']:>4} {worst['losses']:>4} "
+                     f"{100 * worst['mean_difference']:>+10.2f} {100 * worst['lower_bound']:>+12.2f}  {result}")
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -355,9 +437,24 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(config: EvalConfig, model: str, fingerprint: str, modes: Sequence[Mode],
+def traces_config(config: EvalConfig, files: Sequence[str], held_out_every: int,
+                  workflows: Sequence[TraceWorkflow]) -> dict:
+    """What an evaluation of recorded workflows ran (report's `config`): the trace files, the held-out rule, how
+    many workflows and which branch counts, and the token caps; not the synthetic tasks' settings, which it does
+    not use."""
+    return {"traces": list(files),
+            "held_out": ({"every": held_out_every, "rule": SPLIT_RULE} if held_out_every
+                         else "none: every trace in the files"),
+            "workflows": len(workflows), "branches": sorted({w.branches for w in workflows}),
+            "worker_max_tokens": config.worker_max_tokens, "answer_max_tokens": config.answer_max_tokens}
+
+
+def report(config: EvalConfig | dict, model: str, fingerprint: str, modes: Sequence[Mode],
            results: Sequence[TaskResult]) -> dict:
-    return {"model": model, "fingerprint": fingerprint, "config": asdict(config), "modes": [m.name for m in modes],
+    """The evaluation as JSON: `config` is what ran (an EvalConfig for the synthetic tasks; traces_config's dict
+    for recorded workflows)."""
+    return {"model": model, "fingerprint": fingerprint,
+            "config": config if isinstance(config, dict) else asdict(config), "modes": [m.name for m in modes],
             "summary": summarize(results, modes), "results": [asdict(r) for r in results]}
 
 

@@ -17,7 +17,7 @@ from braid.evals.harness import TEXT, EvalConfig, Mode, evaluate, format_table, 
 from braid.methods.synthesis import Placement, Refresh, SynthesisMode
 from braid.models import REFERENCE_MODEL
 from braid.models.tasks import TASKS
-from braid.results import write_json_to
+from braid.results import write_json_to, written
 
 
 def parse_refresh(spec: str) -> list[tuple[int, int]]:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         out = report(config, args.model, engine.fingerprint, modes, results)
         stem = write_json_to(args.json, out, device="cpu", model=engine.fingerprint, calibration=None)
         plot_accuracy(out["summary"], stem + ".png")
-        print(f"wrote {stem}.json and its plot")
+        print(written(stem + ".json"))
     return 0
 
 

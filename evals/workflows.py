@@ -41,7 +41,7 @@ from braid.methods.dag.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_gr
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
 from braid.models.tasks import Task, sample, strip_reply
-from braid.results import pyplot, write_json_to
+from braid.results import pyplot, write_json_to, written
 
 MODES = ("text", "kv", "staircase", "calibrated", "calibrated+turns")
 WORKFLOWS = NOTES_WORKFLOWS
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     if args.sample:
         with open(args.sample, "w") as f:
             json.dump({"fingerprint": engine.fingerprint, "config": vars(args), "rows": recorded}, f, indent=1)
-    print(f"wrote {args.out} and its plot" + (f", and {args.sample}" if args.sample else ""))
+    print(written(stem + ".json") + (f", and {args.sample}" if args.sample else ""))
     return 0
 
 

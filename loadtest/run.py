@@ -20,7 +20,7 @@ from braid.loadtest.metrics import METRICS, RequestRecord, parse_slos, summarize
 from braid.loadtest.workload import TRANSPORT_CHOICES, Workload, trace_requests
 from braid.protos import agent_pb2 as pb
 from braid.protos import agent_pb2_grpc
-from braid.results import UNKNOWN, pyplot, write_json_to
+from braid.results import UNKNOWN, pyplot, write_json_to, written
 
 
 async def _one(stub, request: pb.WorkflowRequest, metadata, timeout: float, sem, bar,
@@ -200,5 +200,5 @@ def main(argv=None) -> int:
                                          "requests": [asdict(r) for r in records]},
                              device=UNKNOWN, model=model, calibration=UNKNOWN)
         plot(records, stem + ".png", f"{args.num_prompts} requests")
-        print(f"wrote {stem}.json and its plot")
+        print(written(stem + ".json"))
     return 0 if summary["completed"] else 1

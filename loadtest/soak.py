@@ -22,7 +22,7 @@ from braid.loadtest.run import format_summary, run_load
 from braid.loadtest.workload import Workload
 from braid.methods.calibration import fingerprints, load_engine
 from braid.models import REFERENCE_MODEL
-from braid.results import pyplot, write_json
+from braid.results import pyplot, write_json, written
 from braid.runtime.directory import Directory, EmbeddedRedis
 
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     stem = write_json(args.out, "soak_cpu", {**result, "config": vars(args), "passed": ok, "verdict": line},
                       device="cpu", **measured)
     plot(result, stem + ".png")
-    print(f"wrote {stem}.json and its plot")
+    print(written(stem + ".json"))
     return 0 if ok else 1
 
 

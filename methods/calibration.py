@@ -8,6 +8,8 @@ A calibration is a directory:
     adapter/             the synthesizer LoRA in peft's adapter format
     turns/               optional: the turn LoRA (peft's format, and turns.json, its own manifest), for agents
                          that speak after other agents' cached replies (braid.train.turns)
+    verifications/       optional: named verifications (braid eval --verify --verification NAME), NAME.json each,
+                         kept beside the manifest's own; a deployment trusts one with `verification: NAME`
 
 It is bound to one base model. `attach(engine, path)` (or `load_engine(config)`, which builds the engine
 and attaches its config's calibration) refuses another model's calibration with FingerprintMismatchError
@@ -32,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from braid.engine.config import CALIBRATION_MANIFEST, EngineConfig
+from braid.engine.config import (
+    CALIBRATION_MANIFEST,
+    OWN_VERIFICATION,
+    EngineConfig,
+    verification_file,
+    verification_names,
+)
 from braid.engine.engine import Engine
 from braid.engine.errors import BraidError, FingerprintMismatchError
 from braid.engine.model import fingerprint_checkpoint
@@ -181,6 +189,8 @@ class Calibration:
     record: dict | None = None  # how it was trained
     verification: dict | None = None  # how it compared with text answers (evals.harness.verify), when checked
     turns: dict | None = None  # the turn LoRA's manifest (TURNS_DIR/TURNS_MANIFEST), when it has one
+    # which verification `verification` is: OWN_VERIFICATION, the manifest's; else one recorded beside it, by name
+    verification_name: str = OWN_VERIFICATION
 
     @cached_property
     def digest(self) -> str:
@@ -253,25 +263,44 @@ class Calibration:
         manifest = {"base_fingerprint": self.fingerprint, "base_model": self.base_model,
                     "mapper": asdict(self.mapper.config),
                     "lora": {**asdict(self.lora), "targets": list(self.lora.targets)},
-                    "record": self.record or {}, **({"verification": self.verification} if self.verification else {})}
+                    "record": self.record or {},
+                    **({"verification": self.verification}
+                       if self.verification and self.verification_name == OWN_VERIFICATION else {})}
         with open(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         self.path = path
 
-    def record_verification(self, verification: dict) -> None:
-        """Store a verification (evals.harness.verify) in the saved manifest; the weights are untouched."""
+    def record_verification(self, verification: dict, name: str = OWN_VERIFICATION) -> str:
+        """Store a verification (evals.harness.verify); the weights are untouched. `name`: OWN_VERIFICATION, the
+        calibration's own, in its manifest (replacing the one there), which deployments trust by default; any other,
+        its own file beside the manifest (verification_file: <calibration>/verifications/<name>.json, replacing one
+        of that name), which a deployment trusts with `verification: <name>`, the manifest left as it is. Returns
+        the file written; this object then holds it as its verification."""
         if self.path is None:
             raise BraidError("this calibration was not saved or loaded from disk: it has no manifest to update")
-        manifest_path = os.path.join(self.path, MANIFEST)
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        manifest["verification"] = verification
-        with open(manifest_path, "w") as f:
-            json.dump(manifest, f, indent=1)
-        self.verification = verification
+        if name == OWN_VERIFICATION:
+            target = os.path.join(self.path, MANIFEST)
+            with open(target) as f:
+                content = json.load(f)
+            content["verification"] = verification
+        else:
+            target, content = verification_file(self.path, name), verification
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target + ".tmp", "w") as f:
+                json.dump(content, f, indent=1)
+            os.replace(target + ".tmp", target)  # (whole or not at all)
+        except OSError as e:
+            raise ValueError(f"cannot record verification {name!r} in {target} ({e.strerror or e}): a verification "
+                             f"is kept beside its calibration; copy {self.path} to a directory you can write "
+                             "(cp -r) and verify and serve that copy") from None
+        self.verification, self.verification_name = verification, name
+        return target
 
     @classmethod
-    def load(cls, path: str) -> "Calibration":
+    def load(cls, path: str, verification: str = OWN_VERIFICATION) -> "Calibration":
+        """The calibration at `path`, holding its verification `verification` (OWN_VERIFICATION: its manifest's;
+        a name: the one recorded beside it, a ValueError naming it where there is none)."""
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
             raise FileNotFoundError(f"calibration {path!r} has no {MANIFEST}; pass a directory written by "
@@ -285,8 +314,17 @@ class Calibration:
         if os.path.isfile(os.path.join(path, TURNS_DIR, TURNS_MANIFEST)):
             with open(os.path.join(path, TURNS_DIR, TURNS_MANIFEST)) as f:
                 turns = json.load(f)
+        checked = manifest.get("verification")
+        if verification != OWN_VERIFICATION:
+            named = verification_file(path, verification)
+            if not os.path.isfile(named):
+                raise ValueError(f"verification {verification!r} is not recorded beside calibration {path} (no "
+                                 f"{named}); recorded there: {', '.join(verification_names(path)) or 'none'} besides "
+                                 f"{OWN_VERIFICATION!r}, the one in its manifest")
+            with open(named) as f:
+                checked = json.load(f)
         return cls(mapper.eval().requires_grad_(False), lora, manifest["base_fingerprint"], manifest["base_model"],
-                   path, manifest.get("record"), manifest.get("verification"), turns)
+                   path, manifest.get("record"), checked, turns, verification)
 
     @property
     def turns_path(self) -> str | None:
@@ -415,8 +453,9 @@ def load_engine(config: EngineConfig) -> Engine:
     if path != "none":
         # (on CPU, merged on one thread, as the engine loads its model: engine.threads)
         with one_thread() if engine.lm.device.type == "cpu" else nullcontext():
-            attached = attach(engine, path)
-        log.info("calibration %s attached (trained on %s)", path, attached.calibration.base_model)
+            attached = attach(engine, path, engine.config.verification)
+        log.info("calibration %s attached (trained on %s; verification %s)", path, attached.calibration.base_model,
+                 engine.config.verification)
     return engine
 
 
@@ -440,13 +479,13 @@ def fingerprints_at(config: EngineConfig) -> dict[str, str | None]:
             "calibration": Calibration.load(calibration).digest if calibration != "none" else None}
 
 
-def attach(engine: Engine, path: str) -> Attached:
+def attach(engine: Engine, path: str, verification: str = OWN_VERIFICATION) -> Attached:
     """Load the calibration at `path` onto `engine` (checked against its model): its LoRA (and the turn LoRA,
     when it has one) become adapters of the engine, which the returned hooks name; the base weights stay as
-    they are."""
+    they are. It holds its verification `verification` (Calibration.load), which the synthesizer's gate reads."""
     from peft import PeftModel
 
-    calibration = Calibration.load(path)
+    calibration = Calibration.load(path, verification)
     calibration.check(engine.fingerprint, engine.config.model_path)
     lm = engine.lm
     peft_model = PeftModel.from_pretrained(lm.model, calibration.adapter_path, is_trainable=False)

@@ -30,6 +30,7 @@ request's parts (`task` or `task_messages`, each branch's `prompt` or `messages`
 line and names the file and line of any it refuses.
 """
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -205,7 +206,44 @@ def graph_workflows(trace: dict, where: str, fingerprint: str) -> list[TraceWork
     return [w for w in map(synthesis, trace["nodes"]) if w is not None]
 
 
+SPLIT_RULE = ("stratified by kind (a workflow's branch count and task text): the distinct workflows (sha256 of task, "
+              "workers' prompts, reply header and synthesis prompt) ordered by kind digest and, within a kind, by "
+              "their own digest, and every N-th of that order held out from the first, so each kind holds out "
+              "within one of its 1/N share; copies of one workflow fall on one side")
+
+
+def workflow_digest(workflow: TraceWorkflow) -> str:
+    """sha256 of what a workflow asks: its task, workers' prompts, reply header and synthesis prompt. Not where it
+    was read from, its recorded replies or its reference answer: adding references to held-out lines, or reading
+    the file in another order, leaves it as it is."""
+    text = json.dumps([workflow.task, list(workflow.prompts), workflow.header, workflow.synthesis])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def workflow_kind(workflow: TraceWorkflow) -> str:
+    """The stratum a workflow is held out in: its branch count and its task (the shared system text every worker
+    reads, which a served application's workflows of one kind share)."""
+    return json.dumps([workflow.branches, workflow.task])
+
+
 def split(workflows: list[TraceWorkflow], every: int) -> tuple[list[TraceWorkflow], list[TraceWorkflow]]:
-    """(trained on, held out): every `every`-th trace, from the first, is held out (0: none)."""
-    held = [w for i, w in enumerate(workflows) if every and i % every == 0]
-    return [w for i, w in enumerate(workflows) if not (every and i % every == 0)], held
+    """(trained on, held out), each in the order given: one in `every` held out (0: none), stratified by kind
+    (SPLIT_RULE). The distinct workflows are put in order by their kind's digest and, within a kind, by their own
+    (workflow_digest), and every `every`-th of that order is held out from the first: systematic sampling over the
+    strata, so that each kind holds out the floor or the ceiling of its share and all kinds together ceil(n /
+    every), kinds of one workflow each included. It depends on the workflows' contents only: the same in every
+    process and for any line order, so `braid calibrate --traces` and `braid eval --traces --held-out-traces`
+    given the same files and N agree. A workflow recorded twice is held out or trained on whole, never both."""
+    if every < 0:
+        raise ValueError(f"held-out traces: every must be >= 0 (0: none held out), got {every}")
+    if not every:
+        return list(workflows), []
+    kinds: dict[str, set[str]] = {}
+    for w in workflows:
+        kinds.setdefault(hashlib.sha256(workflow_kind(w).encode()).hexdigest(), set()).add(workflow_digest(w))
+    order = [d for kind in sorted(kinds) for d in sorted(kinds[kind])]
+    held = set(order[::every])
+    out: tuple[list[TraceWorkflow], list[TraceWorkflow]] = ([], [])
+    for w in workflows:
+        out[workflow_digest(w) in held].append(w)
+    return out

@@ -3,7 +3,9 @@
 The measurement contract: every results JSON carries a `stamp` that says what was measured and where: the commit
 (and whether the tree had uncommitted changes), the weights' and the calibration's fingerprints, the device and
 its name, and the torch version. `write_json` adds it; the docs' result pages read it back
-(`benchmarks/report.py`), so a table says which checkpoint its rows were measured on.
+(`benchmarks/report.py`), so a table says which checkpoint its rows were measured on. `unclean` says why a file's
+figures do not stand as measured (a dirty tree, a stamp backfilled afterwards): the headline and the target tests
+read only files it passes.
 
 Outside a git checkout (a copy of the tree on a device machine, an installed wheel), $BRAID_COMMIT and
 $BRAID_DIRTY name the commit; with neither, it is "unknown".
@@ -13,7 +15,6 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNKNOWN = "unknown"  # a stamp field that was not recorded when the file was written
@@ -83,16 +84,54 @@ def write_json_to(path: str, result: dict, *, device: str, model: str | None, ca
                       device=device, model=model, calibration=calibration)
 
 
+def unclean(result: dict) -> str | None:
+    """Why a result's figures do not stand as measured under the contract, or None where they do. A figure stands
+    when its stamp names the commit it ran at, that tree had no uncommitted changes, and the stamp was written by the
+    run (a backfilled one names the commit that last wrote the file, from the history, afterwards). Where the file's
+    own record names the tree it measured (an A/B's or an `--against` run's `this`, "abc1234" or
+    "abc1234+changes"), the stamp must say the same."""
+    stamp = result.get("stamp")
+    if not isinstance(stamp, dict):
+        return "no stamp"
+    sha = str(stamp.get("commit") or UNKNOWN)
+    why = []
+    if stamp.get("backfilled"):
+        why.append(f"backfilled stamp: never measured under the stamp contract (its commit, {sha[:7]}, is the last "
+                   "that wrote the file)")
+    elif sha == UNKNOWN:
+        why.append("its stamp names no commit")
+    elif stamp.get("dirty") is None:
+        why.append(f"not known whether the tree at commit {sha[:7]} was clean")
+    elif stamp.get("dirty"):
+        why.append(f"dirty tree at commit {sha[:7]}")
+    this = result.get("this")
+    if isinstance(this, str) and this:
+        head, changes = this.removesuffix("+changes"), this.endswith("+changes")
+        if not sha.startswith(head) or (changes and not stamp.get("dirty")) or (not changes and stamp.get("dirty")):
+            said = f"{head} with uncommitted changes" if changes else f"{head} as committed"
+            stamped = f"{sha[:7]}{' with uncommitted changes' if stamp.get('dirty') else ''}"
+            why.append(f"its record says it measured {said}, its stamp {stamped}")
+    return "; ".join(why) or None
+
+
 def pyplot():
-    """matplotlib.pyplot on a file backend, or None (with a note) when matplotlib is missing."""
+    """matplotlib.pyplot on a file backend, or None when matplotlib is missing (`written` then says so)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
         return None
     return plt
+
+
+def written(json_path: str, plot_path: str | None = None) -> str:
+    """The line a tool prints once it wrote `json_path` and tried its plot (default: the same stem's .png): the
+    plot named only where it was written."""
+    plot_path = plot_path or os.path.splitext(json_path)[0] + ".png"
+    if pyplot() is None:
+        return f"wrote {json_path} (no plot: matplotlib is not installed; pip install 'braid[bench]' adds it)"
+    return f"wrote {json_path} and its plot, {plot_path}" if os.path.exists(plot_path) else f"wrote {json_path}"
 
 
 def grouped_bars(stem: str, title: str, groups: list[str], panels: list[tuple[str, dict[str, list[float]]]],

@@ -66,6 +66,9 @@ def _chat_workflow(request: pb.WorkflowRequest, renderer: ChatRenderer | str) ->
         for i, m in enumerate(messages):
             if m.role not in ROLES:
                 raise BraidError(f"{field}[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+            if not m.content.strip():
+                raise BraidError(f"{field}[{i}].content is empty; every message needs text (a branch its "
+                                 "instruction)")
     for j, conversation in enumerate(request.branch_messages):
         if not conversation.messages:
             raise BraidError(f"branch_messages[{j}] is empty; every branch needs an instruction")
@@ -104,7 +107,7 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
     else:
         task, prompts, synthesis_prompt = request.task, list(request.branch_prompts), request.synthesis_prompt
         for j, prompt in enumerate(prompts):
-            if not prompt:
+            if not prompt.strip():
                 raise BraidError(f"branch_prompts[{j}] is empty; every branch needs an instruction")
         if not synthesis_prompt:
             raise BraidError("synthesis_prompt is empty")
@@ -221,9 +224,9 @@ def graph(request: pb.GraphRequest, default_max_tokens: int,
         parents = tuple(Edge(p.node, p.message_id, p.offset if p.HasField("offset") else None, p.leak)
                         for p in n.parents)
         prompt = n.prompt
-        if n.messages:
-            if n.prompt:
-                raise BraidError(f"nodes[{i}]: a node sends a prompt or chat messages, not both")
+        if n.messages and n.prompt:
+            raise BraidError(f"nodes[{i}]: a node sends a prompt or chat messages, not both")
+        if n.messages or (n.decode and n.reply_role and not n.prompt):  # (no messages: the reply's header alone)
             prompt = call_text(renderer, n.messages, bool(n.parents), (n.reply_role or "worker") if n.decode else None,
                                f"nodes[{i}].messages")
         nodes.append(Node(n.name, prompt, n.role, parents,

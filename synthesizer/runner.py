@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from braid.engine import Engine, PrefillCall
+from braid.engine.config import OWN_VERIFICATION
 from braid.engine.errors import BraidError
 from braid.kv.connector import ReceivedStream, stream_name
 from braid.kv.receiver import KVReceiver
@@ -87,8 +88,13 @@ class SynthesisRunner:
 
     @property
     def calibration_name(self) -> str:
+        """The calibration as the transport decision's reasons name it: its path, and the verification its gate
+        reads where that is a named one (EngineConfig.verification)."""
         attached = calibration_of(self.engine)
-        return attached.calibration.path if attached is not None else ""
+        if attached is None:
+            return ""
+        c = attached.calibration
+        return c.path if c.verification_name == OWN_VERIFICATION else f"{c.path} (verification {c.verification_name})"
 
     def _receive(self, stream_id: str) -> ReceivedStream:
         """A branch's whole KV stream (TransferError if it failed or timed out); its link rate is recorded."""

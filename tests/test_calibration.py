@@ -514,7 +514,7 @@ def test_a_calibration_is_served_with_the_refresh_it_was_trained_with(checkpoint
     # braid eval: the calibrated modes read with that refresh, and --verify checks it unless told otherwise
     assert main(["eval", "--model", ckpt, "--calibration", path, "--tasks", "vote", "--branches", "2",
                  "--samples", "1", "--worker-max-tokens", "3", "--answer-max-tokens", "3",
-                 "--modes", "text,calibrated+refresh0-3", "--verify"]) == 0
+                 "--modes", "text,calibrated+refresh0-3", "--verify", "--verification", "own"]) == 0
     assert Calibration.load(path).verification["mode"] == "calibrated+refresh0-3"
 
 
@@ -609,25 +609,13 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         redis_server.stop()
 
 
-def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(checkpoint, tmp_path):
-    from braid.evals.harness import verify
+def test_a_verification_recorded_in_the_manifest_vouches_for_its_mode_and_weights(checkpoint, tmp_path):
+    from braid.evals.harness import TaskResult, verify
 
-    def row(task, m, mode, accuracy):
-        return {"task": task, "branches": m, "mode": mode, "accuracy": accuracy, "n": 10}
-
-    text = [row(t, m, "text", 1.0) for t in ("chain", "vote") for m in (2, 3, 4, 5)]
-    cal = {("chain", 2): 1.0, ("vote", 2): 0.99, ("chain", 3): 0.98, ("vote", 3): 1.0,
-           ("chain", 4): 0.9, ("vote", 4): 1.0, ("chain", 5): 1.0, ("vote", 5): 1.0}
-    rows = text + [row(t, m, "calibrated", a) for (t, m), a in cal.items()]
-    got = verify(rows)
-    # 4 fails on chain (-10 points), so 5 passing does not count: the gate is a contiguous range
-    assert got["max_branches"] == 3 and got["passed"] == {"2": True, "3": True, "4": False, "5": True}
-    assert got["gaps"]["chain/4"] == -0.1 and got["tasks"] == ["chain", "vote"]
-    assert verify(rows, tolerance=0.1)["max_branches"] == 5
-    worse = [r for r in rows if (r["task"], r["branches"], r["mode"]) != ("chain", 2, "calibrated")]
-    assert verify(worse + [row("chain", 2, "calibrated", 0.5)])["max_branches"] == 0
-    with pytest.raises(ValueError, match="vote/5/calibrated"):
-        verify([r for r in rows if (r["task"], r["branches"], r["mode"]) != ("vote", 5, "calibrated")])
+    results = [TaskResult("chain", i, m, "", True, correct={"text": True, "calibrated": True})
+               for m in (2, 3, 4, 5) for i in range(50)]
+    got = verify(results)  # (bands 2-4, 150 each, and 5 joining it: every answer agreeing)
+    assert got["max_branches"] == 5
     # recorded in the manifest, read back on load; the weights (and so the digest) are untouched
     path = make_calibration(checkpoint("llama"), tmp_path / "cal", random=False)
     loaded = Calibration.load(path)
@@ -635,16 +623,73 @@ def test_verify_finds_up_to_which_branch_count_calibrated_answers_match_text(che
     assert loaded.verified_branches == 0
     loaded.record_verification(got)
     again = Calibration.load(path)
-    assert again.verified_branches == 3 and again.verification == got and again.digest == digest
+    assert again.verified_branches == 5 and again.verification == got and again.digest == digest
     # it vouches only for the mode it checked: the calibrated path without a boundary refresh, not with one
-    assert again.verified_for(None) == 3 and again.verified_for(Refresh(1, 1)) == 0
+    assert again.verified_for(None) == 5 and again.verified_for(Refresh(1, 1)) == 0
     assert mode_name(Refresh(1, 1)) == "calibrated+refresh" and mode_name(Refresh(2, 0)) == "calibrated+refresh2-0"
     assert mode_name(Refresh(1, 1, sequential=True)) == "calibrated+refresh1-1-in-order"  # (no check vouches for it)
     # and only for the weights it checked: a verification recorded for another calibration vouches for nothing
     again.record_verification({**got, "calibration": "0" * 16, "base_fingerprint": again.fingerprint})
     assert again.verified_for(None) == 0
     again.record_verification({**got, "calibration": digest, "base_fingerprint": again.fingerprint})
-    assert again.verified_for(None) == 3 and again.verified_placement == again.placement.value
+    assert again.verified_for(None) == 5 and again.verified_placement == again.placement.value
+
+
+def test_a_named_verification_is_written_beside_the_calibration_and_served_only_when_named(checkpoint, tmp_path,
+                                                                                         capsys):
+    """`braid eval --verify --verification NAME` writes <calibration>/verifications/NAME.json and leaves the
+    calibration's own record (a shipped one's) as it is; a deployment's gate trusts it only where its config names
+    it (EngineConfig / ClusterConfig `verification`), and a name that is not recorded is refused, naming it."""
+    from braid.cluster.config import ClusterConfig
+
+    ckpt = checkpoint("llama")
+    path = make_calibration(ckpt, tmp_path / "cal", random=False)
+    shipped = {"mode": "calibrated+refresh", "max_branches": 8, "max_branch_tokens": 18}
+    Calibration.load(path).record_verification(shipped)  # (as a shipped calibration records its own)
+    manifest = (tmp_path / "cal" / "calibration.json").read_bytes()
+    args = ["eval", "--model", ckpt, "--calibration", path, "--tasks", "vote", "--branches", "2", "--samples", "2",
+            "--worker-max-tokens", "3", "--answer-max-tokens", "3", "--modes", "text,calibrated+refresh", "--verify"]
+    capsys.readouterr()
+    assert main(args) == 2  # (no name: refused before anything runs, saying how to name one)
+    assert "--verification NAME" in capsys.readouterr().err
+    assert main([*args, "--verification", "../up"]) == 2 and "verification '../up'" in capsys.readouterr().err
+    assert main([*args[:-1], "--verification", "mine"]) == 2  # (a name without --verify)
+    assert main([*args, "--verification", "mine", "--tolerance", "0"]) == 2  # (no sample count could pass)
+    assert main([*args, "--verification", "mine", "--json", str(tmp_path / "eval.json")]) == 0
+    out = capsys.readouterr().out
+    assert "not verifiable: too few samples (2; need 149)" in out and "verification 'mine'" in out
+    assert (tmp_path / "cal" / "calibration.json").read_bytes() == manifest  # the calibration's own: untouched
+    written = json.loads((tmp_path / "cal" / "verifications" / "mine.json").read_text())
+    assert written["mode"] == "calibrated+refresh" and written["max_branches"] == 0 and written["bands"]
+    assert written == json.loads((tmp_path / "eval.json").read_text())["verification"]
+    # served: the own record by default; the named one where the config names it (and the reasons say which)
+    from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
+
+    own_engine = load_engine(EngineConfig(ckpt, calibration=path))
+    named_engine = load_engine(EngineConfig(ckpt, calibration=path, verification="mine"))
+    assert calibration_of(own_engine).calibration.verification == shipped
+    named = calibration_of(named_engine).calibration
+    assert named.verification == written and named.verification_name == "mine"
+    own_gate, named_gate = (SynthesisRunner(e, None, None, SynthesizerConfig()).info()
+                            for e in (own_engine, named_engine))
+    assert own_gate.verified_branches == 8 and own_gate.calibration == path
+    assert named_gate.verified_branches == 0 and named_gate.calibration == f"{path} (verification mine)"
+    config = ClusterConfig(ckpt, calibration=path, verification="mine")
+    assert config.engine_config().verification == "mine" and config.engine_config("worker").verification == "own"
+    for bad, message in [({"calibration": path, "verification": "theirs"}, "verification 'theirs' is not recorded"),
+                         ({"calibration": "none", "verification": "mine"}, "verification 'mine' names"),
+                         ({"calibration": path, "verification": "a/b"}, "verification 'a/b' must be")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(ckpt, **bad)
+        with pytest.raises(ValueError, match=message):
+            ClusterConfig(ckpt, **bad)
+    with pytest.raises(ValueError, match="recorded there: mine"):
+        Calibration.load(path, "theirs")
+    # where nothing can be written beside it (here: `verifications` is a file), the error says what to do
+    blocked = make_calibration(ckpt, tmp_path / "blocked", random=False)
+    (tmp_path / "blocked" / "verifications").write_text("")
+    with pytest.raises(ValueError, match="cannot record verification 'mine'.*copy"):
+        Calibration.load(blocked).record_verification(shipped, "mine")
 
 
 def test_the_committed_verification_is_of_the_committed_weights():
@@ -749,3 +794,11 @@ def test_calibrated_graphs_with_staircases_and_without_a_calibration(checkpoint,
     plain = load_engine(EngineConfig(ckpt, calibration="none"))
     with pytest.raises(PreconditionError, match="no calibration loaded"):
         list(DagRun(plain, Graph(nodes, calibrated=True)))
+
+
+def test_the_calibration_progress_bar_shows_the_held_out_check_not_the_loss():
+    from braid.train.calibrate import held_out_postfix
+
+    assert held_out_postfix([], 300) == "held-out check at step 300"
+    evals = [{"step": 300, "traces": 0.5}, {"step": 600, "traces": 0.925, "chain": 0.5}]
+    assert held_out_postfix(evals) == "held-out right traces 92.5% chain 50.0% (step 600)"

@@ -184,6 +184,10 @@ def test_bad_chat_calls_are_refused_naming_the_field(qwen_server, call, needle):
      "branch_messages[0] is empty"),
     (pb.WorkflowRequest(branch_messages=[pb.Conversation(messages=chat(("user", "a")))]),
      grpc.StatusCode.INVALID_ARGUMENT, "task_messages is empty"),
+    # (what `braid run --branch ""` sends: a branch whose one message has no text)
+    (pb.WorkflowRequest(task_messages=chat(("system", "t")), branch_messages=[
+        pb.Conversation(messages=chat(("user", "a"))), pb.Conversation(messages=chat(("user", " ")))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "branch_messages[1][0].content is empty"),
 ])
 def test_bad_chat_workflows_are_refused_naming_the_field(qwen_server, request_, code, needle):
     stub, _ = qwen_server
@@ -287,14 +291,17 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
     replies these weights wrote, holding some traces out for its check. A trace this model's template cannot
     render is refused naming its file and line."""
     from braid.cli import main
+    from braid.engine.model import fingerprint_checkpoint
     from braid.methods.calibration import Calibration, load_engine
+    from braid.models.chat import WORKER_HEADER
+    from braid.models.traces import load_trace_workflows, split
     from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 
     stub, server = qwen_server
-    for i in range(4):
+    for i in range(4):  # (four workflows of one kind: two branches under one task)
         list(stub.RunWorkflow(pb.WorkflowRequest(
-            task_messages=chat(("system", f"add the parts {i}")),
-            branch_messages=[pb.Conversation(messages=chat(("user", f"part {j}"))) for j in range(2)],
+            task_messages=chat(("system", "add the parts")),
+            branch_messages=[pb.Conversation(messages=chat(("user", f"part {j} of set {i}"))) for j in range(2)],
             synthesis_messages=chat(("user", "the sum?")), worker_sampling=GREEDY, synthesis_sampling=GREEDY,
             transport=pb.TRANSPORT_TEXT)))
     server.recorder.close()  # (everything recorded is on disk)
@@ -309,17 +316,20 @@ def test_a_calibration_trains_on_the_workflows_a_model_served(qwen_server, tmp_p
     record = Calibration.load(str(out)).record
     # (the graphs served before are recorded too; none of them holds a synthesis)
     n = sum('"kind":"workflow"' in line for line in open(traces).read().splitlines())
-    assert record["traces"] == {"files": [traces], "workflows": n, "held_out": (n + 1) // 2,
-                                "replies_decoded_again": 0}
+    held = split(load_trace_workflows([traces], AutoTokenizer.from_pretrained(server.path), fingerprint_checkpoint(
+        server.path), WORKER_HEADER, server.path), 2)[1]  # (about one in 2 of each kind, by a hash of each)
+    assert sum("add the parts" in w.task for w in held) == 2  # (two of the four of that kind)
+    assert record["traces"] == {"files": [traces], "workflows": n, "held_out": len(held), "replies_decoded_again": 0}
     assert set(record["held_out_accuracy"][-1]) == {"step", "traces"}  # (traces alone: no synthetic check)
     # -> verify on the traces it held out -> the served path's gate reads that verification
     assert main(["eval", "--model", server.path, "--calibration", str(out), "--traces", traces,
                  "--held-out-traces", "2", "--modes", "text,calibrated", "--worker-max-tokens", "4",
-                 "--answer-max-tokens", "4", "--verify"]) == 0
+                 "--answer-max-tokens", "4", "--verify", "--verification", "own"]) == 0
     cal = Calibration.load(str(out))
     v = cal.verification
     assert v["traces"] == [traces] and v["tasks"] == ["traces"] and v["placement"] == cal.placement.value
-    assert v["calibration"] == cal.digest and v["samples"] == (n + 1) // 2 and v["mode"] == "calibrated"
+    assert v["calibration"] == cal.digest and v["mode"] == "calibrated"
+    assert sum(b["n"] for b in v["bands"]) == len(held)  # (the traces calibrate held out: the same ones)
     engine = load_engine(EngineConfig(server.path, calibration=str(out)))
     info = SynthesisRunner(engine, None, None, SynthesizerConfig(refresh_tokens=0)).info()
     assert info.verified_branches == v["max_branches"] and info.verified_placement == cal.placement.value

@@ -13,11 +13,14 @@ The README's Python client is run against a real in-process server; the README s
 """
 
 import glob
+import ipaddress
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 
 import helm_python as helm
@@ -52,14 +55,15 @@ else:
 """
 
 
-def console_commands(page: str) -> list[str]:
-    """The commands of `page`'s console blocks, continuations joined."""
-    commands, block, current = [], None, None
+def console_runs(page: str) -> list[tuple[str, list[str]]]:
+    """The commands of `page`'s console blocks, continuations joined, each with the output lines shown under it."""
+    runs, block, current = [], None, None
     for line in open(os.path.join(ROOT, page)):
         line = line.rstrip("\n")
         fence = re.match(r"\s*```(\w*)", line)
         if fence:
             block = None if block is not None else fence.group(1)
+            current = None
             continue
         if block != "console":
             continue
@@ -67,14 +71,21 @@ def console_commands(page: str) -> list[str]:
         if current is not None:
             current += " " + text.rstrip("\\").strip()
             if not text.endswith("\\"):
-                commands.append(current)
+                runs.append((current, []))
                 current = None
         elif text.startswith("$ "):
             current = text[2:].rstrip("\\").strip()
             if not text.endswith("\\"):
-                commands.append(current)
+                runs.append((current, []))
                 current = None
-    return commands
+        elif runs:
+            runs[-1][1].append(line)
+    return runs
+
+
+def console_commands(page: str) -> list[str]:
+    """The commands of `page`'s console blocks, continuations joined."""
+    return [command for command, _ in console_runs(page)]
 
 
 def simple_commands(command: str) -> list[list[str]]:
@@ -204,27 +215,128 @@ def python_blocks(page: str) -> list[str]:
     return blocks
 
 
-def test_the_readme_python_client_runs_against_a_server(tmp_path, monkeypatch, capsys):
-    """The client as written (its address and key file moved to this test's server)."""
-    from braid.api.auth import ApiKeys
-    from braid.cluster.inprocess import start_in_process
-    from braid.engine import EngineConfig
-    from braid.methods.calibration import load_engine
-    from braid.models import REFERENCE_MODEL
-    from braid.runtime.directory import Directory, EmbeddedRedis
+# Client commands a reader runs against `braid serve`: every one of them runs below, as written, against a real
+# `braid serve` (its address added), except those that read files of the reader's own (listed here; their flags
+# are checked above like every other command's).
+CLIENT_COMMANDS = ("run", "loadtest")
+READER_FILES = ("--traces",)
+CLIENT_CASES = [(page, command, shown) for page in PAGES for command, shown in console_runs(page)
+                if any(_program(w) == "braid" and w[1:2] and w[1] in CLIENT_COMMANDS for w in simple_commands(command))
+                and not any(flag in command.split() for flag in READER_FILES)]
+CLIENT_SNIPPETS = [(page, block) for page in PAGES for block in python_blocks(page) if "AgentServiceStub" in block]
 
-    (client,) = [b for b in python_blocks("README.md") if "AgentServiceStub" in b]
-    redis = EmbeddedRedis()
-    server = start_in_process(load_engine(EngineConfig(REFERENCE_MODEL, device="cpu")), Directory.connect(redis.url),
-                              keys=ApiKeys.parse(["reader:readme-key-0123456789abcdef"], "test"))
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`braid serve` as a reader starts it (the reference model, its key made and left in ~/.braid), in its own
+    process with its own HOME; (address, environment for clients on this machine)."""
+    from braid.cluster.local import free_port
+
+    home = tmp_path_factory.mktemp("home")
+    port = free_port()
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": ROOT}
+    env.pop("BRAID_API_KEY", None)
+    log = open(home / "serve.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "braid", "serve", "--port", str(port), "--num-cpus", "2"],
+                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        monkeypatch.setenv("HOME", str(tmp_path))
-        (tmp_path / ".braid").mkdir()
-        (tmp_path / ".braid" / f"api-key-{server.port}").write_text("readme-key-0123456789abcdef\n")
-        exec(compile(client.replace("9000", str(server.port)), "README.md", "exec"), {})
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops" not in (home / "serve.log").read_text():
+            assert server.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert (home / ".braid" / f"api-key-{port}").exists()
+        yield f"127.0.0.1:{port}", env
     finally:
-        server.stop()
-        redis.stop()
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def _shown(line: str) -> str:
+    """An output line with what differs from run to run (session and message ids, timings) made a placeholder."""
+    line = re.sub(r"session [\w-]+", "session <id>", line)
+    line = re.sub(r"answer [0-9a-f]{24}\b", "answer <id>", line)
+    return re.sub(r"\d+\.\d+", "<n>", line).rstrip()
+
+
+def test_every_client_command_is_run():
+    pages = {page for page, _, _ in CLIENT_CASES}
+    assert {"README.md", "docs/getting-started.md", "docs/workflows.md"} <= pages, pages
+    assert len(CLIENT_SNIPPETS) >= 2, CLIENT_SNIPPETS
+
+
+@pytest.mark.parametrize("page,command,shown", CLIENT_CASES, ids=[f"{p}:{c[:60]}" for p, c, _ in CLIENT_CASES])
+def test_client_command_runs_against_braid_serve(served, tmp_path, monkeypatch, capsys, page, command, shown):
+    """The command as written, against `braid serve` (the key found where it left it); where the page shows its
+    output, that output, line for line in order (ids and timings aside; `...` stands for any lines)."""
+    from braid.cli import main
+
+    address, env = served
+    monkeypatch.setenv("HOME", env["HOME"])
+    monkeypatch.delenv("BRAID_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for words in simple_commands(command):
+        argv = [*words[1:], "--address", address]
+        if "--json" in argv:  # (written under this test's folder, not where the page writes it)
+            argv[argv.index("--json") + 1] = str(tmp_path / os.path.basename(argv[argv.index("--json") + 1]))
+        code = main(argv)
+        out = capsys.readouterr()
+        assert code == 0, f"{command}: exit {code}\n{out.out[-3000:]}\n{out.err[-3000:]}"
+    got = [_shown(line) for line in out.out.splitlines()]
+    at = 0
+    for line in (_shown(s) for s in shown if s.strip() and s.strip() != "..."):
+        assert line in got[at:], f"{page}: `{command}` shows\n  {line}\nbut printed\n{out.out}"
+        at = got.index(line, at) + 1
+
+
+@pytest.mark.parametrize("page,client", CLIENT_SNIPPETS, ids=[p for p, _ in CLIENT_SNIPPETS])
+def test_python_client_runs_against_braid_serve(served, monkeypatch, capsys, page, client):
+    """The client as written (only its port moved to this test's server), the key read as `braid serve` left it;
+    a client of the reference tasks' workflow gets the answer the model gives as text."""
+    address, env = served
+    monkeypatch.setenv("HOME", env["HOME"])
+    monkeypatch.delenv("BRAID_API_KEY", raising=False)
+    exec(compile(client.replace("9000", address.rpartition(":")[2]), page, "exec"), {})
     out = capsys.readouterr().out
-    assert "transport: TRANSPORT_" in out and re.search(r"answer: .+ session: \S+", out), out
-    assert "confidence 8, answer 70" in out, out  # (the chat messages rendered as the reference model reads them)
+    assert out.strip(), f"{page}: the client printed nothing"
+    if "confidence 8, answer 70" in client:
+        assert "confidence 8, answer 70<|end|>" in out, out
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on `port` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # (0A: LISTEN)
+                    raw = bytes.fromhex(address)
+                    # (the kernel writes each 32-bit word in host order: little-endian here)
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+                    found.append(ipaddress.ip_address(words).compressed)
+    return found
+
+
+def test_braid_serve_listens_on_this_machine_only(served):
+    """By default the agent API is bound to loopback (`--host` widens it), though Serve's proxy binds every
+    interface on its own."""
+    address, _ = served
+    bound = _listening(int(address.rpartition(":")[2]))
+    ips = [ipaddress.ip_address(a) for a in bound]
+    assert ips and all((getattr(ip, "ipv4_mapped", None) or ip).is_loopback for ip in ips), bound
+
+
+def test_hosts_a_user_gives_are_checked_and_bound_as_given():
+    from braid.cluster.listen import bind_address, check_host, reach
+
+    assert [bind_address(check_host(h), 9000) for h in ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")] == \
+        ["127.0.0.1:9000", "127.0.0.1:9000", "[::1]:9000", "[::]:9000", "[::]:9000"]
+    assert [reach(check_host(h)) for h in ("127.0.0.1", "0.0.0.0", "10.1.2.3")] == \
+        ["this machine only", "every interface", "10.1.2.3 only"]
+    with pytest.raises(ValueError, match="--host must be an IP address"):
+        check_host("my-laptop.example")

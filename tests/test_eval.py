@@ -89,6 +89,28 @@ def test_eval_cli_writes_json_and_refuses_bad_input(checkpoint, tmp_path, capsys
         assert message in capsys.readouterr().err
 
 
+def test_an_eval_of_traces_records_what_ran_not_the_synthetic_defaults(checkpoint, tmp_path, capsys):
+    """With --traces, the JSON's config lists the trace files, the held-out rule, how many workflows ran and at
+    which branch counts, and the token caps; none of the synthetic tasks' settings, which did not run."""
+    from braid.models.traces import SPLIT_RULE
+
+    traces, out = tmp_path / "traces.jsonl", tmp_path / "eval.json"
+    traces.write_text("".join(json.dumps({"task": "User: add.", "branches": [{"prompt": f"Part {i}.{j}"}
+                                                                             for j in range(2 + i % 2)],
+                                          "synthesis": {"prompt": "Synthesizer:"}}) + "\n" for i in range(8)))
+    args = ["eval", "--model", checkpoint("llama"), "--calibration", "none", "--traces", str(traces), "--modes",
+            "text,cache:sequential", "--worker-max-tokens", "2", "--answer-max-tokens", "2", "--json", str(out)]
+    assert main([*args, "--held-out-traces", "2"]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config == {"traces": [str(traces)], "held_out": {"every": 2, "rule": SPLIT_RULE}, "workflows": 4,
+                      "branches": [2, 3], "worker_max_tokens": 2, "answer_max_tokens": 2}  # (2 of each kind's 4)
+    assert main([*args, "--held-out-traces", "0"]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["workflows"] == 8 and config["held_out"] == "none: every trace in the files"
+    capsys.readouterr()
+    assert main([*args, "--held-out-traces", "-1"]) == 2 and "--held-out-traces" in capsys.readouterr().err
+
+
 def test_reference_model_loads_by_path_and_reaches_its_recorded_accuracy():
     """The committed checkpoint, through the path loader, answers a fixed sample exactly as recorded."""
     recorded = json.load(open(RECORDED))
@@ -162,3 +184,107 @@ def test_refresh_probe_runs_each_refresh_both_ways_and_writes_json(tmp_path, cap
         refresh_probe.main(["--refresh", "3"])
     assert "HEAD-TAIL pairs" in capsys.readouterr().err
     assert refresh_probe.main(["--branches", "1"]) == 2 and "branch counts" in capsys.readouterr().err
+
+
+# ---- the verified envelope: a paired bound per branch-count band ----------------------------------------------------
+def test_the_exact_bounds_are_the_hand_computed_ones():
+    import math
+
+    from braid.evals.stats import binomial_upper_bound, paired_lower_bound, samples_needed
+
+    # none seen in n: 1 - 0.05^(1/n); one in two: P(X <= 1) = 1 - p^2 = 0.05, so p = sqrt(0.95)
+    assert binomial_upper_bound(0, 149) == pytest.approx(1 - 0.05 ** (1 / 149), abs=1e-15)
+    assert binomial_upper_bound(1, 2) == pytest.approx(math.sqrt(0.95), abs=1e-12)
+    assert binomial_upper_bound(5, 5) == 1.0
+    # elsewhere: the rate at which k or fewer of n has probability 0.05
+    p = binomial_upper_bound(3, 10)
+    assert sum(math.comb(10, i) * p ** i * (1 - p) ** (10 - i) for i in range(4)) == pytest.approx(0.05, abs=1e-12)
+    assert p == pytest.approx(0.6066, abs=1e-4)
+    # the paired bound: minus that bound on the pairs the mode loses (text right, mode wrong); its wins make up
+    # for nothing, and pairs that all agree do not collapse it to 0 as a bootstrap would
+    assert paired_lower_bound([False, True], [True, True]) == -binomial_upper_bound(1, 2)
+    assert paired_lower_bound([False, True], [True, False]) == -binomial_upper_bound(1, 2)
+    assert paired_lower_bound([True] * 30, [True] * 30) == pytest.approx(-(1 - 0.05 ** (1 / 30)))
+    assert paired_lower_bound([False] * 4, [False] * 4) == pytest.approx(-(1 - 0.05 ** (1 / 4)))
+    # how many pairs a band needs: the fewest at which none lost passes
+    for tolerance, need in [(0.02, 149), (0.05, 59), (0.1, 29), (0.01, 299)]:
+        assert samples_needed(tolerance) == need
+        assert binomial_upper_bound(0, need) <= tolerance < binomial_upper_bound(0, need - 1)
+    with pytest.raises(ValueError):
+        samples_needed(0.0)
+
+
+def test_branch_counts_are_pooled_into_bands_by_sample_count_only():
+    from braid.evals.harness import branch_bands
+
+    thirty = {m: 30 for m in range(2, 13)}
+    assert branch_bands(thirty, 149) == [(2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)]  # (12's 30 join the band below)
+    hundred = {m: 100 for m in range(2, 9)}
+    assert branch_bands(hundred, 149) == [(2, 3), (4, 5), (6, 7, 8)]
+    assert branch_bands({2: 200, 3: 5}, 149) == [(2, 3)]
+    assert branch_bands({3: 10, 2: 10}, 149) == [(2, 3)]  # too few for any band: one, which cannot pass
+    assert branch_bands({2: 149, 4: 149}, 149) == [(2,), (4,)]
+
+
+def _pairs(task: str, m: int, n: int, lost: int = 0, won: int = 0):
+    from braid.evals.harness import TaskResult
+
+    return [TaskResult(task, i, m, "", True, correct={"text": i >= won, "calibrated": i >= lost if i >= won else True})
+            for i in range(n)]
+
+
+def test_verify_keeps_the_bands_from_the_fewest_branches_whose_paired_bound_holds():
+    from braid.evals.harness import format_bands, verify
+
+    # the issue's case: about 30 traces a count, every answer agreeing: 2-12 in two bands of 150 and 180
+    agree = [r for m in range(2, 13) for r in _pairs("traces", m, 30)]
+    got = verify(agree)
+    assert got["max_branches"] == 12 and got["needed_per_band"] == 149 and got["level"] == 0.95
+    assert [b["branches"] for b in got["bands"]] == [[2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    first = got["bands"][0]
+    assert first["n"] == 150 and first["mean_difference"] == 0 and first["passed"] and first["verifiable"]
+    assert first["lower_bound"] == pytest.approx(-(1 - 0.05 ** (1 / 150)), abs=1e-6)
+    assert got["bands"][1]["lower_bound"] == pytest.approx(-(1 - 0.05 ** (1 / 180)), abs=1e-6)
+    # one text-right answer lost at 3 branches: 1 in 150 bounds the loss rate at 3.1 points: the first band fails,
+    # and the envelope is contiguous from the fewest branches, so the second passing counts for nothing
+    one = [r for m in range(2, 13) for r in _pairs("traces", m, 30, lost=int(m == 3))]
+    got = verify(one)
+    assert got["max_branches"] == 0 and [b["passed"] for b in got["bands"]] == [False, True]
+    assert got["bands"][0]["tasks"]["traces"] == {"n": 150, "wins": 0, "losses": 1, "mean_difference": -0.006667,
+                                                  "lower_bound": pytest.approx(-0.0312, abs=1e-4), "passed": False}
+    assert got["passed"]["3"] is False and got["passed"]["12"] is True and got["gaps"]["traces/3"] == -0.0333
+    # a wider tolerance needs fewer samples a band (59 at 5 points), so the bands are narrower: 1 lost in 60 bounds
+    # the rate at 7.7 points
+    wider = verify(one, tolerance=0.05)
+    assert wider["needed_per_band"] == 59 and wider["max_branches"] == 0
+    assert [b["branches"] for b in wider["bands"]] == [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11, 12]]
+    assert wider["bands"][0]["lower_bound"] == pytest.approx(-0.0766, abs=1e-4)
+    # one lost at 9: the first band holds, the second (1 in 180: a 2.6-point bound) does not
+    got = verify([r for m in range(2, 13) for r in _pairs("traces", m, 30, lost=int(m == 9))])
+    assert got["max_branches"] == 6
+    table = format_bands(got)
+    assert "2-6" in table and "passed" in table and "failed" in table and "at least 149 samples" in table
+    # too few traces for any band: not verifiable, whatever they say, and the output says how many it needs
+    few = verify([r for m in (2, 3) for r in _pairs("traces", m, 10)])
+    assert few["max_branches"] == 0 and few["bands"][0]["verifiable"] is False
+    assert "not verifiable: too few samples (20; need 149)" in format_bands(few)
+
+
+def test_verify_holds_every_task_to_the_bound_in_each_band():
+    from braid.evals.harness import format_bands, verify
+
+    # synthetic tasks at 100 a cell: bands 2-3, 4-5, 6-8 of 200, 200 and 300 per task
+    results = [r for t in ("chain", "vote") for m in range(2, 9)
+               for r in _pairs(t, m, 100, lost=2 if (t, m) == ("vote", 6) else 0, won=3 if t == "chain" else 0)]
+    got = verify(results)
+    assert [b["branches"] for b in got["bands"]] == [[2, 3], [4, 5], [6, 7, 8]]
+    # 2 of 300 lost on vote bounds it at 2.1 points: that band fails on vote, though chain's there pass
+    assert got["max_branches"] == 5 and got["tasks"] == ["chain", "vote"] and got["samples"] == 100
+    last = got["bands"][2]
+    assert last["tasks"]["chain"]["passed"] and not last["tasks"]["vote"]["passed"] and not last["passed"]
+    assert last["tasks"]["chain"]["wins"] == 9 and last["tasks"]["chain"]["mean_difference"] == 0.03
+    assert last["lower_bound"] == last["tasks"]["vote"]["lower_bound"] and "failed (on vote)" in format_bands(got)
+    with pytest.raises(ValueError, match="vote/8"):
+        verify([r for r in results if (r.task, r.branches) != ("vote", 8)])
+    with pytest.raises(ValueError, match="calibrated"):
+        verify(results, mode="calibrated+refresh")

@@ -3,10 +3,14 @@
 numbers as the pages say."""
 
 import importlib.util
+import json
 import os
 import re
+import shutil
 
 import pytest
+
+from braid.results import unclean
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "results")
@@ -83,9 +87,67 @@ def test_every_results_file_is_covered_or_listed(generated):
 def test_the_headline_table_links_into_the_pages(generated):
     _, pages, r = generated
     headline = report.headline_table(r)
-    assert headline.startswith("| result | value | measured | more |")
-    assert "](docs/results/quality.md#" in headline
+    assert headline.startswith("| result | value | commit (clean tree) | measured | more |")
+    assert "](docs/results/engine.md#" in headline
     assert report.headline_table(r, base="") in pages["index.md"]
+
+
+def headline_parts(headline: str) -> tuple[str, str]:
+    """(the headline's table, the list of rows it holds back)."""
+    table, _, held = headline.partition("Not in the headline until measured again on a clean tree:")
+    return table, held
+
+
+def test_no_headline_row_reads_an_unclean_file(generated):
+    """Issue 58: the headline shows figures only from files measured on a clean tree under the stamp contract; every
+    other row is listed after it with why (the committed results)."""
+    _, _, r = generated
+    table, held = headline_parts(report.headline_table(r))
+    shown = re.findall(r"`(\w+)\.json`", table)
+    assert shown and all(unclean(r.load(name)) is None for name in shown)
+    for row in report.headline_rows(r, "docs/results/"):
+        why = report.held_back(r, row)
+        assert (f"| {row.result} |" in table) == (not why), row.result
+        assert all(f"`{name}.json`: {reason}" in held for name, reason in why.items())
+
+
+def test_the_headline_holds_back_a_dirty_or_backfilled_file(tmp_path):
+    """The same on a synthetic case: a headline file's stamp made clean, dirty or backfilled in a copy of the
+    results; of two files measuring one thing, the clean one written last is read."""
+    results = tmp_path / "results"
+    shutil.copytree(report.RESULTS, results, ignore=shutil.ignore_patterns("*.png", "*.log"))
+    fuzz = results / "fuzz_cpu.json"
+    data = json.loads(fuzz.read_text())
+    clean = {"commit": "f" * 40, "dirty": False, "model": "none", "calibration": "none", "device": "cpu",
+             "device_name": "cpu", "torch": "2.13.0+cpu", "written": "2099-01-01T00:00:00+00:00"}
+    for stamp, reason in [(clean, None), ({**clean, "dirty": True}, "dirty tree at commit fffffff"),
+                          ({**clean, "dirty": None, "backfilled": True}, "backfilled stamp")]:
+        fuzz.write_text(json.dumps({**data, "stamp": stamp}))
+        table, held = headline_parts(report.headline_table(report.Report(results=str(results))))
+        row = next(line for line in (table + held).splitlines() if "Fuzzing the API" in line)
+        if reason is None:
+            assert row.startswith("| Fuzzing the API | **pass** | `fffffff` | `fuzz_cpu.json`: cpu,") and row in table
+        else:
+            assert row in held and reason in row
+    cuda = results / "synthesis_ttft_cuda.json"
+    cuda.write_text(json.dumps({**json.loads(cuda.read_text()), "stamp": clean}))
+    assert report.Report(results=str(results)).newest_clean(["synthesis_ttft_cuda_h100", "synthesis_ttft_cuda"]) \
+        == "synthesis_ttft_cuda"
+
+
+def test_a_baseline_is_named_by_what_it_is(generated):
+    """Issue 58: no page names a revision compared against by a bare hash ("9959479's engine"): every `against` in
+    the results is named (BASELINES), and a commit stands only in a column of its own or after "commit"."""
+    _, pages, r = generated
+    for name in r.files():
+        if name.endswith(".json"):
+            result = r.load(name.removesuffix(".json"))
+            if isinstance(result.get("against"), str):
+                assert not report.HEX.match(report.baseline(result)), name
+    for name, text in pages.items():
+        if name.endswith(".md"):
+            bare = re.findall(r"(?:against|@|vs) [0-9a-f]{7}\b|\b[0-9a-f]{7}'s", text)
+            assert not bare, (name, bare)
 
 
 def test_the_summary_plot_is_the_same_bytes_every_time(generated):

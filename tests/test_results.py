@@ -13,7 +13,7 @@ import torch
 from braid.engine import EngineConfig
 from braid.methods.calibration import fingerprints, fingerprints_at, load_engine
 from braid.models import REFERENCE_MODEL
-from braid.results import NONE, ROOT, STAMP_FIELDS, UNKNOWN, stamp, write_json, write_json_to
+from braid.results import NONE, ROOT, STAMP_FIELDS, UNKNOWN, stamp, unclean, write_json, write_json_to
 from braid.results.backfill import backfill
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -38,6 +38,31 @@ def test_every_committed_result_is_stamped(name):
         assert isinstance(got[field], str) and got[field], f"{name}: stamp field {field} is {got[field]!r}"
     if got.get("backfilled"):
         assert got["dirty"] is None  # (not known afterwards)
+
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.mark.parametrize("result, why", [
+    ({"stamp": {"commit": SHA, "dirty": False}}, None),
+    ({"stamp": {"commit": SHA, "dirty": False}, "this": "0123456", "against": "89abcde"}, None),
+    ({"stamp": {"commit": SHA, "dirty": True}, "this": "0123456+changes"}, "dirty tree at commit 0123456"),
+    ({"rows": []}, "no stamp"),
+    ({"stamp": {"commit": SHA, "dirty": True}}, "dirty tree at commit 0123456"),
+    ({"stamp": {"commit": SHA, "dirty": None}}, "not known whether the tree at commit 0123456 was clean"),
+    ({"stamp": {"commit": UNKNOWN, "dirty": None}}, "its stamp names no commit"),
+    ({"stamp": {"commit": SHA, "dirty": None, "backfilled": True}},
+     ("backfilled stamp: never measured under the stamp contract (its commit, 0123456, is the last that wrote the "
+      "file)")),
+    # the commit its own record names: a backfilled stamp names the commit that committed the file instead
+    ({"stamp": {"commit": SHA, "dirty": None, "backfilled": True}, "this": "fedcba9+changes"},
+     ("backfilled stamp: never measured under the stamp contract (its commit, 0123456, is the last that wrote the "
+      "file); its record says it measured fedcba9 with uncommitted changes, its stamp 0123456")),
+    ({"stamp": {"commit": SHA, "dirty": False}, "this": "0123456+changes"},
+     "its record says it measured 0123456 with uncommitted changes, its stamp 0123456"),
+])
+def test_unclean_says_why_a_result_does_not_stand(result, why):
+    assert unclean(result) == why
 
 
 def test_write_json_stamps_the_checkout_and_the_fingerprints(tmp_path):

@@ -13,7 +13,15 @@ How the files are read:
   in the file, the docstrings quote it. A CI is not required to lie inside the band (no issue says so).
 - Several quality results were measured on the reference model's previous checkpoint (fingerprint cb233efb...,
   before issue 12's parallel fine-tune): eval_reference*, eval_kvcomm*. They are checked as committed.
-- A new top-level "stamp" key (commit, device, fingerprints) may or may not be in a file; nothing here reads it.
+- Every file a target reads must stand as measured under the stamp contract (`braid.results.unclean`: its stamp
+  written by the run, at a named commit, on a tree without uncommitted changes, and saying the same tree as the
+  file's own record where that names one). `result` fails a target read from a file that does not, naming the
+  file and why. The files that did not when the stamps were first read (written before the contract, their
+  stamps backfilled, or measured on a dirty tree) are listed in KNOWN_UNCLEAN: a target read from one is an xfail
+  whose reason is the file's stamp, so its figure is not checked until the file is measured again on a clean
+  tree; a listed file that is clean fails until it is taken off the list, a file not listed that is unclean fails.
+- The calibration manifest's verification (issue 12's target) is held to the same rule: it carries no stamp (its
+  `identity` says it was recorded afterwards, by commit d7f4f39).
 
 Named targets with no committed result (no test):
 - issue 11: the prompt-tree step benchmark on a GPU ("speedup of at least 0.8x the cached-token ratio", on a GPU
@@ -31,16 +39,36 @@ MADpar (workflows_cpu.json: 5.0/4.1/4.1x); issue 12's ablation -17/-8/-12; issue
 
 import functools
 import json
+import re
 import statistics
 from pathlib import Path
 
 import pytest
 
+from braid.results import unclean
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-REFERENCE = ROOT / "models" / "braid-reference"
 EPS = 1e-9  # float representation only (0.98 - 1.0 is -0.0200...02): no tolerance beyond the issue's own
 TASKS = ["chain", "vote", "trail", "multiqa"]
+
+
+MANIFEST = "models/braid-reference/calibration/calibration.json"
+# The files targets read that did not stand as measured (`braid.results.unclean`) when the stamps were first read
+# (every one then). Each is taken off once it is measured again on a clean tree (`clean` fails until it is). (Names
+# unquoted: test_known_unclean_lists_only_files_a_target_reads finds the quoted ones the tests read.)
+KNOWN_UNCLEAN = set("""
+    ab_serving_c16.json ab_synthesis_ttft_100m_7x.json chaos_client_leaves_cpu.json chaos_kill_synthesizer_cpu.json
+    chaos_kill_worker_cpu.json chaos_kill_worker_graphs_cpu.json chaos_kill_worker_staircase_cpu.json
+    chaos_redis_restart_cpu.json chaos_rolling_update_cpu.json eval_kvcomm_a8q5_cpu.json eval_kvcomm_cpu.json
+    eval_kvcomm_recompute_cpu.json eval_mixed_calibrated_long_cpu.json eval_mixed_calibrated_m4_cpu.json
+    eval_mixed_uncalibrated_vs_calibrated_m8_cpu.json eval_reference_cpu.json eval_reference_wide_cpu.json
+    eval_verify_mixed_cpu.json fuzz_cpu.json kvcomm_cpu.json kvcomm_cuda.json multinode_cpu.json
+    profile_decode_cuda.json prompt_tree_training_cpu.json prompt_trees_cpu.json serving_cpu_against_aio.json
+    serving_cpu_against_aio_16.json serving_cpu_against_aio_16b.json serving_cpu_against_aio_16c.json
+    soak_cpu.json staircase_cpu.json synthesis_ttft_cpu.json synthesis_ttft_cuda.json
+    models/braid-reference/calibration/calibration.json
+""".split())
 
 
 @functools.cache
@@ -48,8 +76,21 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def clean(name: str, data: dict) -> dict:
+    """`data`, read from file `name`, where it stands as measured under the stamp contract. Otherwise the target
+    fails naming the file and why, or, for a file in KNOWN_UNCLEAN, is an xfail saying so."""
+    why = unclean(data)
+    if why is None:
+        assert name not in KNOWN_UNCLEAN, f"{name} stands as measured now: take it off KNOWN_UNCLEAN"
+        return data
+    if name in KNOWN_UNCLEAN:
+        pytest.xfail(f"{name}: {why}")
+    pytest.fail(f"target read from {name}, which does not stand as measured: {why}")
+
+
 def result(name: str) -> dict:
-    return _load(RESULTS / name)
+    """benchmarks/results/<name>, where it stands as measured (`clean`)."""
+    return clean(name, _load(RESULTS / name))
 
 
 def case(*values, miss: str | None = None, id: str | None = None):
@@ -184,7 +225,7 @@ def test_calibration_manifest_verification(task, branches):
     """Issue 12: "the full method within 2 points of text re-prefill, or better, on every task ... the same at 2-8
     branches", on seeds disjoint from training: the committed calibration manifest's verification gaps (the served
     mode minus text, n = 100 per cell, seeds from 5000)."""
-    verification = _load(REFERENCE / "calibration" / "calibration.json")["verification"]
+    verification = clean(MANIFEST, _load(ROOT / MANIFEST)["verification"])
     assert verification["gaps"][f"{task}/{branches}"] >= -0.02 - EPS
 
 
@@ -449,3 +490,32 @@ def test_issue_47_sessions_survive_the_loss_of_a_replica(name):
     assert got["in_flight_at_fault"] >= 1 and got["hung"] == 0
     assert got["sessions_lost"] == 0 and got["decodes_differing"] == 0
     assert set(got["in_flight_outcomes"]) <= {"OK", "UNAVAILABLE"}
+
+
+# --- the stamp rule itself ----------------------------------------------------------------------------------------
+
+def test_known_unclean_lists_only_files_a_target_reads():
+    """KNOWN_UNCLEAN stays exact the other way too: a name no target reads any more is taken off."""
+    source = Path(__file__).read_text()
+    read = set(re.findall(r'"([\w.-]+\.json)"', source)) | {MANIFEST}
+    assert KNOWN_UNCLEAN <= read, KNOWN_UNCLEAN - read
+
+
+@pytest.mark.parametrize("stamp, listed, outcome", [
+    ({"commit": "a" * 40, "dirty": False}, False, "passed"),
+    ({"commit": "a" * 40, "dirty": False}, True, "take it off KNOWN_UNCLEAN"),
+    ({"commit": "a" * 40, "dirty": True}, False, "dirty tree at commit aaaaaaa"),
+    ({"commit": "a" * 40, "dirty": None, "backfilled": True}, False, "backfilled stamp"),
+    (None, False, "no stamp"),
+    ({"commit": "a" * 40, "dirty": True}, True, "xfail: probe.json: dirty tree at commit aaaaaaa"),
+])
+def test_clean_fails_a_target_read_from_an_unclean_file(monkeypatch, stamp, listed, outcome):
+    monkeypatch.setitem(globals(), "KNOWN_UNCLEAN", {"probe.json"} if listed else set())
+    data = {"x": 1} if stamp is None else {"stamp": stamp, "x": 1}
+    try:
+        got = clean("probe.json", data)
+    except pytest.xfail.Exception as e:
+        got = f"xfail: {e}"
+    except (pytest.fail.Exception, AssertionError) as e:
+        got = str(e)
+    assert got == data if outcome == "passed" else outcome in got

@@ -151,6 +151,80 @@ def test_replay_gaps_are_the_recorded_ones_and_none_for_traces_without_a_time(tm
     assert trace_requests([str(mixed)], 2, 3, 3)[1] == [0.0]
 
 
+def _workflows(kinds: int, per_kind: int):
+    from braid.models.traces import TraceWorkflow
+
+    return [TraceWorkflow(f"traces.jsonl, line {k * per_kind + i + 1}", f"system of kind {k}",
+                          tuple(f"part {j} of {i}" for j in range(2 + k % 3)), "the answer?", "<|worker|>", None)
+            for k in range(kinds) for i in range(per_kind)]
+
+
+def test_the_held_out_split_is_stratified_hashed_and_order_free():
+    """models.traces.split: one in N of each kind (branch count and task) held out, in the order of a hash of each
+    workflow's content: disjoint and complete, the same for any line order and in any process, unmoved by what is
+    not the request (where it was read, its replies, its reference), and a workflow recorded twice on one side."""
+    import dataclasses
+    import random
+    import subprocess
+    import sys
+
+    from braid.models.traces import split, workflow_digest, workflow_kind
+
+    workflows = _workflows(6, 31)
+    trained, held = split(workflows, 3)
+    assert sorted(w.where for w in trained + held) == sorted(w.where for w in workflows)  # complete
+    assert not {w.where for w in trained} & {w.where for w in held}  # disjoint
+    assert [w.where for w in held] == [w.where for w in workflows if w in held]  # in the order given
+    for kind in {workflow_kind(w) for w in workflows}:  # each kind holds out floor or ceil of its 31 / 3
+        assert sum(workflow_kind(w) == kind for w in held) in (10, 11)
+    assert len(held) == 62  # (ceil(186 / 3) in all)
+    shuffled = workflows[:]
+    random.Random(1).shuffle(shuffled)
+    assert {w.where for w in split(shuffled, 3)[1]} == {w.where for w in held}
+    # what is not the request does not move it: a reference added to the held-out lines, replies, the file name
+    relabelled = [dataclasses.replace(w, where="other.jsonl", reference="42", replies=("a",) * w.branches)
+                  for w in workflows]
+    assert [workflow_digest(w) for w in split(relabelled, 3)[1]] == [workflow_digest(w) for w in held]
+    # the same in another process (no per-process hash seed)
+    code = ("from braid.models.traces import TraceWorkflow, split; ws = [TraceWorkflow('x', f't{k}', "
+            "tuple(f'p{j} {i}' for j in range(2 + k % 3)), 's', 'h', None) for k in range(6) for i in range(31)]; "
+            "print(sorted(w.prompts[0] + w.task for w in split(ws, 3)[1]))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 1 and runs.pop().count("'") > 100
+    # a workflow recorded twice is held out or trained on whole
+    twice = workflows + [dataclasses.replace(w, where="again") for w in workflows[:40]]
+    trained2, held2 = split(twice, 3)
+    assert not {workflow_digest(w) for w in trained2} & {workflow_digest(w) for w in held2}
+    # kinds of one workflow each: one in N of them held out all the same; 0 holds none out
+    assert len(split(_workflows(300, 1), 3)[1]) == 100 and len(split(_workflows(2, 1), 3)[1]) == 1
+    assert split(workflows, 0) == (workflows, []) and split(workflows, 1)[0] == []
+    with pytest.raises(ValueError, match="held-out"):
+        split(workflows, -1)
+
+
+def test_calibrate_and_eval_hold_out_the_same_traces(tmp_path):
+    """`braid calibrate --traces` and `braid eval --traces --held-out-traces` read the file with one function and
+    the same N: the same held-out set whichever lines carry references, in whatever order the file lists them."""
+    from braid.models.chat import WORKER_HEADER
+    from braid.models.traces import load_trace_workflows, split
+
+    rng = __import__("random").Random(0)
+    lines = [{"task": f"kind {k}", "branches": [{"prompt": f"part {j} of {i}"} for j in range(2 + k)],
+              "synthesis": {"prompt": "the sum?"}} for k in range(3) for i in range(20)]
+    plain, labelled, shuffled = tmp_path / "plain.jsonl", tmp_path / "labelled.jsonl", tmp_path / "shuffled.jsonl"
+    plain.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    held = {w.task + "|" + w.prompts[0] for w in split(load_trace_workflows([str(plain)], None, "m", WORKER_HEADER),
+                                                        4)[1]}
+    labelled.write_text("".join(json.dumps({**x, "reference": "7"}) + "\n" for x in lines))
+    rng.shuffle(lines)
+    shuffled.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for path in (labelled, shuffled):
+        again = split(load_trace_workflows([str(path)], None, "m", WORKER_HEADER), 4)[1]
+        assert {w.task + "|" + w.prompts[0] for w in again} == held
+    assert len(held) == 15  # (one in four of each kind of 20: 5 each)
+
+
 def test_the_trace_quality_run_goes_end_to_end(tmp_path):
     """benchmarks/trace_quality.py, cut to six workflows and two calibration steps: it serves them with recording on,
     gives references to the held-out lines only, calibrates from the traces alone with the real `braid` command,
@@ -164,9 +238,20 @@ def test_the_trace_quality_run_goes_end_to_end(tmp_path):
                            "--tasks-per-step", "2", "--out", str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    from braid.methods.calibration import Calibration
+
     lines = [json.loads(x) for x in (tmp_path / "work" / "traces.jsonl").read_text().splitlines()]
-    assert len(lines) == 6 and [line["reference"] is not None for line in lines] == [i % 3 == 0 for i in range(6)]
+    held = sum(line["reference"] is not None for line in lines)
+    assert len(lines) == 6 and held >= 1
     result = json.loads((tmp_path / "out" / "eval_trace_quality_cpu.json").read_text())
-    assert result["stamp"]["model"] and result["summary"]["all"]["n"] == 2
+    # the lines given references are the ones calibration held out and verification ran (models.traces.split)
+    assert result["stamp"]["model"] and result["summary"]["all"]["n"] == held
     assert set(result["summary"]["all"]) >= {"calibrated+refresh", "cache:mixed", "cache:mixed+refresh"}
-    assert result["calibration_record"]["traces"]["held_out"] == 2 and result["verification"]["traces"]
+    assert result["calibration_record"]["traces"]["held_out"] == held
+    verification = result["verification"]
+    assert verification["traces"] and verification["samples"] >= 1 and verification["needed_per_band"] == 149
+    assert verification["bands"][0]["verifiable"] is False and verification["max_branches"] == 0  # (too few)
+    # recorded beside the calibration, by name; its own record (none) untouched
+    calibration = Calibration.load(str(tmp_path / "work" / "calibration"), result["verification_name"])
+    assert calibration.verification == verification
+    assert Calibration.load(str(tmp_path / "work" / "calibration")).verification is None

@@ -106,7 +106,10 @@ class CalibrateConfig:
     # the format is braid.models.traces): the target is the model's own answer from text, or a trace's reference
     traces: str = ""
     trace_weight: float = 4.0  # how often a trace is drawn, against the sources' weights
-    held_out_traces: int = 10  # every this-many-th trace is held out of training for the check (0: none)
+    # about one in this many traces of each kind (branch count and task) is held out of training, by a hash of each
+    # workflow (models.traces.split): the check here, and what braid eval --traces --held-out-traces N (the same
+    # N) verifies on (0: none)
+    held_out_traces: int = 10
 
     def __post_init__(self):
         if not self.out:
@@ -572,6 +575,17 @@ def held_out_accuracy(peft_model, mapper, encoder: Encoder, held, batch: int = 1
     return teacher_forced(peft_model, mapper, batches(), lambda e: e.task.name if e.task is not None else "traces")
 
 
+def held_out_postfix(evals: list[dict], next_check: int = 0) -> str:
+    """The progress bar's postfix: the last held-out check (held_out_accuracy: the share of held-out answers whose
+    every token is the argmax, teacher-forced; on traces without a reference, agreement with text's answer), per
+    task and for the traces, with its step. (The training loss, which the record keeps, tells little on a bar.)"""
+    if not evals:
+        return f"held-out check at step {next_check}" if next_check else "held-out check: none yet"
+    last = evals[-1]
+    return "held-out right " + " ".join(f"{k} {v:.1%}" for k, v in last.items() if k != "step") + \
+        f" (step {last['step']})"
+
+
 def untrained(model, lora: LoraSettings, mapper_rank: int = 0, conditioned: bool = True, branch_slots: int = 0):
     """A calibration's trainable parts at their init (the identity) for `model`: (PeftModel, CacheMapper).
     The LoRA is injected into `model` itself; its own weights should be frozen."""
@@ -698,6 +712,8 @@ def calibrate(cfg: CalibrateConfig) -> dict:
     first = record["steps"]
     peft_model.train()
     bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, desc="calibrating", unit="step")
+    next_check = min(cfg.steps, (first // cfg.eval_every + 1) * cfg.eval_every)
+    bar.set_postfix_str(held_out_postfix(record["held_out_accuracy"], next_check), refresh=False)
     for step in bar:
         began = time.perf_counter()
         rng = random.Random(f"calibrate:{cfg.seed}:{step}")
@@ -716,10 +732,10 @@ def calibrate(cfg: CalibrateConfig) -> dict:
         record["steps"] = step + 1
         record["train_seconds"] = round(record["train_seconds"] + time.perf_counter() - began, 2)
         record.setdefault("step_seconds", []).append(round(time.perf_counter() - began, 4))
-        bar.set_postfix(loss=f"{out.loss.item():.4f}", ce=f"{out.ce:.4f}", kl=f"{out.kl:.4f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             acc = held_out_accuracy(peft_model, mapper, encoder, held)
             record["held_out_accuracy"].append({"step": step + 1, **acc})
+            bar.set_postfix_str(held_out_postfix(record["held_out_accuracy"]))
             log.info("step %d loss %.4f held-out answers (teacher-forced) %s", step + 1, out.loss.item(),
                      " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
             save()
