@@ -17,18 +17,15 @@ import os
 import random
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from braid.engine.model import fingerprint_checkpoint  # noqa: E402
-from braid.models.checkpoints import make_random_checkpoint  # noqa: E402
-from braid.results import pyplot, write_json  # noqa: E402
-from braid.train.calibrate import CalibrateConfig, calibrate  # noqa: E402
+from braid.engine.model import fingerprint_checkpoint
+from braid.models.checkpoints import make_random_checkpoint
+from braid.results import pyplot, write_json
+from braid.train.calibrate import CalibrateConfig, calibrate
 
 
 def words(tokenizer, n: int, rng: random.Random) -> str:

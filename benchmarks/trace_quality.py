@@ -38,14 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from braid.evals.harness import format_bands  # noqa: E402
-from braid.evals.stats import accuracy_ci, paired_difference_ci  # noqa: E402
-from braid.models import REFERENCE_MODEL  # noqa: E402
-from braid.models.tasks import generate  # noqa: E402
-from braid.models.traces import SPLIT_RULE  # noqa: E402
-from braid.results import write_json  # noqa: E402
+from braid.evals.harness import format_bands
+from braid.evals.stats import accuracy_ci, paired_difference_ci
+from braid.models import REFERENCE_MODEL
+from braid.models.tasks import generate
+from braid.models.traces import SPLIT_RULE
+from braid.results import write_json
 
 log = logging.getLogger(__name__)
 FAMILIES = ("chain", "vote", "trail")

@@ -16,7 +16,7 @@ import json
 import os
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # (the checkout, also through a linked package)
 UNKNOWN = "unknown"  # a stamp field that was not recorded when the file was written
 NONE = "none"  # no weights (or no calibration) were part of the measurement
 STAMP_FIELDS = ("commit", "dirty", "model", "calibration", "device", "device_name", "torch", "written")
