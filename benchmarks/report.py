@@ -809,17 +809,45 @@ def verification_table(r: Report, verification: dict, source: str) -> str:
     """The gaps a verification recorded (points against text), by task and branch count."""
     counts = sorted(int(m) for m in verification["passed"])
     rows = [[task] + [points(verification["gaps"][f"{task}/{m}"]) for m in counts] for task in verification["tasks"]]
-    rows.append(["within tolerance"] + ["yes" if verification["passed"][str(m)] else "no" for m in counts])
+    rows.append(["its band passed" if "bands" in verification else "within tolerance"]
+                + ["yes" if verification["passed"][str(m)] else "no" for m in counts])
     return table(["task"] + [f"m={m}" for m in counts], rows) + f"\n\nRecorded in {source}."
+
+
+def verification_rule(verification: dict) -> str:
+    """How a verification decided its envelope: by bands and a paired bound (the rule since issue 58), or, for a
+    record made before, by each branch count's point estimate."""
+    tolerance = points(verification["tolerance"]).lstrip("+")
+    if "bands" not in verification:
+        return (f"each branch count's point estimate within {tolerance} points of text on every task, the rule before "
+                "the paired bound: one miss in a small cell ends it")
+    return (f"branch counts pooled into bands of at least {verification['needed_per_band']} samples per task, each band "
+            f"passing where on every task the one-sided {verification['level']:.0%} exact lower bound on the paired "
+            f"difference to text is at least -{tolerance} points")
 
 
 def verification_sentence(verification: dict) -> str:
     longest = verification.get("max_branch_tokens")
+    seed = f" from seed {verification['seed']}" if "seed" in verification else ""
     return paragraph(
         f"It records `{verification['mode']}` as verified up to {verification['max_branches']} branches",
         f"of up to {longest} tokens each" if longest else "",
-        f"(every task within {points(verification['tolerance']).lstrip('+')} points of text, {verification['samples']}",
-        f"tasks per cell from seed {verification['seed']}).")
+        f"({verification_rule(verification)}; {verification['samples']} samples per cell{seed}).")
+
+
+def bands_table(verification: dict) -> str:
+    """A verification's bands (the paired rule): each band's samples, the pairs the mode won and lost against text on
+    the task with the lowest bound, the paired mean difference, its lower bound and the result."""
+    rows = []
+    for band in verification.get("bands", []):
+        counts = band["branches"]
+        task, worst = min(band["tasks"].items(), key=lambda kv: kv[1]["lower_bound"])
+        result = ("not verifiable: too few samples" if not band["verifiable"] else
+                  "passed" if band["passed"] else "failed")
+        rows.append([f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0]), str(worst["n"]),
+                     str(worst["wins"]), str(worst["losses"]), points(worst["mean_difference"]),
+                     points(worst["lower_bound"]), result + (f" (on {task})" if len(band["tasks"]) > 1 else "")])
+    return table(["branches", "n", "won", "lost", "mean difference, points", "lower bound, points", "band"], rows)
 
 
 def quality_committed(r: Report) -> str:
@@ -907,9 +935,8 @@ def quality_traces(r: Report) -> str:
             "(no calibration here trains beyond 8) at 2 to 12 branches, sent as chat messages to a server recording",
             "what it serves (text transport). A fresh calibration trained on those traces alone",
             f"(`braid calibrate --traces --sources none`, {cal['steps']} steps, {minutes(cal['train_seconds'])} on",
-            "this machine), with no labels: the target is the model's own text answer. The held-out traces (one",
-            f"line in {cfg['held_out']} of the trace file, none trained on; task seeds {cfg['seed']} to",
-            f"{cfg['seed'] + cfg['workflows'] - 1}, which no other calibration or evaluation here draws) ran in text",
+            "this machine), with no labels: the target is the model's own text answer. The held-out traces",
+            f"({res['held_out']}) ran in text",
             "and in the KV modes on the same worker branches, each KV answer held to text's; only they carry",
             f"reference answers. `{mode}` is the new calibration as served;",
             f"{listing([f'`{m}`' for m in uncalibrated])} read the same KV uncalibrated, at the same placement.")),
@@ -922,8 +949,8 @@ def quality_traces(r: Report) -> str:
             + ".", f"Text itself answers {pct(s_all['text_reference_accuracy'], 1)}% of them as the references do.",
             (f"`braid eval --verify` recorded `{verification['mode']}` as verified up to "
              f"{verification['max_branches']} branches of up to {verification.get('max_branch_tokens')} tokens "
-             f"(each branch count within {points(verification['tolerance']).lstrip('+')} points of text over "
-             f"{verification['samples']} traces).") if verification else ""),
+             f"({verification_rule(verification)}):") if verification else ""),
+        bands_table(verification) if verification.get("bands") else "",
         r.plot(name, "held-out traces: KV against text"),
     ])
 
@@ -2152,7 +2179,9 @@ def headline_rows(r: Report, base: str) -> list[Headline]:
             f"`{mode}` agrees with text on {pct(s_all[mode]['agreement'], 1)}% "
             f"({points_ci(s_all[mode]['minus_text'], s_all[mode]['minus_text_ci95'], 1)} points, "
             f"n = {s_all['n']}); uncalibrated " + ", ".join(
-                f"`{m}` {pct(s_all[m]['agreement'], 1)}%" for m in res["uncalibrated_modes"]),
+                f"`{m}` {pct(s_all[m]['agreement'], 1)}%" for m in res["uncalibrated_modes"])
+            + (f"; verified up to {res['verification']['max_branches']} branches (paired 95% bound per band)"
+               if "bands" in res.get("verification", {}) else ""),
             ["eval_trace_quality_cpu"], link("quality.md", "Your own workflows, calibrated from traces")))
     for names, where in ((["synthesis_ttft_cpu"], "CPU"), (["synthesis_ttft_cuda", "synthesis_ttft_cuda_h100"], "GPU")):
         name = r.newest_clean(names)

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from braid.cluster.inprocess import start_in_process
-from braid.engine import Engine, EngineConfig
+from braid.engine import Engine, EngineConfig, SamplingParams
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import END, ROLES, ChatRenderer, TemplateError, header, turn
 from braid.models.checkpoints import make_random_checkpoint
@@ -405,3 +405,29 @@ def test_a_models_own_layout_closes_turns_with_the_stop_token_its_template_write
     assert encoder.end == eot and encoder.closed("hi") == encoder.ids("hi") + [eot]
     reference = Encoder(model, tok, model.model.rotary_emb.inv_freq, CalibrateConfig(model=path))
     assert reference.end == tok.eos_token_id and reference.closed("hi") == reference.ids("hi" + END)
+
+
+@pytest.mark.parametrize("workflow", ["tot", "mad-iter", "mad-par"])
+def test_a_preset_over_notes_is_served_as_the_measured_workflow(qwen_server, workflow):
+    """`braid run --preset` over notes sends chat messages (and header-only reply nodes); the server renders them
+    into exactly the graph `braid.evals.workflows` measures (notes_graph over Task.workflow_texts), for the
+    reference template and a model's own."""
+    import argparse
+
+    from braid.cli import notes_request
+    from braid.methods.dag.presets import notes_graph
+    from braid.models.chat import task_renderer
+    from braid.models.tasks import generate
+    from braid.runtime.convert import graph
+
+    task = generate("vote", 11, 3)
+    args = argparse.Namespace(preset=workflow, task=task.system, branch=[b.context for b in task.branches],
+                              prompt=task.question)
+    _, server = qwen_server
+    for path in (REFERENCE_MODEL, server.path):
+        tok = AutoTokenizer.from_pretrained(path)
+        sent = graph(notes_request(args, SamplingParams(max_tokens=8), "kv", None), 64,
+                     renderer=ChatRenderer(tok, path))
+        measured = notes_graph(workflow, *task.workflow_texts(task_renderer(tok, path)))
+        assert [(n.name, n.prompt, n.role, n.parents) for n in sent.nodes] == \
+            [(n.name, n.prompt, n.role, n.parents) for n in measured.nodes]
