@@ -25,7 +25,7 @@ from tqdm import tqdm
 from braid.engine import DecodeCall, Engine, EngineConfig, PrefillCall, SamplingParams
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
-from braid.results import grouped_bars, write_json, written
+from braid.results import grouped_bars, write_json
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (benchmarks.revision; last, so
 # that a revision's `braid` on PYTHONPATH comes first)
@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     stem = write_json(args.out, f"cpu_threads_{args.shape or model}{'_against' if against else ''}", result,
                       device="cpu", model=weights, calibration=None)
     plot(result, stem)
+    from braid.results import written  # (this tree's: a child under a revision's braid never reaches here)
+
     print(written(stem + ".json"))
     return 0
 

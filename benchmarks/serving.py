@@ -32,7 +32,7 @@ try:
 except ImportError:  # (a revision from before the runtime room)
     from braid.api.directory import Directory, EmbeddedRedis
 
-from braid.results import pyplot, write_json, written
+from braid.results import pyplot, write_json
 
 ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
 APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
@@ -287,6 +287,7 @@ def main(argv=None) -> int:
               "config": vars(args),
               "this": this, "against": rev, "workload": workload.__dict__, "rows": rows, "ratios": ratios}
     from braid.methods.calibration import fingerprints_at
+    from braid.results import written  # (this tree's: a server process under --against never reaches here)
 
     stem = write_json(args.out, f"serving_{kind}" + ("_against" if rev else ""), result, device=args.device,
                       **fingerprints_at(EngineConfig(args.model)))

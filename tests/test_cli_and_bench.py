@@ -174,7 +174,7 @@ def test_run_presets_over_the_agent_api(checkpoint, capsys, preset, transport, s
         assert "[layer2:proposer2]" in out and "[aggregator]" in out
     reader = {"moa": "aggregator", "mad-par": "round2:agent0", "tot": "voter0"}.get(preset)
     assert (f"[{reader}] round 0 took in:" in out) == bool(staircase)  # (the rounds are shown with staircase only)
-    assert main(["run", "--preset", "tot"]) == 2 and "--preset needs --question" in capsys.readouterr().err
+    assert main(["run", "--preset", "tot"]) == 2 and "or on a free-form --question" in capsys.readouterr().err
     assert main(["run", "--preset", "mad-iter", "--question", "q", "--staircase", "append"]) == 2
     assert "mad-iter has no staircase" in capsys.readouterr().err
 

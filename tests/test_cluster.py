@@ -366,8 +366,8 @@ def test_colocated_cluster_reuses_kv_in_place(cluster, tmp_path):
 
 def test_braid_serve_asks_for_its_key_unless_the_api_is_opened(cluster, tmp_path, monkeypatch, capsys):
     """`braid serve` as typed, its cluster a Serve app on this module's Ray (a Ray of its own would add a minute).
-    With no keys given it makes one, prints it once beside the address the API really listens on (every
-    interface: Serve's gRPC proxy binds [::]) and leaves it, readable by its user only, where this machine's
+    With no keys given it makes one, prints it once beside the address the API really listens on (loopback, as
+    `braid serve` binds without --host) and leaves it, readable by its user only, where this machine's
     clients find it: a call without it is UNAUTHENTICATED, `braid loadtest` picks it up and completes, and the
     file goes when serve stops. With --open-api a call without a key is served."""
     import signal
@@ -391,7 +391,7 @@ def test_braid_serve_asks_for_its_key_unless_the_api_is_opened(cluster, tmp_path
     port, app = config.grpc_port, (("application", "braid-serve"),)
     listening = {c.laddr.ip for c in psutil.net_connections("inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-    assert listening & {"::", "0.0.0.0"}, listening  # (what the banner says: every interface)
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening  # (what the banner says)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     class OnThisRay(LocalCluster):
@@ -448,7 +448,7 @@ def test_braid_serve_asks_for_its_key_unless_the_api_is_opened(cluster, tmp_path
                               "--timeout", "60"]) == 0  # (its key found, not given)
 
     out, seen = serve_while(keyed)
-    assert f"on every interface, [::]:{port} (from this machine: 127.0.0.1:{port})" in out
+    assert f"on this machine only, 127.0.0.1:{port} (from this machine: 127.0.0.1:{port})" in out
     assert out.count(seen["key"]) == 1 and f"api key      {seen['key']}" in out and "completed 1, failed 0" in out
     assert not os.path.exists(local_key_path(port))  # (gone with the cluster that made it)
 
