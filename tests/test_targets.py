@@ -58,16 +58,13 @@ MANIFEST = "models/braid-reference/calibration/calibration.json"
 # (every one then). Each is taken off once it is measured again on a clean tree (`clean` fails until it is). (Names
 # unquoted: test_known_unclean_lists_only_files_a_target_reads finds the quoted ones the tests read.)
 KNOWN_UNCLEAN = set("""
-    ab_serving_c16.json ab_synthesis_ttft_100m_7x.json chaos_client_leaves_cpu.json chaos_kill_synthesizer_cpu.json
-    chaos_kill_worker_cpu.json chaos_kill_worker_graphs_cpu.json chaos_kill_worker_staircase_cpu.json
-    chaos_redis_restart_cpu.json chaos_rolling_update_cpu.json eval_kvcomm_a8q5_cpu.json eval_kvcomm_cpu.json
+    ab_serving_c16.json ab_synthesis_ttft_100m_7x.json eval_kvcomm_a8q5_cpu.json eval_kvcomm_cpu.json
     eval_kvcomm_recompute_cpu.json eval_mixed_calibrated_long_cpu.json eval_mixed_calibrated_m4_cpu.json
     eval_mixed_uncalibrated_vs_calibrated_m8_cpu.json eval_reference_cpu.json eval_reference_wide_cpu.json
-    eval_verify_mixed_cpu.json fuzz_cpu.json kvcomm_cpu.json kvcomm_cuda.json multinode_cpu.json
-    profile_decode_cuda.json prompt_tree_training_cpu.json prompt_trees_cpu.json serving_cpu_against_aio.json
+    eval_verify_mixed_cpu.json kvcomm_cuda.json multinode_cpu.json profile_decode_cuda.json
+    prompt_tree_training_cpu.json prompt_trees_cpu.json serving_cpu_against_aio.json
     serving_cpu_against_aio_16.json serving_cpu_against_aio_16b.json serving_cpu_against_aio_16c.json
-    soak_cpu.json staircase_cpu.json synthesis_ttft_cpu.json synthesis_ttft_cuda.json
-    models/braid-reference/calibration/calibration.json
+    soak_cpu.json synthesis_ttft_cuda.json models/braid-reference/calibration/calibration.json
 """.split())
 
 
