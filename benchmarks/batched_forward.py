@@ -13,7 +13,8 @@ import time
 import torch
 
 from braid.engine import Engine, EngineConfig
-from braid.engine.model_runner import RequestInput, WorkCache
+from braid.engine.kv_cache import WorkCache
+from braid.engine.model_runner import RequestInput
 from braid.models import REFERENCE_MODEL
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, pyplot, write_json, written
@@ -50,9 +51,10 @@ def main(argv=None) -> int:
 
         def inputs(step):
             dev = pool.kv.device
+            of_row = torch.arange(calls, device=dev)
             return [RequestInput(c, visible.to(dev), torch.randint(3, lm.spec.vocab_size, (calls,), device=dev),
-                               torch.full((calls,), args.context + step, device=dev),
-                               torch.arange(calls, device=dev), list(range(calls))) for c in caches]
+                                 torch.full((calls,), args.context + step, device=dev), of_row, list(range(calls)),
+                                 c.claim(of_row, 1)) for c in caches]
 
         alone, together = [], []
         for step in range(args.repeats):  # alternating, so both see the same machine

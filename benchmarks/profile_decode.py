@@ -67,8 +67,14 @@ def engine_decode(eng, ctx, tokens):
 
 def runner_steps(eng, context, steps, sync):
     """`steps` forwards of one decode row over a `context`-token work cache, as the scheduler runs them."""
-    from braid.engine.model_runner import RequestInput, WorkCache  # (here: step_host imports this module under
-    # other revisions, whose runner lived elsewhere)
+    from braid.engine.model_runner import RequestInput
+    try:  # (step_host imports this module under other revisions too: before engine.kv_cache the runner claimed slots)
+        from braid.engine.kv_cache import WorkCache
+    except ImportError:
+        from braid.engine.model_runner import WorkCache
+
+    def claimed(cache, calls) -> tuple:  # (the rows' slots, where the step's builder claims them)
+        return (cache.claim(calls, 1),) if hasattr(cache, "claim") else ()
 
     pool = eng.scheduler.pool
     cache = WorkCache(eng.lm, context + steps, pool, pool.allocate(context + steps))
@@ -79,10 +85,10 @@ def runner_steps(eng, context, steps, sync):
     sync()
     start = time.perf_counter()
     for step in range(steps):
+        calls = torch.zeros(1, dtype=torch.long, device=dev)
         eng.runner.step([RequestInput(cache, visible, torch.tensor([5], device=dev),
-                                    torch.tensor([context + step], device=dev), torch.zeros(1, dtype=torch.long,
-                                                                                            device=dev),
-                                    [0], plain=True)])  # (one call that sees its cache: as the engine runs it)
+                                      torch.tensor([context + step], device=dev), calls, [0],
+                                      *claimed(cache, calls), plain=True)])  # (one call that sees its cache)
     sync()
     took = (time.perf_counter() - start) / steps
     pool.release(cache.blocks)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from braid.engine.host import to_device
+from braid.engine.kv_cache import KVPool
 from braid.engine.model_runner import (
     SHARED_ATTENTION_ROWS,
-    KVPool,
     ModelRunner,
     RequestInput,
     _Part,
@@ -135,21 +135,21 @@ class DecodeGraphs:
         self.replays = self.captures = 0
 
     def shape(self, groups: list[RequestInput]) -> tuple[int, int, int] | None:
-        """The bucket these groups' next forward runs in (asked before their rows claim slots), or None when it
+        """The bucket these groups' next forward runs in, or None when it
         is not a static decode forward."""
         if not groups or len(groups) > MAX_GROUPS:
             return None
         rows = max(len(g.input_ids) for g in groups)
         if rows > SHARED_ATTENTION_ROWS or any(g.lead_rows for g in groups):
             return None
-        keys = max(g.cache.length + len(g.input_ids) - g.cache.start for g in groups)  # (after this step's rows)
+        keys = max(g.slots.length - g.cache.start for g in groups)  # (this step's rows included)
         shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
     def run(self, groups: list[RequestInput], parts: list[_Part], shape: tuple[int, int, int],
             weights=None) -> torch.Tensor | None:
-        """The forward of these groups in bucket `shape` (`shape(groups)` before their slots were claimed and
-        masks built: ModelRunner._part), with the weights in place named by `weights` (None: the base ones):
+        """The forward of these groups in bucket `shape` (`shape(groups)`; their masks built: ModelRunner._part),
+        with the weights in place named by `weights` (None: the base ones):
         the last hidden states of its padded rows [G * R, hidden], group i's at [i * R, i * R + its rows).
         None when there is no memory for the bucket: this forward runs as it comes."""
         key = (weights, shape)

@@ -26,8 +26,9 @@ from braid.engine.errors import (
     PreconditionError,
 )
 from braid.engine.host import to_device
+from braid.engine.kv_cache import KVPool, WorkCache
 from braid.engine.model import LoadedModel, load_model
-from braid.engine.model_runner import KVPool, ModelRunner, WorkCache
+from braid.engine.model_runner import ModelRunner
 from braid.engine.prefix_cache import PrefixCache, content_seed
 from braid.engine.sampling import SamplingParams
 from braid.engine.scheduler import Request, RequestStatus, Scheduler
@@ -234,7 +235,7 @@ class Engine:
     @property
     def kv_copied(self) -> dict[str, int]:
         """KV bytes copied since the engine started, at reuse (parents copied into the pool) and at commit (a
-        finished call's KV copied out into its message): engine.model_runner.KVPool.copied."""
+        finished call's KV copied out into its message): engine.kv_cache.KVPool.copied."""
         return dict(self.scheduler.pool.copied)
 
     def encoded_by(self, adapter_id: str | None) -> str:

@@ -41,7 +41,8 @@ import torch
 from braid.engine.call import Adapter, Call, CallStatus, TokenEvent
 from braid.engine.errors import StepFailedError, StoreFullError
 from braid.engine.host import to_device
-from braid.engine.model_runner import KVPool, ModelRunner, RequestInput, WorkCache
+from braid.engine.kv_cache import KVPool, WorkCache
+from braid.engine.model_runner import ModelRunner, RequestInput
 from braid.engine.sampling import Picked, SamplingParams, pick
 from braid.engine.store import DenseKV
 from braid.engine.threads import claim
@@ -230,9 +231,11 @@ class Request:
         return Take(rows, [rows[i][2] for i in ends], ends or None)
 
     def input(self, take: Take, ids: torch.Tensor, positions: torch.Tensor, calls: torch.Tensor) -> RequestInput:
-        """The take's rows as tensors (the scheduler makes every request's in one copy): its input for the step."""
+        """The take's rows as tensors (the scheduler makes every request's in one copy), their slots claimed in its
+        work cache: its input for the step."""
         lead_rows = sum(c < self.lead for _, _, c in take.rows) if self.lead else 0  # (they come first)
-        take.input = RequestInput(self.cache, self.visible, ids, positions, calls, take.logit_rows, lead_rows,
+        slots = self.cache.claim(calls, self.visible.shape[1] - self.visible.shape[0], lead_rows)
+        take.input = RequestInput(self.cache, self.visible, ids, positions, calls, take.logit_rows, slots,
                                   plain=self.plain)
         return take.input
 
@@ -259,7 +262,7 @@ class Request:
         None: it sampled nothing), which their fed rows now hold. True when it is complete."""
         self.out -= 1
         inp = take.input
-        for (_, _, c), slot in zip(take.rows, chain(inp.lead_slots, inp.own_slots)):  # (host ranges: no device read)
+        for (_, _, c), slot in zip(take.rows, chain(inp.slots.lead, inp.slots.own)):  # (host ranges: no device read)
             self.calls[c].slots.append(slot)
         if self.cache.front and not (self.pending and self.pending[0][2] < self.lead):
             # every prefill call's row is encoded: the blocks holding only what they read go back to the pool (a

@@ -2,7 +2,7 @@
 
 A message's KV is an opaque handle: everything outside this module reads it through the handle's few methods. A
 DenseKV is a tensor of its own (a message shipped in, or any message under `kv_home="dense"`); a PagedKV lives in
-the engine's KV pool (engine.model_runner.KVPool), in the blocks the call that made it wrote it to, so that storing
+the engine's KV pool (engine.kv_cache.KVPool), in the blocks the call that made it wrote it to, so that storing
 it copies nothing and a call that reads it where it was encoded reads it in place. Messages may share KV memory (a
 prefix-cache hit or a view is a new message over part of another's KV; the messages of one request share their
 blocks): bytes are counted once per memory they live in, and freed when its last message goes."""
@@ -86,7 +86,7 @@ class DenseKV:
 
     @property
     def key(self) -> tuple:
-        """What tells this KV from any other live one (engine.model_runner.KVPool.share_key): its address and
+        """What tells this KV from any other live one (engine.kv_cache.KVPool.share_key): its address and
         layout, equal for two handles over the same tokens of the same memory."""
         kv = self._kv
         return kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, kv.device
@@ -151,7 +151,7 @@ class PagedAlloc:
 class PagedKV:
     """A message's KV in the engine's KV pool: its tokens' slots there ([T] pool slots, keys rotated to the
     message's positions), in blocks its PagedAlloc holds. Reading gathers (a copy); a call that reads the message
-    at the offset it was encoded at reads its slots in place (engine.model_runner.WorkCache.reference_slots)."""
+    at the offset it was encoded at reads its slots in place (engine.kv_cache.WorkCache.reference_slots)."""
 
     __slots__ = ("allocs", "index")
 

@@ -1,6 +1,8 @@
 """Static decode forwards (engine.cuda_graphs): the padded forward against the forward as it comes, what it writes,
 what it may not do under a CUDA graph, when it applies; on CUDA, the graphs' replays against it."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_scheduler import REQUESTS, concurrently, workflow
@@ -9,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine import cuda_graphs as graphs_module
 from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
-from braid.engine.model_runner import RequestInput, WorkCache
+from braid.engine.kv_cache import WorkCache
+from braid.engine.model_runner import RequestInput
 from braid.methods.calibration import calibration_of, load_engine
 from braid.methods.synthesis import Placement
 from braid.models.tasks import generate
@@ -30,8 +33,9 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
         visible = torch.ones(n, 1 + n, dtype=torch.bool, device=dev)
         visible[:, 1:] = torch.eye(n, dtype=torch.bool, device=dev)  # (each call sees its own tokens)
         ids = torch.randint(3, eng.spec.vocab_size, (n,), generator=gen).to(dev)
-        out.append(RequestInput(cache, visible, ids, torch.full((n,), length, device=dev),
-                              torch.arange(n, device=dev), list(range(n))))
+        of_row = torch.arange(n, device=dev)
+        out.append(RequestInput(cache, visible, ids, torch.full((n,), length, device=dev), of_row, list(range(n)),
+                                cache.claim(of_row, 1)))
     return out
 
 
@@ -75,7 +79,7 @@ def test_which_forwards_are_static(padded_engine, monkeypatch):
     assert graphs.shape(groups) == (4, 8, 128)  # (G, R, T): 3 groups, 8 rows at most, 108 keys at most
     many = groups_over(padded_engine, [3], [9], 1)  # (more rows than a decode step has: a prefill chunk)
     assert graphs.shape(many) is None
-    groups[1].lead_rows = 1
+    groups[1].slots = dataclasses.replace(groups[1].slots, lead=range(1))  # (a leading prefill row)
     assert graphs.shape(groups) is None
     assert graphs.shape(groups[:1] * (MAX_GROUPS + 1)) is None
     long = groups_over(padded_engine, [1023], [1], 2)  # (with its new row: T = 1024)
@@ -124,9 +128,9 @@ def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows
         assert s.shape == d.shape and torch.isfinite(s).all() and torch.allclose(s, d, atol=1e-5, rtol=1e-5)
         assert torch.equal(s.argmax(-1), d.argmax(-1))
     for ga, gb in zip(a, b):
-        new_a, new_b = ga.cache.index[ga.slots], gb.cache.index[gb.slots]
+        new_a, new_b = ga.slots.write, gb.slots.write
         assert torch.allclose(pool.kv[..., new_a, :], pool.kv[..., new_b, :], atol=1e-5)
-    written = torch.cat([g.cache.index[g.slots] for g in a + b] + [torch.tensor([pool.trash], device=pool.kv.device)])
+    written = torch.cat([g.slots.write for g in a + b] + [torch.tensor([pool.trash], device=pool.kv.device)])
     untouched = torch.ones(pool.kv.shape[3], dtype=torch.bool, device=pool.kv.device)
     untouched[written] = False
     torch.testing.assert_close(pool.kv[..., untouched, :], before[..., untouched, :], rtol=0, atol=0, equal_nan=True)
@@ -313,7 +317,7 @@ def test_a_plain_call_s_decode_row_builds_no_mask_and_reads_the_same(padded_engi
     g = groups_over(eng, [12], [1], 1)[0]
     g.plain = True
     part = eng.runner._part(g, 0, masked=True)
-    assert part.full and part.mask is None and torch.equal(part.write_index, g.cache.index[g.slots])
+    assert part.full and part.mask is None and torch.equal(part.write_index, g.cache.index[g.slots.logical])
     release(eng, [g])
     for lengths, rows in (([9, 40, 21], [1, 2, 1]), ([33], [1])):
         for run in (eng.runner.step, lambda gs: as_they_come(eng, gs)):

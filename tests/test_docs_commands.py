@@ -14,6 +14,7 @@ The README's Python client is run against a real in-process server; the README s
 
 import glob
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -34,24 +35,64 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 UNCHECKED = {"docker", "kubectl", "serve", "openssl", "curl", "grpcurl", "cd", "export", "git", "ray"}
 README_MAX_LINES = 300
 
-# Stops any argparse-based program right after it parsed its arguments (its real parser, its real flags).
-PARSE_ONLY = """
-import argparse, os, runpy, sys
+# A process that imports braid (and torch) once, then forks a child per command; the child stops its argparse-based
+# program right after it parsed its arguments (its real parser, its real flags). One import instead of one per
+# command: the commands' checks take seconds, not minutes.
+PARSE_SERVER = """
+import argparse, importlib, json, os, runpy, sys, tempfile, traceback
+import braid.cli
+def done(code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(LOADED, "w") as f:  # (what this command imported, for the server to import before the next fork)
+        json.dump(sorted(set(sys.modules) - BEFORE), f)
+    os._exit(code)
 _parse = argparse.ArgumentParser.parse_args
 def parse_args(self, args=None, namespace=None):
     _parse(self, args, namespace)
     print("BRAID-ARGS-OK", flush=True)
-    os._exit(0)
+    done(0)
 argparse.ArgumentParser.parse_args = parse_args
-kind, target, *argv = sys.argv[1:]
-sys.argv = [target, *argv]
-if kind == "cli":
-    from braid.cli import main
-    sys.exit(main(argv))
-elif kind == "module":
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-else:
-    runpy.run_path(target, run_name="__main__")
+def child(kind, target, argv):
+    sys.argv = [target, *argv]
+    try:
+        if kind == "cli":
+            code = braid.cli.main(argv)
+        elif kind == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            code = 0
+        else:
+            runpy.run_path(target, run_name="__main__")
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    done(code)
+LOADED = tempfile.mktemp()
+for line in sys.stdin:
+    kind, target, argv = json.loads(line)
+    BEFORE = set(sys.modules)
+    with tempfile.TemporaryFile("w+") as out:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            child(kind, target, argv)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        print(json.dumps([os.waitstatus_to_exitcode(status), out.read()]), flush=True)
+    if os.path.exists(LOADED):
+        for name in json.load(open(LOADED)):
+            if name != "__main__" and not name.startswith("__mp"):
+                try:
+                    importlib.import_module(name)
+                except BaseException:
+                    pass
+        os.unlink(LOADED)
 """
 
 
@@ -114,11 +155,35 @@ def _program(words: list[str]) -> str:
     return os.path.basename(words[0])
 
 
+class _Parser:
+    """PARSE_SERVER, started on first use and kept for the module."""
+    server = None
+
+    @classmethod
+    def run(cls, kind: str, target: str, argv: list[str]) -> tuple[int, str]:
+        if cls.server is None or cls.server.poll() is not None:
+            cls.server = subprocess.Popen([sys.executable, "-c", PARSE_SERVER], cwd=ROOT, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+        cls.server.stdin.write(json.dumps([kind, target, argv]) + "\n")
+        cls.server.stdin.flush()
+        line = cls.server.stdout.readline()
+        assert line, f"the parse server exited ({cls.server.poll()})"
+        code, out = json.loads(line)
+        return code, out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parser_stops():
+    yield
+    if _Parser.server is not None:
+        _Parser.server.stdin.close()
+        _Parser.server.wait(timeout=60)
+
+
 def _parse_only(kind: str, target: str, argv: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-c", PARSE_ONLY, kind, target, *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    ok = done.returncode == 0 and ("BRAID-ARGS-OK" in done.stdout or "usage:" in done.stdout)
-    assert ok, f"{target} {' '.join(argv)}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    code, out = _Parser.run(kind, target, argv)
+    ok = code == 0 and ("BRAID-ARGS-OK" in out or "usage:" in out)
+    assert ok, f"{target} {' '.join(argv)}: exit {code}\n{out[-4000:]}"
 
 
 def _helm_set(values: dict, assignment: str) -> None:
@@ -253,6 +318,36 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+    assert not (home / ".braid" / f"api-key-{port}").exists()  # (the key it made goes with the cluster)
+
+
+def test_braid_serve_makes_a_key_for_this_machine_s_user(served):
+    """With no keys given, `braid serve` makes one, prints it once beside the address it listens on and leaves it
+    in ~/.braid readable by its user only; a call without it is UNAUTHENTICATED with a message saying what to do,
+    a call with it is served. (`braid run` and `braid loadtest` above find it there.)"""
+    import stat
+
+    import grpc
+
+    from braid.api.auth import client_metadata
+    from braid.protos import agent_pb2 as pb
+    from braid.protos import agent_pb2_grpc
+
+    address, env = served
+    port = address.rpartition(":")[2]
+    path = os.path.join(env["HOME"], ".braid", f"api-key-{port}")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with open(path) as f:
+        key = f.read().strip().rpartition(":")[2]
+    banner = open(os.path.join(env["HOME"], "serve.log")).read()
+    assert banner.count(key) == 1 and f"api key      {key}" in banner
+    assert f"on this machine only, 127.0.0.1:{port} (from this machine: 127.0.0.1:{port})" in banner
+    with grpc.insecure_channel(address) as channel:
+        stub, app = agent_pb2_grpc.AgentServiceStub(channel), (("application", "braid"),)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Health(pb.HealthRequest(), metadata=app, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "needs a key" in err.value.details()
+        assert stub.Health(pb.HealthRequest(), metadata=app + client_metadata(key), timeout=30).status == "SERVING"
 
 
 def _shown(line: str) -> str:

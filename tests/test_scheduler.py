@@ -147,7 +147,7 @@ def test_a_zeroed_pool_zeroes_a_block_when_it_first_hands_it_out(llama_engine):
     """KVPool(zeroed=True) (attention in place reads the slots it masks): a block is zero when first handed out,
     whatever its memory held; one handed back and out again keeps what was written to it; blocks never handed out
     are left untouched (no memory of a large pool's store part is written before it is used)."""
-    from braid.engine.model_runner import KVPool
+    from braid.engine.kv_cache import KVPool
 
     pool = KVPool(llama_engine.lm, 6, block_tokens=4, zeroed=True)
     pool.kv[:, :, :, :pool.trash] = float("nan")  # (what fresh memory may hold)
@@ -161,7 +161,7 @@ def test_a_zeroed_pool_zeroes_a_block_when_it_first_hands_it_out(llama_engine):
 
 
 def test_pool_hands_out_whole_blocks_and_a_call_reads_its_own(llama_engine):
-    from braid.engine.model_runner import KVPool, WorkCache
+    from braid.engine.kv_cache import KVPool, WorkCache
 
     pool = KVPool(llama_engine.lm, 6, block_tokens=4)
     a, b = pool.allocate(9), pool.allocate(4)  # 9 tokens: 3 blocks
