@@ -1,73 +1,106 @@
-"""Ship KV or re-prefill text: decided per request, after validation, from measured numbers."""
+"""Ship KV or re-prefill text: decided once per request, at the ingress, after validation, from measured numbers."""
 
-from braid.protos import agent_pb2 as pb
+from dataclasses import dataclass
+
+from braid.engine.errors import PreconditionError
+from braid.kv.connector import Transport
+from braid.runtime.messages import SynthesizerInfo
 
 
-def choose_transport(requested: int, configured: str, colocated: bool, calibration: str, verified_branches: int,
-                     branches: int, kv_bytes: int, branch_tokens: int, link_bytes_per_s: float | None,
-                     prefill_tokens_per_s: float, branch_limit: int = 0, verified_tokens: int = 0,
-                     placement: str = "", verified_placement: str = "", per_branch: bool = True) -> tuple[int, str]:
-    """(transport, reason). `calibration`: the one the synthesizer's cache path runs with ("": none);
-    `verified_branches` / `verified_tokens`: up to how many branches, of up to how many tokens each (0: not
-    recorded), its answers were verified to match text's (`braid eval --verify`). kv_bytes and branch_tokens
-    are the most the request's `branches` can produce (their max_tokens), branch_limit the most one branch
-    can hold; shipping wins when moving that KV takes less time than re-prefilling its text.
+@dataclass(frozen=True)
+class DecisionInput:
+    """What a workflow's transport is decided from: the client's ask, the cluster's setting, the request's shape,
+    and what the synthesizer measured and had verified (SynthesizerInfo)."""
 
-    `auto` reads branches from KV only where that gives the answers text would: with a calibration loaded
-    and verified at this many branches, at this `placement` (`verified_placement`: the one the verification
-    checked; `braid eval --verify`), on branches this long. Length is decided per branch, on what the branches
-    turn out to be, not on the worst case their max_tokens allow: KV is shipped, and at synthesis each branch
-    longer than `verified_tokens` is read from its text instead (api.workflow sets SynthesisRequest.text_over;
-    the answer's WorkflowDone lists them). Where that cannot be done (`per_branch` False: a staircase, which
-    answers while the branches are still growing), a worst case beyond the envelope re-prefills text. Elsewhere
-    the cache path may answer tasks that read branches together wrongly."""
-    if requested != pb.TRANSPORT_UNSPECIFIED:
-        return requested, "requested by the client"
-    override = "ask for a KV transport to override"
-    if configured == "auto" and not calibration:
-        return pb.TRANSPORT_TEXT, ("no calibration is loaded for this model, and uncalibrated answers from KV are "
-                                   f"often wrong: the branches' text is re-prefilled ({override}, or serve with "
-                                   "--calibration)")
-    if configured == "auto" and branches > verified_branches:
-        checked = (f"verified to answer as text does only up to {verified_branches} branches" if verified_branches
-                   else "not verified to answer as text does (`braid eval --verify`)")
-        return pb.TRANSPORT_TEXT, (f"calibration {calibration} is {checked}; this request has {branches}: the "
-                                   f"branches' text is re-prefilled ({override})")
-    if configured == "auto" and verified_tokens and branch_limit > verified_tokens and not per_branch:
-        return pb.TRANSPORT_TEXT, (f"calibration {calibration} was verified on branches of up to {verified_tokens} "
-                                   f"tokens; this request's may reach {branch_limit} (worker max_tokens): the "
-                                   f"branches' text is re-prefilled ({override}, or lower max_tokens)")
-    if configured == "auto" and verified_placement and placement and placement != verified_placement:
-        return pb.TRANSPORT_TEXT, (f"calibration {calibration} was verified at placement {verified_placement}; this "
-                                   f"request asks for {placement}: the branches' text is re-prefilled ({override}, or "
-                                   "leave placement unset)")
+    requested: Transport | None  # the client's (None: TRANSPORT_UNSPECIFIED, the cluster decides)
+    configured: Transport | None  # the cluster's kv_transport (None: auto)
+    colocated: bool  # the synthesizer's engines run the branches too
+    branches: int
+    branch_limit: int  # the most tokens one branch message can hold (worker header + max_tokens)
+    placement: str  # where the request puts the branches (synthesis.Placement's value)
+    staircase: bool  # it answers while the branches still grow
+    info: SynthesizerInfo
+
+    @property
+    def per_branch(self) -> bool:
+        """Whether the synthesizer reads branches longer than the verified ones from their text: under `auto`,
+        unless the client chose the transport itself (a client that asks for KV gets KV for every branch), and
+        not in a staircase, which answers while the branches are still growing."""
+        return self.configured is None and self.requested is None and not self.staircase
+
+
+@dataclass(frozen=True)
+class Decision:
+    transport: Transport
+    reason: str  # for the client (the Decision event) and the logs
+    text_over: int = 0  # the cache path reads branches longer than this many tokens from their text (0: none)
+
+
+def decide(x: DecisionInput) -> Decision:
+    """The request's transport, and why. `auto` reads branches from KV only where that gives the answers text
+    would: with a calibration loaded and verified (`braid eval --verify`) at this many branches, at this
+    placement, on branches this long; otherwise the cache path may answer tasks that read branches together
+    wrongly. Length is decided per branch, on what the branches turn out to be, not on the worst case their
+    max_tokens allow: KV is shipped, and at synthesis each branch longer than the verified tokens is read from
+    its text instead (`text_over`; the answer's WorkflowDone lists them). Where that cannot be done (a
+    staircase), a worst case beyond the envelope re-prefills text. Past the envelope, shipping wins when moving
+    the most KV the branches can produce takes less time than re-prefilling their text.
+
+    A staircase reads the workers' KV chunks as they arrive: one that would get text is FAILED_PRECONDITION."""
+    decision = _decide(x)
+    if x.staircase and decision.transport is Transport.TEXT:
+        raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport chosen "
+                                f"is text ({decision.reason}); ask for TRANSPORT_GRPC to answer from the cache path "
+                                "anyway, or drop staircase")
+    return decision
+
+
+def _decide(x: DecisionInput) -> Decision:
+    info, auto = x.info, x.configured is None
+    text_over = info.verified_tokens if x.per_branch else 0
+    if x.requested is not None:
+        return Decision(x.requested, "requested by the client", text_over)
+    calibration, override = info.calibration, "ask for a KV transport to override"
+    if auto and not calibration:
+        return Decision(Transport.TEXT, "no calibration is loaded for this model, and uncalibrated answers from KV "
+                        f"are often wrong: the branches' text is re-prefilled ({override}, or serve with "
+                        "--calibration)", text_over)
+    if auto and x.branches > info.verified_branches:
+        checked = (f"verified to answer as text does only up to {info.verified_branches} branches"
+                   if info.verified_branches else "not verified to answer as text does (`braid eval --verify`)")
+        return Decision(Transport.TEXT, f"calibration {calibration} is {checked}; this request has {x.branches}: "
+                        f"the branches' text is re-prefilled ({override})", text_over)
+    over = info.verified_tokens and x.branch_limit > info.verified_tokens
+    if auto and over and not x.per_branch:
+        return Decision(Transport.TEXT, f"calibration {calibration} was verified on branches of up to "
+                        f"{info.verified_tokens} tokens; this request's may reach {x.branch_limit} (worker "
+                        f"max_tokens): the branches' text is re-prefilled ({override}, or lower max_tokens)", text_over)
+    if auto and info.verified_placement and x.placement and x.placement != info.verified_placement:
+        return Decision(Transport.TEXT, f"calibration {calibration} was verified at placement "
+                        f"{info.verified_placement}; this request asks for {x.placement}: the branches' text is "
+                        f"re-prefilled ({override}, or leave placement unset)", text_over)
     with_calibration = f"; calibration {calibration}" if calibration else ""
-    if configured == "auto" and verified_tokens and branch_limit > verified_tokens:
-        with_calibration += (f"; a branch longer than the {verified_tokens} tokens it was verified on is read from "
-                             "its text at synthesis")
-    if colocated:
-        return pb.TRANSPORT_LOCAL, f"colocated engines: KV is reused in place{with_calibration}"
-    if configured != "auto":
-        return (pb.Transport.Value(f"TRANSPORT_{configured.upper()}"),
-                f"configured: kv_transport={configured}{with_calibration}")
-    prefill_s = branch_tokens / prefill_tokens_per_s
-    if link_bytes_per_s is None:
-        return pb.TRANSPORT_GRPC, (f"no link measured yet; re-prefill of up to {branch_tokens} tokens would take "
-                                   f"up to ~{1e3 * prefill_s:.0f} ms{with_calibration}")
-    ship_s = kv_bytes / link_bytes_per_s
+    if auto and over:
+        with_calibration += (f"; a branch longer than the {info.verified_tokens} tokens it was verified on is read "
+                             "from its text at synthesis")
+    if x.colocated:
+        return Decision(Transport.LOCAL, f"colocated engines: KV is reused in place{with_calibration}", text_over)
+    if not auto:
+        return Decision(x.configured, f"configured: kv_transport={x.configured}{with_calibration}", text_over)
+    tokens = x.branches * x.branch_limit  # the most the branches can produce (their max_tokens)
+    kv_bytes, prefill_s = tokens * info.kv_bytes_per_token, tokens / info.prefill_tokens_per_s
+    if info.link_bytes_per_s is None:
+        return Decision(Transport.GRPC, f"no link measured yet; re-prefill of up to {tokens} tokens would take "
+                        f"up to ~{1e3 * prefill_s:.0f} ms{with_calibration}", text_over)
+    ship_s = kv_bytes / info.link_bytes_per_s
     if ship_s < prefill_s:
-        return pb.TRANSPORT_GRPC, (f"shipping up to {_mb(kv_bytes)} at {link_bytes_per_s / 1e9:.2f} GB/s "
-                                   f"(~{1e3 * ship_s:.0f} ms) beats re-prefill of up to {branch_tokens} tokens at "
-                                   f"{prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms){with_calibration}")
-    return pb.TRANSPORT_TEXT, (f"re-prefill of up to {branch_tokens} tokens (~{1e3 * prefill_s:.0f} ms) beats "
-                               f"shipping up to {_mb(kv_bytes)} at {link_bytes_per_s / 1e9:.2f} GB/s "
-                               f"(~{1e3 * ship_s:.0f} ms)")
-
-
-def per_branch_gate(requested: int, configured: str) -> bool:
-    """Whether the synthesizer reads branches longer than the verified ones from their text: under `auto`, unless
-    the client chose the transport itself (a client that asks for KV gets KV for every branch)."""
-    return configured == "auto" and requested == pb.TRANSPORT_UNSPECIFIED
+        return Decision(Transport.GRPC, f"shipping up to {_mb(kv_bytes)} at {info.link_bytes_per_s / 1e9:.2f} GB/s "
+                        f"(~{1e3 * ship_s:.0f} ms) beats re-prefill of up to {tokens} tokens at "
+                        f"{info.prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms){with_calibration}",
+                        text_over)
+    return Decision(Transport.TEXT, f"re-prefill of up to {tokens} tokens (~{1e3 * prefill_s:.0f} ms) beats "
+                    f"shipping up to {_mb(kv_bytes)} at {info.link_bytes_per_s / 1e9:.2f} GB/s "
+                    f"(~{1e3 * ship_s:.0f} ms)", text_over)
 
 
 def _mb(n: int) -> str:

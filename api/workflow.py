@@ -20,9 +20,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
-from braid.api.decision import choose_transport, per_branch_gate
-from braid.engine.errors import PreconditionError
-from braid.kv.connector import ReceiverLostError, TransferError, stream_name
+from braid.api.decision import DecisionInput, decide
+from braid.kv.connector import ReceiverLostError, TransferError, Transport, stream_name
 from braid.kv.grpc_transport import abandon
 from braid.methods.staircase import StaircaseSchedule
 from braid.methods.synthesis import SynthesisMode
@@ -46,7 +45,9 @@ from braid.runtime.quotas import KeyLimits
 from braid.runtime.traces import GraphTrace, TraceRecorder, WorkflowTrace
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("auto", "grpc", "collective", "text")
+# the cluster's kv_transport: auto (decided per request), or one transport for every request (local is the
+# colocated cluster's own, not a setting)
+TRANSPORTS = ("auto", *(str(t) for t in Transport if t is not Transport.LOCAL))
 
 
 @dataclass
@@ -66,6 +67,7 @@ class WorkflowConfig:
     def __post_init__(self):
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport {self.kv_transport!r} is not one of {TRANSPORTS}")
+        self.configured = None if self.kv_transport == "auto" else Transport.named(self.kv_transport)  # None: auto
         for name in ("branch_groups", "default_max_tokens", "max_branches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -154,36 +156,26 @@ class WorkflowDriver:
                         start: float) -> AsyncIterator[pb.WorkflowEvent]:
         cfg = self.config
         n = wf.num_branches
-        transport, reason = choose_transport(wf.transport, cfg.kv_transport, cfg.colocated, info.calibration,
-                                             info.verified_branches, n, n * wf.branch_limit * info.kv_bytes_per_token,
-                                             n * wf.branch_limit,
-                                             info.link_bytes_per_s, info.prefill_tokens_per_s, wf.branch_limit,
-                                             info.verified_tokens, wf.placement.value, info.verified_placement,
-                                             per_branch=wf.staircase is None)
-        if wf.staircase is not None and transport == pb.TRANSPORT_TEXT:
-            raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport "
-                                    f"chosen is text ({reason}); ask for TRANSPORT_GRPC to answer from the cache "
-                                    f"path anyway, or drop staircase")
-        yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=reason))
-        mode = pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower()  # text, grpc, collective, local
+        decision = decide(DecisionInput(wf.transport, cfg.configured, cfg.colocated, n, wf.branch_limit,
+                                        wf.placement.value, wf.staircase is not None, info))
+        transport = decision.transport  # (from here on, carried as it is: to the workers, the synthesizer, metrics)
+        yield pb.WorkflowEvent(decision=pb.Decision(transport=transport, reason=decision.reason))
         if self.metrics:
-            self.metrics["requests"].inc(tags={"transport": mode})
+            self.metrics["requests"].inc(tags={"transport": str(transport)})
         synth_req = SynthesisRequest(wf.id, session, wf.task, wf.synthesis_prompt,
-                                     SynthesisMode(None if mode == "text" else wf.placement), wf.answer_sampling, n,
-                                     mode, staircase=wf.staircase,
-                                     text_over=info.verified_tokens if per_branch_gate(wf.transport, cfg.kv_transport)
-                                     and wf.staircase is None else 0)
+                                     SynthesisMode(wf.placement if transport.ships else None), wf.answer_sampling, n,
+                                     transport, staircase=wf.staircase, text_over=decision.text_over)
         synth, kv_address, finished = None, "", False
         try:
-            if mode != "text":  # open the synthesis first: its receiver is where the workers push
+            if transport.ships:  # open the synthesis first: its receiver is where the workers push
                 synth = aiter(self.roles.synthesis(synth_req))
                 kv_address = (await anext(synth)).kv_address
             groups = [list(range(g, n, cfg.branch_groups)) for g in range(min(n, cfg.branch_groups))]
             calls = [self.roles.branches(BranchRequest(wf.id, wf.task, group, [wf.prompts[j] for j in group],
-                                                       wf.worker_sampling, mode, kv_address, wf.worker_header))
+                                                       wf.worker_sampling, transport, kv_address, wf.worker_header))
                      for group in groups]
             done: dict[int, BranchDone] = {}
-            answer = _Answer(start, mode, self.metrics)
+            answer = _Answer(start, transport, self.metrics)
             # a staircase answers while the branches decode: its stream is merged with theirs. Its receipts are
             # checked as soon as the branch's own report is in; its done waits until every branch has ended
             stair = wf.staircase is not None
@@ -260,7 +252,7 @@ class WorkflowDriver:
 class _Answer:
     """A workflow's answer as it streams to the client: its token events, receipts and timings."""
 
-    def __init__(self, start: float, transport: str, metrics):
+    def __init__(self, start: float, transport: Transport, metrics):
         self.start, self.transport, self.metrics = start, transport, metrics
         self.first = self.last = self.branches_done = None
         self.kv_bytes, self.kv_ms = 0, 0.0
@@ -268,7 +260,7 @@ class _Answer:
     def token(self, item: AnswerToken) -> pb.WorkflowEvent:
         now = time.perf_counter()
         if self.metrics and self.first is not None:
-            self.metrics["itl"].observe(now - self.last, tags={"transport": self.transport})
+            self.metrics["itl"].observe(now - self.last, tags={"transport": str(self.transport)})
         self.first, self.last = self.first or now, now
         return pb.WorkflowEvent(synthesis_token=pb.TokenEvent(token_id=item.token_id, text=item.text,
                                                               finish_reason=item.finish_reason,
@@ -280,11 +272,11 @@ class _Answer:
         self.kv_bytes, self.kv_ms = self.kv_bytes + item.bytes, max(self.kv_ms, item.transfer_ms)
         return pb.WorkflowEvent(kv_receipt=pb.KVReceipt(
             branch=item.branch, bytes=item.bytes, crc32=item.digest, crc32_sent=sent.digest,
-            transfer_ms=item.transfer_ms, transport=pb.Transport.Value(f"TRANSPORT_{item.transport.upper()}")))
+            transfer_ms=item.transfer_ms, transport=item.transport))
 
     def timings(self) -> pb.WorkflowEvent:
         if self.metrics:
-            self.metrics["ttft"].observe(self.first - self.start, tags={"transport": self.transport})
+            self.metrics["ttft"].observe(self.first - self.start, tags={"transport": str(self.transport)})
         last = self.branches_done if self.branches_done is not None else time.perf_counter()  # (every branch lost)
         return pb.WorkflowEvent(timings=pb.Timings(
             ttft_ms=1e3 * (self.first - self.start),

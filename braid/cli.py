@@ -499,6 +499,8 @@ def main(argv=None) -> int:
                         "workflows and read sessions")
     p.set_defaults(func=serve_cmd)
 
+    from braid.protos import agent_pb2  # (the API's Transport values: the one list of them)
+
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
                        description=run_cmd.__doc__)
     p.add_argument("--address", default="127.0.0.1:9000", help="the agent API (default: 127.0.0.1:9000)")
@@ -532,7 +534,8 @@ def main(argv=None) -> int:
                         "without it they are plain content, rendered with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--transport", default="unspecified", choices=["unspecified", "grpc", "text"],
+    p.add_argument("--transport", default="unspecified",
+                   choices=[name.removeprefix("TRANSPORT_").lower() for name in agent_pb2.Transport.keys()],
                    help="force a transport (default: the cluster decides)")
     p.add_argument("--placement", choices=["branch_point", "sequential", "mixed", "none"],
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")

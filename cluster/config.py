@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
 from braid.engine.config import OWN_VERIFICATION, paths_elsewhere, paths_here
+from braid.kv.connector import Transport
 from braid.methods.kvcomm import KVCommConfig
 from braid.methods.staircase import StaircaseSchedule
 from braid.models.chat import WORKER_HEADER
@@ -197,7 +198,7 @@ class ClusterConfig:
         if self.graph_on_workers and not self.colocate:
             graph_calls = self.worker_autoscaling.max_replicas if self.worker_autoscaling else self.worker_replicas
         return SynthesizerConfig(self.kv_wait_timeout_s, self.kv_queue_timeout_s, self.refresh_tokens, graph_calls,
-                                 "collective" if self.kv_transport == "collective" else "grpc")
+                                 Transport.COLLECTIVE if self.kv_transport == "collective" else Transport.GRPC)
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(default_max_tokens=self.default_max_tokens,

@@ -7,6 +7,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from braid.kv.connector import Transport
 from braid.kv.grpc_transport import GrpcSender
 from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
@@ -65,7 +66,7 @@ def open_link(address: str, link_id: str, backend: str) -> CollectiveLink:
 class CollectiveSender(GrpcSender):
     """Headers on the gRPC stream (so the receiver posts receives in sending order), tensors on `link`."""
 
-    transport = "collective"
+    transport = Transport.COLLECTIVE
 
     def __init__(self, address: str, fingerprint: str, link: CollectiveLink, link_id: str,
                  max_chunk_bytes: int = 1 << 20):

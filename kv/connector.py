@@ -13,6 +13,7 @@ arrived against them, without touching the tensors again (the local hand-over co
 nothing, so it has nothing to check).
 """
 
+import enum
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -21,8 +22,45 @@ from dataclasses import dataclass
 import torch
 
 from braid.engine.errors import BraidError
+from braid.protos import agent_pb2 as pb
 
-TRANSPORTS = ("grpc", "collective", "local")
+
+class _Transport(enum.IntEnum):
+    """The behaviour of `Transport` (an enum may only be extended while it has no members)."""
+
+    def __str__(self) -> str:  # the word configs, flags, metrics' tags and logs use: "grpc"
+        return self.name.lower()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    @property
+    def ships(self) -> bool:
+        """KV moves to the synthesizer (every transport but text, which re-prefills the branches' text there)."""
+        return self.name != "TEXT"
+
+    @property
+    def remote(self) -> bool:
+        """KV is copied to another replica's engine (over gRPC, or a collective link), not handed over in place."""
+        return self.name in ("GRPC", "COLLECTIVE")
+
+    @classmethod
+    def named(cls, word: str, allowed=None) -> "Transport":
+        """The transport a config or flag names ("grpc"); ValueError naming the choices (`allowed`, default all)."""
+        allowed = list(cls) if allowed is None else list(allowed)
+        found = next((t for t in allowed if str(t) == word), None)
+        if found is None:
+            raise ValueError(f"transport {word!r} is not one of {', '.join(map(str, allowed))}")
+        return found
+
+
+# How a workflow's branches reach the synthesizer: one member per value of the API's Transport enum
+# (protos/agent.proto), the one list of them, less TRANSPORT_UNSPECIFIED (there, the cluster decides: None here).
+# A member's value is the proto's number, so it goes into a message as it is; str() gives its word ("grpc").
+# Decided once per request at the ingress (braid.api.decision) and carried as this type to the workers and the
+# receiver.
+Transport = _Transport("Transport", {name.removeprefix("TRANSPORT_"): number for name, number in pb.Transport.items()
+                                     if number != pb.TRANSPORT_UNSPECIFIED}, module=__name__, qualname="Transport")
 
 
 class TransferError(BraidError):
@@ -79,7 +117,7 @@ class ReceivedStream:
     offset: int
     bytes: int
     digest: int  # of the chunks that arrived; the receiver checked it against the sender's
-    transport: str
+    transport: Transport  # how it came: GRPC, COLLECTIVE or LOCAL
     tail_bytes: int = 0  # the final burst, sent once the message was complete
     tail_seconds: float = 0.0  # from the final burst's first chunk to its last: what shipping adds after decode
 
@@ -98,7 +136,7 @@ class KVSender(ABC):
     `abort` when the call fails midway.
     """
 
-    transport: str
+    transport: Transport
     copies = True  # False for the local hand-over: partial chunks are not gathered, only the finished message
 
     @abstractmethod

@@ -7,7 +7,15 @@ import threading
 import grpc
 
 from braid.kv.chunks import iter_chunks
-from braid.kv.connector import BranchChunk, KVSender, ReceiverLostError, SentStream, TransferError, chain_digest
+from braid.kv.connector import (
+    BranchChunk,
+    KVSender,
+    ReceiverLostError,
+    SentStream,
+    TransferError,
+    Transport,
+    chain_digest,
+)
 from braid.kv.peer_auth import peer_channel
 from braid.protos import kv_pb2, kv_pb2_grpc
 
@@ -24,7 +32,7 @@ class GrpcSender(KVSender):
     digest and byte count as sent, so the receiver checks the whole stream itself.
     """
 
-    transport = "grpc"
+    transport = Transport.GRPC
 
     def __init__(self, address: str, fingerprint: str, max_chunk_bytes: int = 1 << 20):
         self.fingerprint, self.max_chunk_bytes = fingerprint, max_chunk_bytes

@@ -2,7 +2,7 @@
 
 import threading
 
-from braid.kv.connector import BranchChunk, KVSender, SentStream, TransferError
+from braid.kv.connector import BranchChunk, KVSender, SentStream, TransferError, Transport
 
 _RECEIVERS: dict[str, object] = {}  # address -> KVReceiver living in this process
 _LOCK = threading.Lock()
@@ -28,7 +28,7 @@ class LocalSender(KVSender):
     """Hands finished branch messages to a receiver in this process. Partial chunks are not copied: the
     message is in the shared store once its last chunk is sent (`local_message` names it)."""
 
-    transport = "local"
+    transport = Transport.LOCAL
     copies = False
 
     def __init__(self, address: str, fingerprint: str):

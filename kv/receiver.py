@@ -30,7 +30,7 @@ from braid.engine.errors import BraidError, FingerprintMismatchError
 from braid.kv import local
 from braid.kv.chunks import ChunkError, KVAssembler
 from braid.kv.collective import CollectiveLink
-from braid.kv.connector import ReceivedStream, TransferError
+from braid.kv.connector import ReceivedStream, TransferError, Transport
 from braid.kv.grpc_transport import GRPC_LIMITS
 from braid.kv.peer_auth import peer_check
 from braid.protos import kv_pb2, kv_pb2_grpc
@@ -48,7 +48,7 @@ class _Stream:
         self.error: Exception | None = None
         self.created = time.monotonic()
         self.active: float | None = None  # last sign of work: the open announcement or a chunk
-        self.transport = "grpc"
+        self.transport = Transport.GRPC  # how it is arriving
         self.local_message = ""
         self.tail_start: float | None = None
         self.tail_bytes = 0
@@ -173,7 +173,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             stream.fail(FingerprintMismatchError(f"stream {stream_id!r} was encoded by model {fingerprint}, this "
                                                  f"engine runs {self.fingerprint}"))
             return
-        stream.transport, stream.local_message = "local", message_id
+        stream.transport, stream.local_message = Transport.LOCAL, message_id
         stream.finished = stream.active = time.monotonic()
         stream.done.set()
 
@@ -216,8 +216,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         if stream.error is not None:
             raise stream.error
         a = stream.assembler
-        if stream.transport == "local":
-            return ReceivedStream(stream_id, stream.local_message, [], None, 0, 0, 0, "local")
+        if stream.transport is Transport.LOCAL:
+            return ReceivedStream(stream_id, stream.local_message, [], None, 0, 0, 0, Transport.LOCAL)
         return ReceivedStream(stream_id, a.message_id, a.token_ids(), a.tensor(), a.offset, a.bytes_received,
                               a.digest, stream.transport, stream.tail_bytes, stream.finished - stream.tail_start)
 
@@ -283,7 +283,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
                 if chunk.open:
                     continue
                 piece = self._link(chunk.link_id).recv(chunk.shape, DTYPES[chunk.dtype]) if chunk.link_id else None
-                stream.transport = "collective" if chunk.link_id else "grpc"
+                stream.transport = Transport.COLLECTIVE if chunk.link_id else Transport.GRPC
                 with stream.lock:
                     stream.assembler.add(chunk, piece)
                 if chunk.HasField("stream_digest"):  # (its last chunk: before the stream can be complete)

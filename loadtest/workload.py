@@ -9,8 +9,9 @@ from braid.models.traces import read_traces
 from braid.protos import agent_pb2 as pb
 from braid.runtime.traces import trace_request
 
-TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, "text": pb.TRANSPORT_TEXT, "grpc": pb.TRANSPORT_GRPC,
-                     "local": pb.TRANSPORT_LOCAL}
+# a request's transport by its word: auto (the cluster decides), or one of the API's Transport values
+TRANSPORT_CHOICES = {"auto": pb.TRANSPORT_UNSPECIFIED, **{name.removeprefix("TRANSPORT_").lower(): number
+                                                        for name, number in pb.Transport.items() if number}}
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,13 @@ from dataclasses import dataclass
 
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.engine.errors import BraidError, ContextOverflowError, PreconditionError
+from braid.kv.connector import Transport
 from braid.methods.dag import Edge, Graph, Node
 from braid.methods.staircase import StaircaseSchedule, Variant
 from braid.methods.synthesis import Placement
 from braid.models.chat import ROLES, ChatRenderer, TemplateError
 from braid.protos import agent_pb2 as pb
 from braid.runtime.messages import SynthesizerInfo
-
-TRANSPORT_NAMES = ", ".join(pb.Transport.keys())
 
 
 @dataclass
@@ -27,7 +26,7 @@ class Workflow:
     worker_sampling: SamplingParams
     answer_sampling: SamplingParams
     placement: Placement
-    transport: int  # as requested (pb.Transport)
+    transport: Transport | None  # as the client asked (None: TRANSPORT_UNSPECIFIED, the cluster decides)
     branch_limit: int  # the most tokens one branch message can hold: worker header + max_tokens
     staircase: tuple[StaircaseSchedule, Variant] | None = None  # answer from the branches' first chunks
     worker_header: str = ""  # opens each worker's reply ("": the workers' configured header)
@@ -89,12 +88,11 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
              renderer: ChatRenderer | str = "this server renders no chat messages") -> Workflow:
     """Every check a workflow gets, before any replica works on it. `tokenize(text) -> ids` is the model's;
     `renderer` renders a workflow sent as chat messages (or says why the model has none)."""
-    if request.transport not in pb.Transport.values():
-        raise BraidError(f"transport {request.transport} is not a Transport value ({TRANSPORT_NAMES})")
-    if colocated and request.transport in (pb.TRANSPORT_GRPC, pb.TRANSPORT_COLLECTIVE):
-        raise BraidError(f"transport {pb.Transport.Name(request.transport)} needs separate worker and synthesizer "
+    transport = requested_transport(request.transport)
+    if colocated and transport is not None and transport.remote:
+        raise BraidError(f"transport {pb.Transport.Name(transport)} needs separate worker and synthesizer "
                          "engines; this cluster is colocated (use TRANSPORT_LOCAL, TRANSPORT_TEXT or leave it unset)")
-    if not colocated and request.transport == pb.TRANSPORT_LOCAL:
+    if not colocated and transport is Transport.LOCAL:
         raise BraidError("transport TRANSPORT_LOCAL needs a colocated cluster (braid serve --colocate); use "
                          "TRANSPORT_GRPC, TRANSPORT_COLLECTIVE, TRANSPORT_TEXT or leave it unspecified")
     chat = bool(request.task_messages or request.branch_messages or request.synthesis_messages)
@@ -113,7 +111,7 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
             raise BraidError("synthesis_prompt is empty")
     staircase = None
     if request.HasField("staircase"):
-        if request.transport == pb.TRANSPORT_TEXT:
+        if transport is Transport.TEXT:
             raise BraidError("staircase reads the workers' KV chunks as they arrive: it needs a KV transport "
                              "(TRANSPORT_GRPC, TRANSPORT_COLLECTIVE or unspecified), not TRANSPORT_TEXT")
         if colocated:
@@ -129,10 +127,21 @@ def workflow(request: pb.WorkflowRequest, info: SynthesizerInfo, tokenize, heade
     worker = sampling(request.worker_sampling, default_max_tokens, "worker_sampling")
     answer = sampling(request.synthesis_sampling, default_max_tokens, "synthesis_sampling")
     wf = Workflow(secrets.token_hex(8), request.session_id, task or " ", prompts, synthesis_prompt, worker, answer,
-                  placement, request.transport, len(tokenize(header)) + worker.max_tokens, staircase,
+                  placement, transport, len(tokenize(header)) + worker.max_tokens, staircase,
                   header if chat else "")
-    _check_context(wf, info.max_positions, tokenize, text=request.transport == pb.TRANSPORT_TEXT)
+    _check_context(wf, info.max_positions, tokenize, text=transport is Transport.TEXT)
     return wf
+
+
+def requested_transport(value: int) -> Transport | None:
+    """A request's Transport field as the type the cluster carries (None: unspecified); INVALID_ARGUMENT naming
+    the values for a number the API does not define."""
+    if value == pb.TRANSPORT_UNSPECIFIED:
+        return None
+    try:
+        return Transport(value)
+    except ValueError:
+        raise BraidError(f"transport {value} is not a Transport value ({', '.join(pb.Transport.keys())})") from None
 
 
 def _check_context(wf: Workflow, limit: int, tokenize, text: bool) -> None:

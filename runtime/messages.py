@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall
 from braid.engine.sampling import SamplingParams
+from braid.kv.connector import Transport
 from braid.methods.staircase import StaircaseSchedule, Variant
 from braid.methods.synthesis import SynthesisMode
 
@@ -17,7 +18,7 @@ class BranchRequest:
     indices: list[int]  # the branches' places in the workflow
     prompts: list[str]
     sampling: SamplingParams
-    transport: str  # "text" (no KV shipped), "grpc", "collective" or "local"
+    transport: Transport  # as decided at the ingress (TEXT: no KV shipped)
     kv_address: str = ""  # the synthesizer's KV receiver, in KV modes
     header: str = ""  # opens each worker's reply ("": the worker's configured header)
 
@@ -36,7 +37,7 @@ class NodesRequest:
     fingerprint: str  # the holder's model: what the fetched parents must have been encoded by
     calls: list[DecodeCall]
     kv_address: str  # the holder's KV receiver
-    transport: str  # "grpc" or "collective"
+    transport: Transport  # GRPC or COLLECTIVE (Transport.remote)
     fetch_timeout_s: float = 60.0
     ship: tuple[int, ...] = ()  # ship each output in chunks of these sizes as it decodes (the last repeats); ():
     # whole, when the calls end
@@ -74,7 +75,7 @@ class SynthesisRequest:
     mode: SynthesisMode  # text re-prefill, or KV re-encoded to a placement
     sampling: SamplingParams
     branches: int
-    transport: str  # text, grpc, collective or local: as decided (metrics are tagged with it)
+    transport: Transport  # as decided at the ingress (metrics are tagged with it)
     branch_tokens: list[list[int]] = field(default_factory=list)  # text mode: the workers' replies
     # a staircase (Staircase Streaming): answer from the branches' KV chunks as they arrive, in this variant and schedule
     staircase: tuple[StaircaseSchedule, Variant] | None = None
@@ -106,7 +107,7 @@ class KVArrived:
     bytes: int
     digest: int
     transfer_ms: float
-    transport: str
+    transport: Transport  # how it came (ReceivedStream.transport)
 
 
 @dataclass

@@ -102,11 +102,11 @@ class Synthesizer:
     async def synthesize(self, req: SynthesisRequest):
         """Streams SynthesisOpened, then KVArrived per copied branch, AnswerToken per token, SynthesisDone."""
         await self._serving(req.session)
-        m, tags = self.metrics, {"transport": req.transport}
+        m, tags = self.metrics, {"transport": str(req.transport)}
         async for item in in_thread(lambda: self.runner.run(req)):
             if isinstance(item, KVArrived):
-                m["kv_bytes"].inc(item.bytes, tags={"transport": item.transport})
-                m["kv_seconds"].observe(item.transfer_ms / 1e3, tags={"transport": item.transport})
+                m["kv_bytes"].inc(item.bytes, tags={"transport": str(item.transport)})
+                m["kv_seconds"].observe(item.transfer_ms / 1e3, tags={"transport": str(item.transport)})
             elif isinstance(item, SynthesisDone):
                 if item.tpot_s is not None:
                     m["tpot"].observe(item.tpot_s, tags=tags)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from braid.engine import Engine, PrefillCall
 from braid.engine.config import OWN_VERIFICATION
 from braid.engine.errors import BraidError
-from braid.kv.connector import ReceivedStream, stream_name
+from braid.kv.connector import ReceivedStream, Transport, stream_name
 from braid.kv.receiver import KVReceiver
 from braid.methods.calibration import calibration_of, served_refresh
 from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
@@ -37,7 +37,7 @@ class SynthesizerConfig:
     # RunGraph: each plain decoding wave is dealt over at most this many Worker calls (synthesizer.waves), its
     # outputs shipped back over `graph_transport`; 0: graphs decode on this replica
     graph_worker_calls: int = 0
-    graph_transport: str = "grpc"
+    graph_transport: Transport = Transport.GRPC  # GRPC or COLLECTIVE (Transport.remote)
 
     def __post_init__(self):
         for name in ("kv_wait_timeout_s", "kv_queue_timeout_s"):
@@ -47,8 +47,8 @@ class SynthesizerConfig:
             raise ValueError(f"refresh_tokens must be an int >= 0 or unset, got {self.refresh_tokens!r}")
         if self.graph_worker_calls < 0:
             raise ValueError(f"graph_worker_calls must be >= 0 (0: graphs decode here), got {self.graph_worker_calls}")
-        if self.graph_transport not in ("grpc", "collective"):
-            raise ValueError(f"graph_transport must be grpc or collective, got {self.graph_transport!r}")
+        if not isinstance(self.graph_transport, Transport) or not self.graph_transport.remote:
+            raise ValueError(f"graph_transport must be Transport.GRPC or COLLECTIVE, got {self.graph_transport!r}")
 
 
 class SynthesisRunner:

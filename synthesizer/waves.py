@@ -23,7 +23,7 @@ from typing import Protocol
 from braid.engine import DecodeCall, Engine
 from braid.engine.errors import BraidError, StoppedError, UnknownMessageError
 from braid.engine.scheduler import TokenEvent
-from braid.kv.connector import TransferError, stream_name
+from braid.kv.connector import TransferError, Transport, stream_name
 from braid.kv.receiver import KVReceiver
 from braid.runtime.messages import BranchDone, BranchToken, NodesRequest
 
@@ -45,7 +45,7 @@ class WaveWorkers:
 
     call: Callable[[NodesRequest], WorkerCall]  # start one worker call
     calls: int  # worker calls per wave at most (the Worker replicas)
-    transport: str = "grpc"  # how outputs come back: grpc or collective
+    transport: Transport = Transport.GRPC  # how outputs come back: GRPC or COLLECTIVE (SynthesizerConfig checks)
     fetch_timeout_s: float = 60.0  # a worker fetching one parent from here
     wait_timeout_s: float = 120.0  # a started wave going this long without word from its workers
     queue_timeout_s: float = 3600.0  # a wave waiting this long for any worker to start on it
@@ -55,8 +55,6 @@ class WaveWorkers:
             raise ValueError(f"calls must be >= 1, got {self.calls}")
         if not (self.fetch_timeout_s > 0 and self.wait_timeout_s > 0 and self.queue_timeout_s > 0):
             raise ValueError("fetch_timeout_s, wait_timeout_s and queue_timeout_s must be positive")
-        if self.transport not in ("grpc", "collective"):
-            raise ValueError(f"transport must be grpc or collective, got {self.transport!r}")
 
 
 class WorkerWaves:

@@ -702,20 +702,6 @@ def test_the_committed_verification_is_of_the_committed_weights():
     assert committed.verified_for(committed.refresh) == 8
 
 
-@pytest.mark.parametrize("placement, want", [("mixed", "TRANSPORT_GRPC"), ("sequential", "TRANSPORT_TEXT"),
-                                             ("branch_point", "TRANSPORT_TEXT")])
-def test_auto_ships_kv_only_at_the_verified_placement(placement, want):
-    """A request that names another placement than the one verified gets text under `auto`, and says why."""
-    from braid.api.decision import choose_transport
-    from braid.protos import agent_pb2 as pb
-
-    got, why = choose_transport(pb.TRANSPORT_UNSPECIFIED, "auto", False, "cal", 8, 4, 1000, 100, None, 1e4, 18, 18,
-                                placement, "mixed")
-    assert pb.Transport.Name(got) == want, why
-    if want == "TRANSPORT_TEXT":
-        assert f"verified at placement mixed; this request asks for {placement}" in why
-
-
 def test_committed_calibration_reproduces_its_recorded_sample():
     """The reference model's committed calibration, loaded by default, answers a fixed sample exactly as
     recorded (`braid eval --modes text,calibrated ... --json calibration/eval_sample.json`)."""

@@ -11,7 +11,7 @@ import torch
 
 from braid.engine import Engine, EngineConfig
 from braid.engine.errors import UnknownMessageError
-from braid.kv.connector import TransferError
+from braid.kv.connector import TransferError, Transport
 from braid.kv.export import fetch
 from braid.kv.receiver import KVReceiver
 from braid.protos import agent_pb2 as pb
@@ -302,13 +302,13 @@ def test_a_worker_keeps_few_channels_to_holders_and_never_closes_one_in_use(clus
 
     monkeypatch.setattr(runner, "fetch_many", fail)
     req = NodesRequest("s", "sess", "127.0.0.1:9", logic.engine.fingerprint, [DecodeCall("x", parents=["m"])],
-                       "127.0.0.1:9", "grpc")
+                       "127.0.0.1:9", Transport.GRPC)
     with pytest.raises(TransferError):
         worker._parents(req, [], [])
     assert worker._fetching["127.0.0.1:9"] == 0 and "127.0.0.1:9" in worker.channels
     before = dict(worker.channels)
     assert worker._parents(NodesRequest("s", "sess", "127.0.0.1:10", logic.engine.fingerprint,
-                                        [DecodeCall("x")], "127.0.0.1:10", "grpc"), [], []) == {}
+                                        [DecodeCall("x")], "127.0.0.1:10", Transport.GRPC), [], []) == {}
     assert worker.channels == before
     for channel in worker.channels.values():
         channel.close()

@@ -9,7 +9,7 @@ import pytest
 from braid.engine import DecodeCall, PrefillCall, SamplingParams
 from braid.kv.chunks import tensor_bytes
 from braid.kv.collective import CollectiveSender, open_link
-from braid.kv.connector import BranchChunk, TransferError, chain_digest
+from braid.kv.connector import BranchChunk, TransferError, Transport, chain_digest
 from braid.kv.grpc_transport import GrpcSender, abandon
 from braid.kv.receiver import KVReceiver
 from braid.models.chat import WORKER_HEADER
@@ -56,7 +56,7 @@ def test_branch_kv_arrives_bit_identical_while_decoding(llama_engine, collective
             got = receiver.wait(f"wf:{c}", idle_timeout=10)
             assert got.bytes == msg.nbytes and 0 < got.tail_bytes < got.bytes and got.tail_seconds >= 0
             assert got.token_ids == list(msg.token_ids) and got.offset == msg.offset
-            assert got.transport == ("collective" if collective else "grpc")
+            assert got.transport is (Transport.COLLECTIVE if collective else Transport.GRPC)
             assert got.digest == sent[f"wf:{c}"].digest != 0  # the chunks the worker sent are the ones checked here
             assert zlib.crc32(tensor_bytes(got.kv)) == zlib.crc32(tensor_bytes(msg.kv.read()))
     finally:
@@ -283,7 +283,7 @@ def test_concurrent_worker_calls_each_take_their_own_collective_link(checkpoint)
 
     def call(wf: str) -> list[BranchDone]:
         req = BranchRequest(wf, "User: a task.", [0, 1], ["First part.", "Second, longer part."], greedy,
-                            "collective", receiver.address)
+                            Transport.COLLECTIVE, receiver.address)
         return [ev for ev in runner.run(req) if isinstance(ev, BranchDone)]
 
     try:
@@ -300,7 +300,7 @@ def test_concurrent_worker_calls_each_take_their_own_collective_link(checkpoint)
                 assert len(done) == 2
                 for d in done:
                     got = receiver.wait(f"{wf}:{d.branch}", idle_timeout=10)
-                    assert got.transport == "collective" and got.token_ids == d.token_ids
+                    assert got.transport is Transport.COLLECTIVE and got.token_ids == d.token_ids
                     assert got.digest == d.digest != 0
             idle = runner.links[receiver.address]
             assert len(idle) == len({link_id for link_id, _ in idle}) <= 2  # one per call at once, none shared

@@ -13,7 +13,7 @@ from braid.engine import Engine
 from braid.engine.errors import BraidError, UnknownMessageError
 from braid.kv import local
 from braid.kv.collective import CollectiveLink, CollectiveSender, close_link, collective_backend, open_link
-from braid.kv.connector import BranchChunk, KVSender, stream_name
+from braid.kv.connector import BranchChunk, KVSender, Transport, stream_name
 from braid.kv.export import fetch_many
 from braid.kv.grpc_transport import GRPC_LIMITS, GrpcSender
 from braid.kv.peer_auth import peer_channel
@@ -73,11 +73,13 @@ class BranchRunner:
         self.channels: OrderedDict[str, grpc.Channel] = OrderedDict()
         self._fetching: Counter[str] = Counter()  # holder -> the fetches on its channel now (never closed under them)
 
-    def _sender(self, address: str, transport: str) -> KVSender:
+    def _sender(self, address: str, transport: Transport) -> KVSender:
+        """LOCAL hands messages over in this process's store when the receiver is here; a colocated replica whose
+        synthesis runs on another replica ships over gRPC instead (the receiver records how it came)."""
         fp, size = self.engine.fingerprint, self.config.kv_chunk_bytes
-        if transport == "local" and local.receiver_here(address) is not None:
+        if transport is Transport.LOCAL and local.receiver_here(address) is not None:
             return local.LocalSender(address, fp)
-        if transport == "collective":
+        if transport is Transport.COLLECTIVE:
             with self._links_lock:
                 idle = self.links.setdefault(address, [])
                 if idle:
@@ -88,7 +90,7 @@ class BranchRunner:
             if link is None:  # (opened outside the lock: it waits for the receiver)
                 link = open_link(address, link_id, collective_backend())
             return CollectiveSender(address, fp, link, link_id, size)
-        return GrpcSender(address, fp, size)  # grpc, or "local" to a synthesizer on another replica
+        return GrpcSender(address, fp, size)
 
     def _finish(self, sender: KVSender, address: str) -> dict:
         """The sender's streams, all through; its collective link (if any) goes back for the next call."""
@@ -105,7 +107,7 @@ class BranchRunner:
 
     def run(self, req: BranchRequest) -> Iterator[BranchToken | BranchDone]:
         eng = self.engine
-        sender = self._sender(req.kv_address, req.transport) if req.transport != "text" else None
+        sender = self._sender(req.kv_address, req.transport) if req.transport.ships else None
         names = [stream_name(req.workflow, j) for j in req.indices]
         shipped, chunks = [0] * len(names), [0] * len(names)
         branches = fan_out(eng, req.task, req.prompts, req.header or self.config.header, req.sampling,
@@ -149,8 +151,8 @@ class BranchRunner:
         here, fetched from the holder (checked there against the session) unless an earlier wave left one; when
         the calls end, each output message (its prompt and reply) is shipped to the holder's receiver. The
         outputs are freed when it returns, failed or not; the parents' copies stay for later waves."""
-        if req.transport not in ("grpc", "collective"):
-            raise BraidError(f"a graph's wave ships its outputs over grpc or collective, not {req.transport!r}")
+        if not req.transport.remote:
+            raise BraidError(f"a graph's wave ships its outputs over grpc or collective, not {req.transport}")
         eng, names = self.engine, [stream_name(req.stream, c) for c in range(len(req.calls))]
         held: list[str] = []  # the parents' copies, kept from eviction (and from trimming) until the calls end
         spare: list[str] = []  # copies another call made too: this call's go when it ends
