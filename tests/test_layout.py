@@ -1,10 +1,11 @@
-"""The rooms import only downward, and no modules import each other in a circle.
+"""The rooms stand on floors and import only the floors below their own; no modules import each other in a circle.
 
-The core (engine) never imports a method; the methods never import the API, the cluster or the deployments;
-model math never imports Ray or gRPC; deployments never import the wiring that builds them; training does not
-import evaluation; load tests, benchmarks and evaluations only look down. Imports inside functions count as
-much as those at the top of a module (a lazy import is still a dependency); imports under `if TYPE_CHECKING`
-(annotations only, never run) do not."""
+A room never imports a room on its own floor or above: the core (engine) never imports a method or the API's
+protos; kv and the methods, side by side, never import each other; the methods never import the API, the
+cluster or the deployments; deployments never import the wiring that builds them; training and evaluation
+never import each other; load tests, benchmarks and evaluations only look down. Model math never imports Ray
+or gRPC (THIRD_PARTY). Imports inside functions count as much as those at the top of a module (a lazy import is
+still a dependency); imports under `if TYPE_CHECKING` (annotations only, never run) do not."""
 
 import ast
 import os
@@ -12,37 +13,33 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOMS = ["results", "engine", "kernels", "protos", "kv", "methods", "runtime", "api", "workers", "synthesizer",
-         "cluster", "models", "evals", "train", "loadtest", "braid"]
-SERVING = {"braid.api", "braid.workers", "braid.synthesizer", "braid.cluster", "braid.cli"}
-# room -> what it must never import (braid.<room> or a third-party top-level name)
-FORBIDDEN = {
-    # how every benchmark, evaluation and training run writes its result: below everything that measures
-    "results": {"ray", "grpc", "braid.engine", "braid.methods", "braid.kv", "braid.runtime", "braid.models",
-                "braid.evals", "braid.train", "braid.loadtest", "braid.kernels", "braid.protos"} | SERVING,
-    "engine": {"ray", "grpc", "redis", "peft", "braid.methods", "braid.kv", "braid.runtime", "braid.models",
-               "braid.evals", "braid.train", "braid.protos", "braid.loadtest"} | SERVING,
-    "kernels": {"ray", "grpc", "braid.engine", "braid.methods", "braid.kv", "braid.runtime"} | SERVING,
-    "methods": {"ray", "grpc", "redis", "braid.kv", "braid.runtime", "braid.protos", "braid.evals", "braid.train",
-                "braid.loadtest"} | SERVING,
-    "kv": {"ray", "braid.runtime", "braid.loadtest", "braid.evals", "braid.train"} | SERVING,
-    "runtime": {"braid.loadtest", "braid.evals", "braid.train"} | SERVING,
-    "api": {"braid.workers", "braid.synthesizer", "braid.cluster", "braid.cli", "braid.evals", "braid.train",
-            "braid.loadtest"},
-    "workers": {"braid.cluster", "braid.cli", "braid.synthesizer", "braid.api", "braid.evals", "braid.train",
-                "braid.loadtest"},
-    # (colocated, a Synthesizer replica plays the worker's role too: it may run a worker's runner)
-    "synthesizer": {"braid.cluster", "braid.cli", "braid.api", "braid.evals", "braid.train", "braid.loadtest"},
-    "models": {"ray", "grpc", "braid.engine", "braid.methods", "braid.runtime", "braid.kv", "braid.evals",
-               "braid.train", "braid.loadtest"} | SERVING,
-    "evals": {"ray", "grpc", "braid.kv", "braid.runtime", "braid.train", "braid.loadtest"} | SERVING,
-    "train": {"ray", "grpc", "braid.kv", "braid.runtime", "braid.evals", "braid.loadtest"} | SERVING,
-    "cluster": {"braid.cli", "braid.loadtest", "braid.evals", "braid.train"},
-    "loadtest": {"braid.cli", "braid.evals", "braid.train"},
-    "benchmarks": {"braid.cli"},
-    # the docs' generators and build hooks read the schemas and the results; they run nothing
-    "docs": {"ray", "redis", "braid.engine", "braid.methods", "braid.kv", "braid.runtime"} | SERVING,
-}
+# lowest first; "braid" is the package's own modules (the CLI), "docs" the docs' generators and build hooks
+FLOORS = [
+    ["results", "kernels", "models"],  # how results are written; key re-rotation; the reference model, its tasks
+    ["engine", "protos", "docs"],  # the core; the API's schemas; the docs' generators (they read results, run nothing)
+    ["kv", "methods"],  # moving KV between engines; the multi-agent methods on the core's public API
+    ["runtime", "evals", "train"],  # what the deployments share; evaluation; training
+    ["api", "workers"],  # the agent API and its ingress; the worker role
+    ["synthesizer"],  # colocated, a Synthesizer replica plays the worker's role too (it runs a worker's runner)
+    ["cluster"],  # wiring: Ray, Serve, Redis, the in-process server
+    ["loadtest"],
+    ["braid", "benchmarks"],  # the CLI; the benchmarks
+]
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+ROOMS = [room for room in FLOOR if room not in ("docs", "benchmarks")]  # the rooms of the braid.* namespace
+# third-party packages a room must never import (whatever its floor)
+SERVICES = {"ray", "grpc", "redis"}
+THIRD_PARTY = {"results": SERVICES, "kernels": SERVICES, "models": SERVICES, "engine": SERVICES | {"peft"},
+               "protos": {"ray", "redis", "torch"}, "docs": {"ray", "redis", "torch"}, "kv": {"ray", "redis"},
+               "methods": SERVICES, "evals": SERVICES, "train": SERVICES}
+
+
+def room_of(name: str) -> str | None:
+    """The room a module name lies in (None: not Braid's); braid.cli and the package itself are the "braid" room."""
+    parts = name.split(".")
+    if parts[0] != "braid":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in FLOOR else "braid"
 
 
 def _type_checking_only(node: ast.AST) -> bool:
@@ -85,21 +82,45 @@ def module_name(path: str) -> str:
     return "braid" if rel == ["braid"] else ".".join(["braid"] + (rel[1:] if rel[0] == "braid" else rel))
 
 
-@pytest.mark.parametrize("room", sorted(FORBIDDEN))
-def test_rooms_import_only_downward(room):
-    bad = []
-    for path in room_files(room):
-        for name in imports(path, module_name(path)):
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[room]):
-                bad.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+def violations(room: str, paths, module=None) -> list[str]:
+    """What these files of `room` import that they must not: a room on their floor or above, or a third-party
+    package the room keeps out. `module(path)`: its dotted name (default: where it lies in this tree)."""
+    bad = {}  # (file, what it reaches) -> the first name that reaches it
+    for path in paths:
+        for name in sorted(imports(str(path), (module or module_name)(path))):
+            target, where = room_of(name), os.path.relpath(path, ROOT)
+            if target is not None and target != room and FLOOR[target] >= FLOOR[room]:
+                bad.setdefault((where, target), f"{where} imports {name} ({target}: floor {FLOOR[target]}, {room} "
+                                                f"stands on {FLOOR[room]})")
+            elif name.split(".")[0] in THIRD_PARTY.get(room, ()):
+                bad.setdefault((where, name.split(".")[0]), f"{where} imports {name}")
+    return list(bad.values())
+
+
+@pytest.mark.parametrize("room", sorted(FLOOR))
+def test_rooms_import_only_the_floors_below(room):
+    bad = violations(room, room_files(room))
     assert not bad, bad
 
 
-def test_every_room_has_rules():
-    """A new top-level folder of Python code gets its rules here before it can import anything."""
+def test_the_floors_check_refuses_a_sibling_an_upper_floor_and_a_service(tmp_path):
+    """The check above can fail: kv importing a method (its floor's neighbour, lazily), kernels importing train
+    (above), the engine importing the API's protos (beside it) or Ray; the engine importing kernels passes."""
+    files = {"kv": "def f():\n    from braid.methods import synthesis\n", "kernels": "import braid.train.calibrate\n",
+             "engine": "from braid.protos import agent_pb2\nimport ray\nfrom braid.kernels import rerotate\n"}
+    for room, text in files.items():
+        (tmp_path / f"{room}.py").write_text(text)
+    found = {room: violations(room, [tmp_path / f"{room}.py"], lambda p: f"braid.{p.stem}.x") for room in files}
+    assert [len(found[r]) for r in files] == [1, 1, 2], found
+    assert found["kv"][0].endswith("imports braid.methods (methods: floor 2, kv stands on 2)")
+    assert found["engine"][1].endswith("imports ray")
+
+
+def test_every_room_stands_on_a_floor():
+    """A new top-level folder of Python code is placed on a floor before it can import anything."""
     rooms = {d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d)) and not d.startswith(".")
              and any(f.endswith(".py") for f in os.listdir(os.path.join(ROOT, d)))}
-    assert rooms - {"tests", "protos", "braid"} <= set(FORBIDDEN), rooms - set(FORBIDDEN)
+    assert rooms - {"tests"} <= set(FLOOR), rooms - set(FLOOR)
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -174,6 +195,6 @@ def test_everything_imports_through_the_braid_namespace():
         folder = os.path.join(ROOT, room)
         for path in [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")]:
             for name in imports(path):
-                if name.split(".")[0] in ROOMS[:-1]:
+                if name.split(".")[0] in ROOMS and name.split(".")[0] != "braid":
                     bad.append(f"{os.path.relpath(path, ROOT)} imports {name}")
     assert not bad, bad
