@@ -9,6 +9,7 @@ is stored when the request ends.
 
 import enum
 from collections import deque
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +18,9 @@ import torch
 
 from braid.engine.detokenize import Detokenizer
 from braid.engine.sampling import SamplingParams, make_generator
+from braid.engine.store import Message
+
+Tokens = str | Sequence[int]
 
 
 class CallStatus(enum.Enum):
@@ -136,3 +140,45 @@ class Call:
         else:
             self.status = CallStatus.DECODING
         return TokenEvent(index, token, delta, reason, self.message_id if reason else None)
+
+
+# ---- what a caller asks for (Engine.prefill, Engine.decode_stream): planned into Calls by engine.planner ----------
+@dataclass(frozen=True)
+class KVTransform:
+    """A decode request's KV seam (a cache mapper): `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of
+    each parent in `ids` (it may work in place: the copy is the engine's own) before its decode calls attend to
+    it. The request's prefill calls read the same parents unmapped."""
+
+    ids: frozenset[str]
+    apply: Callable[[Message, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Sibling:
+    """A parent that is prefill call `index` of the same request: encoded in the same forwards, before the
+    decode calls that read it, at its own new_offset."""
+
+    index: int
+
+
+@dataclass
+class PrefillCall:
+    message: Tokens
+    parents: Sequence[str | Sibling] = ()
+    offsets: Sequence[int | None] | None = None  # None entries: directly after the previous parent
+    new_offset: int | None = None  # None: directly after the last parent
+    # False: encoded only for its request's decode calls to read (as a Sibling), never stored
+    store: bool = True
+    adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
+    # the id its message is stored under (None: a new one): a message encoded again from its record keeps its id
+    id: str | None = None
+
+
+@dataclass
+class DecodeCall:
+    header: Tokens  # non-empty: the first generated token is predicted from its last token
+    parents: Sequence[str | Sibling] = ()
+    offsets: Sequence[int | None] | None = None
+    new_offset: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # its message is stored as encoded by "<fingerprint>+<adapter>"

@@ -10,97 +10,27 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
 
 import torch
 
-from braid.engine.call import Adapter, Call, TokenEvent
+from braid.engine.call import Adapter, Call, DecodeCall, KVTransform, PrefillCall, Sibling, TokenEvent, Tokens
+from braid.engine.committer import CACHED_PREFIX, Committer
 from braid.engine.config import EngineConfig
 from braid.engine.cuda_graphs import DecodeGraphs
-from braid.engine.errors import (
-    BraidError,
-    ContextOverflowError,
-    EmptyHeaderError,
-    FingerprintMismatchError,
-    InvalidOffsetError,
-    PreconditionError,
-)
+from braid.engine.errors import BraidError, FingerprintMismatchError, InvalidOffsetError
 from braid.engine.host import to_device
-from braid.engine.kv_cache import KVPool, WorkCache
+from braid.engine.kv_cache import KVPool
 from braid.engine.model import LoadedModel, load_model
 from braid.engine.model_runner import ModelRunner
-from braid.engine.prefix_cache import PrefixCache, content_seed
-from braid.engine.sampling import SamplingParams
+from braid.engine.planner import Planner
+from braid.engine.prefix_cache import PrefixCache
 from braid.engine.scheduler import Request, RequestStatus, Scheduler
-from braid.engine.store import DenseKV, Message, MessageStore, PagedAlloc, PagedKV, new_message_id
+from braid.engine.store import DenseKV, Message, MessageStore, new_message_id
 from braid.engine.threads import one_thread
-from braid.kernels import rerotate_keys, rerotate_keys_
 
+__all__ = ["CACHED_PREFIX", "Call", "DecodeCall", "DecodeStream", "Engine", "KVTransform", "PrefillCall", "Sibling",
+           "TokenEvent", "Tokens"]  # (the request types live in engine.call; imported from here too)
 log = logging.getLogger(__name__)
-CACHED_PREFIX = "~cached-"  # ids of the prefix cache's own messages (never given to callers)
-
-Tokens = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class KVTransform:
-    """A decode request's KV seam (a cache mapper): `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of
-    each parent in `ids` (it may work in place: the copy is the engine's own) before its decode calls attend to
-    it. The request's prefill calls read the same parents unmapped."""
-
-    ids: frozenset[str]
-    apply: Callable[[Message, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Sibling:
-    """A parent that is prefill call `index` of the same request: encoded in the same forwards, before the
-    decode calls that read it, at its own new_offset."""
-
-    index: int
-
-
-@dataclass
-class PrefillCall:
-    message: Tokens
-    parents: Sequence[str | Sibling] = ()
-    offsets: Sequence[int | None] | None = None  # None entries: directly after the previous parent
-    new_offset: int | None = None  # None: directly after the last parent
-    # False: encoded only for its request's decode calls to read (as a Sibling), never stored
-    store: bool = True
-    adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
-    # the id its message is stored under (None: a new one): a message encoded again from its record keeps its id
-    id: str | None = None
-
-
-@dataclass
-class DecodeCall:
-    header: Tokens  # non-empty: the first generated token is predicted from its last token
-    parents: Sequence[str | Sibling] = ()
-    offsets: Sequence[int | None] | None = None
-    new_offset: int | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    adapter: str | None = None  # its message is stored as encoded by "<fingerprint>+<adapter>"
-
-
-@dataclass
-class _Plan:
-    """A request as planned: its calls (engine.call.Call, each what it encodes, where, and what it read) and
-    the context they read, placed."""
-
-    entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
-    visible: torch.Tensor  # bool [calls, entries + calls]
-    calls: list[Call]
-    lead: int = 0  # the first calls are prefill calls its decode calls read
-    # With lead calls, entries are ordered: those only lead calls read (`lead_only` of them), those both sides
-    # read, then (after the lead tokens' slots) those only decode calls read: each side's one run.
-    lead_only: int = 0
-    lead_at: int = 0  # the entry before which the lead tokens' slots go
-    mapped: list[bool] = field(default_factory=list)  # per entry: a decode call's copy through the transform
-
-    @property
-    def parent_ids(self) -> set[str]:
-        return {m.id for m, _ in self.entries}
 
 
 class DecodeStream:
@@ -219,6 +149,12 @@ class Engine:
             graphs = config.decode_graphs
             if not self.runner.in_place and (graphs == "eager" or (graphs == "auto" and self.lm.device.type == "cuda")):
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
+            # the request's way through: planned here (planner), run by the scheduler, which calls the committer
+            # through each request's PlannedKV (engine.scheduler.RequestKV) to place its parents and store its messages
+            self.planner = Planner(config, self.spec, self.fingerprint, self.lm.device, self.tokenize, self.store,
+                                   self.prefix_cache, self.adapters)
+            self.committer = Committer(config, self.lm, self.scheduler.pool, self.store, self._store_lock,
+                                       self.prefix_cache, self.tokenizer, self.paged)
             log.info("engine ready: %s, fingerprint %s, %d positions", config.model_path, self.fingerprint,
                      self.spec.max_positions)
 
@@ -240,7 +176,7 @@ class Engine:
 
     def encoded_by(self, adapter_id: str | None) -> str:
         """The fingerprint messages encoded on these weights are stored under."""
-        return self.fingerprint if adapter_id is None else f"{self.fingerprint}+{adapter_id}"
+        return self.committer.encoded_by(adapter_id)
 
     # ---- messages -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -331,7 +267,7 @@ class Engine:
             s = self.spec
             return torch.empty(s.num_layers, 2, s.num_kv_heads, 0, s.head_dim, dtype=self.lm.dtype,
                                device=self.lm.device)
-        copies = [self._placed_copy(p, o) for p, o in parents]
+        copies = [self.committer.placed_copy(p, o) for p, o in parents]
         return copies[0] if len(copies) == 1 else torch.cat(copies, dim=3)
 
     def view(self, message_id: str, start: int, end: int) -> str:
@@ -388,39 +324,30 @@ class Engine:
         `max_tokens` from the start and is never preempted; otherwise (with `kv_on_demand`) it may take its
         blocks as it decodes.
         """
-        if calls and not any(isinstance(c, DecodeCall) for c in calls):  # (no calls at all: _check_options says so)
+        if calls and not any(isinstance(c, DecodeCall) for c in calls):  # (no calls at all: Planner.check says so)
             raise BraidError("a decode request needs at least one DecodeCall")
         request, _ = self._submit(calls, transform, grows=self.config.kv_on_demand and not readable)
         return DecodeStream(request, self.store)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
-        tokens = self.tokenize(value) if isinstance(value, str) else [int(t) for t in value]
-        if not tokens:
-            err = EmptyHeaderError if what == "header" else BraidError
-            raise err(f"call {call}: {what} is empty; it must hold at least one token")
-        bad = [t for t in tokens if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise BraidError(f"call {call}: token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return tokens
 
     def _submit(self, calls: Sequence[PrefillCall | DecodeCall], transform: KVTransform | None,
                 grows: bool = False) -> tuple[Request | None, dict[int, str]]:
         """Validate and plan in the caller's thread (errors surface here), reuse what the prefix cache holds,
         pin the parents, hand the rest to the scheduler. Returns the request (None: nothing left to encode)
         and the ids of prefill calls found whole in the cache, by call index."""
-        lead = self._check_options(calls)
+        lead = self.planner.check(calls)
         with self._store_lock:
-            plan = self._plan(calls, lead, transform.ids if transform is not None else ())
+            plan = self.planner.plan(calls, lead, transform.ids if transform is not None else ())
             ready: dict[int, str] = {}
             views: list[str] = []
             # A mapped or adapted call's KV is not what the base model gives for the same content: not cached;
             # nor is a call that reads its siblings (no stored content to key it by).
             if self.prefix_cache is not None and transform is None and not lead \
                     and all(c.adapter is None for c in calls):
-                plan, ready, views = self._reuse(plan)
+                plan, ready, views = self.planner.reuse(plan)
             pins = self.store.pin(plan.parent_ids if plan is not None else ())
-        work = _RequestKV(self, plan, transform, pins, views)
+        work = self.committer.request_kv(plan, transform, pins, views)
         if plan is None:
             work.release()
             return None, ready
@@ -432,367 +359,6 @@ class Engine:
             self.discard(list(ready.values()), when_unpinned=False)
             raise
         return request, ready
-
-    def _check_options(self, calls: Sequence[PrefillCall | DecodeCall]) -> int:
-        """The calls' options, checked: returns how many prefill calls lead a decode request."""
-        if not calls:
-            raise BraidError("no calls given")
-        decodes = [isinstance(c, DecodeCall) for c in calls]
-        lead = decodes.index(True) if any(decodes) else 0
-        if any(decodes) and not all(decodes[lead:]):
-            raise BraidError(f"call {decodes.index(False, lead)}: a request's prefill calls come before its decode "
-                             "calls")
-        adapters = {c.adapter for c in calls} - {None}
-        for a in adapters:
-            if a not in self.adapters:
-                raise PreconditionError(f"adapter {a!r} is not loaded on this engine (loaded: "
-                                        f"{sorted(self.adapters) or 'none'})")
-        if len(adapters) > 1:
-            raise BraidError(f"one request runs on one adapter besides the base weights; these calls name "
-                             f"{sorted(adapters)}")
-        # (a step of short rows may replay a graph captured under one set of weights, over every row:
-        # engine.cuda_graphs; only lead calls' rows, never such a step, may run on the base weights beside them)
-        if len({c.adapter for c in calls[lead:]}) > 1 or any(c.adapter not in (None, calls[lead].adapter)
-                                                             for c in calls[:lead]):
-            raise BraidError("a request's calls run on the same weights (its lead prefill calls may run on the base "
-                             "ones): name one adapter on all of them, or on none")
-        stored = [i for i, c in enumerate(calls[:lead]) if c.store]
-        if stored:
-            raise BraidError(f"call {stored[0]}: a prefill call ahead of decode calls is read by them only; give "
-                             "it store=False (prefill it on its own to store it)")
-        named = [c.id for c in calls if isinstance(c, PrefillCall) and c.id is not None]
-        taken = [i for i in named if i in self.store or named.count(i) > 1]
-        if taken:
-            raise BraidError(f"message id {taken[0]!r} is taken: a prefill call's id must be new to the store")
-        return lead
-
-    def _in_place(self, plan: _Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:
-        """Which of the call's parents it reads in place rather than copying into its own blocks: those placed where
-        they were encoded and untransformed that live in the pool (kv_home paged: their own slots, no copy) or are a
-        block long at least (a dense message: a run of the pool, one copy for every running call that reads it so).
-        None when they are mostly copied anyway (a cache of the call's own blocks is read as a view each forward,
-        where reading any parent in place gathers the whole cache each forward), nor when their runs would not fit
-        the pool."""
-        pool, none = self.scheduler.pool, [False] * len(plan.entries)
-        if transform is not None or not self.config.share_parents:
-            return none
-        home = [off == m.offset and self._at_home(m) for m, off in plan.entries]  # (in place: no copy, no run)
-        yes = [h or off == m.offset and m.num_tokens >= pool.block_tokens for h, (m, off) in zip(home, plan.entries)]
-        shared = [m.num_tokens for h, (m, _), y in zip(home, plan.entries, yes) if y and not h]
-        kept = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if y)
-        copied = sum(m.num_tokens for (m, _), y in zip(plan.entries, yes) if not y)
-        fits = pool.blocks_for(own_tokens + copied) + sum(map(pool.blocks_for, shared)) <= pool.work_blocks
-        # (a call that copies most of its context anyway copies it all, its paged parents too: its cache is then one
-        # run of its own blocks, read as a view each forward, where reading any parent in place gathers the whole
-        # cache each forward, which costs more than the copy: benchmarks/results/ab_synthesis_ttft_100m_paged.json)
-        return yes if fits and kept >= copied else none
-
-    def _at_home(self, msg: Message) -> bool:
-        """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): where it was encoded, it is
-        read in place without a run of its own (`_in_place`)."""
-        return isinstance(msg.kv, PagedKV) and msg.kv.pool is self.scheduler.pool
-
-    def _reuse(self, plan: _Plan):
-        """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
-        message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
-        (a view, no copy) and encodes only the rest, placed again with it. Returns (plan of what is left or
-        None, ready ids by call index, lent view ids)."""
-        cache = self.prefix_cache
-        for call in plan.calls:
-            call.seed = content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
-                                                        zip(call.parents, call.parent_offsets)], call.offset)
-        hits = [cache.lookup(c.seed, c.tokens, len(c.tokens) - c.decodes, self.store) for c in plan.calls]
-        if not any(hits):
-            return plan, {}, []
-        ready, views, left = {}, [], []
-        for c, (call, hit) in enumerate(zip(plan.calls, hits)):
-            if hit is None:
-                left.append((call, None, self._spec(call)))
-                continue
-            msg, n = hit
-            kv = msg.kv.part(0, n)  # the same memory (itself when whole)
-            self.store.touch([msg.id])
-            if n == len(call.tokens):  # a prefill found whole
-                mine = Message(call.message_id, tuple(call.tokens), kv, call.offset, call.parents,
-                               call.parent_offsets, msg.fingerprint, msg.content_key if n == msg.num_tokens else
-                               cache.content_key(call.seed, call.tokens))
-                self.store.add([mine])
-                ready[c] = mine.id
-                continue
-            view = Message(f"~prefix-{new_message_id()}", tuple(call.tokens[:n]), kv, call.offset, (), (),
-                           msg.fingerprint)
-            self.store.add([view])
-            views.append(view.id)
-            spec = self._spec(call, call.tokens[n:])
-            left.append((call, view, replace(spec, parents=[*call.parents, view.id],
-                                             offsets=[*call.parent_offsets, call.offset], new_offset=call.offset + n)))
-        if not left:
-            return None, ready, views
-        rest = self._plan([spec for _, _, spec in left], 0, ())
-        for placed, (call, view, _) in zip(rest.calls, left):  # (what the messages record: not the lent views)
-            placed.parents, placed.parent_offsets = call.parents, call.parent_offsets
-            placed.message_id, placed.seed, placed.prefix = call.message_id, call.seed, view
-        return rest, ready, views
-
-    @staticmethod
-    def _spec(call: Call, tokens: list[int] | None = None) -> PrefillCall | DecodeCall:
-        """A planned call as asked for again (its tokens, or `tokens`), to place what the prefix cache left."""
-        tokens = call.tokens if tokens is None else tokens
-        if call.decodes:
-            return DecodeCall(tokens, call.parents, call.parent_offsets, call.offset, call.sampling,
-                              adapter=call.adapter)
-        return PrefillCall(tokens, call.parents, call.parent_offsets, call.offset, call.store, call.adapter)
-
-    def _plan(self, calls: Sequence[PrefillCall | DecodeCall], lead: int, mapped_ids=()) -> _Plan:
-        """Validate the calls and place their parents. The first `lead` calls are prefill calls that the
-        others may name as `Sibling(i)` parents. The parents in `mapped_ids` are read mapped by the decode calls
-        and unmapped by the lead calls: an entry for each."""
-        n = len(calls)
-        if n > self.config.max_parallel_calls:
-            raise BraidError(f"{n} parallel calls exceed max_parallel_calls={self.config.max_parallel_calls}")
-        limit = self.spec.max_positions
-        index: dict[tuple[str, int, bool], int] = {}
-        entries: list[tuple[Message, int]] = []
-        mapped: list[bool] = []
-        call_entries, call_siblings, tokens, new_offsets, parent_offsets, unrecorded = [], [], [], [], [], []
-        for c, call in enumerate(calls):
-            decodes = isinstance(call, DecodeCall)
-            toks = self._as_tokens(call.header if decodes else call.message, "header" if decodes else "message", c)
-            extra = call.sampling.max_tokens if decodes else 0
-            parents = list(call.parents)
-            offsets = call.offsets
-            if offsets is not None and len(offsets) != len(parents):
-                raise InvalidOffsetError(f"call {c}: {len(offsets)} offsets given for {len(parents)} parents")
-            end, mine, reads, placed = 0, [], [], []
-            for i, pid in enumerate(parents):
-                if isinstance(pid, Sibling):
-                    if c < lead or not 0 <= pid.index < lead:
-                        raise BraidError(f"call {c}: {pid} is not a prefill call of this request that it can read")
-                    off = new_offsets[pid.index]
-                    if offsets is not None and offsets[i] not in (None, off):
-                        raise InvalidOffsetError(f"call {c}: prefill call {pid.index} is encoded at offset {off}, "
-                                                 f"not {offsets[i]}")
-                    reads.append(pid.index)
-                    placed.append(off)
-                    end = off + len(tokens[pid.index])
-                    continue
-                msg = self.store.get(pid)
-                if msg.fingerprint != self.fingerprint:
-                    raise FingerprintMismatchError(
-                        f"call {c}: parent {pid!r} was encoded by model {msg.fingerprint}, this engine runs "
-                        f"{self.fingerprint}; re-encode its text with this model")
-                off = end if offsets is None or offsets[i] is None else offsets[i]
-                if not isinstance(off, int) or off < 0 or off + msg.num_tokens > limit:
-                    raise InvalidOffsetError(
-                        f"call {c}: offset {off!r} for parent {pid!r} ({msg.num_tokens} tokens) is out of range; "
-                        f"it must be an int with 0 <= offset and offset + length <= {limit}")
-                key = (pid, off, c >= lead and pid in mapped_ids)  # (mapped: an entry of its own)
-                mine.append(index.setdefault(key, len(entries)))
-                if mine[-1] == len(entries):
-                    entries.append((msg, off))
-                    mapped.append(key[2])
-                placed.append(off)
-                end = off + msg.num_tokens
-            new_off = end if call.new_offset is None else call.new_offset
-            if not isinstance(new_off, int) or new_off < 0:
-                raise InvalidOffsetError(f"call {c}: new_offset {new_off!r} must be a non-negative int")
-            if new_off + len(toks) + extra > limit:
-                what = "header" if decodes else "message"
-                raise ContextOverflowError(
-                    f"call {c}: new_offset {new_off} + {len(toks)} {what} tokens + {extra} max new "
-                    f"tokens = {new_off + len(toks) + extra} exceeds the context of {limit} positions")
-            call_entries.append(mine)
-            call_siblings.append(reads)
-            # what shaped its KV that its message will not record (a reader of its record cannot encode it again)
-            unrecorded.append("a KV transform's copies of its parents" if c >= lead and set(parents) & set(mapped_ids)
-                              else "unstored prefill calls of its request" if reads else "")
-            tokens.append(toks)
-            new_offsets.append(new_off)
-            parent_offsets.append(tuple(placed))
-        visible = torch.zeros(n, len(entries) + n, dtype=torch.bool)
-        for c, mine in enumerate(call_entries):
-            visible[c, mine] = True
-            visible[c, len(entries) + c] = True
-            visible[c, [len(entries) + i for i in call_siblings[c]]] = True
-        side = [0] * len(entries)  # 0: only lead calls read it, 1: both sides, 2: only decode calls
-        if lead:
-            by_lead, by_decode = visible[:lead, :len(entries)].any(0), visible[lead:, :len(entries)].any(0)
-            side = (by_decode.long() + (~by_lead).long()).tolist()
-            order = sorted(range(len(entries)), key=side.__getitem__)
-            entries, mapped = [entries[e] for e in order], [mapped[e] for e in order]
-            visible = torch.cat([visible[:, order], visible[:, len(entries):]], dim=1)
-            side = sorted(side)
-        planned = []
-        for call, toks, off, offs, gap in zip(calls, tokens, new_offsets, parent_offsets, unrecorded):
-            read = [(p, o) for p, o in zip(call.parents, offs) if not isinstance(p, Sibling)]
-            decodes = isinstance(call, DecodeCall)
-            planned.append(Call(toks, off, (None if decodes else call.id) or new_message_id(),
-                                call.sampling if decodes else None, decodes or call.store, call.adapter,
-                                tuple(p for p, _ in read), tuple(o for _, o in read), unrecorded=gap))
-        return _Plan(entries, visible.to(self.lm.device), planned, lead=lead, mapped=mapped,
-                     lead_only=side.count(0) if lead else 0, lead_at=side.count(0) + side.count(1) if lead else 0)
-
-    def _assemble(self, plan: _Plan, extra_tokens: int, transform: KVTransform | None, blocks: list[int],
-                  in_place: list[bool], runs: list) -> WorkCache:
-        """A work cache (over `blocks` of the pool) reading each parent in place (`runs`, in order, for the
-        entries `in_place`) or holding a copy of it, re-rotated to its offset, and mapped for the decode calls'
-        entries of the parents the transform maps (from the unmapped copy placed for lead calls, if any).
-        With lead calls, their tokens' slots are claimed between the entries they read and the others."""
-        context = sum(m.num_tokens for m, _ in plan.entries)
-        cache = WorkCache(self.lm, context + sum(len(c.tokens) for c in plan.calls) + extra_tokens,
-                          self.scheduler.pool, blocks)
-        cache.start = sum(m.num_tokens for m, _ in plan.entries[:plan.lead_only])
-        unmapped: dict[tuple[str, int], torch.Tensor] = {}  # the slots of unmapped copies a mapped entry may take
-        runs = iter(runs)
-        for e, entry in enumerate(plan.entries + [None]):
-            if plan.lead and e == plan.lead_only:
-                cache.front = cache.claimed
-            if plan.lead and e == plan.lead_at:
-                cache.reserve_lead(to_device([len(plan.entries) + c for c in range(plan.lead)
-                                              for _ in plan.calls[c].tokens], cache.index.device))
-            if entry is None:
-                break
-            msg, off = entry
-            if in_place[e]:
-                if self._at_home(msg):
-                    cache.reference_slots(msg.kv.index, segment=e, blocks=msg.kv.blocks)
-                else:
-                    cache.reference(next(runs), segment=e)
-                continue
-            if plan.mapped[e]:
-                # (one copy at a time, read back from the pool rather than kept: no more memory held at once than
-                # one message's copy, which the allocator then reuses; the engine's own, which a transform may
-                # work in place on)
-                slots = unmapped.pop((msg.id, off), None)
-                placed = transform.apply(msg, cache.gather(slots) if slots is not None else self._placed_copy(msg, off))
-                keys, values = placed[:, 0], placed[:, 1]
-            else:
-                keys, values = self._placed(msg, off)
-                if transform is not None and msg.id in transform.ids:
-                    unmapped[(msg.id, off)] = torch.arange(cache.length, cache.length + msg.num_tokens,
-                                                           device=cache.index.device)
-            cache.append(keys, values, segment=e)
-        return cache
-
-    def _placed(self, msg: Message, off: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The message's keys and values [L, H, T, D] at offset `off`, apart (whoever copies them into the pool
-        copies each once, with no [L, 2, H, T, D] stacked in between): a dense message's own (views, no copy)
-        where it was encoded there, its keys re-rotated into a new tensor elsewhere."""
-        keys, values = msg.kv.keys_values()
-        if off != msg.offset:
-            keys = rerotate_keys(keys, self._delta(msg, off), self.lm.inv_freq)
-        return keys, values
-
-    def _placed_copy(self, msg: Message, off: int) -> torch.Tensor:
-        """The message's KV [L, 2, H, T, D] at offset `off` in one tensor of the caller's own (which a transform may
-        work in place on): one copy, its keys re-rotated in it."""
-        kv = msg.kv.copy()
-        if off != msg.offset:
-            rerotate_keys_(kv[:, 0], self._delta(msg, off), self.lm.inv_freq)
-        return kv
-
-    def _delta(self, msg: Message, off: int) -> torch.Tensor:
-        """[T]: how far each of the message's tokens moves to be read at offset `off`."""
-        return torch.full((msg.num_tokens,), off - msg.offset, dtype=torch.long, device=self.lm.device)
-
-    def _commit(self, plan: _Plan, request: Request) -> list[str]:
-        """Store the messages of the request's stored calls (a reused cached start put back in front); with
-        prefix caching, each gets its content key, and prefills also a hidden twin over the same KV that the
-        cache keeps after the caller frees its message, until the store evicts it."""
-        messages, twins = [], []
-        handles = self._paged_handles(request) if self.paged else {}
-        for c, call in enumerate(request.calls):
-            if not call.store:
-                continue
-            toks, offset = call.all_tokens, call.offset
-            if c in handles:  # (in the blocks it was written to: nothing copied)
-                kv = handles[c]
-            else:
-                kv = request.cache.gather(to_device(call.slots, self.lm.device))
-                self.scheduler.pool.copied["commit"] += kv.nbytes
-                if call.prefix is not None:
-                    kv = torch.cat([call.prefix.kv.read(), kv], dim=3)
-                kv = DenseKV(kv)
-            if call.prefix is not None:
-                toks, offset = [*call.prefix.token_ids, *toks], call.prefix.offset
-            keys = self.prefix_cache.keys(call.seed, toks) if call.seed is not None else None  # (hashed once)
-            messages.append(Message(call.message_id, tuple(toks), kv, offset, call.parents,
-                                    call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None,
-                                    call.unrecorded))
-            if not call.decodes and keys:
-                twins.append((keys, replace(messages[-1], id=f"{CACHED_PREFIX}{messages[-1].id}")))
-        try:
-            with self._store_lock:
-                self._store(messages, twins, plan)
-        except BaseException:  # (not stored: the blocks they would have held go back with the call's)
-            for h in handles.values():  # (only the allocation made here: a cached start's is not this call's)
-                h.allocs[-1].release()
-            raise
-        return [m.id for m in messages]
-
-    def _paged_handles(self, request: Request) -> dict[int, PagedKV]:
-        """Each stored call's KV where the call wrote it, by call index: its slots in the pool, after its cached
-        start's where that lives in the pool too (a start shipped in is copied as a dense message, the call
-        left out here). The calls share one PagedAlloc over every block their slots touch."""
-        cache = request.cache
-        slots: dict[int, torch.Tensor] = {}
-        blocks: set[int] = set()
-        for c, call in enumerate(request.calls):
-            if call.store and (call.prefix is None or self._at_home(call.prefix)):
-                slots[c] = cache.index[to_device(call.slots, cache.index.device)]
-                blocks |= cache.blocks_of(call.slots)
-        if not slots:
-            return {}
-        alloc = PagedAlloc(self.scheduler.pool, sorted(blocks))
-        out = {}
-        for c, own in slots.items():
-            start = request.calls[c].prefix  # (after a cached start: its slots first, in the allocations they lie in)
-            out[c] = PagedKV((alloc,), own) if start is None else \
-                PagedKV((*start.kv.allocs, alloc), torch.cat([start.kv.index, own]))
-        return out
-
-    def _store(self, messages: list[Message], twins: list, plan: _Plan) -> None:
-        """(store lock held) The committed messages and their prefix-cache twins into the store."""
-        self.store.add(messages + [t for _, t in twins])
-        self.store.touch(plan.parent_ids)
-        for keys, twin in twins:
-            self.prefix_cache.insert(keys, twin)
-        if self.prefix_cache is not None and len(self.prefix_cache) > 8 * len(self.store) + 4096:
-            self.prefix_cache.prune(self.store)
-
-
-class _RequestKV:
-    """One request's KV on the engine's side (engine.scheduler.RequestKV): its plan, the pins on its parents,
-    the cached starts lent to it; its work cache assembled over the blocks the scheduler gives it."""
-
-    def __init__(self, engine: Engine, plan: _Plan | None, transform: KVTransform | None, pins: list[str],
-                 views: list[str]):
-        self.engine, self.plan, self.transform, self.pins, self.views = engine, plan, transform, pins, views
-
-    def request(self, grows: bool) -> Request:
-        """The scheduler's request for the planned calls (what is left after the prefix cache)."""
-        eng, plan = self.engine, self.plan
-        for call in plan.calls:
-            call.start(eng.spec.eos_token_ids, eng.tokenizer, eng.lm.device)
-        self.extra = sum(c.may_generate for c in plan.calls)
-        own = sum(len(c.tokens) for c in plan.calls) + self.extra
-        self.in_place = eng._in_place(plan, self.transform, own)
-        shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes and not eng._at_home(m)]
-        capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, self.in_place) if not yes)
-        return Request(plan.calls, plan.visible, capacity, self, shared, grows)
-
-    def assemble(self, blocks: list[int], runs: list) -> WorkCache:
-        return self.engine._assemble(self.plan, self.extra, self.transform, blocks, self.in_place, runs)
-
-    def commit(self, request: Request) -> list[str]:
-        return self.engine._commit(self.plan, request)
-
-    def release(self) -> None:
-        eng = self.engine
-        with eng._store_lock:
-            eng.store.unpin(self.pins)
-            for v in self.views:  # the cached prefixes lent to this request
-                eng.store.free(v)
 
 
 def _cpu_threads(config: EngineConfig, lm: LoadedModel, caller_threads: int) -> int:
