@@ -20,11 +20,11 @@ import grpc
 import redis
 
 from braid.api.auth import ApiKeys
+from braid.api.sessions import SessionAPI
 from braid.api.workflow import WorkflowDriver, cause, replica_lost
 from braid.engine.errors import BraidError
 from braid.protos import agent_pb2, agent_pb2_grpc
 from braid.runtime.aio import in_thread, run_in_thread
-from braid.runtime.sessions import AgentLogic
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _streaming(fn, keys: ApiKeys | None, slots: asyncio.Semaphore):
 STREAMING = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods if m.server_streaming}
 
 
-def make_servicer(logic: AgentLogic, workflows: WorkflowDriver, keys: ApiKeys | None,
+def make_servicer(sessions: SessionAPI, workflows: WorkflowDriver, keys: ApiKeys | None,
                   slots: asyncio.Semaphore) -> agent_pb2_grpc.AgentServiceServicer:
     """`slots`: RPCs served at once (more wait for one to end)."""
     servicer = agent_pb2_grpc.AgentServiceServicer()
@@ -103,11 +103,11 @@ def make_servicer(logic: AgentLogic, workflows: WorkflowDriver, keys: ApiKeys | 
         if method.name == "RunWorkflow":
             fn = workflows.run
         elif method.name == "RunGraph":  # (recorded where the cluster records what it serves)
-            fn = functools.partial(_recorded_graph, logic, workflows)
+            fn = functools.partial(_recorded_graph, sessions, workflows)
         elif method.name in STREAMING:  # (a blocking generator: on a thread of its own)
-            fn = functools.partial(_blocking_stream, getattr(logic, method.name))
+            fn = functools.partial(_blocking_stream, getattr(sessions, method.name))
         else:
-            fn = getattr(logic, method.name)
+            fn = getattr(sessions, method.name)
         setattr(servicer, method.name, (_streaming if method.name in STREAMING else _unary)(fn, keys, slots))
     return servicer
 
@@ -116,8 +116,8 @@ def _blocking_stream(fn, request, caller: str):
     return in_thread(lambda: fn(request, caller))
 
 
-def _recorded_graph(logic: AgentLogic, workflows: WorkflowDriver, request, caller: str):
-    return workflows.record_graph(request, _blocking_stream(logic.RunGraph, request, caller))
+def _recorded_graph(sessions: SessionAPI, workflows: WorkflowDriver, request, caller: str):
+    return workflows.record_graph(request, _blocking_stream(sessions.RunGraph, request, caller))
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
@@ -186,7 +186,7 @@ async def _shutdown(server: grpc.aio.Server, grace: float | None) -> None:
     await loop.shutdown_default_executor()
 
 
-def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
+def start_server(sessions: SessionAPI, workflows: WorkflowDriver, host: str = "127.0.0.1", port: int = 0,
                  workers: int = 8, keys: ApiKeys | None = None,
                  tls: tuple[str, str] | None = None) -> tuple[AgentServer, int]:
     """Start a gRPC server for the agent API; returns (server, bound port). `workers`: RPCs served at once
@@ -199,7 +199,7 @@ def start_server(logic: AgentLogic, workflows: WorkflowDriver, host: str = "127.
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys is not None else [])
         try:
-            servicer = make_servicer(logic, workflows, keys, asyncio.Semaphore(workers))
+            servicer = make_servicer(sessions, workflows, keys, asyncio.Semaphore(workers))
             agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
             if tls is None:
                 bound = server.add_insecure_port(f"{host}:{port}")

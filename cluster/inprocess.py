@@ -5,12 +5,13 @@ from dataclasses import dataclass
 
 from braid.api.auth import ApiKeys
 from braid.api.grpc_server import AgentServer, start_server
+from braid.api.sessions import SessionAPI
 from braid.api.workflow import ThreadRoles, WorkflowConfig, WorkflowDriver
 from braid.engine import Engine
 from braid.kv.receiver import KVReceiver
 from braid.models.chat import chat_renderer
 from braid.runtime.directory import Directory
-from braid.runtime.sessions import AgentLogic, ServiceConfig
+from braid.runtime.sessions import ServiceConfig, Sessions
 from braid.runtime.traces import TraceRecorder
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.workers.runner import BranchRunner, WorkerConfig
@@ -20,14 +21,14 @@ from braid.workers.runner import BranchRunner, WorkerConfig
 class InProcessServer:
     server: AgentServer
     port: int
-    logic: AgentLogic
+    sessions: Sessions
     receiver: KVReceiver
     recorder: TraceRecorder | None = None  # (record_dir)
 
     def stop(self) -> None:
         self.server.stop(0)
         self.receiver.stop()
-        self.logic.stop_upkeep()
+        self.sessions.stop_upkeep()
         if self.recorder is not None:
             self.recorder.close()  # (what is queued is written)
 
@@ -40,15 +41,15 @@ def start_in_process(engine: Engine, directory: Directory, service: ServiceConfi
     """`grpc_threads`: RPCs served at once (each streaming RPC holds one while it runs); `keys`: the API keys
     every RPC must carry (None: open); `tls`: (certificate chain, private key) PEM files; `record_dir`: record
     every workflow served there (runtime.traces)."""
-    logic = AgentLogic(engine, directory, service)
-    logic.start_upkeep(host)  # (frees the KV of sessions closed or expired)
+    sessions = Sessions(engine, directory, service)
+    sessions.start_upkeep(host)  # (frees the KV of sessions closed or expired)
     receiver = KVReceiver(engine.fingerprint, host=host)
-    synth = SynthesisRunner(engine, receiver, logic, synthesizer or SynthesizerConfig())
+    synth = SynthesisRunner(engine, receiver, sessions, synthesizer or SynthesizerConfig())
     branches = BranchRunner(engine, worker or WorkerConfig(), "in-process")
-    config = WorkflowConfig(colocated=True, default_max_tokens=logic.config.default_max_tokens,
-                            worker_header=branches.config.header, limits=logic.config.limits)
+    config = WorkflowConfig(colocated=True, default_max_tokens=sessions.config.default_max_tokens,
+                            worker_header=branches.config.header, limits=sessions.config.limits)
     workflows = WorkflowDriver(ThreadRoles(branches.run, synth.run, synth.info), directory, config, engine.tokenize,
                                chat_renderer(engine.lm.tokenizer, engine.config.model_path))
     workflows.recorder = TraceRecorder(record_dir, "in-process") if record_dir else None
-    server, bound = start_server(logic, workflows, host, port, grpc_threads, keys, tls)
-    return InProcessServer(server, bound, logic, receiver, workflows.recorder)
+    server, bound = start_server(SessionAPI(sessions), workflows, host, port, grpc_threads, keys, tls)
+    return InProcessServer(server, bound, sessions, receiver, workflows.recorder)

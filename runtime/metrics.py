@@ -58,12 +58,12 @@ def metrics() -> dict:
 
 
 RECOVERY = {"messages": "recomputed_messages", "tokens": "recomputed_tokens", "seconds": "recompute_seconds",
-            "holder_losses": "holder_losses"}  # AgentLogic.recovery's keys -> their metric
+            "holder_losses": "holder_losses"}  # Sessions.recovery's keys -> their metric
 
 
 def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) -> threading.Thread:
     """Keep this replica's engine gauges (scheduler queue, batch and preemptions, work KV, store, prefix cache)
-    current, and with `recovery` (runtime.sessions.AgentLogic.recovery) its counts of messages encoded again."""
+    current, and with `recovery` (runtime.sessions.Sessions.recovery) its counts of messages encoded again."""
     m, ref = metrics(), weakref.ref(engine)  # (weakly: the engine is freed when its replica drops it)
     counted = {"preemptions": 0, "discarded": 0, "reuse": 0, "commit": 0, **{k: 0 for k in RECOVERY}}
 

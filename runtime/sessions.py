@@ -1,31 +1,25 @@
-"""The session-level agent API over one engine and the directory, free of Ray and gRPC plumbing.
+"""A replica's sessions over one engine and the directory: their messages, brought here when a call names them.
 
-Every method takes a request proto and returns or yields response protos; errors are
-BraidErrors carrying the gRPC status code to send. Every id a request names is
-resolved through the directory within the request's session first, so a session can
-never reach another session's messages.
+Every id a call names is resolved through the directory within the call's session first, so a session can
+never reach another session's messages. Free of Ray and gRPC plumbing; the RPCs over it are api.sessions.
 """
 
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
 
-from braid.engine import DecodeCall, Engine, PrefillCall
-from braid.engine.errors import BraidError, DataLossError, UnavailableError, UnknownMessageError
+from braid.engine import Engine, PrefillCall
+from braid.engine.errors import DataLossError, UnavailableError, UnknownMessageError
 from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
-from braid.methods.dag import NodeRound, NodeToken, WaveExecutor, run_dag
+from braid.methods.dag import WaveExecutor
 from braid.methods.kvcomm import KVComm, KVCommConfig
-from braid.methods.kvcomm_agents import Agent, AgentGraph, AgentStarted, run_agent_graph
 from braid.methods.staircase import StaircaseSchedule
-from braid.models.chat import chat_renderer
-from braid.protos import agent_pb2 as pb
-from braid.runtime import convert
 from braid.runtime.directory import Directory, Lineage, MessageRecord
 from braid.runtime.quotas import KeyLimits
 
@@ -52,14 +46,17 @@ class ServiceConfig:
                              f"and {self.fetch_timeout_s}")
 
 
-class AgentLogic:
+class Sessions:
+    """A replica's side of its sessions: their messages here, checked against the directory, moved here from the
+    replica that holds them or encoded again from their lineage; lent to graph waves; served to other replicas
+    (KVExport); and freed when their session closes or expires (upkeep). The session RPCs (api.sessions) run
+    over it."""
+
     def __init__(self, engine: Engine, directory: Directory, config: ServiceConfig | None = None):
         self.engine = engine
         self.directory = directory
         self.config = config or ServiceConfig()
         self.kvcomm = KVComm(engine, self.config.kvcomm)
-        # (the chat messages of Generate, the choreography calls and graph nodes)
-        self.renderer = chat_renderer(engine.lm.tokenizer, engine.config.model_path)
         self.exporter: KVExporter | None = None  # (start_upkeep)
         self._held: dict[str, set[str]] = {}  # session -> the ids of its messages this replica stored
         self._held_lock, self._moving_lock, self._stopping = threading.Lock(), threading.Lock(), threading.Event()
@@ -73,12 +70,12 @@ class AgentLogic:
         self.recovery: Counter[str] = Counter()
 
     # ---- sessions and ids -----------------------------------------------------------------------
-    def _session(self, session_id: str, caller: str):
+    def for_call(self, session_id: str, caller: str):
         """The call's session (a context manager): a new one for `caller`, or the one named, if it is the
         caller's (within its limits). A session the call opened is closed again if the call fails."""
         return self.directory.session_for_call(session_id, caller, self.config.limits)
 
-    def _resolve(self, session_id: str, ids: Iterable[str]) -> None:
+    def resolve(self, session_id: str, ids: Iterable[str]) -> None:
         """Every id must be a message of the session (NOT_FOUND otherwise). One held by another replica moves
         here first, under the same id, so a session call works on whichever replica it reaches; one whose holder
         has gone (or evicted it) is encoded again here from its lineage, parents first."""
@@ -152,7 +149,7 @@ class AgentLogic:
             for ancestor in self._ancestors_first(rec.session_id, lineage.parents):
                 if ancestor not in self.engine.store:
                     self._bring_here(self.directory.lookup(rec.session_id, ancestor))
-            self._resolve(rec.session_id, lineage.parents)
+            self.resolve(rec.session_id, lineage.parents)
             try:
                 held = self.engine.hold(lineage.parents)
                 break
@@ -233,7 +230,7 @@ class AgentLogic:
         log.info("anchors of session %s leave for another replica (%d pools)", session_id, len(state["pools"]))
         return state
 
-    def _anchors_here(self, session_id: str) -> None:
+    def anchors_here(self, session_id: str) -> None:
         """Before a RunAgents call: the session's anchor pools move here from the replica that holds them (the
         directory says which), so a session keeps its reuse on whichever replica a call reaches. Anchors are a
         cache: when they cannot move, they are measured again here."""
@@ -334,133 +331,3 @@ class AgentLogic:
             log.warning("control plane unavailable, %d messages of session %s not registered: %s",
                         len(ids), session_id, e)
             return False
-
-    def _stream(self, session_id: str, stream) -> Iterator[pb.TokenEvent]:
-        """Token events (each call's last one names its message); registers the messages at the end."""
-        for event in stream:
-            yield convert.token_event(event)
-        self.register(session_id, stream.ids)
-
-    # ---- RPCs: `caller` is the API key's name the server checked ("" on an open API); sessions are its own ----
-    def Health(self, request: pb.HealthRequest, caller: str = "") -> pb.HealthResponse:
-        self.directory.r.ping()
-        return pb.HealthResponse(status="SERVING", model_fingerprint=self.engine.fingerprint)
-
-    def Prefill(self, request: pb.PrefillRequest, caller: str = "") -> pb.PrefillResponse:
-        with self._session(request.session_id, caller) as sid:
-            calls = [convert.prefill_call(c, self.renderer, f"calls[{i}]") for i, c in enumerate(request.calls)]
-            self._resolve(sid, {p for c in calls for p in c.parents})
-            ids = self.engine.prefill(calls)  # (parents freed since are refused with NOT_FOUND; running, pinned)
-            self.register(sid, ids)
-            return pb.PrefillResponse(session_id=sid, message_ids=ids)
-
-    def Decode(self, request: pb.DecodeRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
-        with self._session(request.session_id, caller) as sid:
-            calls = [convert.decode_call(c, self.config.default_max_tokens, self.renderer, f"calls[{i}]")
-                     for i, c in enumerate(request.calls)]
-            self._resolve(sid, {p for c in calls for p in c.parents})
-            yield from self._stream(sid, self.engine.decode_stream(calls))
-
-    def Generate(self, request: pb.GenerateRequest, caller: str = "") -> Iterator[pb.TokenEvent]:
-        if request.prompt and request.messages:
-            raise BraidError("a Generate request sends a prompt or chat messages, not both")
-        prompt = (convert.chat_text(self.renderer, request.messages, then="synthesizer") if request.messages
-                  else request.prompt)
-        with self._session(request.session_id, caller) as sid:
-            call = DecodeCall(prompt, sampling=convert.sampling(request.sampling, self.config.default_max_tokens))
-            yield from self._stream(sid, self.engine.decode_stream([call]))
-
-    def GetMessage(self, request: pb.GetMessageRequest, caller: str = "") -> pb.MessageInfo:
-        self.directory.session(request.session_id, caller)
-        self._resolve(request.session_id, [request.message_id])
-        m = self.engine.message(request.message_id)
-        return pb.MessageInfo(message_id=m.id, text=self.engine.text(m.id), token_ids=m.token_ids, offset=m.offset,
-                              parents=m.parents, fingerprint=m.fingerprint, kv_bytes=m.nbytes)
-
-    def ListSessions(self, request: pb.ListSessionsRequest, caller: str = "") -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(sessions=[
-            pb.SessionInfo(session_id=s.session_id, messages=s.messages, kv_bytes=s.kv_bytes,
-                           created_unix=s.created_unix) for s in self.directory.list_sessions(caller)])
-
-    def CloseSession(self, request: pb.CloseSessionRequest, caller: str = "") -> pb.CloseSessionResponse:
-        with self.engine.lock:
-            records = self.directory.close_session(request.session_id, caller)
-            freed = self.engine.discard([rec.message_id for rec in records])
-        self.kvcomm.drop(request.session_id)  # (reached only by the session's owner: close_session checks)
-        return pb.CloseSessionResponse(freed_messages=freed)
-
-    def RunAgents(self, request: pb.AgentsRequest, caller: str = "") -> Iterator[pb.AgentsEvent]:
-        """A fully connected agent graph (methods.kvcomm_agents); its anchors are this session's alone."""
-        with self._session(request.session_id, caller) as sid, \
-                self.directory.running(caller, self.config.limits.workflows):
-            if request.kvcomm:
-                self._anchors_here(sid)
-            yield from self._agents(sid, request)
-            if request.kvcomm and sid in self.kvcomm.scopes():
-                try:
-                    self.directory.set_anchors(sid, self.config.replica)
-                except redis.RedisError as e:  # (its anchors stay here; a call elsewhere measures its own)
-                    log.warning("could not record where the anchors of session %s are: %s", sid, e)
-
-    def RunGraph(self, request: pb.GraphRequest, caller: str = "") -> Iterator[pb.GraphEvent]:
-        """Any DAG of agent calls (methods.dag), validated whole and its session messages resolved before
-        anything runs. Node outputs stay in the session, except those that are private or were encoded with a
-        private node in view: a later call could read them from any role, so they go when the graph ends (their
-        node-done event names no message). A graph that fails or is left midway keeps nothing."""
-        graph = convert.graph(request, self.config.default_max_tokens, self.config.staircase, self.renderer)
-        with self._session(request.session_id, caller) as sid, \
-                self.directory.running(caller, self.config.limits.workflows):
-            self._resolve(sid, graph.messages)
-            start = time.perf_counter()
-            dag = run_dag(self.engine, graph, self.waves(sid) if self.waves is not None else None)
-            registered: list[str] = []  # what the session keeps; the rest goes when the run is freed
-            try:
-                for event in dag:
-                    if isinstance(event, NodeToken):
-                        yield pb.GraphEvent(token=pb.GraphToken(node=event.node, token_id=event.token_id,
-                                                                text=event.text,
-                                                                finish_reason=event.finish_reason or ""))
-                    elif isinstance(event, NodeRound):
-                        chunks = [pb.GraphChunk(parent=p, start=a, end=b) for p, (a, b) in event.chunks.items()]
-                        yield pb.GraphEvent(round=pb.GraphRound(node=event.node, round=event.round, chunks=chunks))
-                    else:
-                        shown = event.message_id if dag.shareable(event.node) else ""
-                        yield pb.GraphEvent(node_done=pb.GraphNodeDone(node=event.node, message_id=shown,
-                                                                       text=event.text, reencoded=event.reencoded,
-                                                                       replica=event.replica))
-                shareable = [mid for name, mid in dag.outputs.items() if dag.shareable(name)]
-                self.register(sid, shareable)  # (while the run still holds them against eviction)
-                registered = shareable
-            finally:
-                dag.free(keep=registered)
-            yield pb.GraphEvent(done=pb.GraphDone(session_id=sid, seconds=time.perf_counter() - start))
-
-    def _agents(self, sid: str, request: pb.AgentsRequest) -> Iterator[pb.AgentsEvent]:
-        graph = AgentGraph([Agent(a.name, a.prefix) for a in request.agents], request.user_text,
-                           request.rounds or 1, request.kvcomm,
-                           request.peer_join or AgentGraph.peer_join, request.reply_header or AgentGraph.reply_header,
-                           convert.sampling(request.sampling, self.config.default_max_tokens))
-        reused = prompts = 0
-        events = run_agent_graph(self.kvcomm, graph, scope=sid)
-        try:
-            while True:
-                item = next(events)
-                if isinstance(item, AgentStarted):
-                    p = item.prepared
-                    prompts += 1
-                    reused += p.reused
-                    yield pb.AgentsEvent(report=pb.AgentReport(
-                        round=item.round, agent=item.agent, reused=p.reused, prepare_ms=1e3 * p.seconds,
-                        placeholders=[pb.PlaceholderReport(name=s.placeholder, tokens=s.tokens, reused=s.reused,
-                                                           anchor_ids=[a for a, _ in s.anchors],
-                                                           anchor_weights=[w for _, w in s.anchors],
-                                                           new_anchor=s.new_anchor) for s in p.slots]))
-                else:
-                    token = convert.token_event(item.event)
-                    token.message_id = ""  # (the graph frees its messages when it ends)
-                    yield pb.AgentsEvent(token=pb.AgentToken(round=item.round, agent=item.agent, token=token))
-        except StopIteration as done:
-            yield pb.AgentsEvent(done=pb.AgentsDone(session_id=sid, replies=done.value, reused=reused,
-                                                    prompts=prompts))
-        finally:
-            events.close()

@@ -10,6 +10,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from braid.api.sessions import SessionAPI
 from braid.engine import EngineConfig
 from braid.engine.threads import serving_thread
 from braid.kv.receiver import KVReceiver
@@ -18,7 +19,7 @@ from braid.runtime.aio import in_thread, run_in_thread
 from braid.runtime.directory import Directory
 from braid.runtime.messages import BranchRequest, KVArrived, SynthesisDone, SynthesisRequest
 from braid.runtime.metrics import metrics, report_engine
-from braid.runtime.sessions import AgentLogic, ServiceConfig
+from braid.runtime.sessions import ServiceConfig, Sessions
 from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers.runner import BranchRunner, WorkerConfig
@@ -37,27 +38,28 @@ class Synthesizer:
         replica = serve.get_replica_context().replica_id.unique_id
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())
         service.replica = replica
-        self.agent = AgentLogic(self.engine, Directory.connect(redis_url, session_ttl_s), service)
-        exports = self.agent.start_upkeep(host=ray.util.get_node_ip_address())  # (a session's messages, to others)
-        self.runner = SynthesisRunner(self.engine, receiver, self.agent, config)
+        self.sessions = Sessions(self.engine, Directory.connect(redis_url, session_ttl_s), service)
+        self.api = SessionAPI(self.sessions)  # (the session RPCs: agent_unary, agent_stream)
+        exports = self.sessions.start_upkeep(host=ray.util.get_node_ip_address())  # (a session's messages, to others)
+        self.runner = SynthesisRunner(self.engine, receiver, self.sessions, config)
         self.branches = BranchRunner(self.engine, colocated_worker, f"colocated-{replica}") if colocated_worker else None
         if workers is not None and config.graph_worker_calls:  # RunGraph's waves decode on the Worker replicas
             on_workers = WaveWorkers(lambda req: workers.options(stream=True).run_nodes.remote(req),
                                      config.graph_worker_calls, config.graph_transport, service.fetch_timeout_s,
                                      config.kv_wait_timeout_s, config.kv_queue_timeout_s)
-            self.agent.waves = lambda sid: WorkerWaves(self.engine, receiver, exports, on_workers, sid,
-                                                       self.agent.lend)
+            self.sessions.waves = lambda sid: WorkerWaves(self.engine, receiver, exports, on_workers, sid,
+                                                          self.sessions.lend)
         self.metrics = metrics()
         # (store bytes, the scheduler's gauges and messages encoded again, every second)
-        report_engine(self.engine, recovery=self.agent.recovery)
+        report_engine(self.engine, recovery=self.sessions.recovery)
         log.info("synthesizer %s: KV in at %s, session messages out at %s, prefill %.0f tok/s", replica,
                  receiver.address, exports, self.runner.prefill_tokens_per_s)
 
     def __del__(self):
         """Serve's graceful shutdown of this replica (a scale-down, a rolling update): its session messages are
         served no more, and its address is withdrawn at once, so the replicas that need them encode them again."""
-        if hasattr(self, "agent"):  # (not when __init__ failed before it made one)
-            self.agent.stop_upkeep()
+        if hasattr(self, "sessions"):  # (not when __init__ failed before it made one)
+            self.sessions.stop_upkeep()
 
     def info(self):
         return self.runner.info()
@@ -68,7 +70,7 @@ class Synthesizer:
 
     # Session affinity: the ingress routes a session's calls with the session id as Serve's multiplexed model
     # id, and a replica that serves a session "loads" it here, so the router sends its later calls here, where
-    # its messages are. A call that lands elsewhere anyway moves the messages it names (AgentLogic._resolve).
+    # its messages are. A call that lands elsewhere anyway moves the messages it names (Sessions.resolve).
     @serve.multiplexed(max_num_models_per_replica=SESSIONS_ROUTED_PER_REPLICA)
     async def _session(self, session_id: str) -> str:
         return session_id
@@ -81,13 +83,13 @@ class Synthesizer:
     # and the engine's scheduler batches what they submit.
     async def agent_unary(self, name: str, request, caller: str = ""):
         await self._serving(getattr(request, "session_id", ""))
-        response = await run_in_thread(lambda: getattr(self.agent, name)(request, caller=caller))
+        response = await run_in_thread(lambda: getattr(self.api, name)(request, caller=caller))
         await self._serving(getattr(response, "session_id", ""))  # (a session this call opened)
         return response
 
     async def agent_stream(self, name: str, request, caller: str = ""):
         await self._serving(getattr(request, "session_id", ""))
-        async for item in in_thread(lambda: getattr(self.agent, name)(request, caller=caller)):
+        async for item in in_thread(lambda: getattr(self.api, name)(request, caller=caller)):
             if not request.session_id and hasattr(item, "done") and item.HasField("done"):
                 await self._serving(item.done.session_id)  # (a session this call opened)
             yield item

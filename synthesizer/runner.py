@@ -22,7 +22,7 @@ from braid.runtime.messages import (
     SynthesisRound,
     SynthesizerInfo,
 )
-from braid.runtime.sessions import AgentLogic
+from braid.runtime.sessions import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ class SynthesizerConfig:
 
 class SynthesisRunner:
     """Runs SynthesisRequests on `engine`; the Synthesizer deployment hosts one. Branch messages and the
-    answer are registered in the request's session through `agent` (the session-level agent API)."""
+    answer are registered in the request's session through `sessions` (this replica's, runtime.sessions)."""
 
-    def __init__(self, engine: Engine, receiver: KVReceiver, agent: AgentLogic, config: SynthesizerConfig):
-        self.engine, self.receiver, self.agent, self.config = engine, receiver, agent, config
+    def __init__(self, engine: Engine, receiver: KVReceiver, sessions: Sessions, config: SynthesizerConfig):
+        self.engine, self.receiver, self.sessions, self.config = engine, receiver, sessions, config
         self.prefill_tokens_per_s = self._measure_prefill()
         self.link_bytes_per_s: float | None = None  # from completed transfers
 
@@ -144,7 +144,7 @@ class SynthesisRunner:
         for event in stream:
             answer.append(event.text)
             yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
-        registered = self.agent.register(req.session, prefix + branches + stream.ids)
+        registered = self.sessions.register(req.session, prefix + branches + stream.ids)
         tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
         yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered, text_branches=text_branches)
 
@@ -183,7 +183,7 @@ class SynthesisRunner:
             yield from self._receipts(received)
             for j, got in received.items():  # (one by one: a failure midway frees those already in)
                 stored[j] = self.receiver.import_message(eng, got)
-            registered = self.agent.register(req.session, prefix + list(stored.values()) + result.message_ids[-1:])
+            registered = self.sessions.register(req.session, prefix + list(stored.values()) + result.message_ids[-1:])
             done = True
         finally:
             if not done:

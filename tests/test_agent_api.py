@@ -27,7 +27,7 @@ def api(checkpoint):
     engine = Engine(EngineConfig(checkpoint("llama")))
     server = start_in_process(engine, Directory.connect(redis_server.url))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield agent_pb2_grpc.AgentServiceStub(channel), server.logic
+    yield agent_pb2_grpc.AgentServiceStub(channel), server.sessions
     channel.close()
     server.stop()
     redis_server.stop()
@@ -156,12 +156,12 @@ def two_replicas(checkpoint):
     servers = [start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url),
                                 ServiceConfig(replica=name)) for name in ("A", "B")]
     for s in servers:
-        s.logic.start_upkeep()
+        s.sessions.start_upkeep()
     channels = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
-    yield [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.logic for s in servers]
+    yield [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.sessions for s in servers]
     for c, s in zip(channels, servers):
         c.close()
-        s.logic.stop_upkeep()
+        s.sessions.stop_upkeep()
         s.stop()
     redis_server.stop()
 
@@ -488,7 +488,7 @@ def test_rpcs_beyond_the_servers_slots_wait_for_one_and_stop_ends_its_loop(check
             time.sleep(0.5)
             assert not waiting.done()  # (queued behind the stream, not refused)
             stream.cancel()
-            assert waiting.result().model_fingerprint == server.logic.engine.fingerprint
+            assert waiting.result().model_fingerprint == server.sessions.engine.fingerprint
     finally:
         server.stop()
         redis_server.stop()

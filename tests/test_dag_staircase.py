@@ -258,7 +258,7 @@ class Separate:
         from braid.engine import Engine, EngineConfig
         from braid.kv.receiver import KVReceiver
         from braid.runtime.directory import Directory, EmbeddedRedis
-        from braid.runtime.sessions import AgentLogic
+        from braid.runtime.sessions import Sessions
         from braid.synthesizer.runner import SynthesisRunner, SynthesizerConfig
         from braid.workers.runner import BranchRunner, WorkerConfig
 
@@ -267,7 +267,7 @@ class Separate:
         self.synth_engine = Engine(EngineConfig(checkpoint("llama")))
         self.worker_engines = [Engine(EngineConfig(checkpoint("llama"))) for _ in range(workers)]
         self.receiver = KVReceiver(self.synth_engine.fingerprint)
-        self.synth = SynthesisRunner(self.synth_engine, self.receiver, AgentLogic(self.synth_engine, self.directory),
+        self.synth = SynthesisRunner(self.synth_engine, self.receiver, Sessions(self.synth_engine, self.directory),
                                      SynthesizerConfig())
         self.workers = [BranchRunner(e, WorkerConfig(kv_schedule=(2, 3)), f"w{g}")
                         for g, e in enumerate(self.worker_engines)]

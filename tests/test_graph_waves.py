@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from braid.api.sessions import SessionAPI
 from braid.engine import Engine, EngineConfig
 from braid.engine.errors import UnknownMessageError
 from braid.kv.connector import TransferError, Transport
@@ -16,7 +17,7 @@ from braid.kv.export import fetch
 from braid.kv.receiver import KVReceiver
 from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import Directory, EmbeddedRedis
-from braid.runtime.sessions import AgentLogic, ServiceConfig
+from braid.runtime.sessions import ServiceConfig, Sessions
 from braid.synthesizer.waves import WaveWorkers, WorkerWaves
 from braid.workers import runner
 from braid.workers.runner import BranchRunner, WorkerConfig
@@ -53,7 +54,7 @@ def cluster(checkpoint):
     redis_server = EmbeddedRedis()
     config = EngineConfig(checkpoint("llama"))
     holder = Engine(config)
-    logic = AgentLogic(holder, Directory.connect(redis_server.url), ServiceConfig(replica="H"))
+    logic = Sessions(holder, Directory.connect(redis_server.url), ServiceConfig(replica="H"))
     exports = logic.start_upkeep()
     receiver = KVReceiver(holder.fingerprint)
     workers = [BranchRunner(Engine(config), WorkerConfig(), f"worker-{i}") for i in range(2)]
@@ -94,7 +95,7 @@ def graph(session_id=""):
 
 
 def run(logic, request):
-    events = list(logic.RunGraph(request))
+    events = list(SessionAPI(logic).RunGraph(request))
     done = {e.node_done.node: e.node_done for e in events if e.HasField("node_done")}
     tokens = {}
     for e in events:
@@ -146,7 +147,7 @@ def test_waves_on_workers_answer_as_the_holder_does(cluster, monkeypatch):
     with pytest.raises(UnknownMessageError):
         fetch(logic.exporter.address, sid_here, there["judge"].message_id, logic.engine.fingerprint)
     for s in (sid, sid_here):
-        logic.CloseSession(pb.CloseSessionRequest(session_id=s))
+        SessionAPI(logic).CloseSession(pb.CloseSessionRequest(session_id=s))
 
 
 def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
@@ -162,7 +163,7 @@ def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
         plan["fail_after"] = None
     # a client that leaves while the first round decodes on the workers
     made = len(calls)
-    events = logic.RunGraph(graph())
+    events = SessionAPI(logic).RunGraph(graph())
     for e in events:
         if e.HasField("token"):
             break
@@ -178,7 +179,7 @@ def test_a_failed_or_abandoned_worker_call_keeps_nothing(cluster):
     sid, done, _ = run(logic, graph())
     assert done["judge"].replica.startswith("worker-") and len(workers[0].copies) == 2
     assert all(copy in workers[0].engine.store for copy in workers[0].copies.values())
-    logic.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    SessionAPI(logic).CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
 # ---- staircase waves: the workers ship each reply in chunks as it decodes ------------------------------------

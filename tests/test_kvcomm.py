@@ -300,7 +300,7 @@ def api(checkpoint):
     redis_server = EmbeddedRedis()
     server = start_in_process(Engine(EngineConfig(checkpoint("llama"))), Directory.connect(redis_server.url))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield agent_pb2_grpc.AgentServiceStub(channel), server.logic
+    yield agent_pb2_grpc.AgentServiceStub(channel), server.sessions
     channel.close()
     server.stop()
     redis_server.stop()
@@ -386,7 +386,8 @@ def test_a_sessions_anchors_move_to_the_replica_its_call_reaches(checkpoint):
                                 ServiceConfig(replica=name)) for name in ("A", "B")]
     channels = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
     try:
-        (a, b), (logic_a, logic_b) = [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.logic for s in servers]
+        (a, b) = [agent_pb2_grpc.AgentServiceStub(c) for c in channels]
+        logic_a, logic_b = [s.sessions for s in servers]
         first = list(a.RunAgents(agents_request()))
         sid = first[-1].done.session_id
         assert logic_a.directory.anchors(sid) == "A" and sid in logic_a.kvcomm.scopes()

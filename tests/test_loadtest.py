@@ -87,12 +87,12 @@ def test_fuzzed_requests_get_meant_statuses_and_lose_nothing(checkpoint, tmp_pat
         assert report["statuses"]["OK"] > 30 and report["statuses"]["INVALID_ARGUMENT"] > 30  # both paths ran
         assert set(report["by_method"]) == set(STREAMING) | {"Prefill", "GetMessage", "ListSessions",
                                                              "CloseSession", "Health"}
-        before = len(server.logic.directory.list_sessions())
+        before = len(server.sessions.directory.list_sessions())
         stub = agent_pb2_grpc.AgentServiceStub(grpc.insecure_channel(address))
         with pytest.raises(grpc.RpcError) as err:
             stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="x", parents=["nope"])]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert len(server.logic.directory.list_sessions()) == before
+        assert len(server.sessions.directory.list_sessions()) == before
         assert fuzz_main(["--address", address, "--requests", "20", "--out", str(tmp_path)]) == 0
         assert json.loads((tmp_path / "fuzz_cpu.json").read_text())["passed"]
     finally:

@@ -62,7 +62,7 @@ def test_a_served_workflow_is_recorded_as_its_client_saw_it_without_secrets(reco
     assert [b["reply"] for b in line["branches"]] == replies and all(replies)
     assert [b["prompt"] for b in line["branches"]] == ["1 2", "3 4"] and line["task"] == "add:"
     assert line["answer"] == events[-1].done.answer_text and line["synthesis"]["prompt"] == "sum:"
-    assert line["model"] == server.logic.engine.fingerprint and line["transport"] == "TRANSPORT_LOCAL"
+    assert line["model"] == server.sessions.engine.fingerprint and line["transport"] == "TRANSPORT_LOCAL"
     assert line["text_branches"] == []  # (every branch read from its KV)
     assert line["worker_header"] == "<|worker|>"  # (what opened the replies: a reader lays them out with it)
     text = json.dumps(line)
