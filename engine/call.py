@@ -58,7 +58,7 @@ class Call:
     """One call of a request, from planning to its stored message. `tokens` is its message (prefill) or header
     (decode), from position `offset`; `prefix`, a cached start of its message reused from the prefix cache, comes
     before them (its KV is a lent parent, not encoded again). `parents` and `parent_offsets` are what its message
-    records it read (no siblings, no lent start); `seed`, what its KV is a function of before its own tokens
+    records it read (no siblings, no lent start); `content_seed`, what its KV is a function of before its own tokens
     (engine.prefix_cache), when it is cacheable. `slots[i]`: the work-cache slot of its i-th encoded token
     (generated ones too)."""
 
@@ -70,7 +70,7 @@ class Call:
     adapter: str | None = None  # the adapter its rows run on (Engine.add_adapter); None: the base weights
     parents: tuple[str, ...] = ()
     parent_offsets: tuple[int, ...] = ()
-    seed: bytes | None = None
+    content_seed: bytes | None = None
     prefix: object | None = None  # engine.store.Message: the cached start it follows
     unrecorded: str = ""  # what shaped its KV beyond what its message records ("": nothing; engine.store.Message)
     status: CallStatus = CallStatus.ENCODING

@@ -152,7 +152,8 @@ class Committer:
                 kv = DenseKV(kv)
             if call.prefix is not None:
                 toks, offset = [*call.prefix.token_ids, *toks], call.prefix.offset
-            keys = self.prefix_cache.keys(call.seed, toks) if call.seed is not None else None  # (hashed once)
+            seed = call.content_seed
+            keys = self.prefix_cache.keys(seed, toks) if seed is not None else None  # (hashed once)
             messages.append(Message(call.message_id, tuple(toks), kv, offset, call.parents,
                                     call.parent_offsets, self.encoded_by(call.adapter), keys[-1][1] if keys else None,
                                     call.unrecorded))

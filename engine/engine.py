@@ -134,9 +134,7 @@ class Engine:
             self._store_lock = threading.Lock()
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
             self.adapters: dict[str, Adapter] = {}  # what calls may name as their adapter (add_adapter)
-            s = self.spec
-            # one token's keys and values over every layer: what a message costs per token, stored or shipped
-            self.kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.lm.dtype.itemsize
+            self.kv_bytes_per_token = self.lm.kv_bytes_per_token
             work = max(1, _kv_budget(config, self.lm.device) // self.kv_bytes_per_token // config.kv_block_tokens)
             stored = self.store.budget_bytes // self.kv_bytes_per_token // config.kv_block_tokens if self.paged else 0
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,

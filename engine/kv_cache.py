@@ -67,7 +67,7 @@ class KVPool:
         self.zeroed = zeroed
         self.trash = blocks * block_tokens
         self.kv[:, :, :, self.trash:].zero_()  # (padding keys read it, masked: it must hold no NaN)
-        self.slot_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.kv.element_size()
+        self.slot_bytes = lm.kv_bytes_per_token
         self.free: list[int] = []  # blocks handed back, a stack (the last handed back is taken first)
         self._fresh = 0  # blocks [_fresh, blocks) were never handed out: taken in order after the stack
         self.shared: dict[tuple, SharedRun] = {}

@@ -46,6 +46,12 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's keys and values over every layer: what a message costs per token, pooled, stored or shipped."""
+        s = self.spec
+        return s.num_layers * 2 * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
 
 FINGERPRINT_CACHE_MIN_BYTES = 1 << 30  # checkpoints this large keep their fingerprint in the cache file
 

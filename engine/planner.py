@@ -52,7 +52,8 @@ class Planner:
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, fingerprint: str, device: torch.device, tokenize,
                  store: MessageStore, prefix_cache: PrefixCache | None, adapters: dict[str, Adapter]):
-        self.config, self.spec, self.fingerprint, self.device, self.tokenize = config, spec, fingerprint, device, tokenize
+        self.config, self.spec, self.fingerprint, self.device = config, spec, fingerprint, device
+        self.tokenize = tokenize
         self.store, self.prefix_cache, self.adapters = store, prefix_cache, adapters
 
     def _as_tokens(self, value: Tokens, what: str, call: int) -> list[int]:
@@ -105,9 +106,9 @@ class Planner:
         None, ready ids by call index, lent view ids)."""
         cache = self.prefix_cache
         for call in plan.calls:
-            call.seed = content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
+            call.content_seed = content_seed(self.fingerprint, [(self.store.get(p).content_key, off) for p, off in
                                                         zip(call.parents, call.parent_offsets)], call.offset)
-        hits = [cache.lookup(c.seed, c.tokens, len(c.tokens) - c.decodes, self.store) for c in plan.calls]
+        hits = [cache.lookup(c.content_seed, c.tokens, len(c.tokens) - c.decodes, self.store) for c in plan.calls]
         if not any(hits):
             return plan, {}, []
         ready, views, left = {}, [], []
@@ -121,7 +122,7 @@ class Planner:
             if n == len(call.tokens):  # a prefill found whole
                 mine = Message(call.message_id, tuple(call.tokens), kv, call.offset, call.parents,
                                call.parent_offsets, msg.fingerprint, msg.content_key if n == msg.num_tokens else
-                               cache.content_key(call.seed, call.tokens))
+                               cache.content_key(call.content_seed, call.tokens))
                 self.store.add([mine])
                 ready[c] = mine.id
                 continue
@@ -137,7 +138,7 @@ class Planner:
         rest = self.plan([spec for _, _, spec in left], 0, ())
         for placed, (call, view, _) in zip(rest.calls, left):  # (what the messages record: not the lent views)
             placed.parents, placed.parent_offsets = call.parents, call.parent_offsets
-            placed.message_id, placed.seed, placed.prefix = call.message_id, call.seed, view
+            placed.message_id, placed.content_seed, placed.prefix = call.message_id, call.content_seed, view
         return rest, ready, views
 
     @staticmethod

@@ -380,7 +380,7 @@ class Scheduler:
         self._flight: _Flight | None = None  # the launched step whose tokens are not read yet
         self.adapters = adapters if adapters is not None else {}
         self.max_batched_tokens = max_batched_tokens
-        self.slot_bytes = pool.kv[:, :, :, 0].numel() * pool.kv.element_size()
+        self.slot_bytes = pool.slot_bytes
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
