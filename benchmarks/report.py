@@ -242,6 +242,7 @@ BASELINES = {
     "88043d2": "the engine before only the scheduler's thread had an OpenMP pool",
     "14eeb4b": "the in-process API on a thread-pool gRPC server, before grpc.aio",
     "4a95c46": "the grpc.aio server before RunWorkflow's Redis calls left its loop",
+    "d8d8f99": "the tree before issue 59's second pass on the engine's house",
 }
 
 
@@ -1515,7 +1516,10 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       # the tree with that step loop against the engine before the GPU-engine work
       "ab_serving_c16_loop", "ab_synthesis_ttft_100m_loop",
       # the tree with compiled forwards added (compile off, the default) against the tree before it
-      "ab_serving_c16_compile_off", "ab_synthesis_ttft_100m_compile_off"]
+      "ab_serving_c16_compile_off", "ab_synthesis_ttft_100m_compile_off",
+      # the engine's house, second pass (a typed step from the scheduler, a planner and a committer behind Engine, one
+      # Transport decided once, the session RPCs in api/) against the tree before it
+      "ab_serving_c16_house2", "ab_synthesis_ttft_100m_house2"]
 
 
 def engine_ab(r: Report) -> str:
