@@ -59,6 +59,7 @@ def test_the_client_s_ask_and_the_cluster_s_setting_come_first():
     ("verified to answer as text does only up to 8 branches; this request has 9", {"branches": 9}),
     ("not verified to answer as text does", {"verified_branches": 0}),
     ("verified at placement mixed; this request asks for sequential", {"placement": "sequential"}),
+    ("verified at placement mixed; this request asks for branch_point", {"placement": "branch_point"}),
 ])
 def test_auto_reads_kv_only_inside_the_verified_envelope(why, kw):
     d = ask(**kw)

@@ -34,6 +34,12 @@ THIRD_PARTY = {"results": SERVICES, "kernels": SERVICES, "models": SERVICES, "en
                "methods": SERVICES, "evals": SERVICES, "train": SERVICES}
 
 
+# pairs the floors alone would allow that stay apart: the core reads no test checkpoints' helpers, the methods speak
+# no API, evaluation and training move no KV between processes, and nothing served runs an evaluation or training
+APART = {"engine": {"models"}, "methods": {"protos"}, "evals": {"kv"}, "train": {"kv"},
+         **{room: {"evals", "train"} for room in ("api", "workers", "synthesizer", "cluster", "loadtest")}}
+
+
 def room_of(name: str) -> str | None:
     """The room a module name lies in (None: not Braid's); braid.cli and the package itself are the "braid" room."""
     parts = name.split(".")
@@ -92,6 +98,8 @@ def violations(room: str, paths, module=None) -> list[str]:
             if target is not None and target != room and FLOOR[target] >= FLOOR[room]:
                 bad.setdefault((where, target), f"{where} imports {name} ({target}: floor {FLOOR[target]}, {room} "
                                                 f"stands on {FLOOR[room]})")
+            elif target in APART.get(room, ()):
+                bad.setdefault((where, target), f"{where} imports {name} ({room} and {target} stay apart)")
             elif name.split(".")[0] in THIRD_PARTY.get(room, ()):
                 bad.setdefault((where, name.split(".")[0]), f"{where} imports {name}")
     return list(bad.values())
@@ -107,13 +115,15 @@ def test_the_floors_check_refuses_a_sibling_an_upper_floor_and_a_service(tmp_pat
     """The check above can fail: kv importing a method (its floor's neighbour, lazily), kernels importing train
     (above), the engine importing the API's protos (beside it) or Ray; the engine importing kernels passes."""
     files = {"kv": "def f():\n    from braid.methods import synthesis\n", "kernels": "import braid.train.calibrate\n",
-             "engine": "from braid.protos import agent_pb2\nimport ray\nfrom braid.kernels import rerotate\n"}
+             "engine": "from braid.protos import agent_pb2\nimport ray\nfrom braid.kernels import rerotate\n",
+             "evals": "from braid.kv import connector\nfrom braid.engine import Engine\n"}
     for room, text in files.items():
         (tmp_path / f"{room}.py").write_text(text)
     found = {room: violations(room, [tmp_path / f"{room}.py"], lambda p: f"braid.{p.stem}.x") for room in files}
-    assert [len(found[r]) for r in files] == [1, 1, 2], found
+    assert [len(found[r]) for r in files] == [1, 1, 2, 1], found
     assert found["kv"][0].endswith("imports braid.methods (methods: floor 2, kv stands on 2)")
     assert found["engine"][1].endswith("imports ray")
+    assert found["evals"][0].endswith("imports braid.kv (evals and kv stay apart)")
 
 
 def test_every_room_stands_on_a_floor():
