@@ -47,60 +47,58 @@ def decide(x: DecisionInput) -> Decision:
     the most KV the branches can produce takes less time than re-prefilling their text.
 
     A staircase reads the workers' KV chunks as they arrive: one that would get text is FAILED_PRECONDITION."""
-    decision = _decide(x)
-    if x.staircase and decision.transport is Transport.TEXT:
+    transport, reason = _decide(x)
+    if x.staircase and transport is Transport.TEXT:
         raise PreconditionError(f"a staircase reads the workers' KV chunks as they arrive, but the transport chosen "
-                                f"is text ({decision.reason}); ask for TRANSPORT_GRPC to answer from the cache path "
-                                "anyway, or drop staircase")
-    return decision
+                                f"is text ({reason}); ask for TRANSPORT_GRPC to answer from the cache path anyway, "
+                                "or drop staircase")
+    return Decision(transport, reason, x.info.verified_tokens if x.per_branch else 0)
 
 
-def _decide(x: DecisionInput) -> Decision:
+def _decide(x: DecisionInput) -> tuple[Transport, str]:
     info, auto = x.info, x.configured is None
-    text_over = info.verified_tokens if x.per_branch else 0
     if x.requested is not None:
-        return Decision(x.requested, "requested by the client", text_over)
+        return (x.requested, "requested by the client")
     calibration, override = info.calibration, "ask for a KV transport to override"
     if auto and not calibration:
-        return Decision(Transport.TEXT, "no calibration is loaded for this model, and uncalibrated answers from KV "
+        return (Transport.TEXT, "no calibration is loaded for this model, and uncalibrated answers from KV "
                         f"are often wrong: the branches' text is re-prefilled ({override}, or serve with "
-                        "--calibration)", text_over)
+                        "--calibration)")
     if auto and x.branches > info.verified_branches:
         checked = (f"verified to answer as text does only up to {info.verified_branches} branches"
                    if info.verified_branches else "not verified to answer as text does (`braid eval --verify`)")
-        return Decision(Transport.TEXT, f"calibration {calibration} is {checked}; this request has {x.branches}: "
-                        f"the branches' text is re-prefilled ({override})", text_over)
+        return (Transport.TEXT, f"calibration {calibration} is {checked}; this request has {x.branches}: "
+                        f"the branches' text is re-prefilled ({override})")
     over = info.verified_tokens and x.branch_limit > info.verified_tokens
     if auto and over and not x.per_branch:
-        return Decision(Transport.TEXT, f"calibration {calibration} was verified on branches of up to "
+        return (Transport.TEXT, f"calibration {calibration} was verified on branches of up to "
                         f"{info.verified_tokens} tokens; this request's may reach {x.branch_limit} (worker "
-                        f"max_tokens): the branches' text is re-prefilled ({override}, or lower max_tokens)", text_over)
+                        f"max_tokens): the branches' text is re-prefilled ({override}, or lower max_tokens)")
     if auto and info.verified_placement and x.placement and x.placement != info.verified_placement:
-        return Decision(Transport.TEXT, f"calibration {calibration} was verified at placement "
+        return (Transport.TEXT, f"calibration {calibration} was verified at placement "
                         f"{info.verified_placement}; this request asks for {x.placement}: the branches' text is "
-                        f"re-prefilled ({override}, or leave placement unset)", text_over)
+                        f"re-prefilled ({override}, or leave placement unset)")
     with_calibration = f"; calibration {calibration}" if calibration else ""
     if auto and over:
         with_calibration += (f"; a branch longer than the {info.verified_tokens} tokens it was verified on is read "
                              "from its text at synthesis")
     if x.colocated:
-        return Decision(Transport.LOCAL, f"colocated engines: KV is reused in place{with_calibration}", text_over)
+        return (Transport.LOCAL, f"colocated engines: KV is reused in place{with_calibration}")
     if not auto:
-        return Decision(x.configured, f"configured: kv_transport={x.configured}{with_calibration}", text_over)
+        return (x.configured, f"configured: kv_transport={x.configured}{with_calibration}")
     tokens = x.branches * x.branch_limit  # the most the branches can produce (their max_tokens)
     kv_bytes, prefill_s = tokens * info.kv_bytes_per_token, tokens / info.prefill_tokens_per_s
     if info.link_bytes_per_s is None:
-        return Decision(Transport.GRPC, f"no link measured yet; re-prefill of up to {tokens} tokens would take "
-                        f"up to ~{1e3 * prefill_s:.0f} ms{with_calibration}", text_over)
+        return (Transport.GRPC, f"no link measured yet; re-prefill of up to {tokens} tokens would take "
+                        f"up to ~{1e3 * prefill_s:.0f} ms{with_calibration}")
     ship_s = kv_bytes / info.link_bytes_per_s
     if ship_s < prefill_s:
-        return Decision(Transport.GRPC, f"shipping up to {_mb(kv_bytes)} at {info.link_bytes_per_s / 1e9:.2f} GB/s "
+        return (Transport.GRPC, f"shipping up to {_mb(kv_bytes)} at {info.link_bytes_per_s / 1e9:.2f} GB/s "
                         f"(~{1e3 * ship_s:.0f} ms) beats re-prefill of up to {tokens} tokens at "
-                        f"{info.prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms){with_calibration}",
-                        text_over)
-    return Decision(Transport.TEXT, f"re-prefill of up to {tokens} tokens (~{1e3 * prefill_s:.0f} ms) beats "
+                        f"{info.prefill_tokens_per_s:.0f} tok/s (~{1e3 * prefill_s:.0f} ms){with_calibration}")
+    return (Transport.TEXT, f"re-prefill of up to {tokens} tokens (~{1e3 * prefill_s:.0f} ms) beats "
                     f"shipping up to {_mb(kv_bytes)} at {info.link_bytes_per_s / 1e9:.2f} GB/s "
-                    f"(~{1e3 * ship_s:.0f} ms)", text_over)
+                    f"(~{1e3 * ship_s:.0f} ms)")
 
 
 def _mb(n: int) -> str:

@@ -45,7 +45,7 @@ class Committer:
 
     def at_home(self, msg: Message) -> bool:
         """Whether the message's KV lives in this engine's pool (engine.store.PagedKV): where it was encoded, it is
-        read in place without a run of its own (`_in_place`)."""
+        read in place without a run of its own (`in_place`)."""
         return isinstance(msg.kv, PagedKV) and msg.kv.pool is self.pool
 
     def in_place(self, plan: Plan, transform: KVTransform | None, own_tokens: int) -> list[bool]:

@@ -45,12 +45,11 @@ class _Transport(enum.IntEnum):
         return self.name in ("GRPC", "COLLECTIVE")
 
     @classmethod
-    def named(cls, word: str, allowed=None) -> "Transport":
-        """The transport a config or flag names ("grpc"); ValueError naming the choices (`allowed`, default all)."""
-        allowed = list(cls) if allowed is None else list(allowed)
-        found = next((t for t in allowed if str(t) == word), None)
+    def named(cls, word: str) -> "Transport":
+        """The transport a config or flag names ("grpc"); ValueError naming the choices."""
+        found = next((t for t in cls if str(t) == word), None)
         if found is None:
-            raise ValueError(f"transport {word!r} is not one of {', '.join(map(str, allowed))}")
+            raise ValueError(f"transport {word!r} is not one of {', '.join(map(str, cls))}")
         return found
 
 
