@@ -7,7 +7,7 @@ assembles its work cache and commits its messages.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,24 @@ class Plan:
     @property
     def parent_ids(self) -> set[str]:
         return {m.id for m, _ in self.entries}
+
+    def narrowed(self, kept: list[int]) -> "Plan":
+        """This plan (no lead calls) with only the calls `kept`, and the entries they read: each call's own
+        entries, then its lent cached start (`Call.prefix`, at the offset its message starts), when it has one."""
+        assert not self.lead, "a plan with lead calls reads no prefix cache"
+        n = len(self.entries)
+        visible = self.visible.cpu()
+        used = visible[kept, :n].any(0).nonzero().flatten().tolist()
+        entries, mapped = [self.entries[e] for e in used], [self.mapped[e] for e in used]
+        columns = [visible[kept][:, used]]
+        calls = [self.calls[c] for c in kept]
+        for i, call in enumerate(calls):
+            if call.prefix is not None:
+                entries.append((call.prefix, call.prefix.offset))
+                mapped.append(False)
+                columns.append(torch.arange(len(calls))[:, None] == i)
+        columns.append(torch.eye(len(calls), dtype=torch.bool))  # (each call sees its own rows; no siblings)
+        return Plan(entries, torch.cat(columns, dim=1).to(self.visible.device), calls, mapped=mapped)
 
 
 class Planner:
@@ -100,9 +118,10 @@ class Planner:
         return lead
 
     def reuse(self, plan: Plan):
-        """Look every call up in the prefix cache (store lock held). A prefill call found whole becomes a
-        message sharing the cached KV at once; a call whose start is cached gets that start as a lent parent
-        (a view, no copy) and encodes only the rest, placed again with it. Returns (plan of what is left or
+        """Look every call of `plan` (no lead calls, no transform) up in the prefix cache (store lock held). A
+        prefill call found whole becomes a message sharing the cached KV at once and leaves the plan; a call
+        whose start is cached reads that start as a lent parent (a view, no copy) placed where the call began,
+        and encodes only the rest. The plan is amended, not made again. Returns (the plan of what is left or
         None, ready ids by call index, lent view ids)."""
         cache = self.prefix_cache
         for call in plan.calls:
@@ -111,44 +130,26 @@ class Planner:
         hits = [cache.lookup(c.content_seed, c.tokens, len(c.tokens) - c.decodes, self.store) for c in plan.calls]
         if not any(hits):
             return plan, {}, []
-        ready, views, left = {}, [], []
+        ready, views, kept = {}, [], []
         for c, (call, hit) in enumerate(zip(plan.calls, hits)):
-            if hit is None:
-                left.append((call, None, self._spec(call)))
-                continue
-            msg, n = hit
-            kv = msg.kv.part(0, n)  # the same memory (itself when whole)
-            self.store.touch([msg.id])
-            if n == len(call.tokens):  # a prefill found whole
-                mine = Message(call.message_id, tuple(call.tokens), kv, call.offset, call.parents,
-                               call.parent_offsets, msg.fingerprint, msg.content_key if n == msg.num_tokens else
-                               cache.content_key(call.content_seed, call.tokens))
-                self.store.add([mine])
-                ready[c] = mine.id
-                continue
-            view = Message(f"~prefix-{new_message_id()}", tuple(call.tokens[:n]), kv, call.offset, (), (),
-                           msg.fingerprint)
-            self.store.add([view])
-            views.append(view.id)
-            spec = self._spec(call, call.tokens[n:])
-            left.append((call, view, replace(spec, parents=[*call.parents, view.id],
-                                             offsets=[*call.parent_offsets, call.offset], new_offset=call.offset + n)))
-        if not left:
-            return None, ready, views
-        rest = self.plan([spec for _, _, spec in left], 0, ())
-        for placed, (call, view, _) in zip(rest.calls, left):  # (what the messages record: not the lent views)
-            placed.parents, placed.parent_offsets = call.parents, call.parent_offsets
-            placed.message_id, placed.content_seed, placed.prefix = call.message_id, call.content_seed, view
-        return rest, ready, views
-
-    @staticmethod
-    def _spec(call: Call, tokens: list[int] | None = None) -> PrefillCall | DecodeCall:
-        """A planned call as asked for again (its tokens, or `tokens`), to place what the prefix cache left."""
-        tokens = call.tokens if tokens is None else tokens
-        if call.decodes:
-            return DecodeCall(tokens, call.parents, call.parent_offsets, call.offset, call.sampling,
-                              adapter=call.adapter)
-        return PrefillCall(tokens, call.parents, call.parent_offsets, call.offset, call.store, call.adapter)
+            if hit is not None:
+                msg, n = hit
+                kv = msg.kv.part(0, n)  # the same memory (itself when whole)
+                self.store.touch([msg.id])
+                if n == len(call.tokens):  # a prefill found whole
+                    mine = Message(call.message_id, tuple(call.tokens), kv, call.offset, call.parents,
+                                   call.parent_offsets, msg.fingerprint, msg.content_key if n == msg.num_tokens else
+                                   cache.content_key(call.content_seed, call.tokens))
+                    self.store.add([mine])
+                    ready[c] = mine.id
+                    continue
+                call.prefix = Message(f"~prefix-{new_message_id()}", tuple(call.tokens[:n]), kv, call.offset, (),
+                                      (), msg.fingerprint)
+                self.store.add([call.prefix])
+                views.append(call.prefix.id)
+                call.tokens, call.offset = call.tokens[n:], call.offset + n
+            kept.append(c)
+        return (plan.narrowed(kept) if kept else None), ready, views
 
     def plan(self, calls: Sequence[PrefillCall | DecodeCall], lead: int, mapped_ids=()) -> Plan:
         """Validate the calls and place their parents. The first `lead` calls are prefill calls that the

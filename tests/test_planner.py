@@ -48,3 +48,29 @@ def test_the_scheduler_reaches_the_store_through_the_request_s_planned_kv(llama_
         eng.free(stream.ids[0])
     finally:
         eng.free(a)
+
+
+def test_the_prefix_cache_amends_the_plan_it_was_given(checkpoint):
+    """Planned once: a call found whole in the prefix cache leaves the plan as a ready message; a call whose
+    start is cached keeps its place, encodes only the rest after it, and reads that start as a lent parent at
+    the offset its message begins; a miss is left as planned."""
+    from braid.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(checkpoint("llama"), prefix_block_tokens=4))
+    start = list(range(3, 15))  # 12 tokens: three whole blocks
+    cached, = eng.prefill([PrefillCall(start)])
+    calls = [PrefillCall(start), PrefillCall([*start, 20, 21, 22]), PrefillCall([30, 31, 32])]
+    with eng._store_lock:
+        plan = eng.planner.plan(calls, eng.planner.check(calls))
+        ids = [c.message_id for c in plan.calls]
+        rest, ready, views = eng.planner.reuse(plan)
+    try:
+        assert list(ready) == [0] and eng.message(ready[0]).token_ids == tuple(start)
+        assert [c.message_id for c in rest.calls] == ids[1:]  # (the same calls, amended: not planned again)
+        grown, miss = rest.calls
+        assert (grown.tokens, grown.offset, grown.reused) == ([20, 21, 22], 12, 12)
+        assert (miss.tokens, miss.offset, miss.prefix) == ([30, 31, 32], 0, None)
+        assert [(m.id, off) for m, off in rest.entries] == [(grown.prefix.id, 0)] and views == [grown.prefix.id]
+        assert rest.visible.tolist() == [[True, True, False], [False, False, True]]
+    finally:
+        eng.discard([*views, *ready.values(), cached], when_unpinned=False)
