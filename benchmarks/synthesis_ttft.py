@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from braid.engine import DecodeCall, EngineConfig, PrefillCall, SamplingParams
-from braid.methods.calibration import calibration_of, fingerprints, load_engine, served_refresh
+from braid.methods.calibration import fingerprints, load_engine, served_refresh
 from braid.methods.synthesis import Placement, Refresh, synthesize_stream, synthesize_text_stream
 from braid.models.checkpoints import add_model_arguments, benchmark_model
 from braid.results import device_name, pyplot, write_json
@@ -115,10 +115,10 @@ def main(argv=None):
             calibration = write_untrained(path, f"{tmp}/calibration", scale=0.02, name="random")
         eng = load_engine(EngineConfig(path, dtype=args.dtype, device=device, store_budget_bytes=64 << 30,
                                        calibration=calibration))
-    hooks = calibration_of(eng).hooks
+    hooks = eng.calibration.hooks
     # the served cache path: a trained calibration's placement and refresh; for a random one, the committed
     # calibration's (sequential, a token refreshed at each end)
-    served = ((calibration_of(eng).calibration.placement, served_refresh(calibration_of(eng))) if trained
+    served = ((eng.calibration.record.placement, served_refresh(eng.calibration)) if trained
               else (Placement.SEQUENTIAL, Refresh(1, 1)))
     lengths = args.lengths or ([512, 1024, 2048, 4096] if device.startswith("cuda") else [128, 256, 512, 1024])
     gen = torch.Generator().manual_seed(0)

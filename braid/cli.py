@@ -49,7 +49,7 @@ def eval_cmd(args) -> int:
         report,
         verify,
     )
-    from braid.methods.calibration import calibration_of, fingerprints, load_engine, mode_name, served_refresh
+    from braid.methods.calibration import fingerprints, load_engine, mode_name, served_refresh
     from braid.results import write_json_to
 
     if args.verification is not None:  # (checked before anything is loaded or run)
@@ -77,14 +77,14 @@ def eval_cmd(args) -> int:
     unknown = [m for m in names if m not in by_name]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(by_name)}"
-                         + ("" if calibration_of(engine) else " (the calibrated modes need a calibration)"))
+                         + ("" if engine.calibration else " (the calibrated modes need a calibration)"))
     modes = [by_name[m] for m in names]
     for spec in args.hooks:
         modes += hooked_modes(*load_hooks(spec, engine))
-    if args.verify and args.verify_mode is None and calibration_of(engine) is not None:
+    if args.verify and args.verify_mode is None and engine.calibration is not None:
         # the mode the synthesizer serves this calibration with by default: with the refresh it was trained with
-        args.verify_mode = mode_name(served_refresh(calibration_of(engine)))
-    if args.verify and (calibration_of(engine) is None or not {"text", args.verify_mode} <= set(names)):
+        args.verify_mode = mode_name(served_refresh(engine.calibration))
+    if args.verify and (engine.calibration is None or not {"text", args.verify_mode} <= set(names)):
         raise ValueError(f"--verify compares {args.verify_mode or 'the calibrated mode'} with text: load a "
                          "calibration and run both modes")
     ran: EvalConfig | dict = config
@@ -108,7 +108,7 @@ def eval_cmd(args) -> int:
     print(format_table(out["summary"]))
     if args.verify:
         # the longest branch it was checked on: `auto` ships KV only for requests whose branches cannot be longer
-        calibration = calibration_of(engine).calibration
+        calibration = engine.calibration.record
         verified = next(m for m in modes if m.name == args.verify_mode).synthesis
         # (what was verified: where its mode placed the branches, and on which weights)
         referenced = [r.reference_correct for r in results if r.reference_correct is not None]
@@ -145,7 +145,7 @@ def demo(args) -> int:
     """One synthetic task: workers in parallel, then the answer synthesized in every mode, text and cached KV."""
     from braid.engine import EngineConfig
     from braid.evals.harness import EvalConfig, engine_modes, run_task
-    from braid.methods.calibration import calibration_of, load_engine, mode_name, served_refresh
+    from braid.methods.calibration import load_engine, mode_name, served_refresh
     from braid.models.tasks import generate
 
     length = _length(args.length)
@@ -154,7 +154,7 @@ def demo(args) -> int:
                                       calibration=args.calibration))
     # the calibrated cache path as served (with the refresh it was trained with), and without the refresh; the
     # ablations and the other placement are braid eval's
-    served = mode_name(served_refresh(calibration_of(engine))) if calibration_of(engine) is not None else None
+    served = mode_name(served_refresh(engine.calibration)) if engine.calibration is not None else None
     modes = [m for m in engine_modes(engine) if m.name in ("calibrated", served) or not m.name.startswith("calibrated")]
     result = run_task(engine, task, modes, EvalConfig(tasks=(task.name,), branches=(args.branches,),
                                                            length=length))

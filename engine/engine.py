@@ -134,6 +134,9 @@ class Engine:
             self._store_lock = threading.Lock()
             self.prefix_cache = PrefixCache(config.prefix_block_tokens) if config.prefix_caching else None
             self.adapters: dict[str, Adapter] = {}  # what calls may name as their adapter (add_adapter)
+            # the calibration attached to it (methods.calibration.attach, which adds its adapters; None: none): held
+            # here, opaque to the core, which imports no method
+            self.calibration: object | None = None
             self.kv_bytes_per_token = self.lm.kv_bytes_per_token
             work = max(1, _kv_budget(config, self.lm.device) // self.kv_bytes_per_token // config.kv_block_tokens)
             stored = self.store.budget_bytes // self.kv_bytes_per_token // config.kv_block_tokens if self.paged else 0

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from braid.engine import Engine, PrefillCall, SamplingParams
 from braid.engine.engine import TokenEvent
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci, paired_lower_bound, samples_needed
-from braid.methods.calibration import Attached, calibration_of, mode_name
+from braid.methods.calibration import Attached, mode_name
 from braid.methods.fanout import fan_out
 from braid.methods.staircase import BranchFeed, StaircaseResult, StaircaseSchedule, Variant, staircase
 from braid.methods.synthesis import TEXT as TEXT_MODE
@@ -71,9 +71,9 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
     refresh it was trained with (mode_name: `calibrated+refresh<head>-<tail>` other than a token at each end; a
     token at each end when it was trained without one), and `calibrated+refresh` as well when that differs;
     `staircase-reprefill:calibrated+refresh` and `staircase-append:calibrated+refresh` stream the first."""
-    full, placement = attached.hooks, attached.calibration.placement
+    full, placement = attached.hooks, attached.record.placement
     elsewhere = [p for p in (Placement.BRANCH_POINT, Placement.SEQUENTIAL, Placement.MIXED) if p is not placement]
-    refresh = attached.calibration.refresh or REFRESH  # (the one it was trained with, else the default)
+    refresh = attached.record.refresh or REFRESH  # (the one it was trained with, else the default)
     # (and the default as well, which a deployment may serve it with: refresh_tokens 1)
     others = [Mode(mode_name(REFRESH), SynthesisMode(placement, full, REFRESH))] if refresh != REFRESH else []
     return [Mode("calibrated", SynthesisMode(placement, full)),
@@ -92,7 +92,7 @@ def calibrated_modes(attached: Attached) -> list[Mode]:
 def engine_modes(engine: Engine) -> list[Mode]:
     """Every mode this engine can run: text, the untrained cached modes and, with a calibration, its modes."""
     return [*BASE_MODES, *STAIRCASE_MODES,
-            *(calibrated_modes(calibration_of(engine)) if calibration_of(engine) is not None else [])]
+            *(calibrated_modes(engine.calibration) if engine.calibration is not None else [])]
 
 
 def load_hooks(spec: str, engine: Engine) -> tuple[str, SynthesisHooks]:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from braid.engine import Engine, EngineConfig
 from braid.evals.stats import accuracy_ci, mcnemar_p, paired_difference_ci
-from braid.methods.calibration import calibration_of, fingerprints, load_engine
+from braid.methods.calibration import fingerprints, load_engine
 from braid.methods.dag import DagRun, Graph
 from braid.methods.dag.presets import NOTES_STREAMING, NOTES_WORKFLOWS, notes_graph, solver
 from braid.models import REFERENCE_MODEL
@@ -57,7 +57,7 @@ def graph(task: Task, mode: str, workflow: str) -> Graph:
 def runs(engine: Engine, mode: str, workflow: str) -> bool:
     """Whether a mode applies: the calibrated ones need a calibration (and "calibrated+turns" its turn LoRA, and
     turns: ToT has none), a staircase needs readers that decode together."""
-    attached = calibration_of(engine)
+    attached = engine.calibration
     if mode == "calibrated+turns":
         return attached is not None and attached.turns is not None and workflow != "tot"
     return (mode != "calibrated" or attached is not None) and (mode != "staircase" or workflow in NOTES_STREAMING)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         p.error(f"unknown workflow {unknown[0]!r}: choose from {', '.join(WORKFLOWS)}")
     logging.basicConfig(level=logging.WARNING)
     engine = load_engine(EngineConfig(args.model))  # (with its calibration, if any: "calibrated" reads through it)
-    if calibration_of(engine) is None:
+    if engine.calibration is None:
         print(f"{args.model} has no calibration: the calibrated mode is left out")
     rows, recorded = [], []
     for workflow in workflows:

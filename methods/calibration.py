@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -419,7 +418,7 @@ def served_refresh(attached: "Attached | None", refresh_tokens: int | None = Non
     the one the attached calibration was trained with, else a token at each end (the uncalibrated default)."""
     if refresh_tokens is not None:
         return refresh_of(refresh_tokens)
-    return attached.calibration.refresh if attached is not None else Refresh()
+    return attached.record.refresh if attached is not None else Refresh()
 
 
 def mode_name(refresh: Refresh | None) -> str:
@@ -434,9 +433,10 @@ def mode_name(refresh: Refresh | None) -> str:
 
 @dataclass
 class Attached:
-    """A calibration attached to an engine: its hooks, and the pieces for ablations."""
+    """A calibration attached to an engine (`attach`; the engine holds it as `Engine.calibration`): its record,
+    its hooks, and the pieces for ablations."""
 
-    calibration: Calibration
+    record: Calibration
     peft_model: object
     hooks: SynthesisHooks  # mapper and LoRA
     turns: SynthesisHooks | None = None  # the turn LoRA (no mapper), when the calibration has one (methods.dag)
@@ -447,28 +447,23 @@ class Attached:
 
 
 def load_engine(config: EngineConfig) -> Engine:
-    """An engine for `config`, with the calibration it names attached (`calibration_of`); "none": none."""
+    """An engine for `config`, with the calibration it names attached (`Engine.calibration`); "none": none."""
     engine = Engine(config)
     path = engine.config.calibration  # (resolved: "auto" is the model's own, or none)
     if path != "none":
         # (on CPU, merged on one thread, as the engine loads its model: engine.threads)
         with one_thread() if engine.lm.device.type == "cpu" else nullcontext():
             attached = attach(engine, path, engine.config.verification)
-        log.info("calibration %s attached (trained on %s; verification %s)", path, attached.calibration.base_model,
+        log.info("calibration %s attached (trained on %s; verification %s)", path, attached.record.base_model,
                  engine.config.verification)
     return engine
-
-
-def calibration_of(engine: Engine) -> Attached | None:
-    """The calibration attached to `engine` (load_engine, attach), or None."""
-    return _ATTACHED.get(engine)
 
 
 def fingerprints(engine: Engine) -> dict[str, str | None]:
     """What a result measured on `engine` was measured with, as `braid.results.write_json` takes it: the weights'
     fingerprint and the attached calibration's digest (None: none attached)."""
-    attached = calibration_of(engine)
-    return {"model": engine.fingerprint, "calibration": attached.calibration.digest if attached else None}
+    attached = engine.calibration
+    return {"model": engine.fingerprint, "calibration": attached.record.digest if attached else None}
 
 
 def fingerprints_at(config: EngineConfig) -> dict[str, str | None]:
@@ -500,9 +495,7 @@ def attach(engine: Engine, path: str, verification: str = OWN_VERIFICATION) -> A
         turns = SynthesisHooks(None, f"turns:{digest}")
     adapter = f"calibrated:{calibration.digest}"
     engine.add_adapter(adapter, MergedLora(peft_model, "default"))
-    attached = _ATTACHED[engine] = Attached(calibration, peft_model,
+    attached = engine.calibration = Attached(calibration, peft_model,
                                             SynthesisHooks(calibration.mapper.to(lm.device), adapter), turns)
     return attached
 
-
-_ATTACHED: "weakref.WeakKeyDictionary[Engine, Attached]" = weakref.WeakKeyDictionary()  # (calibration_of)

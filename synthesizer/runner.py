@@ -10,7 +10,7 @@ from braid.engine.config import OWN_VERIFICATION
 from braid.engine.errors import BraidError
 from braid.kv.connector import ReceivedStream, Transport, stream_name
 from braid.kv.receiver import KVReceiver
-from braid.methods.calibration import calibration_of, served_refresh
+from braid.methods.calibration import served_refresh
 from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
 from braid.methods.synthesis import Placement, Refresh, SynthesisMode, read_from_text, synthesis_stream
 from braid.runtime.messages import (
@@ -71,29 +71,29 @@ class SynthesisRunner:
         return rates[-1]
 
     def info(self) -> SynthesizerInfo:
-        s, attached = self.engine.spec, calibration_of(self.engine)
+        s, attached = self.engine.spec, self.engine.calibration
         return SynthesizerInfo(self.engine.fingerprint, s.max_positions, s.vocab_size, self.engine.kv_bytes_per_token,
                                self.prefill_tokens_per_s, self.link_bytes_per_s, self.calibration_name,
-                               attached.calibration.placement.value if attached else Placement.BRANCH_POINT.value,
-                               attached.calibration.verified_for(self.refresh) if attached else 0,
-                               attached.calibration.verified_tokens if attached else 0,
-                               attached.calibration.verified_placement if attached else "",
-                               attached.calibration.digest if attached else "")
+                               attached.record.placement.value if attached else Placement.BRANCH_POINT.value,
+                               attached.record.verified_for(self.refresh) if attached else 0,
+                               attached.record.verified_tokens if attached else 0,
+                               attached.record.verified_placement if attached else "",
+                               attached.record.digest if attached else "")
 
     @property
     def refresh(self) -> Refresh | None:
         """The boundary refresh the cache path is served with (None: off): the config's, else the one the
         calibration was trained to read, else a token at each end."""
-        return served_refresh(calibration_of(self.engine), self.config.refresh_tokens)
+        return served_refresh(self.engine.calibration, self.config.refresh_tokens)
 
     @property
     def calibration_name(self) -> str:
         """The calibration as the transport decision's reasons name it: its path, and the verification its gate
         reads where that is a named one (EngineConfig.verification)."""
-        attached = calibration_of(self.engine)
+        attached = self.engine.calibration
         if attached is None:
             return ""
-        c = attached.calibration
+        c = attached.record
         return c.path if c.verification_name == OWN_VERIFICATION else f"{c.path} (verification {c.verification_name})"
 
     def _receive(self, stream_id: str) -> ReceivedStream:
@@ -107,8 +107,8 @@ class SynthesisRunner:
     def _mode(self, req: SynthesisRequest) -> SynthesisMode:
         """The request's mode as served: the cache path calibrated and its branch boundaries re-encoded."""
         mode, eng = req.mode, self.engine
-        if not mode.text and mode.hooks is None and calibration_of(eng) is not None:
-            mode = replace(mode, hooks=calibration_of(eng).hooks)
+        if not mode.text and mode.hooks is None and eng.calibration is not None:
+            mode = replace(mode, hooks=eng.calibration.hooks)
         if not mode.text and mode.refresh is None:
             mode = replace(mode, refresh=self.refresh)
         if not mode.text and req.text_over:

@@ -22,7 +22,6 @@ from braid.methods.calibration import (
     Calibration,
     LoraSettings,
     MapperConfig,
-    calibration_of,
     load_engine,
     mode_name,
 )
@@ -67,12 +66,12 @@ def test_identity_calibration_leaves_cached_synthesis_bit_identical(checkpoint, 
     engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=False)))
     task = generate("chain", 3, 3)
     workers = run_workers(engine, task)
-    mapper_only = calibration_of(engine).without(lora=True)
+    mapper_only = engine.calibration.without(lora=True)
     for placement in (Placement.BRANCH_POINT, Placement.SEQUENTIAL, Placement.NONE):
         tokens, kv = answer(engine, workers, task, placement, None)
         tokens_mapped, kv_mapped = answer(engine, workers, task, placement, mapper_only)
         assert tokens_mapped == tokens and torch.equal(kv_mapped, kv)
-        tokens_cal, kv_cal = answer(engine, workers, task, placement, calibration_of(engine).hooks)
+        tokens_cal, kv_cal = answer(engine, workers, task, placement, engine.calibration.hooks)
         assert tokens_cal == tokens and torch.allclose(kv_cal, kv, atol=1e-6)
     workers.free()
 
@@ -94,7 +93,7 @@ def test_compiled_forwards_run_the_base_weights_and_answer_as_without(checkpoint
 
     runner.forward = checked
     task = generate("chain", 3, 3)
-    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
+    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks)
            for e in (plain, compiled)]
     assert got[0][0] == got[1][0]
     torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-4, atol=1e-4)
@@ -145,12 +144,12 @@ def test_workers_run_base_weights_while_the_adapter_is_loaded(checkpoint, tmp_pa
         assert [calibrated.message(m).token_ids for m in got.ids] == [plain.message(m).token_ids for m in base.ids]
         for a, b in zip([*got.prefix, *got.contexts, *got.ids], [*base.prefix, *base.contexts, *base.ids]):
             assert torch.equal(calibrated.message(a).kv.read(), plain.message(b).kv.read())
-        _, kv_cal = answer(calibrated, got, task, Placement.BRANCH_POINT, calibration_of(calibrated).hooks)
+        _, kv_cal = answer(calibrated, got, task, Placement.BRANCH_POINT, calibrated.calibration.hooks)
         _, kv_plain = answer(plain, base, task, Placement.BRANCH_POINT, None)
         assert not torch.allclose(kv_cal, kv_plain, atol=1e-3)  # the synthesizer's forwards were adapted
         got.free()
     # each part alone changes the synthesis too (the ablations are real)
-    for part in (calibration_of(calibrated).without(mapper=True), calibration_of(calibrated).without(lora=True)):
+    for part in (calibrated.calibration.without(mapper=True), calibrated.calibration.without(lora=True)):
         got = run_workers(calibrated, task)
         _, kv_part = answer(calibrated, got, task, Placement.BRANCH_POINT, part)
         assert not torch.allclose(kv_part, kv_cal, atol=1e-3)
@@ -168,7 +167,7 @@ def test_base_calls_share_the_synthesizers_forwards_and_stay_unadapted(checkpoin
     plain = load_engine(EngineConfig(ckpt, calibration="none"))
     engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True),
                                       mix_adapters=mix))
-    hooks, task, other = calibration_of(engine).hooks, generate("chain", 5, 3), generate("vote", 6, 4)
+    hooks, task, other = engine.calibration.hooks, generate("chain", 5, 3), generate("vote", 6, 4)
     assert engine.adapters[hooks.adapter].mixes_rows  # (its targets are the decoder layers')
     engine.adapters[hooks.adapter].mixes_rows = row_safe
     mix = mix and row_safe
@@ -209,7 +208,7 @@ def test_adapted_rows_read_the_merged_weight_and_the_others_the_base(checkpoint,
     through the merged weight where marked, the base weight where not."""
     ckpt = checkpoint("llama")
     engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
-    lora = engine.adapters[calibration_of(engine).hooks.adapter]
+    lora = engine.adapters[engine.calibration.hooks.adapter]
     module, base, merged = lora.swaps[0]
     rows = torch.tensor([c == "1" for c in pattern])
     x = torch.randn(1, len(pattern), module.in_features)
@@ -229,14 +228,14 @@ def test_adapted_answers_are_marked_and_refused_as_base_parents(checkpoint, tmp_
     task = generate("vote", 2, 2)
     workers = run_workers(engine, task)
     mid = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
-                     hooks=calibration_of(engine).hooks)
-    digest = calibration_of(engine).calibration.digest
+                     hooks=engine.calibration.hooks)
+    digest = engine.calibration.record.digest
     assert engine.message(mid).fingerprint == f"{engine.fingerprint}+calibrated:{digest}"
     with pytest.raises(FingerprintMismatchError, match="re-encode its text") as err:
         engine.decode([DecodeCall("more", parents=[mid], sampling=SamplingParams(max_tokens=2))])
     assert err.value.code == "FAILED_PRECONDITION"
     plain = synthesize(engine, workers.ids, task.prompt(), workers.prefix, sampling=SamplingParams(max_tokens=4),
-                       hooks=calibration_of(engine).without(lora=True))  # the mapper alone adapts no weights
+                       hooks=engine.calibration.without(lora=True))  # the mapper alone adapts no weights
     assert engine.message(plain).fingerprint == engine.fingerprint
     engine.free(mid), engine.free(plain), workers.free()
 
@@ -253,7 +252,7 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
 
     ckpt = checkpoint("llama")
     engine = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "cal", random=True)))
-    hooks = calibration_of(engine).without(mapper=True)
+    hooks = engine.calibration.without(mapper=True)
     task, prompt, answer = "User: add the parts.", "Synthesizer:", SamplingParams(max_tokens=10, ignore_eos=True)
     workers = fan_out(engine, task, ["Part 3.", "Part 4 and 5."], "W:", SamplingParams(max_tokens=6, ignore_eos=True))
     prefix = engine.prefill([PrefillCall(task)])
@@ -267,7 +266,7 @@ def test_append_rounds_under_the_lora_answer_as_one_adapted_forward(checkpoint, 
     body = engine.tokenize(prompt) + result.answer
     base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa"),
-                                        calibration_of(engine).calibration.adapter_path).merge_and_unload().eval()
+                                        engine.calibration.record.adapter_path).merge_and_unload().eval()
     where = slice(len(body) - len(result.answer) - 1, len(body) - 1)  # (the positions whose logits chose them)
     with torch.no_grad():
         context = torch.tensor([list(engine.message(prefix[0]).token_ids) + chunks])
@@ -290,7 +289,7 @@ def test_bf16_engine_keeps_its_dtypes_and_base_workers(checkpoint, tmp_path):
     base, got = run_workers(plain, task), run_workers(calibrated, task)
     for a, b in zip(got.ids, base.ids):
         assert torch.equal(calibrated.message(a).kv.read(), plain.message(b).kv.read())
-    tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibration_of(calibrated).hooks)
+    tokens, kv = answer(calibrated, got, task, Placement.SEQUENTIAL, calibrated.calibration.hooks)
     assert kv.dtype == torch.bfloat16 and len(tokens) > 0
 
 
@@ -304,11 +303,11 @@ def test_save_load_round_trip(checkpoint, tmp_path):
     assert sorted(os.listdir(path)) == ["adapter", "calibration.json", "mapper.safetensors"]
     again = tmp_path / "again"
     engine = load_engine(EngineConfig(ckpt, calibration=path))
-    loaded.save(str(again), calibration_of(engine).peft_model)
+    loaded.save(str(again), engine.calibration.peft_model)
     for name in loaded.mapper.state_dict():
         assert torch.equal(Calibration.load(str(again)).mapper.state_dict()[name], loaded.mapper.state_dict()[name])
-    saved = get_peft_model_state_dict(calibration_of(engine).peft_model)
-    reloaded = calibration_of(load_engine(EngineConfig(ckpt, calibration=str(again))))
+    saved = get_peft_model_state_dict(engine.calibration.peft_model)
+    reloaded = load_engine(EngineConfig(ckpt, calibration=str(again))).calibration
     assert saved and all(torch.equal(v, get_peft_model_state_dict(reloaded.peft_model)[k]) for k, v in saved.items())
 
 
@@ -440,22 +439,22 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
     for mid in [*prefix, *branches]:
         chunked.import_message(apart.message(mid).token_ids, apart.message(mid).kv.read(), apart.message(mid).offset,
                                apart.fingerprint, message_id=mid)
-    for hooks in (None, calibration_of(fused).hooks):
+    for hooks in (None, fused.calibration.hooks):
         before = set(fused.store.ids())
         tokens, kv = answer(fused, workers, task, Placement.SEQUENTIAL, hooks, refresh)
         for other in (apart, chunked):
             mid = synthesize(other, branches, task.prompt(), prefix, Placement.SEQUENTIAL,
-                             SamplingParams(max_tokens=6), calibration_of(other).hooks if hooks is not None else None,
+                             SamplingParams(max_tokens=6), other.calibration.hooks if hooks is not None else None,
                              refresh=refresh)
             assert other.message(mid).token_ids == tokens
             # (within 1e-4: in the fused prefill the LoRA runs unmerged on the prompt's rows, beside base rows)
             torch.testing.assert_close(other.message(mid).kv.read(), kv, rtol=1e-4, atol=1e-4)
         assert {m for m in fused.store.ids() if not m.startswith(CACHED_PREFIX)} <= before  # (views, runs: gone)
-    _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, calibration_of(fused).hooks)
+    _, plain = answer(fused, workers, task, Placement.SEQUENTIAL, fused.calibration.hooks)
     assert (plain - kv).abs().max() > 1e-3  # (the runs were refreshed: not the plain cache path)
     # once the runs are encoded, the blocks holding what only they read (the unmapped branches) go back
     stream = synthesize_stream(fused, workers.ids, task.prompt(), workers.prefix, Placement.SEQUENTIAL,
-                               SamplingParams(max_tokens=6, ignore_eos=True), calibration_of(fused).hooks, refresh)
+                               SamplingParams(max_tokens=6, ignore_eos=True), fused.calibration.hooks, refresh)
     events = iter(stream)
     next(events)
     group, pool = stream._request, fused.scheduler.pool
@@ -529,7 +528,7 @@ def test_calibrate_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     record = json.load(open(out / "calibration.json"))["record"]
     assert record["steps"] == 3 and record["loss"][:2] == first["loss"] and (out / "loss.png").stat().st_size > 0
     engine = load_engine(EngineConfig(ckpt, calibration=str(out)))
-    assert calibration_of(engine).calibration.lora.rank == 2
+    assert engine.calibration.record.lora.rank == 2
     assert main([*args, "--steps", "3", "--branches", "1"]) == 2  # bad input: one clear line
     # a run to resume that did not start from --init-from is not silently resumed in its place
     assert main([*args, "--steps", "4", "--init-from", str(out)]) == 2
@@ -594,14 +593,14 @@ def test_calibrated_server_ships_kv_by_default_and_answers_through_the_calibrati
         ctx = engine.prefill([PrefillCall(p, parents=prefix) for p in ["Part 3.", "Part 4 and 5."]])
         branches = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=sampling) for c in ctx])
         calibrated = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling,
-                                hooks=calibration_of(engine).hooks, refresh=Refresh(1, 1))
+                                hooks=engine.calibration.hooks, refresh=Refresh(1, 1))
         plain = synthesize(engine, branches, "Synthesizer:", prefix, sampling=sampling)
         assert answer == list(engine.message(calibrated).token_ids[-6:])
         assert engine.message(calibrated).token_ids != engine.message(plain).token_ids  # it did change the answer
         long = engine.decode([DecodeCall(WORKER_HEADER, parents=[*prefix, c], sampling=SamplingParams(
             max_tokens=60, ignore_eos=True)) for c in ctx])
         gated = synthesize(engine, long, "Synthesizer:", prefix, sampling=sampling,
-                           hooks=calibration_of(engine).hooks, refresh=Refresh(1, 1, whole_over=40))
+                           hooks=engine.calibration.hooks, refresh=Refresh(1, 1, whole_over=40))
         served = [e.synthesis_token.token_id for e in longer if e.HasField("synthesis_token")]
         assert served == list(engine.message(gated).token_ids[-6:])
     finally:
@@ -667,8 +666,8 @@ def test_a_named_verification_is_written_beside_the_calibration_and_served_only_
 
     own_engine = load_engine(EngineConfig(ckpt, calibration=path))
     named_engine = load_engine(EngineConfig(ckpt, calibration=path, verification="mine"))
-    assert calibration_of(own_engine).calibration.verification == shipped
-    named = calibration_of(named_engine).calibration
+    assert own_engine.calibration.record.verification == shipped
+    named = named_engine.calibration.record
     assert named.verification == written and named.verification_name == "mine"
     own_gate, named_gate = (SynthesisRunner(e, None, None, SynthesizerConfig()).info()
                             for e in (own_engine, named_engine))
@@ -709,8 +708,8 @@ def test_committed_calibration_reproduces_its_recorded_sample():
 
     recorded = json.load(open(os.path.join(REFERENCE_CALIBRATION, "eval_sample.json")))
     engine = load_engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))  # calibration "auto"
-    assert calibration_of(engine) is not None and engine.fingerprint == recorded["fingerprint"]
-    assert calibration_of(engine).calibration.fingerprint == engine.fingerprint
+    assert engine.calibration is not None and engine.fingerprint == recorded["fingerprint"]
+    assert engine.calibration.record.fingerprint == engine.fingerprint
     cfg = recorded["config"]
     config = EvalConfig(tasks=tuple(cfg["tasks"]), branches=tuple(cfg["branches"]), samples=cfg["samples"],
                         seed=cfg["seed"], length=tuple(cfg["length"]), worker_max_tokens=cfg["worker_max_tokens"],
@@ -743,7 +742,7 @@ def test_a_calibrated_dag_node_reads_its_replies_as_the_served_cache_path(checkp
         events = list(dag)
         voter = [e.token_id for e in events if isinstance(e, NodeToken) and e.node == "voter"]
         # (written untrained, it is read as served by default: a token refreshed at each end)
-        mode = SynthesisMode(calibration_of(engine).calibration.placement, calibration_of(engine).hooks, Refresh(1, 1))
+        mode = SynthesisMode(engine.calibration.record.placement, engine.calibration.hooks, Refresh(1, 1))
         by_hand = synthesis_stream(engine, [dag.outputs[f"s{j}"] for j in range(3)], "Best:", [dag.outputs["system"]],
                                    mode, greedy)
         expected = [e.token_id for e in by_hand]

@@ -13,7 +13,7 @@ from braid.engine import cuda_graphs as graphs_module
 from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
 from braid.engine.kv_cache import WorkCache
 from braid.engine.model_runner import RequestInput
-from braid.methods.calibration import calibration_of, load_engine
+from braid.methods.calibration import load_engine
 from braid.methods.synthesis import Placement
 from braid.models.tasks import generate
 
@@ -211,7 +211,7 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     cal = make_calibration(ckpt, tmp_path / "cal", random=True)
     off, padded = (load_engine(EngineConfig(ckpt, calibration=cal, decode_graphs=m)) for m in ("off", "eager"))
-    lora = padded.adapters[calibration_of(padded).hooks.adapter]
+    lora = padded.adapters[padded.calibration.hooks.adapter]
     swaps = lora.swaps  # (methods.calibration.MergedLora: the adapted Linears, base and merged weights)
     graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
@@ -226,7 +226,7 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 
     graphs.run = checked
     task = generate("chain", 3, 3)
-    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
+    got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks)
            for e in (off, padded)]
     assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-5)
     assert None in keys and lora in keys  # (workers' decodes with base weights, the synthesizer's with the LoRA)
@@ -246,7 +246,7 @@ def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
                    for m in ("off", "eager"))
     graph = task_graph(generate("vote", 3, 3), "calibrated+turns", "mad-iter")
     assert turn_tokens(padded, graph) == turn_tokens(off, graph)
-    assert padded.adapters[calibration_of(padded).turns.adapter] in {w for w, _ in padded.runner.graphs.buckets}
+    assert padded.adapters[padded.calibration.turns.adapter] in {w for w, _ in padded.runner.graphs.buckets}
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -279,10 +279,10 @@ def test_graphs_under_a_lora_replay_its_weights(checkpoint, tmp_path):
                                              kv_budget_bytes=BUDGET)) for mode in ("auto", "off"))
     for seed in range(3):
         task = generate("chain", seed, 3)
-        got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, calibration_of(e).hooks)
+        got = [answer(e, run_workers(e, task), task, Placement.BRANCH_POINT, e.calibration.hooks)
                for e in (off, graphed)]
         assert got[0][0] == got[1][0] and torch.allclose(got[0][1], got[1][1], atol=1e-4)
-    lora = graphed.adapters[calibration_of(graphed).hooks.adapter]
+    lora = graphed.adapters[graphed.calibration.hooks.adapter]
     buckets = graphed.runner.graphs.buckets
     assert {w for w, _ in buckets} == {None, lora}
     for weights in (None, lora):  # (both sets of weights replayed from graphs of their own)

@@ -13,7 +13,7 @@ from braid.cli import main
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine.errors import FingerprintMismatchError
 from braid.evals.workflows import graph as task_graph
-from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings, calibration_of, load_engine
+from braid.methods.calibration import TURNS_DIR, TURNS_MANIFEST, LoraSettings, load_engine
 from braid.methods.dag import DagRun, NodeToken
 from braid.models import REFERENCE_MODEL
 from braid.models.chat import WORKER_HEADER
@@ -96,7 +96,7 @@ def test_turn_lora_runs_only_in_a_calibrated_graphs_turns(checkpoint, tmp_path):
     task = generate("vote", 3, 3)
     g = lambda mode: task_graph(task, mode, "mad-iter")  # noqa: E731
     identity = load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "id", 0.0)))
-    assert calibration_of(identity).turns is not None
+    assert identity.calibration.turns is not None
     base = turn_tokens(identity, g("calibrated"))  # (calibrated, base turns)
     assert turn_tokens(identity, g("calibrated+turns")) == base
     turns = {k: v for k, v in base.items() if k != "final"}  # (the final node: read through the calibration)
@@ -121,10 +121,10 @@ def test_turn_lora_round_trip_and_fingerprint(checkpoint, tmp_path):
     cal = make_calibration(ckpt, tmp_path / "ok", 0.3)
     engine = load_engine(EngineConfig(ckpt, calibration=cal))
     manifest = json.load(open(os.path.join(cal, TURNS_DIR, TURNS_MANIFEST)))
-    assert calibration_of(engine).calibration.turns == manifest and manifest["lora"]["rank"] == 4
-    assert calibration_of(engine).turns.adapter.startswith("turns:")
-    assert calibration_of(load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "none",
-                                                                                       None)))).turns is None
+    assert engine.calibration.record.turns == manifest and manifest["lora"]["rank"] == 4
+    assert engine.calibration.turns.adapter.startswith("turns:")
+    assert (load_engine(EngineConfig(ckpt, calibration=make_calibration(ckpt, tmp_path / "none",
+                                                                                       None)))).calibration.turns is None
     bad = make_calibration(ckpt, tmp_path / "bad", 0.3, fingerprint="0" * 32)
     with pytest.raises(FingerprintMismatchError, match="turn LoRA"):
         load_engine(EngineConfig(ckpt, calibration=bad))
@@ -144,7 +144,7 @@ def test_calibrate_turns_cli_trains_saves_and_resumes(checkpoint, tmp_path):
     record = json.load(open(path))["record"]
     assert record["steps"] == 3 and record["loss"][:2] == first["loss"]
     assert os.path.getsize(os.path.join(cal, TURNS_DIR, "loss.png")) > 0
-    assert calibration_of(load_engine(EngineConfig(ckpt, calibration=cal))).turns is not None
+    assert (load_engine(EngineConfig(ckpt, calibration=cal))).calibration.turns is not None
     assert main([*args, "--steps", "3", "--solvers", "1"]) == 2  # bad input: one clear line
     assert main([*args, "--steps", "3", "--workflows", "tot"]) == 2  # (ToT has no turns)
     assert main([*args, "--steps", "4", "--lora-rank", "4"]) == 2  # a run of another shape is not resumed
@@ -159,7 +159,7 @@ def test_committed_turn_lora_reproduces_its_recorded_sample():
 
     recorded = json.load(open(os.path.join(REFERENCE_TURNS, "eval_sample.json")))
     engine = load_engine(EngineConfig(REFERENCE_MODEL, device="cpu", dtype="float32"))
-    assert calibration_of(engine).turns is not None and engine.fingerprint == recorded["fingerprint"]
+    assert engine.calibration.turns is not None and engine.fingerprint == recorded["fingerprint"]
     for row in recorded["rows"]:
         task = generate(row["task"], row["seed"], row["branches"])
         assert list(answer(engine, task, row["mode"], row["workflow"])) == row["answer"], row

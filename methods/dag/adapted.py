@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from braid.engine.engine import DecodeStream, Engine
-from braid.methods.calibration import calibration_of, served_refresh
+from braid.methods.calibration import served_refresh
 from braid.methods.dag.events import NodeDone, NodeToken
 from braid.methods.dag.graph import Graph, Node
 from braid.methods.synthesis import SynthesisMode, synthesis_stream
@@ -32,7 +32,7 @@ def adaptable(graph: Graph, engine: Engine, n: Node) -> bool:
     has a calibration, and n decodes its own tokens (neither a staircase node nor one a staircase streams:
     those come from the wave's own decode) after at least one other node's reply, all read as cached KV."""
     replies = graph.replies(n)
-    return graph.calibrated and calibration_of(engine) is not None and n.sampling is not None \
+    return graph.calibrated and engine.calibration is not None and n.sampling is not None \
         and not n.staircase and not any(n.name in graph.streamed(s) for s in graph.nodes) \
         and bool(replies) and all(graph.node(e.node).output == "kv" for e in replies)
 
@@ -51,7 +51,7 @@ def turn(graph: Graph, engine: Engine, n: Node) -> bool:
     """Whether node n runs with the calibration's turn LoRA: adaptable, not shaped as a synthesis (a debater
     that reads earlier replies, then its own notes: what braid.train.turns trains on), and the graph wants
     the turn LoRA, which the calibration has."""
-    attached = calibration_of(engine)
+    attached = engine.calibration
     return graph.turn_lora and attached is not None and attached.turns is not None and adaptable(graph, engine, n) \
         and not calibrated(graph, engine, n)
 
@@ -59,7 +59,7 @@ def turn(graph: Graph, engine: Engine, n: Node) -> bool:
 def run_turns(run: "DagRun", wave: Sequence[Node], start: float) -> Iterator[NodeToken | NodeDone]:
     """The wave's turns, decoded together on the run's engine with the turn LoRA on in their forwards; each
     one's output is then encoded again with base weights (its adapted KV is dropped)."""
-    hooks = calibration_of(run.engine).turns
+    hooks = run.engine.calibration.turns
     stream = run.engine.decode_stream([replace(run.node_call(n), adapter=hooks.adapter) for n in wave])
     answers = yield from _adapted(run, stream, wave, start)
     run.encode_outputs(wave, answers, reread=False)
@@ -81,8 +81,8 @@ def synthesize(run: "DagRun", n: Node, start: float) -> Iterator[NodeToken | Nod
     branches = [reader.without_private(e.node, n.role).message if e in leaky else run.states[e.node].message
                 for e in edges]
     state.notes += [f"{e.node}:private" for e in leaky]
-    attached = calibration_of(run.engine)  # (its placement, and the refresh it was trained with)
-    mode = SynthesisMode(attached.calibration.placement, attached.hooks, served_refresh(attached))
+    attached = run.engine.calibration  # (its placement, and the refresh it was trained with)
+    mode = SynthesisMode(attached.record.placement, attached.hooks, served_refresh(attached))
     stream = synthesis_stream(run.engine, branches, n.prompt, [i.message for i in prefix], mode, n.sampling)
     [answer] = yield from _adapted(run, stream, [n], start)
     run.encode_outputs([n], [answer])

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from braid.engine.engine import DecodeCall, Engine, PrefillCall
 from braid.engine.errors import PreconditionError
-from braid.methods.calibration import calibration_of
 from braid.methods.dag import adapted
 from braid.methods.dag.context import Reader
 from braid.methods.dag.events import NodeDone, NodeRound, NodeToken
@@ -39,7 +38,7 @@ class DagRun:
         self.reader = Reader(self.engine, self.graph, self.states, self._keep)
 
     def __iter__(self) -> Iterator[NodeToken | NodeRound | NodeDone]:
-        if self.graph.calibrated and calibration_of(self.engine) is None:
+        if self.graph.calibrated and self.engine.calibration is None:
             raise PreconditionError("the graph asks for calibrated reading, but this server's model has no "
                                     "calibration loaded (braid calibrate; braid serve --calibration)")
         for wave, attached in self.graph.plan():
