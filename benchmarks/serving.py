@@ -4,7 +4,7 @@ Each runs side by side in a server process of its own, as a server has it (one e
 engine.threads), behind its own in-process agent API (colocated: one engine for workers and synthesis) on the
 same model; `braid loadtest`, in its own process as a client would be, drives each at every concurrency in turn,
 for each transport asked for (text: branches re-prefilled; local: their KV reused in place). "serial" is the
-engine with max_running_calls=1: one engine call at a time, as before the scheduler. `--against REV` adds a
+engine with max_running_requests=1: one engine request at a time, as before the scheduler. `--against REV` adds a
 third server, another git revision's engine as it was (its own defaults; benchmarks.revision), e.g. the engine the
 serving-engine issue started from. `--device cuda` serves on a GPU (the device run's `serving` step, on a random
 8B-shape checkpoint), and `--flex` adds the scheduler with attention read in place (EngineConfig.attention flex).
@@ -34,7 +34,7 @@ except ImportError:  # (a revision from before the runtime room)
 
 from braid.results import pyplot, write_json
 
-ENGINES = {"serial": {"max_running_calls": 1}, "scheduler": {}}
+ENGINES = {"serial": {"max_running_requests": 1}, "scheduler": {}}
 APART = {"apart": {"mix_adapters": False}}  # --adapters-apart: the scheduler, base and LoRA calls taking turns
 FLEX = {"flex": {"attention": "flex"}}  # --flex: the scheduler, its attention reading the KV pool in place
 BEFORE = "before"  # --against REV: that revision's engine with its own defaults
@@ -146,10 +146,10 @@ def serve(args) -> int:
             elif command == "stop":
                 sampler.stop.set()
                 d = {name: now - counters[name] for name, now in _counters(engine).items()}
-                out = {"forwards": d["steps"], "groups": d["groups_stepped"], "busy_s": d["busy_s"],
+                out = {"forwards": d["steps"], "stepped": d["requests_stepped"], "busy_s": d["busy_s"],
                        "rows": d["rows_stepped"],
                        "cpu_s": _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(before),
-                       "max_running_calls": sampler.max_running, "max_store_bytes": sampler.max_store,
+                       "max_running": sampler.max_running, "max_store_bytes": sampler.max_store,
                        "max_work_kv_bytes": sampler.max_reserved}
             else:
                 raise ValueError(f"unknown command {command!r}")
@@ -171,7 +171,10 @@ def _engine(config: EngineConfig) -> Engine:
 def _counters(engine: Engine) -> dict[str, float]:
     """The scheduler's forward counters so far (each 0 where the engine's revision has none)."""
     scheduler = getattr(engine, "scheduler", None)
-    return {name: getattr(scheduler, name, 0) for name in ("steps", "groups_stepped", "busy_s", "rows_stepped")}
+    got = {name: getattr(scheduler, name, 0) for name in ("steps", "busy_s", "rows_stepped")}
+    # (requests over all forwards; a revision from before the name counted them as groups_stepped)
+    got["requests_stepped"] = getattr(scheduler, "requests_stepped", getattr(scheduler, "groups_stepped", 0))
+    return got
 
 
 def level(server: Server, transport: str, concurrency: int, n: int, args) -> dict:
@@ -195,9 +198,9 @@ def level(server: Server, transport: str, concurrency: int, n: int, args) -> dic
            "server_cores": c["cpu_s"] / s["duration_s"]}
     forwards = ""
     if c["forwards"]:  # (an engine from before the scheduler (--against) counts none)
-        row.update(calls_per_forward=c["groups"] / c["forwards"], ms_per_forward=1e3 * c["busy_s"] / c["forwards"],
+        row.update(calls_per_forward=c["stepped"] / c["forwards"], ms_per_forward=1e3 * c["busy_s"] / c["forwards"],
                    tokens_per_forward=c["rows"] / c["forwards"], model_busy=c["busy_s"] / s["duration_s"],
-                   max_running_calls=c["max_running_calls"], max_work_kv_bytes=c["max_work_kv_bytes"])
+                   max_running_calls=c["max_running"], max_work_kv_bytes=c["max_work_kv_bytes"])
         forwards = (f"{row['calls_per_forward']:.1f} calls, {row['tokens_per_forward']:.0f} tokens per forward of "
                     f"{row['ms_per_forward']:.1f} ms, model busy {100 * row['model_busy']:.0f}%, ")
     print(f"{name:>9} {transport:>5} c={concurrency:<3} {s['completed']:>3} ok {s['failed']} failed  "

@@ -7,11 +7,11 @@ flash-attn's bottom-right-aligned causal kernel runs. Everything else, CPU
 included, runs SDPA with a boolean [1, 1, Q, K] mask (True = attend).
 
 With `attention: flex` (EngineConfig) the engine's forwards read the KV pool in
-place instead: each group's keys are the pool blocks of its page list, and
+place instead: each request's keys are the pool blocks of its page list, and
 FlexAttention runs over the pool itself with a block mask built from those page
-tables (`paged_mask`): no keys are gathered, and a block no group reads is never
+tables (`paged_mask`): no keys are gathered, and a block no request reads is never
 touched. It is compiled on CUDA; on CPU it runs eagerly, which materialises the
-scores over the window of blocks the groups' pages span, so there SDPA (over
+scores over the window of blocks the requests' pages span, so there SDPA (over
 gathered keys) stays the default and flex is the tested alternative: the same
 masks, the same tokens (tests/test_attention.py, tests/test_scheduler.py).
 
@@ -26,7 +26,7 @@ off for every forward slows long prefills several times over.
 
 A compiled forward (EngineConfig.compile: engine.model_runner) reaches the same attention through one opaque op
 per layer, `braid::step_attention`: torch.compile traces the decoder into one graph around those ops, and the op,
-run as it is, writes the layer's new KV rows and runs `_grouped` over the forward's step, which it reads from
+run as it is, writes the layer's new KV rows and runs `_per_request` over the forward's step, which it reads from
 `forward_step` (a graph input cannot be a Python object).
 """
 
@@ -58,7 +58,7 @@ def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def mask_needed(device: torch.device, dtype: torch.dtype, plain: bool) -> bool:
-    """False only when a group can go to flash-attn without a mask: plain causal attention over its whole cache
+    """False only when a request can go to flash-attn without a mask: plain causal attention over its whole cache
     (`plain`: one call that sees every entry, known on the host: RequestInput.plain)."""
     return not (use_flash(device, dtype) and plain)
 
@@ -88,7 +88,7 @@ def sdpa(query, key, value, attn_mask=None, scale=None, is_causal=False, enable_
 
 
 def decode_attention(query, key, value, mask, scale) -> torch.Tensor:
-    """The shared attention of decode-sized groups (engine.model_runner): queries [G, H, R, D] over keys and values
+    """The shared attention of decode-sized requests (engine.model_runner): queries [G, H, R, D] over keys and values
     [G, Hkv, T, D] with a mask [G, 1, R, T] (bool, or additive) -> [G, H, R, D]. The H / Hkv query heads that
     share a KV head go in as that head's rows, so the keys and values are read as they are; SDPA's GQA would
     repeat them for every query head first, which costs more than the attention itself at decode sizes."""
@@ -105,42 +105,42 @@ FLEX_Q_BLOCK = 128  # query rows per block of a paged block mask (the kernels' t
 
 @dataclass(eq=False)
 class PagedMask:
-    """What G groups' query rows attend in the pool, built once a forward (`paged_mask`) and read by every layer:
-    the pool slots [window] hold every key of every group, and the block mask says which each row attends."""
+    """What G requests' query rows attend in the pool, built once a forward (`paged_mask`) and read by every layer:
+    the pool slots [window] hold every key of every request, and the block mask says which each row attends."""
 
     block_mask: BlockMask
-    window: slice  # pool slots: whole blocks, from the lowest block of any group's pages to the highest
+    window: slice  # pool slots: whole blocks, from the lowest block of any request's pages to the highest
 
 
 def paged_mask(pages: list[list[int]], slots: torch.Tensor, inside: torch.Tensor | None, mask: torch.Tensor,
                block_tokens: int) -> PagedMask:
-    """The block mask of G groups over the pool, from their page tables.
+    """The block mask of G requests over the pool, from their page tables.
 
-    pages: per group, the pool blocks that hold its keys, each once (more are harmless: a slot that is none of
-    the group's keys is masked); slots: long [G, T], the pool slot of each group's key k (padding where `inside`
-    [G, T] is false; None: none); mask: bool [G, R, T], row r of group g attends its key k. A slot maps to its key
-    through two small tables (the block's place in the group's page table, the slot's key in that page), so the
+    pages: per request, the pool blocks that hold its keys, each once (more are harmless: a slot that is none of
+    the request's keys is masked); slots: long [G, T], the pool slot of each request's key k (padding where `inside`
+    [G, T] is false; None: none); mask: bool [G, R, T], row r of request g attends its key k. A slot maps to its key
+    through two small tables (the block's place in the request's page table, the slot's key in that page), so the
     mask costs G * (blocks + pages * block_tokens) entries, not G * R * pool slots."""
     device, b = mask.device, block_tokens
     g, r, t = mask.shape
     lo = min(min(p) for p in pages if p)
     hi = max(max(p) for p in pages if p) + 1
     n, most = hi - lo, max(len(p) for p in pages)
-    # host: each group's page table, relative to the window, and where each table entry goes in `page_of`
+    # host: each request's page table, relative to the window, and where each table entry goes in `page_of`
     table = [[x - lo for x in p] + [0] * (most - len(p)) for p in pages]
     flat = [i * n + x - lo for i, p in enumerate(pages) for x in p]
     pos = [k for p in pages for k in range(len(p))]
     host = to_device(table, device, torch.int32)  # [G, most]
-    page_of = torch.full((g * n,), most, dtype=torch.int32, device=device)  # most: not one of the group's pages
+    page_of = torch.full((g * n,), most, dtype=torch.int32, device=device)  # most: not one of the request's pages
     page_of[to_device(flat, device)] = to_device(pos, device, torch.int32)
     page_of = page_of.view(g, n)
-    keypos = torch.full((g, most + 1, b), t, dtype=torch.int32, device=device)  # t: none of the group's keys
+    keypos = torch.full((g, most + 1, b), t, dtype=torch.int32, device=device)  # t: none of the request's keys
     rel = slots - lo * b
-    group = torch.arange(g, device=device)[:, None].expand(g, t)
-    page = page_of[group, (rel // b).clamp(0, n - 1)].long()
+    request = torch.arange(g, device=device)[:, None].expand(g, t)
+    page = page_of[request, (rel // b).clamp(0, n - 1)].long()
     if inside is not None:  # (padding keys go to the spare row, refilled below)
         page = torch.where(inside, page, most)
-    keypos[group, page, rel % b] = torch.arange(t, dtype=torch.int32, device=device).expand(g, t)
+    keypos[request, page, rel % b] = torch.arange(t, dtype=torch.int32, device=device).expand(g, t)
     keypos[:, most] = t
     allowed = F.pad(mask, (0, 1))  # [G, R, T + 1]: key t is no key
 
@@ -199,12 +199,12 @@ def forward_ran() -> bool:
 def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                    scale: float) -> torch.Tensor:
     """One layer's attention in a compiled forward: the new rows' keys and values [1, Hkv, N, D] written to their
-    groups' caches, then every group's attention over its own, as a forward run as it comes does it: queries
+    requests' caches, then every request's attention over its own, as a forward run as it comes does it: queries
     [1, H, N, D] -> [1, N, H, D]. Opaque to torch.compile, which fuses what lies between these ops; it writes the
     KV pool, which no op of the graph reads, layer `layer`'s part of it only."""
     step, _forward.ran = _forward.step, True
     step.update(key, value, layer)
-    return _grouped(layer, query, step, scale, 0.0).contiguous()
+    return _per_request(layer, query, step, scale, 0.0).contiguous()
 
 
 @step_attention.register_fake
@@ -222,7 +222,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if braid_step is not None:
         if isinstance(braid_step, str) and braid_step == IN_GRAPH:
             return torch.ops.braid.step_attention(query, key, value, module.layer_idx, scaling), None
-        return _grouped(module.layer_idx, query, braid_step, scaling, dropout), None
+        return _per_request(module.layer_idx, query, braid_step, scaling, dropout), None
     if attention_mask is None and use_flash(query.device, query.dtype):
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=True)
@@ -239,12 +239,13 @@ AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, flash_attention_mask if flash_attn_func is not None else sdpa_mask)
 
 
-def _grouped(layer, query, step, scaling, dropout) -> torch.Tensor:
-    """Attention of one forward over several groups' caches, at layer `layer`: [1, H, N, D] queries -> [1, N, H, D]."""
+def _per_request(layer, query, step, scaling, dropout) -> torch.Tensor:
+    """Attention of one forward over several requests' caches, at layer `layer`: [1, H, N, D] queries ->
+    [1, N, H, D]."""
     _, h, n, d = query.shape
     out = None if step.padded else query.new_empty(n, h, d)
     if step.paged is not None:
-        return _grouped_in_place(query, step, layer, scaling, out)
+        return _per_request_in_place(query, step, layer, scaling, out)
     for part in step.large:
         rows, mask, r = part.rows, part.mask, part.lead
         if r:  # leading prefill calls' rows first: they attend [0, their last token), the rest [start, length)
@@ -270,9 +271,9 @@ def _grouped(layer, query, step, scaling, dropout) -> torch.Tensor:
     return out[None]
 
 
-def _grouped_in_place(query, step, layer, scaling, out) -> torch.Tensor:
-    """`_grouped` with `attention: flex`: every group reads its keys where they lie in the pool (step.paged: one
-    PagedMask for each large group, then one for the shared ones)."""
+def _per_request_in_place(query, step, layer, scaling, out) -> torch.Tensor:
+    """`_per_request` with `attention: flex`: every request reads its keys where they lie in the pool (step.paged: one
+    PagedMask for each large request, then one for the shared ones)."""
     _, h, n, d = query.shape
     kv = step.pool.kv[layer]
     masks = iter(step.paged)

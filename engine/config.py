@@ -64,7 +64,7 @@ class EngineConfig:
     # 256 MiB on CPU, half the device memory free after loading the model on CUDA
     kv_budget_bytes: int = 0
     kv_block_tokens: int = 16  # the work KV's page size: a call holds whole blocks of the pool
-    max_running_calls: int = 0  # engine calls batched at once (0: as many as the KV budget holds; 1: serial)
+    max_running_requests: int = 0  # requests batched at once (0: as many as the KV budget holds; 1: serial)
     # when the work KV is short, a decode call is admitted with blocks for what it holds and takes more as it
     # decodes (preempted, and encoded again later, when none are left); false: every call waits until its whole
     # max_tokens fits (engine.scheduler)
@@ -94,9 +94,9 @@ class EngineConfig:
     # decode steps at static, bucketed shapes replayed as CUDA graphs (engine.cuda_graphs): "auto": on CUDA, off on
     # CPU; "off"; "eager": the static shapes without graphs (what the graphs replay; for tests on CPU)
     decode_graphs: str = "auto"
-    # how a forward's attention reads the work KV (engine.attention): "sdpa", each group's keys gathered out of the
+    # how a forward's attention reads the work KV (engine.attention): "sdpa", each request's keys gathered out of the
     # pool (the default, and the reference); "flex", FlexAttention over the pool in place, through a block mask
-    # built from the groups' page tables (compiled on CUDA; eager on CPU, where it is slower). Forwards then run as
+    # built from the requests' page tables (compiled on CUDA; eager on CPU, where it is slower). Forwards then run as
     # they come: decode_graphs capture the sdpa path only
     attention: str = "sdpa"
     # build and launch each step before reading the tokens the step before sampled (engine.scheduler): on CUDA the
@@ -144,8 +144,8 @@ class EngineConfig:
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be an int >= 0 (0: the count of the thread making the engine), "
                              f"got {self.cpu_threads!r}")
-        if self.max_running_calls < 0:
-            raise ValueError(f"max_running_calls must be >= 0 (0: no limit), got {self.max_running_calls}")
+        if self.max_running_requests < 0:
+            raise ValueError(f"max_running_requests must be >= 0 (0: no limit), got {self.max_running_requests}")
         if self.kv_home not in ("dense", "paged"):
             raise ValueError(f"kv_home must be dense or paged, got {self.kv_home!r}")
         if self.attention not in ATTENTION:

@@ -1,13 +1,13 @@
 """Decode forwards at static shapes, replayed as CUDA graphs: a decode step's host time becomes one replay.
 
 An eager decode step launches thousands of small kernels (about 2100 at the 8B shape), so its host time,
-not the device's work, sets the step's time (benchmarks/profile_decode.py measures both). A forward whose groups are all
-decode-sized (at most SHARED_ATTENTION_ROWS rows each, no leading prefill rows) runs here at a bucketed shape: G
-groups of R rows (powers of two), each attending T keys (key_bucket). Group i's rows are rows
+not the device's work, sets the step's time (benchmarks/profile_decode.py measures both). A forward whose
+requests are all decode-sized (at most SHARED_ATTENTION_ROWS rows each, no leading prefill rows) runs here at a
+bucketed shape: G requests of R rows (powers of two), each attending T keys (key_bucket). Request i's rows are rows
 [i*R, i*R + n) of the forward and its keys the first `length` of its T; the rest is padding, masked out.
-Padding rows attend their group's keys (padding groups: one key), write their KV to the pool's trash slot,
+Padding rows attend their request's keys (padding requests: one key), write their KV to the pool's trash slot,
 which no call owns, and are dropped.
-Every input of the forward (token ids, positions, where each row's KV goes, which pool slots each group
+Every input of the forward (token ids, positions, where each row's KV goes, which pool slots each request
 reads, the masks) is copied into the bucket's static buffers, so one CUDA graph per bucket, captured the
 first time the bucket is used, replays the whole decoder; lm_head then runs on the rows that need logits,
 as it does for forwards that run as they come.
@@ -44,7 +44,7 @@ from braid.engine.model_runner import (
 
 log = logging.getLogger(__name__)
 
-MAX_GROUPS = 64  # groups in one static forward (more run as they come)
+MAX_REQUESTS = 64  # requests in one static forward (more run as they come)
 MAX_KEYS = 1 << 18  # G * T: the keys one static forward reads (its gathered KV and scores grow with it)
 MAX_BUCKETS = 64  # buckets kept (with their graphs and outputs); the least recently used goes first
 MIN_KEYS = 64  # the smallest T
@@ -57,7 +57,7 @@ def bucket(n: int, least: int = 1) -> int:
 
 
 def key_bucket(n: int) -> int:
-    """T for groups of at most n keys: a power of two up to KEY_STEP, then a multiple of a quarter of the next
+    """T for requests of at most n keys: a power of two up to KEY_STEP, then a multiple of a quarter of the next
     power of two (at least KEY_STEP): under a third of T is padding past 2 * KEY_STEP, and a decode that
     grows crosses four steps for each doubling of its keys (each a graph to capture)."""
     if n <= KEY_STEP:
@@ -95,20 +95,21 @@ class PaddedStep(_Step):
         self.input_ids.zero_()
         self.positions.zero_()
 
-    def load(self, groups: list[RequestInput], parts: list[_Part]) -> None:
-        """This forward's groups into the buffers: group i's rows at [i*R, i*R + n), its keys at [i*T, i*T + length).
-        A few copies for all the groups, not a few per group (the host time of a step of many calls)."""
+    def load(self, requests: list[RequestInput], parts: list[_Part]) -> None:
+        """This forward's requests into the buffers: request i's rows at [i*R, i*R + n), its keys at
+        [i*T, i*T + length).
+        A few copies for all the requests, not a few per request (the host time of a step of many calls)."""
         _, r, t = self.shape
         self.clear()
-        g = len(groups)
-        rows = to_device([i * r + j for i, x in enumerate(groups) for j in range(len(x.input_ids))],
+        g = len(requests)
+        rows = to_device([i * r + j for i, x in enumerate(requests) for j in range(len(x.input_ids))],
                          self.input_ids.device)
-        self.input_ids[0].index_copy_(0, rows, torch.cat([x.input_ids for x in groups]))
-        self.positions[0].index_copy_(0, rows, torch.cat([x.positions for x in groups]))
+        self.input_ids[0].index_copy_(0, rows, torch.cat([x.input_ids for x in requests]))
+        self.positions[0].index_copy_(0, rows, torch.cat([x.positions for x in requests]))
         self.write_index.index_copy_(0, rows, torch.cat([p.write_index for p in parts]))
         read_index, inside = padded_keys(parts, t, self.pool.trash)
         self.read_index[:g * t] = read_index
-        fill_masks(self.allowed, parts, inside)  # (padding groups, past the real ones: key 0, from clear)
+        fill_masks(self.allowed, parts, inside)  # (padding requests, past the real ones: key 0, from clear)
         self.mask.zero_().masked_fill_(~self.allowed, float("-inf"))
 
 
@@ -134,23 +135,23 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None  # (one memory pool for every graph)
         self.replays = self.captures = 0
 
-    def shape(self, groups: list[RequestInput]) -> tuple[int, int, int] | None:
-        """The bucket these groups' next forward runs in, or None when it
+    def shape(self, requests: list[RequestInput]) -> tuple[int, int, int] | None:
+        """The bucket these requests' next forward runs in, or None when it
         is not a static decode forward."""
-        if not groups or len(groups) > MAX_GROUPS:
+        if not requests or len(requests) > MAX_REQUESTS:
             return None
-        rows = max(len(g.input_ids) for g in groups)
-        if rows > SHARED_ATTENTION_ROWS or any(g.lead_rows for g in groups):
+        rows = max(len(g.input_ids) for g in requests)
+        if rows > SHARED_ATTENTION_ROWS or any(g.lead_rows for g in requests):
             return None
-        keys = max(g.slots.length - g.cache.start for g in groups)  # (this step's rows included)
-        shape = (bucket(len(groups)), bucket(rows), key_bucket(keys))
+        keys = max(g.slots.length - g.cache.start for g in requests)  # (this step's rows included)
+        shape = (bucket(len(requests)), bucket(rows), key_bucket(keys))
         return shape if shape[0] * shape[2] <= MAX_KEYS else None
 
-    def run(self, groups: list[RequestInput], parts: list[_Part], shape: tuple[int, int, int],
+    def run(self, requests: list[RequestInput], parts: list[_Part], shape: tuple[int, int, int],
             weights=None) -> torch.Tensor | None:
-        """The forward of these groups in bucket `shape` (`shape(groups)`; their masks built: ModelRunner._part),
+        """The forward of these requests in bucket `shape` (`shape(requests)`; their masks built: ModelRunner._part),
         with the weights in place named by `weights` (None: the base ones):
-        the last hidden states of its padded rows [G * R, hidden], group i's at [i * R, i * R + its rows).
+        the last hidden states of its padded rows [G * R, hidden], request i's at [i * R, i * R + its rows).
         None when there is no memory for the bucket: this forward runs as it comes."""
         key = (weights, shape)
         b = self.buckets.get(key)
@@ -162,7 +163,7 @@ class DecodeGraphs:
                 self.buckets.popitem(last=False)  # (its graph's memory goes back to the graphs' pool)
             self.buckets[key] = b
         self.buckets.move_to_end(key)
-        b.step.load(groups, parts)
+        b.step.load(requests, parts)
         if b.graph is None:
             return self._forward(b)
         with torch.cuda.device(self.pool.kv.device):  # (the engine's device may not be the thread's current one)
@@ -184,7 +185,7 @@ class DecodeGraphs:
                 self._capture(b)
             return b
         except torch.OutOfMemoryError:
-            log.warning("no device memory for a decode bucket of %d group(s) x %d row(s) x %d keys; that forward "
+            log.warning("no device memory for a decode bucket of %d request(s) x %d row(s) x %d keys; that forward "
                         "runs as it comes", *shape)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -204,7 +205,7 @@ class DecodeGraphs:
                     b.hidden = self._forward(b)
             b.graph = graph
             self.captures += 1
-            log.info("captured a decode graph for %d group(s) x %d row(s) x %d keys", *b.step.shape)
+            log.info("captured a decode graph for %d request(s) x %d row(s) x %d keys", *b.step.shape)
         except torch.OutOfMemoryError:
             raise
         except Exception:

@@ -143,7 +143,7 @@ class Engine:
             self.scheduler = Scheduler(self.runner, config.max_batched_tokens,
                                        KVPool(self.lm, work + stored, config.kv_block_tokens, work,
                                               zeroed=self.runner.in_place),
-                                       config.max_running_calls, name=self.fingerprint[:8],
+                                       config.max_running_requests, name=self.fingerprint[:8],
                                        mix_adapters=config.mix_adapters,
                                        threads=_cpu_threads(config, self.lm, caller_threads), adapters=self.adapters,
                                        overlap=config.overlap)

@@ -38,7 +38,7 @@ class RequestInput:
     input_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
     call_of_row: torch.Tensor  # [rows]
-    logit_rows: list[int] | None  # (host indices: one copy for all the groups of a forward)
+    logit_rows: list[int] | None  # (host indices: one copy for all the requests of a forward)
     slots: RowSlots
     # one call that sees every entry of its cache (visible all true): a single row of it attends every key before
     # it, so its mask need not be built (Request.plain)
@@ -52,7 +52,7 @@ class RequestInput:
 
 @dataclass
 class _Part:
-    """A group's place in one forward, for the cache writes and the attention (engine.attention). Its first
+    """A request's place in one forward, for the cache writes and the attention (engine.attention). Its first
     `lead` rows (leading prefill calls' tokens) attend slots [0, lead_end); the others [start, length)."""
 
     cache: WorkCache
@@ -106,19 +106,19 @@ def fill_masks(mask: torch.Tensor, parts: list[_Part], inside: torch.Tensor) -> 
             mask[i, 0, :p.rows.stop - p.rows.start, :p.cache.length - p.start] = p.mask[0, 0]
 
 
-SHARED_ATTENTION_ROWS = 8  # groups with at most this many rows in a forward (decoding) share one attention call
+SHARED_ATTENTION_ROWS = 8  # requests with at most this many rows in a forward (decoding) share one attention call
 
 
 class _Step:
-    """One forward's groups, as the cache writes and the attention use them. Every new row's KV goes to its
-    group's blocks in the pool in one indexed write per layer. Groups with many rows (prefill chunks)
+    """One forward's requests, as the cache writes and the attention use them. Every new row's KV goes to its
+    request's blocks in the pool in one indexed write per layer. Requests with many rows (prefill chunks)
     attend their own cache one by one; the others (decode steps) share one padded attention call, their
     caches read from the pool in one indexed gather per layer, padded to the longest and masked. `in_place`
-    (attention: flex): nothing is gathered; each group's attention reads the pool where its keys lie, through a
+    (attention: flex): nothing is gathered; each request's attention reads the pool where its keys lie, through a
     block mask built here from its page table, once for all the layers (`paged`)."""
 
     padded = False  # (engine.cuda_graphs.PaddedStep: every row of the forward is a padded row of the shared call)
-    paged = None  # list[engine.attention.PagedMask]: one per large group, then one for the shared ones (in_place)
+    paged = None  # list[engine.attention.PagedMask]: one per large request, then one for the shared ones (in_place)
 
     def __init__(self, parts: list[_Part], in_place: bool = False):
         self.parts = parts
@@ -130,17 +130,17 @@ class _Step:
         self.small = small if len(small) > 1 else []
         self.large = [p for p in parts if not any(p is q for q in self.small)]
         for p in self.large:
-            if p.full:  # (one group alone: its explicit mask, every key, as SDPA was always given)
+            if p.full:  # (one request alone: its explicit mask, every key, as SDPA was always given)
                 p.mask = torch.ones(1, 1, 1, p.cache.length - p.start, dtype=torch.bool, device=device)
         b = self.pool.block_tokens
-        if in_place:  # (each large group's keys: [0, length) with leading prefill rows, else [start, length))
+        if in_place:  # (each large request's keys: [0, length) with leading prefill rows, else [start, length))
             keys = [p.cache.index[0 if p.lead else p.start:p.cache.length][None] for p in self.large]
             self.paged = [paged_mask([list(p.cache.pages)], k, None, p.mask[:, 0], b) for p, k in zip(self.large, keys)]
         if not self.small:
             return
         counts = [p.rows.stop - p.rows.start for p in small]
         g, r, t = len(small), max(counts), max(p.cache.length - p.start for p in small)
-        # the padded query rows, built on the host and copied once: group i's n rows at [i * r, i * r + n)
+        # the padded query rows, built on the host and copied once: request i's n rows at [i * r, i * r + n)
         row_index, valid, rows = [0] * (g * r), [], []
         for i, (p, n) in enumerate(zip(small, counts)):
             row_index[i * r:i * r + n] = range(p.rows.start, p.rows.stop)
@@ -158,14 +158,14 @@ class _Step:
                                          self.mask[:, 0], b))
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        """transformers' cache seam: this forward's new K/V rows ([1, H, rows, D] each) go to their groups'
-        caches; attention then reads each group's own cache (engine.attention)."""
+        """transformers' cache seam: this forward's new K/V rows ([1, H, rows, D] each) go to their requests'
+        caches; attention then reads each request's own cache (engine.attention)."""
         self.pool.kv[layer_idx, 0].index_copy_(1, self.write_index, key_states[0])
         self.pool.kv[layer_idx, 1].index_copy_(1, self.write_index, value_states[0])
         return key_states, value_states
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the shared-attention groups, padded: [groups, H, longest cache, D] each."""
+        """Keys and values of the shared-attention requests, padded: [requests, H, longest cache, D] each."""
         g, _, t = self.shape
         kv = self.pool.kv[layer].index_select(2, self.read_index)  # [2, H, g * t, D]
         kv = kv.view(2, kv.shape[1], g, t, kv.shape[3]).transpose(1, 2)  # [2, g, H, t, D]
@@ -206,41 +206,42 @@ class ModelRunner:
         return torch.compile(self.decoder, dynamic=True, fullgraph=True)
 
     @torch.inference_mode()
-    def step(self, groups: list[RequestInput], weights=None) -> list[torch.Tensor | None]:
-        """Encode every group's rows in one forward (linear layers batched over all rows, attention per group
-        over its own cache); returns each group's fp32 logits of its `logit_rows`. A forward of decode-sized
-        groups runs at a static shape when the runner has graphs (engine.cuda_graphs). `weights` names the weights
+    def step(self, requests: list[RequestInput], weights=None) -> list[torch.Tensor | None]:
+        """Encode every request's rows in one forward (linear layers batched over all rows, attention per request
+        over its own cache); returns each request's fp32 logits of its `logit_rows`. A forward of decode-sized
+        requests runs at a static shape when the runner has graphs (engine.cuda_graphs). `weights` names the weights
         in place for this forward when they are not the base ones (the scheduler's adapter; in a static
         forward, which has no leading prefill rows, it is in place over every row): a graph replays the weights it
         was captured with, so each has its own."""
         graphs = self.graphs  # (read once)
-        shape = graphs.shape(groups) if graphs is not None else None
+        shape = graphs.shape(requests) if graphs is not None else None
         parts, start = [], 0
-        for g in groups:
-            part = self._part(g, start, masked=shape is not None or len(groups) > 1 or self.in_place)
+        for g in requests:
+            part = self._part(g, start, masked=shape is not None or len(requests) > 1 or self.in_place)
             parts.append(part)
             start = part.rows.stop
         if shape is not None:
-            hidden = graphs.run(groups, parts, shape, weights)  # [G * R, hidden]: group i's rows from i * R
+            hidden = graphs.run(requests, parts, shape, weights)  # [G * R, hidden]: request i's rows from i * R
             if hidden is not None:
                 r = shape[1]
-                return self._logits(groups, hidden, [slice(i * r, i * r + len(g.input_ids))
-                                                     for i, g in enumerate(groups)])
-        input_ids = torch.cat([g.input_ids for g in groups])[None]
-        positions = torch.cat([g.positions for g in groups])[None]
+                return self._logits(requests, hidden, [slice(i * r, i * r + len(g.input_ids))
+                                                     for i, g in enumerate(requests)])
+        input_ids = torch.cat([g.input_ids for g in requests])[None]
+        positions = torch.cat([g.positions for g in requests])[None]
         hidden = self.forward(input_ids, positions, _Step(parts, self.in_place), weights)
-        return self._logits(groups, hidden, [p.rows for p in parts])
+        return self._logits(requests, hidden, [p.rows for p in parts])
 
-    def _logits(self, groups: list[RequestInput], hidden: torch.Tensor, rows: list[slice]) -> list[torch.Tensor | None]:
-        """Each group's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
-        every group's rows (its weight read once a forward, not once a group)."""
-        wanted = [g.logit_rows for g in groups if g.logit_rows is not None]
+    def _logits(self, requests: list[RequestInput], hidden: torch.Tensor,
+                rows: list[slice]) -> list[torch.Tensor | None]:
+        """Each request's fp32 logits of its `logit_rows`, its rows being `rows[i]` of `hidden`: one lm_head over
+        every request's rows (its weight read once a forward, not once a request)."""
+        wanted = [g.logit_rows for g in requests if g.logit_rows is not None]
         if not wanted:
-            return [None] * len(groups)
-        index = to_device([i + r.start for g, r in zip(groups, rows) if g.logit_rows is not None
+            return [None] * len(requests)
+        index = to_device([i + r.start for g, r in zip(requests, rows) if g.logit_rows is not None
                            for i in g.logit_rows], hidden.device)
         logits = iter(self.lm_head(hidden.index_select(0, index)).float().split([len(w) for w in wanted]))
-        return [None if g.logit_rows is None else next(logits) for g in groups]
+        return [None if g.logit_rows is None else next(logits) for g in requests]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: "_Step", weights=None) -> torch.Tensor:
         """The decoder over one forward's rows ([1, rows] ids and positions): last hidden states [rows, hidden].
@@ -266,9 +267,9 @@ class ModelRunner:
         return out.last_hidden_state[0]
 
     def _part(self, g: RequestInput, start: int, masked: bool) -> _Part:
-        """The group's place in a forward whose rows so far end at `start`: where its rows' KV go (its slots, as
-        claimed) and its mask, unless it needs none (one plain-causal group on flash-attn, and `masked` false; or
-        one row of a `plain` group, which sees every key: `full`)."""
+        """The request's place in a forward whose rows so far end at `start`: where its rows' KV go (its slots, as
+        claimed) and its mask, unless it needs none (one plain-causal request on flash-attn, and `masked` false; or
+        one row of a `plain` request, which sees every key: `full`)."""
         r, cache, slots = g.lead_rows, g.cache, g.slots
         mask, full = None, False
         if masked or mask_needed(self.lm.device, self.lm.dtype, g.plain):

@@ -59,7 +59,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
          ) -> torch.Tensor:
-    """A group's next tokens [rows] on the device (nothing read): row r of `logits` [rows, vocab] its argmax, or
+    """A request's next tokens [rows] on the device (nothing read): row r of `logits` [rows, vocab] its argmax, or
     drawn with params[r] and generators[r] (`draw`)."""
     top = logits.argmax(dim=-1)
     for r, (p, gen) in enumerate(zip(params, generators)):
@@ -69,8 +69,8 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
 
 
 class Picked:
-    """A step's picked tokens (`pick`, one tensor per group; None: the group samples nothing this step), together
-    on the device as `tokens` (flat, group i's from `starts[i]`: what the next step's rows read when it is built
+    """A step's picked tokens (`pick`, one tensor per request; None: the request samples nothing this step), together
+    on the device as `tokens` (flat, request i's from `starts[i]`: what the next step's rows read when it is built
     before these are read, Scheduler `overlap`) and on their way to the host, where `read` gets them all at once:
     one device read for the whole step."""
 
@@ -85,6 +85,6 @@ class Picked:
         self._host = ToHost(self.tokens) if self.tokens is not None else None
 
     def read(self) -> list[list[int] | None]:
-        """Each group's tokens (None where it sampled nothing); a sampled token is drawn once, however read."""
+        """Each request's tokens (None where it sampled nothing); a sampled token is drawn once, however read."""
         flat = self._host.values() if self._host is not None else []
         return [None if n is None else flat[s:s + n] for s, n in zip(self.starts, self.sizes)]

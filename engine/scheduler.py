@@ -367,9 +367,9 @@ class Request:
 
 class Scheduler:
     """Runs every Request on one model, continuously batched. `max_batched_tokens`: rows per forward; `pool`:
-    where running groups' work caches live (a group waits until enough blocks are free); `max_running`:
-    groups at once (0: no cap); `adapters`: the adapters calls may name, by id (the engine's registry, read at
-    each step); `mix_adapters`: base-weight groups join an adapter's forwards; `threads`: torch's intra-op threads
+    where running requests' work caches live (a request waits until enough blocks are free); `max_running`:
+    requests at once (0: no cap); `adapters`: the adapters calls may name, by id (the engine's registry, read at
+    each step); `mix_adapters`: base-weight requests join an adapter's forwards; `threads`: torch's intra-op threads
     in the step loop's thread (0: as torch has it; EngineConfig.cpu_threads); `overlap`: build and launch each step
     before reading the tokens of the one before, which the device is still running (EngineConfig.overlap)."""
 
@@ -385,8 +385,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps = 0  # forwards run
-        self.preemptions = 0  # groups preempted (their KV dropped, encoded again later) for lack of blocks
-        self.groups_stepped = 0  # groups over all forwards: / steps = the mean batch, in calls
+        self.preemptions = 0  # requests preempted (their KV dropped, encoded again later) for lack of blocks
+        self.requests_stepped = 0  # requests over all forwards: / steps = the mean batch, in calls
         self.busy_s = 0.0  # time spent in steps (against wall time: how loaded the model is)
         self.rows_stepped = 0  # tokens encoded over all forwards
         self.discarded = 0  # draws discarded: made for a call that had stopped on a token not read yet (overlap)
@@ -402,19 +402,19 @@ class Scheduler:
             _LOOPS[:] = [(t, cv) for t, cv in _LOOPS if t.is_alive()] + [(self._thread, self._cv)]
         claimed.wait()
 
-    def submit(self, group: Request) -> None:
-        """Queue a group; one that could never fit the KV budget is refused here (StoreFullError)."""
-        shared = sum(self.pool.blocks_for(kv.num_tokens) for kv, _ in group.shared)  # (at most: none in the pool)
-        if self.pool.blocks_for(group.capacity) + shared > self.pool.work_blocks:
+    def submit(self, request: Request) -> None:
+        """Queue a request; one that could never fit the KV budget is refused here (StoreFullError)."""
+        shared = sum(self.pool.blocks_for(kv.num_tokens) for kv, _ in request.shared)  # (at most: none in the pool)
+        if self.pool.blocks_for(request.capacity) + shared > self.pool.work_blocks:
             total = self.pool.work_blocks * self.pool.block_tokens * self.slot_bytes
-            need = group.capacity + sum(kv.num_tokens for kv, _ in group.shared)
+            need = request.capacity + sum(kv.num_tokens for kv, _ in request.shared)
             raise StoreFullError(
                 f"this call needs {need * self.slot_bytes} bytes of work KV (context, tokens and "
                 f"max_tokens), more than the engine's whole kv_budget_bytes={total}; shorten it or raise the budget")
-        group.wake = self._wake
-        group.on_end = lambda: self._retire(group)
+        request.wake = self._wake
+        request.on_end = lambda: self._retire(request)
         with self._cv:
-            self.waiting.append(group)
+            self.waiting.append(request)
             self._cv.notify()
 
     def _wake(self) -> None:
@@ -445,7 +445,7 @@ class Scheduler:
         while (blocks := self.pool.allocate(short)) is None:
             victim = max((v for v in self.running if v.grows and not v.out),
                          key=lambda v: v.submitted, default=None)  # (g is among them, if it grows)
-            if victim is None:  # (a group that holds all it may write is never short: nothing to take back)
+            if victim is None:  # (a request that holds all it may write is never short: nothing to take back)
                 if self._flight is not None:  # (step checks the pool before building one while another runs)
                     return False
                 raise RuntimeError(f"a call needs {short} more work-KV slots and no running call can give them")
@@ -459,7 +459,7 @@ class Scheduler:
         """Hand g's blocks and runs back and queue it first, to encode again what it had."""
         log.debug("preempting a request of %d calls: %d blocks back to the pool", len(g.calls), len(g.blocks))
         self.running.remove(g)
-        with g.lock:  # (nobody reads the work cache of a group that grows; the lock keeps that true meanwhile)
+        with g.lock:  # (nobody reads the work cache of a request that grows; the lock keeps that true meanwhile)
             self.pool.release(g.blocks)
             g.blocks = []
             for run in g.runs:
@@ -603,7 +603,7 @@ class Scheduler:
         """Launch the forward and the picks of its tokens (on the device; nothing read) and feed each pick to the
         row that encodes it next. None: the forward failed, and so did its requests."""
         self.steps += 1
-        self.groups_stepped += len(batch)
+        self.requests_stepped += len(batch)
         self.rows_stepped += sum(len(take.rows) for _, take in batch)
         weights = self.adapters[adapter] if adapter is not None else None
         try:

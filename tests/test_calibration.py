@@ -457,11 +457,11 @@ def test_the_refresh_in_the_synthesizers_prefill_equals_the_refresh_prefilled_fi
                                SamplingParams(max_tokens=6, ignore_eos=True), fused.calibration.hooks, refresh)
     events = iter(stream)
     next(events)
-    group, pool = stream._request, fused.scheduler.pool
+    request, pool = stream._request, fused.scheduler.pool
     unmapped = sum(fused.message(m).num_tokens for m in workers.ids)  # (about: less the runs' own ends)
-    assert group.cache.start >= unmapped - 2 * len(workers.ids) and group.cache.front == 0
-    freed = group.cache.start // pool.block_tokens  # (a block more may have been taken for the next token)
-    assert freed >= 8 and len(group.blocks) <= pool.blocks_for(group.capacity) - freed + 1
+    assert request.cache.start >= unmapped - 2 * len(workers.ids) and request.cache.front == 0
+    freed = request.cache.start // pool.block_tokens  # (a block more may have been taken for the next token)
+    assert freed >= 8 and len(request.blocks) <= pool.blocks_for(request.capacity) - freed + 1
     list(events)
     workers.free()
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from braid.engine import Engine, EngineConfig, attention
 from braid.engine import cuda_graphs as graphs_module
-from braid.engine.cuda_graphs import KEY_STEP, MAX_GROUPS, bucket, key_bucket
+from braid.engine.cuda_graphs import KEY_STEP, MAX_REQUESTS, bucket, key_bucket
 from braid.engine.kv_cache import WorkCache
 from braid.engine.model_runner import RequestInput
 from braid.methods.calibration import load_engine
@@ -20,8 +20,8 @@ from braid.models.tasks import generate
 CUDA = torch.cuda.is_available()
 
 
-def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> list[RequestInput]:
-    """One decode group per length: a work cache holding `length` slots of random KV in one segment (the context
+def requests_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> list[RequestInput]:
+    """One decode request per length: a work cache holding `length` slots of random KV in one segment (the context
     entry) and `rows` parallel calls that see it, each with one new token."""
     gen = torch.Generator().manual_seed(seed)
     pool, dev = eng.scheduler.pool, eng.lm.device
@@ -39,17 +39,17 @@ def groups_over(eng: Engine, lengths: list[int], rows: list[int], seed: int) -> 
     return out
 
 
-def as_they_come(eng: Engine, groups: list[RequestInput]) -> list[torch.Tensor | None]:
-    """The runner's forward of these groups without its static path."""
+def as_they_come(eng: Engine, requests: list[RequestInput]) -> list[torch.Tensor | None]:
+    """The runner's forward of these requests without its static path."""
     graphs, eng.runner.graphs = eng.runner.graphs, None
     try:
-        return eng.runner.step(groups)
+        return eng.runner.step(requests)
     finally:
         eng.runner.graphs = graphs
 
 
-def release(eng: Engine, groups: list[RequestInput]) -> None:
-    for g in groups:
+def release(eng: Engine, requests: list[RequestInput]) -> None:
+    for g in requests:
         eng.scheduler.pool.release(g.cache.blocks)
 
 
@@ -75,34 +75,34 @@ def test_config_and_buckets(checkpoint):
 def test_which_forwards_are_static(padded_engine, monkeypatch):
     monkeypatch.setattr(graphs_module, "MAX_KEYS", 2048)
     graphs = padded_engine.runner.graphs
-    groups = groups_over(padded_engine, [5, 40, 100], [1, 3, 8], 0)
-    assert graphs.shape(groups) == (4, 8, 128)  # (G, R, T): 3 groups, 8 rows at most, 108 keys at most
-    many = groups_over(padded_engine, [3], [9], 1)  # (more rows than a decode step has: a prefill chunk)
+    requests = requests_over(padded_engine, [5, 40, 100], [1, 3, 8], 0)
+    assert graphs.shape(requests) == (4, 8, 128)  # (G, R, T): 3 requests, 8 rows at most, 108 keys at most
+    many = requests_over(padded_engine, [3], [9], 1)  # (more rows than a decode step has: a prefill chunk)
     assert graphs.shape(many) is None
-    groups[1].slots = dataclasses.replace(groups[1].slots, lead=range(1))  # (a leading prefill row)
-    assert graphs.shape(groups) is None
-    assert graphs.shape(groups[:1] * (MAX_GROUPS + 1)) is None
-    long = groups_over(padded_engine, [1023], [1], 2)  # (with its new row: T = 1024)
+    requests[1].slots = dataclasses.replace(requests[1].slots, lead=range(1))  # (a leading prefill row)
+    assert graphs.shape(requests) is None
+    assert graphs.shape(requests[:1] * (MAX_REQUESTS + 1)) is None
+    long = requests_over(padded_engine, [1023], [1], 2)  # (with its new row: T = 1024)
     assert graphs.shape(long * 2) == (2, 1, 1024) and graphs.shape(long * 3) is None  # (G * T past MAX_KEYS)
-    release(padded_engine, groups + many + long)
+    release(padded_engine, requests + many + long)
 
 
 def test_the_least_recently_used_bucket_goes_first(checkpoint, monkeypatch):
     monkeypatch.setattr(graphs_module, "MAX_BUCKETS", 2)
     eng = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
     for lengths in ([10], [100], [10], [300]):  # T: 64, 128, 64 again, 512
-        groups = groups_over(eng, lengths, [1], 6)
-        eng.runner.step(groups)
-        release(eng, groups)
+        requests = requests_over(eng, lengths, [1], 6)
+        eng.runner.step(requests)
+        release(eng, requests)
     assert list(eng.runner.graphs.buckets) == [(None, (1, 1, 64)), (None, (1, 1, 512))]
 
 
-def nan_outside(eng: Engine, groups: list[RequestInput]) -> torch.Tensor:
-    """Fill every pool slot the groups' caches do not hold with NaN, but the trash slot (as a pool whose slots
+def nan_outside(eng: Engine, requests: list[RequestInput]) -> torch.Tensor:
+    """Fill every pool slot the requests' caches do not hold with NaN, but the trash slot (as a pool whose slots
     were used and freed may hold anything); returns the pool as it is then."""
     pool = eng.scheduler.pool
     held = torch.zeros(pool.kv.shape[3], dtype=torch.bool, device=pool.kv.device)
-    for g in groups:
+    for g in requests:
         held[g.cache.index[:g.cache.length]] = True
     held[pool.trash:] = True  # (the trash block: zeroed when the pool was made, written only by padding rows)
     pool.kv[..., ~held, :] = float("nan")
@@ -112,14 +112,14 @@ def nan_outside(eng: Engine, groups: list[RequestInput]) -> torch.Tensor:
 @pytest.mark.parametrize("lengths,rows,shape", [([7, 33, 90], [1, 3, 2], (4, 4, 128)),
                                                 ([20, 61], [1, 1], (2, 1, 64))])  # (no padding row: G*R rows)
 def test_padded_forward_equals_the_forward_as_it_comes(checkpoint, lengths, rows, shape):
-    """fp32, groups of other lengths and row counts over a pool whose other slots are NaN, on a new engine
-    (nothing written to its trash slot yet): the padded forward runs in the bucket its groups need after their
-    new rows, gives the same logits (within rounding) and writes the same KV into each group's slots; outside
+    """fp32, requests of other lengths and row counts over a pool whose other slots are NaN, on a new engine
+    (nothing written to its trash slot yet): the padded forward runs in the bucket its requests need after their
+    new rows, gives the same logits (within rounding) and writes the same KV into each request's slots; outside
     them it writes only the trash slot."""
     eng = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=BUDGET))
     pool = eng.scheduler.pool
     assert not pool.kv[..., pool.trash:, :].any()  # (a new pool's trash block is zeros, not what memory held)
-    a, b = groups_over(eng, lengths, rows, 3), groups_over(eng, lengths, rows, 3)
+    a, b = requests_over(eng, lengths, rows, 3), requests_over(eng, lengths, rows, 3)
     before = nan_outside(eng, a + b)
     static = eng.runner.step(a)
     assert next(reversed(eng.runner.graphs.buckets)) == (None, shape)  # (the bucket used last: base weights)
@@ -142,27 +142,27 @@ def test_padded_forward_in_other_families(checkpoint, family):
     """The other model families (attention biases, q/k norms, sliding windows): the padded forward's logits
     are the forward as it comes."""
     eng = load_engine(EngineConfig(checkpoint(family), decode_graphs="eager", kv_budget_bytes=BUDGET))
-    a, b = groups_over(eng, [11, 70], [2, 1], 8), groups_over(eng, [11, 70], [2, 1], 8)
+    a, b = requests_over(eng, [11, 70], [2, 1], 8), requests_over(eng, [11, 70], [2, 1], 8)
     for s, d in zip(eng.runner.step(a), as_they_come(eng, b)):
         assert torch.allclose(s, d, atol=1e-5, rtol=1e-5)
     assert eng.runner.graphs.buckets
 
 
-def test_the_bucket_is_the_one_the_groups_need_at_its_bounds(padded_engine, monkeypatch):
-    """Groups whose keys, with their new rows, exactly fill T, and whose G * T is exactly MAX_KEYS, run static
+def test_the_bucket_is_the_one_the_requests_need_at_its_bounds(padded_engine, monkeypatch):
+    """Requests whose keys, with their new rows, exactly fill T, and whose G * T is exactly MAX_KEYS, run static
     in that bucket (their slots are claimed between choosing the bucket and running it)."""
     monkeypatch.setattr(graphs_module, "MAX_KEYS", 128)
-    groups = groups_over(padded_engine, [63, 10], [1, 1], 7)
+    requests = requests_over(padded_engine, [63, 10], [1, 1], 7)
     graphs = padded_engine.runner.graphs
-    assert graphs.shape(groups) == (2, 1, 64)
-    logits = padded_engine.runner.step(groups)
+    assert graphs.shape(requests) == (2, 1, 64)
+    logits = padded_engine.runner.step(requests)
     assert next(reversed(graphs.buckets)) == (None, (2, 1, 64)) and all(torch.isfinite(x).all() for x in logits)
-    release(padded_engine, groups)
+    release(padded_engine, requests)
 
 
 def test_static_decodes_give_the_tokens_of_the_forward_as_it_comes(checkpoint, padded_engine):
     """Whole workflows, alone and from many threads at once: the same greedy tokens with static decode
-    forwards as without them, and the batched ones did run in buckets of several groups."""
+    forwards as without them, and the batched ones did run in buckets of several requests."""
     off = load_engine(EngineConfig(checkpoint("llama"), decode_graphs="off"))
     alone = [workflow(off, task, contexts) for task, contexts in REQUESTS]
     assert [workflow(padded_engine, task, contexts) for task, contexts in REQUESTS] == alone
@@ -184,22 +184,22 @@ def test_the_padded_forward_never_waits_for_the_device(padded_engine, monkeypatc
             return func(*args, **(kwargs or {}))
 
     graphs = padded_engine.runner.graphs
-    groups = groups_over(padded_engine, [12, 50], [2, 1], 4)
-    shape = graphs.shape(groups)
+    requests = requests_over(padded_engine, [12, 50], [2, 1], 4)
+    shape = graphs.shape(requests)
     parts, start = [], 0
-    for g in groups:
+    for g in requests:
         parts.append(padded_engine.runner._part(g, start, masked=True))
         start = parts[-1].rows.stop
     bucket = graphs._bucket(shape)
     padded = bucket.step
-    padded.load(groups, parts)
+    padded.load(requests, parts)
     # (as on CUDA: decode-sized masked queries on SDPA's math kernel, which CPU runs too)
     monkeypatch.setattr(attention, "skips_cudnn", lambda *args: True)
     with torch.inference_mode(), Ops():
         graphs._forward(bucket)
     assert {"linear", "index_copy_", "index_select", "_scaled_dot_product_attention_math"} <= seen
     assert not seen & set(SYNCS)
-    release(padded_engine, groups)
+    release(padded_engine, requests)
 
 
 def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
@@ -215,14 +215,14 @@ def test_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
     swaps = lora.swaps  # (methods.calibration.MergedLora: the adapted Linears, base and merged weights)
     graphs, run, keys = padded.runner.graphs, padded.runner.graphs.run, []
 
-    def checked(groups, parts, shape, weights=None):
+    def checked(requests, parts, shape, weights=None):
         in_place = [module.weight for module, _, _ in swaps]
         if weights is None:
             assert all(w is base for w, (_, base, _) in zip(in_place, swaps))
         else:
             assert weights == lora and all(w is merged for w, (_, _, merged) in zip(in_place, swaps))
         keys.append(weights)
-        return run(groups, parts, shape, weights)
+        return run(requests, parts, shape, weights)
 
     graphs.run = checked
     task = generate("chain", 3, 3)
@@ -253,10 +253,11 @@ def test_turn_lora_forwards_have_buckets_of_their_own(checkpoint, tmp_path):
 def test_graph_replays_equal_the_padded_forward(checkpoint):
     """On CUDA: each bucket's captured graph gives bit-identical logits to the padded forward run as it comes,
     and whole workflows the same tokens as without static forwards."""
-    graphed, eager, off = (load_engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", decode_graphs=mode,
-                                                    kv_budget_bytes=BUDGET)) for mode in ("auto", "eager", "off"))
+    graphed, eager, off = (load_engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32",
+                                                    decode_graphs=mode, kv_budget_bytes=BUDGET))
+                           for mode in ("auto", "eager", "off"))
     for seed, (lengths, rows) in enumerate((([7, 33, 90], [1, 3, 2]), ([200], [1]), ([9, 40, 77], [2, 1, 3]))):
-        a, b = groups_over(graphed, lengths, rows, seed), groups_over(eager, lengths, rows, seed)
+        a, b = requests_over(graphed, lengths, rows, seed), requests_over(eager, lengths, rows, seed)
         for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
             assert torch.equal(x, y)
         release(graphed, a), release(eager, b)
@@ -298,7 +299,7 @@ def test_compiled_forwards_are_captured_and_replayed(checkpoint):
                                                     decode_graphs=mode, kv_budget_bytes=BUDGET))
                            for mode, c in (("auto", True), ("eager", True), ("off", False)))
     for seed, (lengths, rows) in enumerate((([7, 33, 90], [1, 3, 2]), ([200], [1]))):
-        a, b = groups_over(graphed, lengths, rows, seed), groups_over(eager, lengths, rows, seed)
+        a, b = requests_over(graphed, lengths, rows, seed), requests_over(eager, lengths, rows, seed)
         for x, y in zip(graphed.runner.step(a), eager.runner.step(b)):
             assert torch.equal(x, y)
         release(graphed, a), release(eager, b)
@@ -311,17 +312,17 @@ def test_compiled_forwards_are_captured_and_replayed(checkpoint):
 
 def test_a_plain_call_s_decode_row_builds_no_mask_and_reads_the_same(padded_engine):
     """One row of a call that sees its whole cache (RequestInput.plain) builds no mask (its part is `full`), and
-    gives the logits of the same row with its mask built, bit for bit: beside other groups in the shared attention
+    gives the logits of the same row with its mask built, bit for bit: beside other requests in the shared attention
     and in the static forward, and alone."""
     eng = padded_engine
-    g = groups_over(eng, [12], [1], 1)[0]
+    g = requests_over(eng, [12], [1], 1)[0]
     g.plain = True
     part = eng.runner._part(g, 0, masked=True)
     assert part.full and part.mask is None and torch.equal(part.write_index, g.cache.index[g.slots.logical])
     release(eng, [g])
     for lengths, rows in (([9, 40, 21], [1, 2, 1]), ([33], [1])):
         for run in (eng.runner.step, lambda gs: as_they_come(eng, gs)):
-            a, b = groups_over(eng, lengths, rows, 5), groups_over(eng, lengths, rows, 5)
+            a, b = requests_over(eng, lengths, rows, 5), requests_over(eng, lengths, rows, 5)
             for x in a:
                 x.plain = len(x.input_ids) == 1
             for x, y in zip(run(a), run(b)):

@@ -2,7 +2,7 @@
 reads them."""
 
 import torch
-from test_cuda_graphs import as_they_come, groups_over, release
+from test_cuda_graphs import as_they_come, requests_over, release
 
 from braid.engine import Engine, EngineConfig
 from braid.engine.kv_cache import WorkCache
@@ -35,9 +35,9 @@ def test_the_runner_reads_its_step_and_writes_nothing_back(checkpoint):
     eng = Engine(EngineConfig(checkpoint("llama"), decode_graphs="eager", kv_budget_bytes=64 << 20))
     for lengths, rows in (([9, 40, 21], [1, 2, 1]), ([33], [3])):
         for run in (eng.runner.step, lambda gs: as_they_come(eng, gs)):
-            groups = groups_over(eng, lengths, rows, 4)
-            before = [(g.cache.length, g.cache.claimed, {k: id(v) for k, v in vars(g).items()}) for g in groups]
-            first, again = run(groups), run(groups)
+            requests = requests_over(eng, lengths, rows, 4)
+            before = [(g.cache.length, g.cache.claimed, {k: id(v) for k, v in vars(g).items()}) for g in requests]
+            first, again = run(requests), run(requests)
             assert all(torch.equal(a, b) for a, b in zip(first, again))
-            assert [(g.cache.length, g.cache.claimed, {k: id(v) for k, v in vars(g).items()}) for g in groups] == before
-            release(eng, groups)
+            assert [(g.cache.length, g.cache.claimed, {k: id(v) for k, v in vars(g).items()}) for g in requests] == before
+            release(eng, requests)

@@ -55,10 +55,10 @@ def test_batched_with_others_equals_alone(checkpoint, home, attention):
     eng = Engine(EngineConfig(checkpoint("llama"), kv_home=home, attention=attention))
     alone = [workflow(eng, task, contexts) for task, contexts in REQUESTS]
     steps_alone = eng.scheduler.steps
-    eng.scheduler.groups_stepped = eng.scheduler.steps = 0
+    eng.scheduler.requests_stepped = eng.scheduler.steps = 0
     together = concurrently(lambda t, c: workflow(eng, t, c), REQUESTS * 2)
     assert together == alone * 2
-    assert eng.scheduler.groups_stepped / eng.scheduler.steps > 1.5  # mean calls per forward
+    assert eng.scheduler.requests_stepped / eng.scheduler.steps > 1.5  # mean calls per forward
     assert eng.scheduler.steps < 2 * steps_alone
     assert eng.scheduler.load == {"waiting": 0, "running": 0, "reserved_bytes": 0}
 
@@ -83,10 +83,10 @@ def test_chunked_prefill_and_waiting_for_kv_budget_change_nothing(checkpoint, ll
 
 
 def test_serial_engine_runs_one_call_at_a_time(checkpoint, llama_engine):
-    serial = Engine(EngineConfig(checkpoint("llama"), max_running_calls=1))
+    serial = Engine(EngineConfig(checkpoint("llama"), max_running_requests=1))
     want = [workflow(llama_engine, task, contexts) for task, contexts in REQUESTS]
     assert concurrently(lambda t, c: workflow(serial, t, c), REQUESTS) == want
-    assert serial.scheduler.groups_stepped == serial.scheduler.steps
+    assert serial.scheduler.requests_stepped == serial.scheduler.steps
 
 
 def test_forwards_run_on_the_configured_cpu_threads_and_give_the_same_tokens(checkpoint, monkeypatch):
@@ -357,7 +357,7 @@ def test_kv_on_demand_preempts_and_encodes_again_exactly(checkpoint, home, atten
                                 kv_home=home))
     assert [t for t, _ in concurrently(lambda t, s: run(fixed, t, s), calls)] == [t for t, _ in alone]
     assert fixed.scheduler.preemptions == 0
-    mean_batch = lambda e: e.scheduler.groups_stepped / e.scheduler.steps  # noqa: E731
+    mean_batch = lambda e: e.scheduler.requests_stepped / e.scheduler.steps  # noqa: E731
     assert mean_batch(fixed) < mean_batch(tight)
     # a call that fills the whole pool is admitted (the blocks kept spare never exceed what it could grow by)
     exact = Engine(EngineConfig(path, kv_budget_bytes=40 * per_token, kv_block_tokens=4))
@@ -705,15 +705,15 @@ def test_a_compiled_forward_that_fails_as_it_runs_fails_its_requests(checkpoint,
     eng = Engine(EngineConfig(checkpoint("llama"), compile=True))
     _answers(eng, workflows=1)  # (compiled)
     done = eng.runner.compiled_forwards
-    grouped = attention._grouped
+    grouped = attention._per_request
 
     def fails(*args):
         raise RuntimeError("the device failed")
 
-    monkeypatch.setattr(attention, "_grouped", fails)
+    monkeypatch.setattr(attention, "_per_request", fails)
     with pytest.raises(Exception, match="the device failed"):
         eng.decode([DecodeCall("Worker:", parents=eng.prefill([PrefillCall("Part 7.")]))])
-    monkeypatch.setattr(attention, "_grouped", grouped)
+    monkeypatch.setattr(attention, "_per_request", grouped)
     assert eng.runner.compiled is not None
     _answers(eng, workflows=1)
     assert eng.runner.compiled_forwards > done
