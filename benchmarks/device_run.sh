@@ -14,7 +14,7 @@
 # (default: all);
 # LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests, GRAPH_TESTS the
 # first step's.
-# tests/test_cli_and_bench.py runs the dry run (the install as pip's --dry-run, one engine test file).
+# tests/cli/test_cli_and_bench.py runs the dry run (the install as pip's --dry-run, one engine test file).
 set -u
 OUT=${OUT:-/tmp/braid-device}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -24,7 +24,7 @@ if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape'
   LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
   SERVE_ARGS=${SERVE_ARGS:---concurrency 2 --requests-per-level 1 --transports local --worker-max-tokens 4 --answer-max-tokens 4}
   DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
-  GRAPH_TESTS=${GRAPH_TESTS:-tests/test_cuda_graphs.py::test_config_and_buckets}  # (the suite runs them all)
+  GRAPH_TESTS=${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py::test_config_and_buckets}  # (the suite runs them all)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -61,7 +61,7 @@ if [[ -d .wheels ]]; then  # (Redis for the serving step: the GPU machines have 
   log "wheels installed (pip exit code ${PIPESTATUS[0]})"
 fi
 step graph_tests 120 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
-  ${GRAPH_TESTS:-tests/test_cuda_graphs.py}
+  ${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py}
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
   --rows 15 --flex --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 step compile_decode 240 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
@@ -93,8 +93,8 @@ step kvcomm 150 $PY benchmarks/kvcomm_ttft.py --model "$MODEL" --device "$DEVICE
 step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
   --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
 rm -rf "$MODEL"
-TESTS=${TESTS:-tests/test_rope.py tests/test_engine.py tests/test_scheduler.py tests/test_synthesis.py \
-  tests/test_prefix_cache.py tests/test_calibration.py tests/test_prompt_tree.py tests/test_cuda_graphs.py}
+TESTS=${TESTS:-tests/kernels/test_rope.py tests/engine/test_engine.py tests/engine/test_scheduler.py tests/methods/test_synthesis.py \
+  tests/engine/test_prefix_cache.py tests/methods/test_calibration.py tests/train/test_prompt_tree.py tests/engine/test_cuda_graphs.py}
 step engine_tests "${TEST_SECONDS:-150}" env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -rf --tb=short \
   -p no:cacheprovider -p no:warnings $TESTS
 log done

@@ -2,7 +2,7 @@
 
 For each branch length, m worker branches follow a shared prefix and branch contexts
 of different lengths. Branch outputs are prefilled rather than decoded, which gives
-the same KV (tests/test_engine.py::test_prefilled_and_decoded_kv_agree) without
+the same KV (tests/engine/test_engine.py::test_prefilled_and_decoded_kv_agree) without
 spending minutes decoding. TTFT is measured from the synthesis call to the first
 sampled token, and includes planning, cache assembly (copy + re-rotation) and the
 prompt prefill; worker time is excluded, as in the paper.

@@ -5,7 +5,7 @@ grpc_tools' own include path), here with `--include_source_info --descriptor_set
 from what protoc parsed: every service and RPC (request and response types, streaming), every message (fields,
 types, labels, oneofs) and enum (values), each with the comments the .proto source puts on it. The output depends
 on the .proto files alone. `--check` writes nothing and exits 1 when the committed page differs from what would be
-written (tests/test_docs.py runs it).
+written (tests/docs/test_docs.py runs it).
 """
 
 import argparse

@@ -13,7 +13,7 @@ tables (`paged_mask`): no keys are gathered, and a block no request reads is nev
 touched. It is compiled on CUDA; on CPU it runs eagerly, which materialises the
 scores over the window of blocks the requests' pages span, so there SDPA (over
 gathered keys) stays the default and flex is the tested alternative: the same
-masks, the same tokens (tests/test_attention.py, tests/test_scheduler.py).
+masks, the same tokens (tests/engine/test_attention.py, tests/engine/test_scheduler.py).
 
 On CUDA, masked queries of at most DECODE_ROWS rows (decode steps) skip SDPA's
 cuDNN backend, which builds a graph for every new key length, and the key length

@@ -1,11 +1,15 @@
+"""What every test shares: tiny random-weight checkpoints, engines over them, and the test device."""
+
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of triton
-# FlexAttention's compiled kernels (tests/test_prompt_tree.py) go to one place, not /tmp/torchinductor_<user>
+# FlexAttention's compiled kernels (tests/train/test_prompt_tree.py) go to one place, not /tmp/torchinductor_<user>
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "braid-inductor"))
 
 import pytest  # noqa: E402
@@ -14,6 +18,12 @@ from braid.engine import Engine, EngineConfig  # noqa: E402
 from braid.models.checkpoints import make_random_checkpoint  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+# The tests sit in folders that mirror the rooms (tests/engine for engine/, ...); a test may reuse another room's
+# helpers by module name (`from test_calibration import answer`) whichever files were collected, as the device
+# script's single files do: every room's folder is importable.
+sys.path[:0] = sorted(str(p) for p in Path(__file__).parent.iterdir()
+                      if p.is_dir() and not p.name.startswith((".", "_")))
 
 # BRAID_TEST_DEVICE=cuda runs every engine the tests build on that device, in fp32 so the exactness tests hold
 # (a lent GPU's check of the engine; CI runs on CPU and leaves this unset).

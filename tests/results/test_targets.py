@@ -47,7 +47,7 @@ import pytest
 
 from braid.results import unclean
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 EPS = 1e-9  # float representation only (0.98 - 1.0 is -0.0200...02): no tolerance beyond the issue's own
 TASKS = ["chain", "vote", "trail", "multiqa"]

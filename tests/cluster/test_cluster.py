@@ -368,7 +368,7 @@ def test_braid_serve_opens_the_api_only_when_told(cluster, tmp_path, monkeypatch
     """`braid serve --open-api` as typed, its cluster a Serve app on this module's Ray (a Ray of its own would add
     a minute): no key is made, the banner says anyone who can reach the port is served, and a call without a key
     is. (`braid serve` without it, making its key and refusing calls without one, is run as a reader starts it in
-    tests/test_docs_commands.py.)"""
+    tests/docs/test_docs_commands.py.)"""
     import signal
     import threading
 

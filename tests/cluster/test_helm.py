@@ -19,7 +19,7 @@ from braid.cluster.config import ClusterConfig
 from braid.runtime.dashboard import dashboard_json, grafana_dashboard
 from braid.runtime.metrics import metrics
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "helm")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "helm")
 CHART = os.path.join(ROOT, "braid")
 EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".yaml"))
 KUBE = "1.30.0"

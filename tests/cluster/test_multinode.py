@@ -10,7 +10,7 @@ import pytest
 from braid.protos import agent_pb2 as pb
 from braid.runtime.directory import EmbeddedRedis
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from braid.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_cli_help(capsys):
@@ -291,7 +291,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
 
     script = os.path.join(ROOT, "benchmarks", "device_run.sh")
     env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "OUT": str(tmp_path), "PY": sys.executable,
-           "PIP_DRY_RUN": "1", "TESTS": "tests/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree"),
+           "PIP_DRY_RUN": "1", "TESTS": "tests/kernels/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree"),
            "BUDGET": "1500"}
     for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS", "CAL_ARGS", "SERVE_ARGS",
                  "BASE_ARGS", "KV_GIB", "GRAPH_TESTS"):

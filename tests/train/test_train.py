@@ -181,7 +181,7 @@ def test_the_device_script_trains_and_packs_the_checkpoint_in_parts_that_load(tm
     env = {**os.environ, "PY": sys.executable, "OUT": str(out), "RUN": str(run), "INSTALL": "0",
            "DEVICE_ARGS": "--device cpu"}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "device"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(["bash", os.path.join(root, "train", "device_train.sh"), *flags], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:]

@@ -28,7 +28,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
                                                                            recursive=True))]
 # programs a reader runs against a daemon or cluster that this machine lacks: checked by nothing here
@@ -236,7 +236,7 @@ def check(words: list[str]) -> None:
         rendered = helm.Chart.load(os.path.join(ROOT, chart)).render(values, name=positional[0], namespace=namespace)
         assert any(path.endswith(".yaml") for path in rendered)
     elif program == "mkdocs":
-        assert words[1] in ("serve", "build"), words  # (tests/test_docs.py builds the site)
+        assert words[1] in ("serve", "build"), words  # (tests/docs/test_docs.py builds the site)
     else:
         assert program in UNCHECKED, f"{' '.join(words)}: a command this test does not know how to check"
 

@@ -8,7 +8,7 @@ import sys
 
 from braid.protos import agent_pb2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_site_builds_strict(tmp_path):

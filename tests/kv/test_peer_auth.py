@@ -11,7 +11,7 @@ from braid.kv.export import KVExporter, fetch
 from braid.kv.grpc_transport import GrpcSender
 from braid.kv.receiver import KVReceiver
 from braid.protos import kv_pb2, kv_pb2_grpc
-from tests.test_kv_grpc import ship_two_branches
+from test_kv_grpc import ship_two_branches
 
 
 def owned_by(session: str):

@@ -12,7 +12,7 @@ import pytest
 
 from braid.results import unclean
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs", "results")
 ALLOWED_OUTSIDE = {"../calibration.md", "../streaming.md", "../operations.md", "../bring-your-own-model.md"}
 

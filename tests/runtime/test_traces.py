@@ -232,7 +232,7 @@ def test_the_trace_quality_run_goes_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "trace_quality.py"), "--work",
                            str(tmp_path / "work"), "--workflows", "6", "--held-out", "3", "--steps", "2",
                            "--tasks-per-step", "2", "--out", str(tmp_path / "out")], capture_output=True, text=True,
