@@ -4,6 +4,7 @@ makes when none is given, and what a client sends: its key, and TLS where the AP
 import hashlib
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ def local_key_path(port: int) -> str:
 def make_local_key(port: int) -> tuple[str, str]:
     """A new API key for `braid serve` on `port` and the file it is in (local_key_path), readable by this user
     only (0600, in a 0700 folder). The file is the cluster's key file too (one `local:<key>` line), and this
-    machine's clients find it there (local_key)."""
+    machine's clients find it there (local_key). It names the process that made it: while that process lives,
+    another `braid serve` on the same port is refused here and leaves the file as it is (it would neither share
+    the key nor, on stopping, delete it); a file whose maker has gone is replaced."""
     key, path = secrets.token_urlsafe(32), local_key_path(port)
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -44,13 +47,44 @@ def make_local_key(port: int) -> tuple[str, str]:
             os.unlink(staged)
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (0600 before a byte is in it)
         with os.fdopen(fd, "w") as f:
-            f.write(f"# the API key braid serve made for port {port}; braid run and braid loadtest on this machine "
-                    f"send it\nlocal:{key}\n")
-        os.replace(staged, path)
+            f.write(f"# the API key braid serve (pid {os.getpid()}) made for port {port}; braid run and braid "
+                    f"loadtest on this machine send it\nlocal:{key}\n")
+        try:
+            os.link(staged, path)  # (only where there is no file: of two starting at once, one gets it)
+        except FileExistsError:
+            holder = _maker(path)
+            if holder is not None:
+                os.unlink(staged)
+                raise ValueError(f"port {port} is taken by another braid serve (pid {holder}), whose API key is in "
+                                 f"{path}: stop it, or serve on another --port") from None
+            os.replace(staged, path)  # (its maker has gone: a key file left behind)
+        else:
+            os.unlink(staged)
     except OSError as e:
         raise ValueError(f"cannot write the API key to {path}: {e.strerror}; give keys (--api-keys-file or "
                          f"${ENV_KEYS}) or serve without any (--open-api)") from None
     return key, path
+
+
+def _maker(path: str) -> int | None:
+    """The live process other than this one that made the key file at `path` (make_local_key), or None: no
+    file, a file that names no process (written by hand, or by an older braid), or one whose maker has gone."""
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return None
+    found = re.search(r"\(pid (\d+)\)", first)
+    pid = int(found.group(1)) if found else None
+    if pid is None or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # (alive, another user's)
+        pass
+    return pid
 
 
 def drop_local_key(port: int, key: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
 from braid.engine import EngineConfig
-from braid.engine.config import OWN_VERIFICATION, paths_elsewhere, paths_here
+from braid.engine.config import ATTENTION, DECODE_GRAPHS, OWN_VERIFICATION, paths_elsewhere, paths_here
 from braid.kv.connector import Transport
 from braid.methods.kvcomm import KVCommConfig
 from braid.methods.staircase import StaircaseSchedule
@@ -68,6 +68,9 @@ class ClusterConfig:
     cpu_threads: int = 0  # on CPU, each engine's intra-op threads (EngineConfig); 0: the process's (the cores)
     overlap: bool = False  # each engine builds a step while the device runs the one before (EngineConfig.overlap)
     compile: bool = False  # each engine's base-weight forwards through torch.compile (EngineConfig.compile)
+    # how each engine's attention reads the work KV: "sdpa" (keys gathered) or "flex" (in place, through page tables)
+    attention: str = "sdpa"  # (EngineConfig.attention)
+    decode_graphs: str = "auto"  # static decode shapes replayed as CUDA graphs: auto (on CUDA), off, eager
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them
     max_ongoing_requests: int = 64
     kv_transport: str = "auto"  # auto: grpc or text per request, from measured bandwidth vs prefill throughput;
@@ -174,6 +177,7 @@ class ClusterConfig:
             props[name]["anyOf"][0]["minimum"] = 0
         props["grpc_port"].update(minimum=1, maximum=65535)
         props["kv_transport"]["enum"] = list(TRANSPORTS)
+        props["attention"]["enum"], props["decode_graphs"]["enum"] = list(ATTENTION), list(DECODE_GRAPHS)
         props["kvcomm_gamma"].update(minimum=0, maximum=1)
         props["kvcomm_capacity"]["minimum"] = 0
         props["cpu_threads"]["minimum"] = 0
@@ -186,7 +190,8 @@ class ClusterConfig:
         return EngineConfig(self.model_path, dtype=self.dtype, device="auto",
                             store_budget_bytes=self.store_budget_bytes, kv_budget_bytes=self.kv_budget_bytes,
                             max_batched_tokens=self.max_batched_tokens, cpu_threads=self.cpu_threads,
-                            overlap=self.overlap, compile=self.compile,
+                            overlap=self.overlap, compile=self.compile, attention=self.attention,
+                            decode_graphs=self.decode_graphs,
                             calibration=self.calibration if role == "synthesizer" else "none",
                             verification=self.verification if role == "synthesizer" else OWN_VERIFICATION)
 

@@ -45,8 +45,11 @@ class DecodeStream:
     def __init__(self, request: Request, store: MessageStore):
         self._request, self._store = request, store
         self._events = request.results()
-        self.timings = request.timings
         self.ids: list[str] | None = None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self._request.timings
 
     def __iter__(self) -> Iterator[TokenEvent]:
         self.ids = yield from self._events

@@ -146,10 +146,22 @@ class Request:
         self.pending: deque[tuple[int, int, int]] = deque(
             (t, pos, i) for i, c in enumerate(calls) for t, pos in c.rows())
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.timings: dict[str, float] = {}
+        self._timings: dict[str, float] = {}  # (`timings`: written on the scheduler's thread, read by the caller)
+        self._assembling: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (CUDA: `start`'s, not read yet)
         self.submitted = time.perf_counter()
         self.served = 0  # steps it took part in (fairness among decoding requests)
         self.out = 0  # its takes not advanced yet (in this step, or in the one in flight): it cannot be preempted
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds, filled in as it runs: `queued`, `assemble`, `first_token`, `decode` (engine.engine.DecodeStream).
+        On CUDA `assemble` is the device's time between events recorded around it, read here, on the reader's
+        thread (waiting for those events alone), so that the step path never waits for the device to time it."""
+        while self._assembling:
+            begin, end = self._assembling.pop()
+            end.synchronize()
+            self._timings["assemble"] = self._timings.get("assemble", 0.0) + begin.elapsed_time(end) / 1e3
+        return self._timings
 
     @property
     def cancelled(self) -> bool:
@@ -166,7 +178,7 @@ class Request:
     def decoding(self) -> bool:
         """Past its headers: it feeds one sampled token per live call each step (not encoding again after a
         preemption)."""
-        return (self.decodes and self.timings.get("first_token") is not None
+        return (self.decodes and self._timings.get("first_token") is not None
                 and len(self.pending) <= len(self.calls))
 
     def needed(self) -> int:
@@ -187,16 +199,20 @@ class Request:
         return rows - lead
 
     # ---- called by the scheduler ----------------------------------------------------------------
-    def start(self, device: torch.device, blocks: list[int], sync: bool = True) -> None:
-        """Assemble its work cache over `blocks`; `sync`: wait for the device, so that `assemble` times its work
-        (not with overlap: a step may be running)."""
+    def start(self, device: torch.device, blocks: list[int]) -> None:
+        """Assemble its work cache over `blocks`, timed (`timings`) without waiting for the device."""
         begin = time.perf_counter()
-        self.timings.setdefault("queued", begin - self.submitted)  # (before it first ran)
+        self._timings.setdefault("queued", begin - self.submitted)  # (before it first ran)
         self.blocks = blocks
-        self.cache = self.kv.assemble(blocks, self.runs)
-        if sync and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.timings["assemble"] = self.timings.get("assemble", 0.0) + time.perf_counter() - begin
+        if device.type == "cuda":  # (the device's time, read when `timings` is)
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+            self.cache = self.kv.assemble(blocks, self.runs)
+            events[1].record()
+            self._assembling.append(events)
+        else:
+            self.cache = self.kv.assemble(blocks, self.runs)
+            self._timings["assemble"] = self._timings.get("assemble", 0.0) + time.perf_counter() - begin
         with self.lock:
             if self.status is RequestStatus.WAITING:
                 self.status = RequestStatus.RUNNING
@@ -276,7 +292,7 @@ class Request:
                 if not call.decodes and len(call.slots) == len(call.tokens):
                     call.status = CallStatus.ENCODED
         if sampled is not None:
-            self.timings.setdefault("first_token", time.perf_counter() - self.submitted)
+            self._timings.setdefault("first_token", time.perf_counter() - self.submitted)
             events = []
             for c, token in zip(take.logit_calls, sampled):
                 call = self.calls[c]
@@ -295,7 +311,7 @@ class Request:
         if self.pending or self.out or any(c.sampling_now for c in self.decode_calls):
             return False
         if self.decodes:
-            self.timings["decode"] = time.perf_counter() - self.submitted - self.timings["first_token"]
+            self._timings["decode"] = time.perf_counter() - self.submitted - self._timings["first_token"]
         return True
 
     def _drop(self, row: list) -> None:
@@ -552,7 +568,7 @@ class Scheduler:
         finally:
             for g, blocks in admitted:
                 try:
-                    g.start(self.runner.lm.device, blocks, sync=not self.overlap)
+                    g.start(self.runner.lm.device, blocks)
                     self.running.append(g)
                 except Exception as e:
                     g.fail(e)

@@ -4,6 +4,8 @@ import contextlib
 import datetime
 import io
 import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -148,6 +150,19 @@ def test_braid_serve_makes_a_key_for_this_machine_only(tmp_path, monkeypatch, ca
     assert client_key(None, "127.0.0.1:9123") == BOB
     again, _ = make_local_key(9123)  # (a new start: a new key, the old one gone)
     assert again != key and local_key("127.0.0.1:9123") == again and os.listdir(tmp_path / ".braid") == ["api-key-9123"]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # (another braid serve)
+    try:
+        theirs = f"# the API key braid serve (pid {other.pid}) made for port 9123\nlocal:{BOB}\n"
+        with open(path, "w") as f:
+            f.write(theirs)
+        with pytest.raises(ValueError, match=f"port 9123 is taken by another braid serve \\(pid {other.pid}\\)"):
+            make_local_key(9123)
+        assert open(path).read() == theirs and os.listdir(tmp_path / ".braid") == ["api-key-9123"]  # (as it was)
+    finally:
+        other.kill()
+        other.wait()
+    again, _ = make_local_key(9123)  # (its maker gone: replaced)
+    assert local_key("127.0.0.1:9123") == again
     drop_local_key(9123, key)  # (not the key it holds: kept)
     assert local_key("127.0.0.1:9123") == again
     drop_local_key(9123, again)

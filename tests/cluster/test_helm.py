@@ -105,6 +105,20 @@ def test_config_values_schema_is_generated_from_cluster_config():
                               "--json-schema` (less the chart-owned fields)"
 
 
+def test_every_engine_setting_a_gpu_needs_reaches_the_engines_from_the_chart(checkpoint):
+    """The attention backend, compile, overlap and decode graphs, set in the chart's values, reach each replica's
+    engine as the cluster config the app is built from gives it (workers' and synthesizer's alike)."""
+    from braid.cluster.config import ClusterConfig
+
+    settings = {"attention": "flex", "compile": True, "overlap": True, "decode_graphs": "off"}
+    config = serve_config(render({"config": settings}))["applications"][0]["args"]["config"]
+    assert {k: config[k] for k in settings} == settings
+    cluster = ClusterConfig.from_dict({**config, "model_path": checkpoint("llama"), "api_keys_file": None})
+    for role in ("worker", "synthesizer"):
+        engine = cluster.engine_config(role)
+        assert {k: getattr(engine, k) for k in settings} == settings, role
+
+
 def test_dashboard_is_generated_and_queries_only_metrics_braid_exports():
     with open(os.path.join(CHART, "dashboards", "braid.json")) as f:
         assert f.read() == dashboard_json()
@@ -124,6 +138,8 @@ def test_dashboard_is_generated_and_queries_only_metrics_braid_exports():
     ({"config": {"worker_autoscaling": {"min_replicas": 0, "max_replicas": 2}}},
      "/config/worker_autoscaling"),
     ({"config": {"kv_transport": "pigeon"}}, "/config/kv_transport"),
+    ({"config": {"attention": "flash"}}, "/config/attention"),
+    ({"config": {"decode_graphs": True}}, "/config/decode_graphs"),
     ({"config": {"model_path": "/elsewhere"}}, "'model_path' not allowed"),
     ({"ingress": {"enabled": True, "tls": {"enabled": True}}}, "ingress.tls.secretName is required"),
     ({"redis": {"mode": "external"}}, "redis.external.url is required"),

@@ -350,6 +350,30 @@ def test_braid_serve_makes_a_key_for_this_machine_s_user(served):
         assert stub.Health(pb.HealthRequest(), metadata=app + client_metadata(key), timeout=30).status == "SERVING"
 
 
+def test_a_second_braid_serve_on_its_port_is_refused_and_leaves_its_key(served):
+    """A second `braid serve` on a port a live one serves is refused before anything starts, naming the first; the
+    first's key file stays as it was (neither shared nor, when the second stops, deleted), and still opens its API."""
+    import grpc
+
+    from braid.api.auth import client_metadata
+    from braid.protos import agent_pb2 as pb
+    from braid.protos import agent_pb2_grpc
+
+    address, env = served
+    port = address.rpartition(":")[2]
+    path = os.path.join(env["HOME"], ".braid", f"api-key-{port}")
+    before = open(path).read()
+    second = subprocess.run([sys.executable, "-m", "braid", "serve", "--port", port, "--num-cpus", "1"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"port {port} is taken by another braid serve (pid " in second.stderr and path in second.stderr
+    assert open(path).read() == before and os.listdir(os.path.dirname(path)) == [f"api-key-{port}"]
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        metadata = (("application", "braid"), *client_metadata(before.strip().rpartition(":")[2]))
+        assert stub.Health(pb.HealthRequest(), metadata=metadata, timeout=30).status == "SERVING"
+
+
 def _shown(line: str) -> str:
     """An output line with what differs from run to run (session and message ids, timings) made a placeholder."""
     line = re.sub(r"session [\w-]+", "session <id>", line)

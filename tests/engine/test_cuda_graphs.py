@@ -342,3 +342,22 @@ def test_padded_keys_lays_each_part_in_its_row():
     index, inside = padded_keys(parts, 4, pad=99)
     assert index.tolist() == [5, 6, 7, 99, 10, 11, 12, 99, 3, 99, 99, 99]
     assert inside.tolist() == [[True, True, True, False], [True, True, True, False], [True, False, False, False]]
+
+
+@pytest.mark.skipif(not CUDA, reason="the step path's device waits are CUDA's")
+def test_the_step_path_never_synchronizes_the_device(checkpoint, monkeypatch):
+    """On CUDA, with overlap off and on, a request's steps (admission, assembly, forwards, commits) never call
+    torch.cuda.synchronize: the one wait is each step's token read. Its `assemble` time comes from CUDA events,
+    read afterwards on the reader's thread."""
+    from braid.engine import DecodeCall, PrefillCall, SamplingParams
+
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(checkpoint("llama"), device="cuda", dtype="float32", overlap=overlap))
+        parent, = eng.prefill([PrefillCall("a parent the decode call reads")])
+        waits = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: waits.append(args))
+        stream = eng.decode_stream([DecodeCall("go", [parent], sampling=SamplingParams(max_tokens=8,
+                                                                                       ignore_eos=True))])
+        assert len(list(stream)) == 8 and waits == [], overlap
+        assert stream.timings["assemble"] > 0 and stream.timings["decode"] > 0
+        monkeypatch.undo()
