@@ -23,8 +23,9 @@ PY=${PY:-python3}
 if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape's 4096 positions, one timed run)
   LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
   SERVE_ARGS=${SERVE_ARGS:---concurrency 2 --requests-per-level 1 --transports local --worker-max-tokens 4 --answer-max-tokens 4}
-  DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
+  DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4 --context 64}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
   GRAPH_TESTS=${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py::test_config_and_buckets}  # (the suite runs them all)
+  export TRITON_INTERPRET=1  # (attention paged's Triton kernel, on CPU: under the interpreter)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -61,9 +62,9 @@ if [[ -d .wheels ]]; then  # (Redis for the serving step: the GPU machines have 
   log "wheels installed (pip exit code ${PIPESTATUS[0]})"
 fi
 step graph_tests 120 env BRAID_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
-  ${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py}
+  ${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py tests/kernels/test_paged_decode.py}
 step profile_decode 300 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
-  --rows 15 --flex --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
+  --rows 15 --flex --paged --overlap --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 step compile_decode 240 $PY benchmarks/profile_decode.py --shape "$SHAPE" --layers "${LAYERS:-0}" --device "$DEVICE" \
   --compile-only --kv-gib "${KV_GIB:-8}" ${DECODE_ARGS:-} --out "$OUT"
 if [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]]; then  # (its braid on PYTHONPATH: benchmarks.revision)

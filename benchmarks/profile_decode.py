@@ -1,23 +1,24 @@
 """Where a decode step's time goes: the engine's decode with and without CUDA graphs, beside plain transformers.
 
-All decode `--tokens` tokens greedily after a `--context`-token prompt; the engine through `decode_stream`
-(its scheduler thread, paged work cache and masks), once with its decode forwards replayed as CUDA graphs
+All decode `--tokens` tokens greedily after a `--context`-token prompt; the engine through `decode_stream` (its
+scheduler thread, paged work cache and masks), once with its decode forwards replayed as CUDA graphs
 (engine.cuda_graphs; "eager" on CPU: the same padded forwards, uncaptured) and once as they come, on the same
 weights, side by side; transformers through the model's own forward with a DynamicCache and SDPA. Then
-`--concurrency` calls decoding at once (one thread each, batched by the scheduler): tokens/s, graphs on and
-off. Prints ms per token for each, the engine's forward alone (runner.step of one decode row, in this
-thread), then torch.profiler's tables of the forwards as they come (top ops by self CPU time and by device
-time, and the host-device copies and synchronisations) and the launches of a graphed one. With `--flex`, a second
-engine on the same checkpoint whose attention reads the KV pool in place (attention: flex, FlexAttention through
-page tables; compiled on CUDA, eager on CPU) decodes the same way, its rounds alternating with the first engine's
-graphed ones, and at each concurrency. With `--overlap`, the first engine's scheduler (graphs on) with and without
-overlap (EngineConfig.overlap: each step launched before the tokens of the one before are read), alternating:
-ms per token at batch 1 and tokens/s at each concurrency. With `--compile`, the first engine's forwards with and
-without the decoder compiled (EngineConfig.compile), alternating, each with decode graphs of its own: the time of
-the first decode (compiling and capturing), ms per token at batch 1, tokens/s at each concurrency, the time of a
-`--context`-token prefill (forwards that carry prefill rows run as they come, so the host's time counts), and the
-kernel launches of a compiled forward. Writes JSON after each part (a run cut short keeps what it measured).
-"""
+`--concurrency` calls decoding at once (one thread each, batched by the scheduler): tokens/s, graphs on and off.
+Prints ms per token for each, the engine's forward alone (runner.step of one decode row, in this thread), then
+torch.profiler's tables of the forwards as they come (top ops by self CPU time and by device time, and the host-
+device copies and synchronisations) and the launches of a graphed one. With `--flex`, a second engine on the same
+checkpoint whose attention reads the KV pool in place (attention: flex, FlexAttention through page tables; compiled
+on CUDA, eager on CPU) decodes the same way, its rounds alternating with the first engine's graphed ones, and at
+each concurrency; `--paged` likewise for attention: paged (the decode attention reading the pool through its slot
+tables, kernels.paged_decode; its decode graphs on where there are any). With `--overlap`, the first engine's
+scheduler (graphs on) with and without overlap (EngineConfig.overlap: each step launched before the tokens of the
+one before are read), alternating: ms per token at batch 1 and tokens/s at each concurrency. With `--compile`, the
+first engine's forwards with and without the decoder compiled (EngineConfig.compile), alternating, each with decode
+graphs of its own: the time of the first decode (compiling and capturing), ms per token at batch 1, tokens/s at each
+concurrency, the time of a `--context`-token prefill (forwards that carry prefill rows run as they come, so the
+host's time counts), and the kernel launches of a compiled forward. Writes JSON after each part (a run cut short
+keeps what it measured)."""
 
 import argparse
 import itertools
@@ -46,6 +47,8 @@ def parse_args(argv=None):
                    help="calls decoding at once, for the throughput table (none: skip it)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each side-by-side timing (median kept)")
     p.add_argument("--flex", action="store_true", help="also time an engine with attention: flex (module doc)")
+    p.add_argument("--paged", action="store_true",
+                   help="also time an engine with attention: paged, its graphs on where it has them (module doc)")
     p.add_argument("--overlap", action="store_true", help="also time the scheduler's overlap on against off")
     p.add_argument("--compile", action="store_true", help="also time the decoder compiled against as it comes")
     p.add_argument("--compile-only", action="store_true",
@@ -142,31 +145,33 @@ def side_by_side(eng, graphs, rounds, measure):
     return {mode: sorted(v)[len(v) // 2] for mode, v in runs.items()}
 
 
-def flex_side_by_side(eng, flex, prompt, args, sync) -> dict:
-    """The flex engine against `eng` (its graphs on where it has them), rounds alternating: ms per token at batch 1,
-    then tokens/s at each concurrency (the first round of each warms the compiled kernels up, untimed)."""
-    ctx, fctx = eng.prefill([PrefillCall(prompt[0].tolist())]), flex.prefill([PrefillCall(prompt[0].tolist())])
+def attention_side_by_side(eng, other, name, prompt, args) -> dict:
+    """The engine `other`, whose attention is `name` (flex, paged), against `eng` (sdpa, its graphs on where it has
+    them), rounds alternating: ms per token at batch 1, then tokens/s at each concurrency (the first round of each
+    warms compiled kernels up, untimed)."""
+    ctx, octx = eng.prefill([PrefillCall(prompt[0].tolist())]), other.prefill([PrefillCall(prompt[0].tolist())])
     start = time.perf_counter()
-    engine_decode(flex, fctx, 4)
+    engine_decode(other, octx, 4)
     warm = time.perf_counter() - start
-    runs = {"sdpa": [], "flex": []}
+    runs = {"sdpa": [], name: []}
     for _ in range(args.rounds):
         runs["sdpa"].append(engine_decode(eng, ctx, args.tokens))
-        runs["flex"].append(engine_decode(flex, fctx, args.tokens))
-    sdpa_ms, flex_ms = (1e3 * sorted(v)[len(v) // 2] for v in runs.values())
-    out = {"first_decode_s": warm, "sdpa_ms_per_token": sdpa_ms, "flex_ms_per_token": flex_ms,
-           "flex_speedup": sdpa_ms / flex_ms, "concurrency": []}
-    print(f"attention flex: {flex_ms:.1f} ms/token against {sdpa_ms:.1f} ({out['flex_speedup']:.2f}x; its first "
-          f"decode, compiling, {warm:.1f} s)", flush=True)
+        runs[name].append(engine_decode(other, octx, args.tokens))
+    sdpa_ms, other_ms = (1e3 * sorted(v)[len(v) // 2] for v in runs.values())
+    out = {"first_decode_s": warm, "sdpa_ms_per_token": sdpa_ms, f"{name}_ms_per_token": other_ms,
+           f"{name}_speedup": sdpa_ms / other_ms, "concurrency": []}
+    print(f"attention {name}: {other_ms:.1f} ms/token against {sdpa_ms:.1f} ({out[f'{name}_speedup']:.2f}x; its "
+          f"first decode, compiling, {warm:.1f} s)", flush=True)
     for n in args.concurrency:
-        concurrent_decode(flex, fctx, args.tokens, n)
+        concurrent_decode(other, octx, args.tokens, n)
         rates = {"sdpa": concurrent_decode(eng, ctx, args.tokens, n),
-                 "flex": concurrent_decode(flex, fctx, args.tokens, n)}
-        out["concurrency"].append({"calls": n, "sdpa_tokens_per_s": rates["sdpa"], "flex_tokens_per_s": rates["flex"]})
-        print(f"  {n} calls at once: flex {rates['flex']:.1f} tokens/s, sdpa {rates['sdpa']:.1f} "
-              f"({rates['flex'] / rates['sdpa']:.2f}x)", flush=True)
+                 name: concurrent_decode(other, octx, args.tokens, n)}
+        out["concurrency"].append({"calls": n, "sdpa_tokens_per_s": rates["sdpa"],
+                                   f"{name}_tokens_per_s": rates[name]})
+        print(f"  {n} calls at once: {name} {rates[name]:.1f} tokens/s, sdpa {rates['sdpa']:.1f} "
+              f"({rates[name] / rates['sdpa']:.2f}x)", flush=True)
     eng.free(ctx[0])
-    flex.free(fctx[0])
+    other.free(octx[0])
     return out
 
 
@@ -273,6 +278,9 @@ def main(argv=None):
         more = not args.compile_only
         flex = Engine(EngineConfig(path, device=device, attention="flex", kv_budget_bytes=kv)) if args.flex and more \
             else None
+        paged = Engine(EngineConfig(path, device=device, attention="paged", kv_budget_bytes=kv,
+                                    decode_graphs="auto" if device != "cpu" else "eager")) if args.paged and more \
+            else None
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=eng.lm.dtype, attn_implementation="sdpa").to(device) \
             if more else None
     graphs = eng.runner.graphs
@@ -319,7 +327,9 @@ def main(argv=None):
         print(f"{n} calls at once: {rate['eager']:.1f} tokens/s as they come, {rate['graphs']:.1f} with graphs "
               f"({rate['graphs'] / rate['eager']:.2f}x)", flush=True)
     if flex is not None:
-        result["flex"] = flex_side_by_side(eng, flex, prompt, args, sync)
+        result["flex"] = attention_side_by_side(eng, flex, "flex", prompt, args)
+    if paged is not None:
+        result["paged"] = attention_side_by_side(eng, paged, "paged", prompt, args)
     name = f"profile_decode_{'cpu' if device == 'cpu' else 'cuda'}"
 
     def save():
@@ -371,7 +381,7 @@ def main(argv=None):
 
 def plot(stem: str, result: dict) -> None:
     """stem.png: decode tokens/s at each concurrency, the engine's forwards as they come against graphed."""
-    runs, flex = result.get("concurrency", []), result.get("flex")
+    runs, flex, paged = result.get("concurrency", []), result.get("flex"), result.get("paged")
     if runs:
         grouped_bars(stem, f"decode, {result['shape']} ({result['layers']} layers), {result['device']}",
                      [str(r["calls"]) for r in runs],
@@ -379,7 +389,9 @@ def plot(stem: str, result: dict) -> None:
                                     "CUDA graphs" if result["device"] != "cpu" else "padded (eager)":
                                     [r["graphs_tokens_per_s"] for r in runs],
                                     **({"attention flex": [r["flex_tokens_per_s"] for r in flex["concurrency"]]}
-                                       if flex else {})})], "calls decoding at once")
+                                       if flex else {}),
+                                    **({"attention paged": [r["paged_tokens_per_s"] for r in paged["concurrency"]]}
+                                       if paged else {})})], "calls decoding at once")
 
 if __name__ == "__main__":
     main()

@@ -68,7 +68,8 @@ class ClusterConfig:
     cpu_threads: int = 0  # on CPU, each engine's intra-op threads (EngineConfig); 0: the process's (the cores)
     overlap: bool = False  # each engine builds a step while the device runs the one before (EngineConfig.overlap)
     compile: bool = False  # each engine's base-weight forwards through torch.compile (EngineConfig.compile)
-    # how each engine's attention reads the work KV: "sdpa" (keys gathered) or "flex" (in place, through page tables)
+    # how each engine's attention reads the work KV: "sdpa" (keys gathered), "flex" (in place, through page tables)
+    # or "paged" (decode attention through slot tables, Triton)
     attention: str = "sdpa"  # (EngineConfig.attention)
     decode_graphs: str = "auto"  # static decode shapes replayed as CUDA graphs: auto (on CUDA), off, eager
     # calls one replica takes at once (Serve's max_ongoing_requests): its scheduler batches them

@@ -14,7 +14,7 @@ CALIBRATION_MANIFEST = "calibration.json"  # (methods.calibration.MANIFEST)
 VERIFICATIONS_DIR = "verifications"
 OWN_VERIFICATION = "own"
 DECODE_GRAPHS = ("auto", "off", "eager")  # (engine.cuda_graphs)
-ATTENTION = ("sdpa", "flex")  # (engine.attention)
+ATTENTION = ("sdpa", "flex", "paged")  # (engine.attention)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _PATHS_HERE = contextvars.ContextVar("braid_paths_here", default=True)
@@ -97,7 +97,9 @@ class EngineConfig:
     # how a forward's attention reads the work KV (engine.attention): "sdpa", each request's keys gathered out of the
     # pool (the default, and the reference); "flex", FlexAttention over the pool in place, through a block mask
     # built from the requests' page tables (compiled on CUDA; eager on CPU, where it is slower). Forwards then run as
-    # they come: decode_graphs capture the sdpa path only
+    # they come: decode_graphs capture the sdpa path only; "paged", as sdpa, but decode-sized requests' attention
+    # reads their keys where they lie in the pool, through their slot tables (kernels.paged_decode, Triton; CUDA
+    # graphs capture it; on CPU only under Triton's interpreter, as the tests run it)
     attention: str = "sdpa"
     # build and launch each step before reading the tokens the step before sampled (engine.scheduler): on CUDA the
     # host's work of a step (scheduling, inputs, reading tokens, detokenizing) then runs while the device runs the

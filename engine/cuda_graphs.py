@@ -72,8 +72,9 @@ class PaddedStep(_Step):
 
     padded = True
 
-    def __init__(self, pool: KVPool, shape: tuple[int, int, int]):
+    def __init__(self, pool: KVPool, shape: tuple[int, int, int], paged_decode: bool = False):
         g, r, t = shape
+        self.paged_decode = paged_decode
         device, trash = pool.kv.device, pool.trash
         self.pool, self.shape = pool, shape
         self.parts, self.large, self.small = [], [], True
@@ -180,7 +181,7 @@ class DecodeGraphs:
         only the trash slot). None when the device has no memory for it. A capture that fails otherwise (an op
         a graph cannot hold) leaves that bucket, and every later one, eager."""
         try:
-            b = _Bucket(PaddedStep(self.pool, shape), weights)
+            b = _Bucket(PaddedStep(self.pool, shape, self.runner.paged_decode), weights)
             if self.capture:
                 self._capture(b)
             return b

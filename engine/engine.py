@@ -132,6 +132,10 @@ class Engine:
             if config.attention == "flex" and self.lm.device.type == "cuda" and config.kv_block_tokens < 16:
                 raise ValueError(f"attention flex on CUDA needs kv_block_tokens of 16 or more (its kernel's smallest "
                                  f"tile), got {config.kv_block_tokens}")
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+            if config.attention == "paged" and self.lm.device.type != "cuda" and not interpreted:
+                raise ValueError("attention paged runs a Triton kernel: on CUDA, or on CPU only under Triton's "
+                                 "interpreter (TRITON_INTERPRET=1 before triton is imported, as the tests run it)")
             self.runner = ModelRunner(self.lm, config.attention, config.compile)
             self.lock = threading.RLock()
             self._store_lock = threading.Lock()

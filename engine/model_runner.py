@@ -119,9 +119,11 @@ class _Step:
 
     padded = False  # (engine.cuda_graphs.PaddedStep: every row of the forward is a padded row of the shared call)
     paged = None  # list[engine.attention.PagedMask]: one per large request, then one for the shared ones (in_place)
+    # (attention: paged) the shared decode attention reads the pool in place through `read_index` (kernels.paged_decode)
+    paged_decode = False
 
-    def __init__(self, parts: list[_Part], in_place: bool = False):
-        self.parts = parts
+    def __init__(self, parts: list[_Part], in_place: bool = False, paged_decode: bool = False):
+        self.parts, self.paged_decode = parts, paged_decode
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
         self.write_index = torch.cat([p.write_index for p in parts])  # where each row's KV goes: [rows]
@@ -189,10 +191,12 @@ def _compiling():
 
 class ModelRunner:
     def __init__(self, lm: LoadedModel, attention: str = "sdpa", compile: bool = False):
-        """`attention`: "sdpa" (keys gathered out of the pool) or "flex" (read in place: _Step's `in_place`).
+        """`attention`: "sdpa" (keys gathered out of the pool), "flex" (read in place: _Step's `in_place`) or
+        "paged" (as sdpa, the shared decode attention reading the pool in place: _Step's `paged_decode`).
         `compile`: base-weight forwards run the decoder through torch.compile (EngineConfig.compile)."""
         self.lm = lm
         self.in_place = attention == "flex"
+        self.paged_decode = attention == "paged"
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes
@@ -228,7 +232,7 @@ class ModelRunner:
                                                      for i, g in enumerate(requests)])
         input_ids = torch.cat([g.input_ids for g in requests])[None]
         positions = torch.cat([g.positions for g in requests])[None]
-        hidden = self.forward(input_ids, positions, _Step(parts, self.in_place), weights)
+        hidden = self.forward(input_ids, positions, _Step(parts, self.in_place, self.paged_decode), weights)
         return self._logits(requests, hidden, [p.rows for p in parts])
 
     def _logits(self, requests: list[RequestInput], hidden: torch.Tensor,

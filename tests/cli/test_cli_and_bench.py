@@ -314,6 +314,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     with open(tmp_path / "profile_decode_cpu.json") as f:  # (attention flex, and overlap, timed beside the default)
         decode = json.load(f)
     assert decode["flex"]["flex_ms_per_token"] > 0 and decode["overlap"]["on_ms_per_token"] > 0
+    assert decode["paged"]["paged_ms_per_token"] > 0
     with open(tmp_path / "profile_decode_compile_cpu.json") as f:  # (compiled forwards: a step of their own)
         compiled = json.load(f)["compile"]
     assert compiled["on_ms_per_token"] > 0 and compiled["on_prefill_ms"] > 0 and compiled["compiled_forwards"] > 0

@@ -823,3 +823,20 @@ for t in threads:
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("graphs", ["off", "eager"])
+def test_paged_decode_attention_answers_as_sdpa(checkpoint, graphs, monkeypatch):
+    """With `attention: paged` (decode-sized requests' attention reads the pool in place through their slots:
+    kernels.paged_decode, here under Triton's interpreter), concurrent workflows give the same tokens, finish
+    reasons and stored KV as SDPA over the gathered keys, in forwards run as they come and at the static shapes
+    CUDA graphs replay ("eager"); and the kernel did run."""
+    from braid.kernels import paged_decode
+
+    want = _answers(Engine(EngineConfig(checkpoint("llama"), decode_graphs=graphs)))
+    ran, kernel = [], paged_decode.paged_decode_attention
+    monkeypatch.setattr(paged_decode, "paged_decode_attention",
+                        lambda *args, **kwargs: ran.append(args[0].shape) or kernel(*args, **kwargs))
+    _assert_same_answers(_answers(Engine(EngineConfig(checkpoint("llama"), attention="paged", decode_graphs=graphs))),
+                         want)
+    assert len({shape[0] for shape in ran}) > 1  # (steps of several requests at once, and of fewer)
