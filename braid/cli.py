@@ -464,7 +464,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="braid", description="Braid: multi-agent LLM serving that ships KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    from braid.protos import agent_pb2  # (the API's Transport values: the one list of them)
 
+    transports = [name.removeprefix("TRANSPORT_").lower() for name in agent_pb2.Transport.keys()]
     p = sub.add_parser("serve", help="run the cluster on a local Ray (embedded Redis, default model)",
                        description=serve_cmd.__doc__)
     p.add_argument("--model", help="checkpoint directory (default: $BRAID_MODEL, else the reference model)")
@@ -477,8 +479,10 @@ def main(argv=None) -> int:
     p.add_argument("--synthesizers", type=int, default=1, help="synthesizer replicas (default: 1)")
     p.add_argument("--colocate", action="store_true",
                    help="workers and synthesizer share one engine per replica (one GPU): KV is reused in place")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "grpc", "text"],
-                   help="ship KV or re-prefill text (default: auto, decided per request)")
+    p.add_argument("--kv-transport", default="auto",
+                   choices=["auto", *(t for t in transports if t not in ("unspecified", "local"))],
+                   help="ship KV (grpc; collective: a gloo link on CPU, NCCL between GPUs) or re-prefill text, for "
+                        "every request (default: auto, decided per request; colocated replicas reuse KV in place)")
     p.add_argument("--calibration", default="auto", help=CALIBRATION_HELP)
     p.add_argument("--verification", default="own",
                    help="which verification of the calibration `auto` transport trusts: own (its manifest's) or a "
@@ -498,8 +502,6 @@ def main(argv=None) -> int:
                    help="serve the agent API without keys: anyone who can reach the port (see --host) can run "
                         "workflows and read sessions")
     p.set_defaults(func=serve_cmd)
-
-    from braid.protos import agent_pb2  # (the API's Transport values: the one list of them)
 
     p = sub.add_parser("run", help="run a workflow on a running cluster and stream its events",
                        description=run_cmd.__doc__)
@@ -535,7 +537,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per worker and for the answer (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--transport", default="unspecified",
-                   choices=[name.removeprefix("TRANSPORT_").lower() for name in agent_pb2.Transport.keys()],
+                   choices=transports,
                    help="force a transport (default: the cluster decides)")
     p.add_argument("--placement", choices=["branch_point", "sequential", "mixed", "none"],
                    help="where the branches' KV goes (default: the synthesizer's, its calibration's placement)")

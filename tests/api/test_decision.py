@@ -1,11 +1,14 @@
 """The transport: one type for the API's enum (kv.connector.Transport), decided once at the ingress (api.decision)."""
 
+import contextlib
+import io
 import pickle
 
 import pytest
 
 from braid.api.decision import DecisionInput, decide
 from braid.api.workflow import TRANSPORTS, WorkflowConfig
+from braid.cli import main as braid_main
 from braid.engine.errors import PreconditionError
 from braid.kv.connector import Transport
 from braid.protos import agent_pb2 as pb
@@ -42,6 +45,11 @@ def test_the_transport_type_is_the_api_enum():
     assert WorkflowConfig().configured is None
     with pytest.raises(ValueError, match="kv_transport 'local' is not one of"):
         WorkflowConfig(kv_transport="local")
+    for argv, words in ((["serve", "--kv-transport"], TRANSPORTS),  # (the CLI's choices: the same lists)
+                        (["run", "--task", "t", "--transport"], ("unspecified", *(str(t) for t in Transport)))):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            braid_main([*argv, "pigeon"])
+        assert f"invalid choice: 'pigeon' (choose from {', '.join(map(repr, words))})" in err.getvalue(), argv
 
 
 def test_the_client_s_ask_and_the_cluster_s_setting_come_first():
