@@ -10,7 +10,7 @@
 # that would get under 20 s is skipped, said in the log (run again with STEPS naming the rest, and a BUDGET of up to
 # about 540 where one call may take the device's whole 600 s).
 # STEPS picks some of: graph_tests profile_decode compile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm
-# batched_forward engine_tests
+# batched_forward kv_drift engine_tests
 # (default: all);
 # LAYERS cuts the shape's layers for profile_decode (0: all of them); TESTS picks the engine tests, GRAPH_TESTS the
 # first step's.
@@ -22,6 +22,7 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 if [[ $SHAPE == tiny ]]; then  # (the dry run: branches that fit the tiny shape's 4096 positions, one timed run)
   LENGTHS=${LENGTHS:-64 128}; REPEATS=${REPEATS:-1}; GROUPS_=${GROUPS_:-1 4}; KV_GIB=${KV_GIB:-0}
+  DRIFT_ARGS=${DRIFT_ARGS:---context 32 --tokens 8 --after 4 --answers 2}
   SERVE_ARGS=${SERVE_ARGS:---concurrency 2 --requests-per-level 1 --transports local --worker-max-tokens 4 --answer-max-tokens 4}
   DECODE_ARGS=${DECODE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4 --context 64}; BASE_ARGS=${BASE_ARGS:---tokens 8 --rounds 1 --concurrency 1 4}
   GRAPH_TESTS=${GRAPH_TESTS:-tests/engine/test_cuda_graphs.py::test_config_and_buckets}  # (the suite runs them all)
@@ -34,14 +35,14 @@ exec > >(tee -a "$OUT/device.log") 2>&1
 log() { echo "== $(date +%T) $*"; }
 BUDGET=${BUDGET:-300}
 START=$SECONDS
-STEPS=${STEPS:-graph_tests profile_decode compile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm batched_forward engine_tests}
+STEPS=${STEPS:-graph_tests profile_decode compile_decode baseline_decode serving calibration_cost synthesis_ttft kvcomm batched_forward kv_drift engine_tests}
 # the engine before this change, as `git archive` gives it (benchmarks/device_baseline.sh; carried), timed by its own
 # profile_decode in the same call: baseline_decode runs only where it is there
 BASELINE=${BASELINE:-.baseline}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   case "$name" in  # (the 8B checkpoint only for the steps that read it)
-    checkpoint) [[ " $STEPS " =~ " "(serving|synthesis_ttft|kvcomm|batched_forward|calibration_cost)" " ]] || return 0 ;;
+    checkpoint) [[ " $STEPS " =~ " "(serving|synthesis_ttft|kvcomm|batched_forward|calibration_cost|kv_drift)" " ]] || return 0 ;;
     baseline_decode) [[ -d $BASELINE && " $STEPS " == *" baseline_decode "* ]] || return 0 ;;
     *) [[ " $STEPS " == *" $name "* ]] || return 0 ;;
   esac
@@ -93,6 +94,7 @@ step synthesis_ttft 240 $PY benchmarks/synthesis_ttft.py --checkpoint "$MODEL" -
 step kvcomm 150 $PY benchmarks/kvcomm_ttft.py --model "$MODEL" --device "$DEVICE" ${KV_ARGS:-} --out "$OUT"
 step batched_forward 120 $PY benchmarks/batched_forward.py --model "$MODEL" --device "$DEVICE" \
   --groups ${GROUPS_:-1 4 16 64} --context 1024 --out "$OUT"
+step kv_drift 90 $PY benchmarks/kv_drift.py --model "$MODEL" --device "$DEVICE" ${DRIFT_ARGS:-} --out "$OUT"
 rm -rf "$MODEL"
 TESTS=${TESTS:-tests/kernels/test_rope.py tests/engine/test_engine.py tests/engine/test_scheduler.py tests/methods/test_synthesis.py \
   tests/engine/test_prefix_cache.py tests/methods/test_calibration.py tests/train/test_prompt_tree.py tests/engine/test_cuda_graphs.py}

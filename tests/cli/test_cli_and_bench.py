@@ -294,7 +294,7 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
            "PIP_DRY_RUN": "1", "TESTS": "tests/kernels/test_rope.py", "BASELINE": str(tmp_path / "baseline-tree"),
            "BUDGET": "1500"}
     for name in ("STEPS", "LENGTHS", "REPEATS", "GROUPS_", "LAYERS", "DECODE_ARGS", "KV_ARGS", "CAL_ARGS", "SERVE_ARGS",
-                 "BASE_ARGS", "KV_GIB", "GRAPH_TESTS"):
+                 "BASE_ARGS", "KV_GIB", "GRAPH_TESTS", "DRIFT_ARGS"):
         env.pop(name, None)  # (the script's own defaults)
     # the engine to compare against, as the device run carries it (here this commit's, where there is git history)
     baseline = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_baseline.sh"), "HEAD",
@@ -309,8 +309,11 @@ def test_device_run_dry_run_takes_every_step(tmp_path):
     assert returned == {name: "0" for name in expected}, log[-4000:]
     if baseline:  # (timed by its own script, beside this tree's)
         assert (tmp_path / "baseline" / "profile_decode_cpu.json").exists()
-    for name in ("profile_decode", "serving", "synthesis_ttft", "kvcomm", "batched_forward", "calibration_cost_tiny"):
+    for name in ("profile_decode", "serving", "synthesis_ttft", "kvcomm", "batched_forward", "calibration_cost_tiny",
+                 "kv_drift"):
         assert (tmp_path / f"{name}_cpu.json").exists(), name
+    drift = json.loads((tmp_path / "kv_drift_cpu.json").read_text())  # (fp32 on CPU: the same up to rounding)
+    assert drift["max_abs_diff"] < 1e-3 and drift["greedy_after_agree"] == drift["answers"]
     with open(tmp_path / "profile_decode_cpu.json") as f:  # (attention flex, and overlap, timed beside the default)
         decode = json.load(f)
     assert decode["flex"]["flex_ms_per_token"] > 0 and decode["overlap"]["on_ms_per_token"] > 0
