@@ -243,6 +243,8 @@ BASELINES = {
     "14eeb4b": "the in-process API on a thread-pool gRPC server, before grpc.aio",
     "4a95c46": "the grpc.aio server before RunWorkflow's Redis calls left its loop",
     "d8d8f99": "the tree before issue 59's second pass on the engine's house",
+    "6b578e9": "the second pass on the engine's house before its last session (one plan, the engine's calibration, "
+               "names, tests in folders)",
 }
 
 
@@ -1519,7 +1521,12 @@ AB = ["ab_serving_c16", "ab_serving_c16_32req", "ab_serving_text_c16", "ab_servi
       "ab_serving_c16_compile_off", "ab_synthesis_ttft_100m_compile_off",
       # the engine's house, second pass (a typed step from the scheduler, a planner and a committer behind Engine, one
       # Transport decided once, the session RPCs in api/) against the tree before it
-      "ab_serving_c16_house2", "ab_synthesis_ttft_100m_house2"]
+      "ab_serving_c16_house2", "ab_synthesis_ttft_100m_house2",
+      # the finished second pass (the prefix cache amending one plan, the calibration held by the engine, requests
+      # named so, tests in folders; attention paged added, off) against the tree before the issue, then the last
+      # session's changes alone against the tree before them
+      "ab_serving_c16_house2_final", "ab_synthesis_ttft_100m_house2_final", "ab_synthesis_ttft_100m_house2_final_6x",
+      "ab_synthesis_ttft_100m_house2_session"]
 
 
 def engine_ab(r: Report) -> str:
