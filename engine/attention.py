@@ -263,11 +263,9 @@ def _per_request(layer, query, step, scaling, dropout) -> torch.Tensor:
         g, r, _ = step.shape
         q = query[0] if step.padded else query[0].index_select(1, step.row_index)
         q = q.view(h, g, r, d).transpose(0, 1)  # [G, H, R, D]
-        if step.paged_decode:  # (the pool read where the keys lie, through their slots: nothing gathered)
-            from braid.kernels.paged_decode import paged_decode_attention  # (Triton: imported where it runs)
-
+        if step.paged_decode is not None:  # (the pool read where the keys lie, through their slots: nothing gathered)
             seen = step.allowed if step.padded else step.mask
-            o = paged_decode_attention(q, step.pool.kv[layer], step.read_index.view(g, -1), seen, scaling)
+            o = step.paged_decode(q, step.pool.kv[layer], step.read_index.view(g, -1), seen, scaling)
         else:
             k, v = step.shared_kv(layer)
             o = decode_attention(q, k, v, step.mask, scaling)

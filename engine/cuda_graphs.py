@@ -72,7 +72,7 @@ class PaddedStep(_Step):
 
     padded = True
 
-    def __init__(self, pool: KVPool, shape: tuple[int, int, int], paged_decode: bool = False):
+    def __init__(self, pool: KVPool, shape: tuple[int, int, int], paged_decode=None):
         g, r, t = shape
         self.paged_decode = paged_decode
         device, trash = pool.kv.device, pool.trash

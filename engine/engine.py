@@ -159,7 +159,7 @@ class Engine:
                 self.runner.graphs = DecodeGraphs(self.runner, self.scheduler.pool, capture=graphs == "auto")
             # the request's way through: planned here (planner), run by the scheduler, which calls the committer
             # through each request's PlannedKV (engine.scheduler.RequestKV) to place its parents and store its messages
-            self.planner = Planner(config, self.spec, self.fingerprint, self.lm.device, self.tokenize, self.store,
+            self.planner = Planner(config, self.spec, self.fingerprint, self.tokenize, self.store,
                                    self.prefix_cache, self.adapters)
             self.committer = Committer(config, self.lm, self.scheduler.pool, self.store, self._store_lock,
                                        self.prefix_cache, self.tokenizer, self.paged)

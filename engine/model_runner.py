@@ -119,10 +119,11 @@ class _Step:
 
     padded = False  # (engine.cuda_graphs.PaddedStep: every row of the forward is a padded row of the shared call)
     paged = None  # list[engine.attention.PagedMask]: one per large request, then one for the shared ones (in_place)
-    # (attention: paged) the shared decode attention reads the pool in place through `read_index` (kernels.paged_decode)
-    paged_decode = False
+    # (attention: paged) the kernel by which the shared decode attention reads the pool in place through `read_index`
+    # (kernels.paged_decode.paged_decode_attention); None: the keys gathered for SDPA
+    paged_decode = None
 
-    def __init__(self, parts: list[_Part], in_place: bool = False, paged_decode: bool = False):
+    def __init__(self, parts: list[_Part], in_place: bool = False, paged_decode=None):
         self.parts, self.paged_decode = parts, paged_decode
         self.pool = parts[0].cache.pool  # (every call's cache is in the engine's one pool)
         device = self.pool.kv.device
@@ -196,7 +197,11 @@ class ModelRunner:
         `compile`: base-weight forwards run the decoder through torch.compile (EngineConfig.compile)."""
         self.lm = lm
         self.in_place = attention == "flex"
-        self.paged_decode = attention == "paged"
+        self.paged_decode = None  # (attention: paged) the shared decode attention's kernel: _Step's `paged_decode`
+        if attention == "paged":
+            from braid.kernels.paged_decode import paged_decode_attention  # (Triton: imported only where it runs)
+
+            self.paged_decode = paged_decode_attention
         self.decoder = lm.model.model
         self.lm_head = lm.model.lm_head
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs (set by the engine), or None: every forward as it comes

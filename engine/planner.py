@@ -32,7 +32,7 @@ class Plan:
     the context they read, placed."""
 
     entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
-    visible: torch.Tensor  # bool [calls, entries + calls]
+    visible: torch.Tensor  # bool [calls, entries + calls], on the host (the committer's request takes it to the device)
     calls: list[Call]
     lead: int = 0  # the first calls are prefill calls its decode calls read
     # With lead calls, entries are ordered: those only lead calls read (`lead_only` of them), those both sides
@@ -50,7 +50,7 @@ class Plan:
         entries, then its lent cached start (`Call.prefix`, at the offset its message starts), when it has one."""
         assert not self.lead, "a plan with lead calls reads no prefix cache"
         n = len(self.entries)
-        visible = self.visible.cpu()
+        visible = self.visible
         used = visible[kept, :n].any(0).nonzero().flatten().tolist()
         entries, mapped = [self.entries[e] for e in used], [self.mapped[e] for e in used]
         columns = [visible[kept][:, used]]
@@ -61,16 +61,16 @@ class Plan:
                 mapped.append(False)
                 columns.append(torch.arange(len(calls))[:, None] == i)
         columns.append(torch.eye(len(calls), dtype=torch.bool))  # (each call sees its own rows; no siblings)
-        return Plan(entries, torch.cat(columns, dim=1).to(self.visible.device), calls, mapped=mapped)
+        return Plan(entries, torch.cat(columns, dim=1), calls, mapped=mapped)
 
 
 class Planner:
     """Plans requests for one engine: reads its store (under the store's lock, held by the caller), its prefix
     cache and its adapters; never the scheduler."""
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec, fingerprint: str, device: torch.device, tokenize,
+    def __init__(self, config: EngineConfig, spec: ModelSpec, fingerprint: str, tokenize,
                  store: MessageStore, prefix_cache: PrefixCache | None, adapters: dict[str, Adapter]):
-        self.config, self.spec, self.fingerprint, self.device = config, spec, fingerprint, device
+        self.config, self.spec, self.fingerprint = config, spec, fingerprint
         self.tokenize = tokenize
         self.store, self.prefix_cache, self.adapters = store, prefix_cache, adapters
 
@@ -237,5 +237,5 @@ class Planner:
             planned.append(Call(toks, off, (None if decodes else call.id) or new_message_id(),
                                 call.sampling if decodes else None, decodes or call.store, call.adapter,
                                 tuple(p for p, _ in read), tuple(o for _, o in read), unrecorded=gap))
-        return Plan(entries, visible.to(self.device), planned, lead=lead, mapped=mapped,
+        return Plan(entries, visible, planned, lead=lead, mapped=mapped,
                      lead_only=side.count(0) if lead else 0, lead_at=side.count(0) + side.count(1) if lead else 0)
