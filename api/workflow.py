@@ -164,7 +164,8 @@ class WorkflowDriver:
             self.metrics["requests"].inc(tags={"transport": str(transport)})
         synth_req = SynthesisRequest(wf.id, session, wf.task, wf.synthesis_prompt,
                                      SynthesisMode(wf.placement if transport.ships else None), wf.answer_sampling, n,
-                                     transport, staircase=wf.staircase, text_over=decision.text_over)
+                                     transport, staircase=wf.staircase, text_over=decision.text_over,
+                                     branch_prompts=list(wf.prompts))
         synth, kv_address, finished = None, "", False
         try:
             if transport.ships:  # open the synthesis first: its receiver is where the workers push

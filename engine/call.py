@@ -145,9 +145,10 @@ class Call:
 # ---- what a caller asks for (Engine.prefill, Engine.decode_stream): planned into Calls by engine.planner ----------
 @dataclass(frozen=True)
 class KVTransform:
-    """A decode request's KV seam (a cache mapper): `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of
-    each parent in `ids` (it may work in place: the copy is the engine's own) before its decode calls attend to
-    it. The request's prefill calls read the same parents unmapped."""
+    """A request's KV seam (a cache mapper): `apply(message, kv)` maps the placed copy [L, 2, H, T, D] of each
+    parent in `ids` (it may work in place: the copy is the engine's own) before the calls after its lead ones (its
+    decode calls, or a prefill request's stored calls) attend to it. The lead calls read the same parents
+    unmapped."""
 
     ids: frozenset[str]
     apply: Callable[[Message, torch.Tensor], torch.Tensor]

@@ -217,7 +217,8 @@ class PlannedKV:
         self.in_place = com.in_place(plan, self.transform, own)
         shared = [(m.kv, off) for (m, off), yes in zip(plan.entries, self.in_place) if yes and not com.at_home(m)]
         capacity = own + sum(m.num_tokens for (m, _), yes in zip(plan.entries, self.in_place) if not yes)
-        return Request(plan.calls, to_device(plan.visible, com.lm.device, torch.bool), capacity, self, shared, grows)
+        return Request(plan.calls, to_device(plan.visible, com.lm.device, torch.bool), capacity, self, shared, grows,
+                       plan.lead)
 
     def assemble(self, blocks: list[int], runs: list) -> WorkCache:
         return self.committer.assemble(self.plan, self.extra, self.transform, blocks, self.in_place, runs)

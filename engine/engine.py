@@ -292,13 +292,15 @@ class Engine:
         return part.id
 
     # ---- the choreography API -------------------------------------------------------------------
-    def prefill(self, calls: Sequence[PrefillCall]) -> list[str]:
+    def prefill(self, calls: Sequence[PrefillCall], transform: KVTransform | None = None) -> list[str]:
         """Encode each call's message (all in one request); each message stays contiguous. A message found in
-        the prefix cache whole is not encoded again: it shares the cached KV."""
-        if any(not c.store for c in calls):
-            raise BraidError("a prefill call that is not stored is read by its request's decode calls only: "
-                             "give it to decode_stream with them")
-        request, ready = self._submit(calls, None)
+        the prefix cache whole is not encoded again: it shares the cached KV. Returns the stored calls' ids.
+
+        Unstored calls may come first: encoded in the same forwards, before the others, which read one by naming
+        `Sibling(i)` among their parents (a context that is encoded again only to be read, never kept).
+        `transform`: the stored calls read its parents mapped, the unstored ones unmapped, as a decode request's
+        calls do (decode_stream): a decoded message encoded again from its tokens through the same seam."""
+        request, ready = self._submit(calls, transform)
         encoded = []
         if request is not None:
             events = request.results()
@@ -311,7 +313,7 @@ class Engine:
                 self.discard(list(ready.values()), when_unpinned=False)
                 raise
         encoded = iter(encoded)
-        return [ready[c] if c in ready else next(encoded) for c in range(len(calls))]
+        return [ready[c] if c in ready else next(encoded) for c in range(len(calls)) if calls[c].store]
 
     def decode(self, calls: Sequence[DecodeCall], on_token: Callable[[TokenEvent], None] | None = None) -> list[str]:
         stream = self.decode_stream(calls)

@@ -34,7 +34,7 @@ class Plan:
     entries: list[tuple[Message, int]]  # placed context: (parent, offset), deduplicated
     visible: torch.Tensor  # bool [calls, entries + calls], on the host (the committer's request takes it to the device)
     calls: list[Call]
-    lead: int = 0  # the first calls are prefill calls its decode calls read
+    lead: int = 0  # the first calls are unstored prefill calls the calls after them read
     # With lead calls, entries are ordered: those only lead calls read (`lead_only` of them), those both sides
     # read, then (after the lead tokens' slots) those only decode calls read: each side's one run.
     lead_only: int = 0
@@ -85,14 +85,20 @@ class Planner:
         return tokens
 
     def check(self, calls: Sequence[PrefillCall | DecodeCall]) -> int:
-        """The calls' options, checked: returns how many prefill calls lead a decode request."""
+        """The calls' options, checked: returns how many prefill calls lead the others (unstored, read by the calls
+        after them as `Sibling`s): those before a decode request's decode calls, or a prefill request's leading
+        unstored calls."""
         if not calls:
             raise BraidError("no calls given")
         decodes = [isinstance(c, DecodeCall) for c in calls]
-        lead = decodes.index(True) if any(decodes) else 0
+        lead = decodes.index(True) if any(decodes) else next((i for i, c in enumerate(calls) if c.store), len(calls))
         if any(decodes) and not all(decodes[lead:]):
             raise BraidError(f"call {decodes.index(False, lead)}: a request's prefill calls come before its decode "
                              "calls")
+        if not any(decodes) and (lead == len(calls) or not all(c.store for c in calls[lead:])):
+            bad = next((i for i in range(lead, len(calls)) if not calls[i].store), lead)
+            raise BraidError(f"call {bad}: a prefill call that is not stored is read by the calls after it only: put "
+                             "it first, before at least one stored call")
         adapters = {c.adapter for c in calls} - {None}
         for a in adapters:
             if a not in self.adapters:

@@ -111,14 +111,15 @@ class Request:
 
     Built by the engine after validation. Rows are (token, position, call index) (a fed row's token, until read, the
     place of its pick on the device: Take.rows); a decode call samples its next
-    token from the logits of its last encoded row. A decode request's prefill calls come first (`lead` of them):
-    their rows are encoded before any other, attending a run of the cache of their own (engine.model_runner)."""
+    token from the logits of its last encoded row. Prefill calls that the others read come first (`lead` of them:
+    a decode request's prefill calls, or a prefill request's unstored ones): their rows are encoded before any
+    other, attending a run of the cache of their own (engine.model_runner)."""
 
     def __init__(self, calls: list[Call], visible: torch.Tensor, capacity: int, kv: RequestKV,
-                 shared: list[tuple[DenseKV, int]] | None = None, grows: bool = False):
+                 shared: list[tuple[DenseKV, int]] | None = None, grows: bool = False, lead: int = 0):
         self.calls = calls
         self.decodes = any(c.decodes for c in calls)
-        self.lead = sum(not c.decodes for c in calls) if self.decodes else 0
+        self.lead = lead  # its first calls are unstored prefill calls the others read (engine.planner.Plan.lead)
         self.decode_calls = [c for c in calls if c.decodes]
         adapters = {c.adapter for c in calls} - {None}
         self.adapter = adapters.pop() if adapters else None  # (the engine allows one besides the base weights)

@@ -161,13 +161,35 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
     then decode. The refreshed runs are encoded in the synthesizer's own prefill, as unstored prefill calls of
     its request (base weights, the branches unmapped), so refreshing costs no forward of its own; with more runs
     than one call takes (max_parallel_calls), they are prefilled first instead, a prefill's worth at a time."""
-    _check_branches(branches)
-    prefix_msgs = [engine.message(m) for m in prefix]
-    branch_msgs = [engine.message(m) for m in branches]
-    branch_point = sum(m.num_tokens for m in prefix_msgs)
-    decoded_at = [m.offset for m in branch_msgs]
-    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement, decoded_at)
-    kept = kept_apart(branch_point, decoded_at, placement)
+    def decode(lead, parents, offsets, new_offset, transform):
+        call = DecodeCall(prompt, parents, offsets, new_offset, sampling, adapter=(hooks or SynthesisHooks()).adapter)
+        return engine.decode_stream([*lead, call], transform=transform)
+
+    return _on_placed_branches(engine, branches, prefix, placement, hooks, refresh, decode)
+
+
+def encode_synthesis_again(engine: Engine, record: "SynthesisRecord", tokens: Sequence[int], message_id: str,
+                           hooks: SynthesisHooks | None = None) -> str:
+    """A cache-path answer's message (its prompt and answer, `tokens`) encoded again under its own id, as the
+    synthesis that made it read the branches: the same placement, refresh and hooks (`hooks`: the calibration the
+    record names), its branches and prefix stored here again first. One prefill of all its tokens, through the same
+    request as the decode (the refreshed runs first, the mapper on the branches, the adapter on its rows): its KV is
+    the decode's within the engine's batched-vs-alone tolerance. Returns its id."""
+    def prefill(lead, parents, offsets, new_offset, transform):
+        call = PrefillCall(list(tokens), parents, offsets, new_offset, adapter=(hooks or SynthesisHooks()).adapter,
+                           id=message_id)
+        return engine.prefill([*lead, call], transform=transform)[0]
+
+    return _on_placed_branches(engine, record.branches, record.prefix, record.placement, hooks, record.refresh,
+                               prefill)
+
+
+def _on_placed_branches(engine: Engine, branches: Sequence[str], prefix: Sequence[str], placement: Placement,
+                        hooks: SynthesisHooks | None, refresh: Refresh | None, run):
+    """The synthesizer's request over the branches placed and refreshed: `run(lead, parents, offsets, new_offset,
+    transform)` makes its last call (a decode, or a prefill encoding a decoded answer again) after the `lead`
+    prefill calls (the refreshed runs), reading the prefix and the branch pieces, the mapper on the branches."""
+    branch_msgs, offsets, prompt_offset, kept = _placed(engine, prefix, branches, placement)
     lead: list[PrefillCall] = []
     if not _from_text(refresh, branch_msgs, kept) and (refresh is None or not (refresh.head or refresh.tail)
                                                            or all(kept)):
@@ -182,15 +204,30 @@ def synthesize_stream(engine: Engine, branches: Sequence[str], prompt: Tokens, p
             parts, runs = _prefill_runs(engine, calls, layout, temporary)
             temporary += runs
     try:
-        call = DecodeCall(prompt, parents=[*prefix, *(p for p, _, _ in parts)],
-                          offsets=[None] * len(prefix) + [off for _, off, _ in parts], new_offset=prompt_offset,
-                          sampling=sampling)
         index = {p: j for p, _, j in reversed(parts) if j is not None}
         lengths = {p: branch_msgs[j].num_tokens for p, j in index.items()}
-        return decode_with_hooks(engine, call, hooks, index, len(branch_msgs), lengths, lead)
+        return run(lead, [*prefix, *(p for p, _, _ in parts)], [None] * len(prefix) + [off for _, off, _ in parts],
+                   prompt_offset, hooked(hooks, index, len(branch_msgs), lengths))
     finally:
         for mid in temporary:  # the call pins what it reads: they go when it ends (now, if it failed to start)
             engine.free(mid, when_unpinned=True)
+
+
+def _placed(engine: Engine, prefix: Sequence[str], branches: Sequence[str], placement: Placement
+            ) -> tuple[list[Message], list[int], int, list[bool]]:
+    """The branch messages, the offsets they are read at, the prompt's offset, and which are kept apart."""
+    _check_branches(branches)
+    branch_msgs = [engine.message(m) for m in branches]
+    branch_point = sum(engine.message(m).num_tokens for m in prefix)
+    decoded_at = [m.offset for m in branch_msgs]
+    offsets, prompt_offset = place_branches(branch_point, [m.num_tokens for m in branch_msgs], placement, decoded_at)
+    return branch_msgs, offsets, prompt_offset, kept_apart(branch_point, decoded_at, placement)
+
+
+def read_at(engine: Engine, prefix: Sequence[str], branches: Sequence[str], placement: Placement) -> list[int]:
+    """The offsets a cache-path synthesis reads its parents at: the prefix's messages where they are, then the
+    branches at their placement (what the answer's record names as its parents' offsets)."""
+    return [engine.message(m).offset for m in prefix] + _placed(engine, prefix, branches, placement)[1]
 
 
 def _from_text(refresh: Refresh | None, branches: Sequence[Message], kept: Sequence[bool]) -> list[int]:
@@ -286,15 +323,22 @@ def decode_with_hooks(engine: Engine, call: DecodeCall, hooks: SynthesisHooks | 
     `lengths`: id -> its whole branch's length, where a message is a part of one), never on the rest (the
     shared prefix, the synthesizer's own context, the `lead` prefill calls of its request); its rows on the
     hooks' adapter (the lead calls run base weights)."""
-    hooks = hooks or SynthesisHooks()
-    transform = None
-    if hooks.mapper is not None:
-        def apply(msg: Message, kv: torch.Tensor) -> torch.Tensor:
-            return hooks.mapper(kv, branch=branch_of[msg.id], num_branches=num_branches,
-                                length=(lengths or {}).get(msg.id))
+    return engine.decode_stream([*lead, replace(call, adapter=(hooks or SynthesisHooks()).adapter)],
+                                transform=hooked(hooks, branch_of, num_branches, lengths))
 
-        transform = KVTransform(frozenset(branch_of), apply)
-    return engine.decode_stream([*lead, replace(call, adapter=hooks.adapter)], transform=transform)
+
+def hooked(hooks: SynthesisHooks | None, branch_of: dict[str, int], num_branches: int,
+           lengths: dict[str, int] | None = None) -> KVTransform | None:
+    """The hooks' mapper as the engine's KV transform over the branch messages (`branch_of`: id -> branch;
+    `lengths`: id -> its whole branch's length, where a message is a part of one); None without a mapper."""
+    if hooks is None or hooks.mapper is None:
+        return None
+
+    def apply(msg: Message, kv: torch.Tensor) -> torch.Tensor:
+        return hooks.mapper(kv, branch=branch_of[msg.id], num_branches=num_branches,
+                            length=(lengths or {}).get(msg.id))
+
+    return KVTransform(frozenset(branch_of), apply)
 
 
 def synthesize_text_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,
@@ -321,6 +365,30 @@ class SynthesisMode:
 
 
 TEXT = SynthesisMode()
+
+
+@dataclass(frozen=True)
+class SynthesisRecord:
+    """How a cache-path answer read its branches, beyond its own tokens: what `encode_synthesis_again` replays
+    (the session's record of the answer carries it, so that the answer can be encoded again where it was lost)."""
+
+    prefix: tuple[str, ...]
+    branches: tuple[str, ...]
+    placement: Placement
+    refresh: Refresh | None = None
+    calibration: str = ""  # the digest of the calibration whose mapper and adapter read the branches ("": none)
+
+    def to_json(self) -> list:
+        r = self.refresh
+        return [list(self.prefix), list(self.branches), Placement(self.placement).value,
+                None if r is None else [r.head, r.tail, r.sequential, r.whole_over], self.calibration]
+
+    @classmethod
+    def from_json(cls, data: list) -> "SynthesisRecord":
+        prefix, branches, placement, refresh, calibration = data
+        return cls(tuple(prefix), tuple(branches), Placement(placement),
+                   None if refresh is None else Refresh(refresh[0], refresh[1], bool(refresh[2]), refresh[3]),
+                   calibration)
 
 
 def synthesis_stream(engine: Engine, branches: Sequence[str | Sequence[int]], prompt: Tokens,

@@ -29,6 +29,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from braid.engine.errors import UnknownMessageError
+from braid.methods.synthesis import SynthesisRecord
 from braid.runtime.quotas import KeyLimits, QuotaError
 
 REDIS_PASSWORD_ENV = "BRAID_REDIS_PASSWORD"
@@ -46,27 +47,36 @@ class Lineage:
     """What it takes to encode a message again, where the replica that held it has gone: its tokens at its
     offset, after its parents (messages of the same session) at the offsets it read them at, on the weights its
     record names (MessageRecord.fingerprint). The same inputs key its KV in the prefix cache
-    (engine.prefix_cache), so encoding it again is a cache fill. `unrecorded` names what else shaped its KV
-    ("": nothing; else it cannot be rebuilt faithfully, and is not: engine.store.Message.unrecorded)."""
+    (engine.prefix_cache), so encoding it again is a cache fill. `context`: tokens its call read between its
+    parents and its own tokens that no message keeps (a worker's branch prompt, before the branch it decoded: the
+    worker freed it), encoded again only to be read. `synthesis`: a cache-path answer's record of how it read its
+    branches (its parents: the prefix, then the branches), replayed to encode it again. `unrecorded` names what
+    else shaped its KV ("": nothing; else it cannot be rebuilt faithfully, and is not:
+    engine.store.Message.unrecorded)."""
 
     token_ids: tuple[int, ...]
     offset: int
     parents: tuple[str, ...] = ()
     parent_offsets: tuple[int, ...] = ()
     unrecorded: str = ""
+    context: tuple[int, ...] = ()
+    synthesis: SynthesisRecord | None = None
 
     def dumps(self) -> str:
-        if len(self.token_ids) > LINEAGE_MAX_TOKENS:
+        if len(self.token_ids) + len(self.context) > LINEAGE_MAX_TOKENS:
             return Lineage((), self.offset, self.parents, self.parent_offsets,
-                           f"its {len(self.token_ids)} tokens (more than {LINEAGE_MAX_TOKENS} are not recorded)"
-                           ).dumps()
+                           f"its {len(self.token_ids) + len(self.context)} tokens (more than {LINEAGE_MAX_TOKENS} "
+                           "are not recorded)").dumps()
         return json.dumps([list(self.token_ids), self.offset, list(self.parents), list(self.parent_offsets),
-                           self.unrecorded], separators=(",", ":"))
+                           self.unrecorded, list(self.context),
+                           self.synthesis.to_json() if self.synthesis is not None else None], separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> "Lineage":
-        tokens, offset, parents, offsets, unrecorded = json.loads(text)
-        return cls(tuple(tokens), offset, tuple(parents), tuple(offsets), unrecorded)
+        tokens, offset, parents, offsets, unrecorded, *more = json.loads(text)  # (5 fields: an older record)
+        context, synthesis = more or ([], None)
+        return cls(tuple(tokens), offset, tuple(parents), tuple(offsets), unrecorded, tuple(context),
+                   SynthesisRecord.from_json(synthesis) if synthesis is not None else None)
 
 
 @dataclass

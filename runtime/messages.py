@@ -82,6 +82,9 @@ class SynthesisRequest:
     # the cache path reads branches longer than this many tokens from their text (methods.synthesis.Refresh
     # .whole_over), the rest from their KV; 0: all from KV. `auto`'s per-branch decision (api.decision)
     text_over: int = 0
+    # the branches' prompts, as the workers encoded them after the task before each branch: what a branch's record
+    # names as its context, so that its message can be encoded again where it was lost
+    branch_prompts: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import redis
 
-from braid.engine import Engine, PrefillCall
+from braid.engine import Engine, PrefillCall, Sibling
 from braid.engine.errors import DataLossError, UnavailableError, UnknownMessageError
 from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
 from braid.methods.dag import WaveExecutor
 from braid.methods.kvcomm import KVComm, KVCommConfig
 from braid.methods.staircase import StaircaseSchedule
+from braid.methods.synthesis import encode_synthesis_again, read_at
 from braid.runtime.directory import Directory, Lineage, MessageRecord
 from braid.runtime.quotas import KeyLimits
 
@@ -82,35 +83,46 @@ class Sessions:
         for mid in ids:
             rec = self.directory.lookup(session_id, mid)  # (the session's, or NOT_FOUND)
             if mid not in self.engine.store:
-                self._bring_here(rec)
+                self._bring_here([rec])
             elif rec.replica != self.config.replica and self.directory.replica_address(rec.replica) is None:
                 # a copy here, and the holder has gone: this replica holds it now (fenced, as a rebuild is)
                 self.directory.take_over(session_id, mid, rec.replica, self.config.replica)
 
-    def _bring_here(self, rec: MessageRecord) -> None:
+    def _bring_here(self, recs: list[MessageRecord]) -> None:
+        """Bring these messages (of one session; none a parent of another) here: each fetched from its holder, and
+        those whose holder has gone or lost them encoded again from their lineages, together."""
+        ids = sorted({r.message_id for r in recs})
         with self._moving_lock:  # (two calls naming the same message bring it once; other messages in parallel)
-            lock = self._moving.setdefault(rec.message_id, threading.Lock())
-        with lock:
-            if rec.message_id not in self.engine.store:
-                self._fetch_or_rebuild(rec)
-        with self._moving_lock:
-            self._moving.pop(rec.message_id, None)
+            locks = [self._moving.setdefault(mid, threading.Lock()) for mid in ids]
+        for lock in locks:  # (in one order: two calls bringing overlapping sets never wait on each other)
+            lock.acquire()
+        try:
+            lost = [(rec, why) for rec in recs if rec.message_id not in self.engine.store
+                    for why in [self._fetch(rec)] if why]
+            if lost:
+                self._rebuild(lost)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+            with self._moving_lock:
+                for mid in ids:
+                    self._moving.pop(mid, None)
 
-    def _fetch_or_rebuild(self, rec: MessageRecord) -> None:
+    def _fetch(self, rec: MessageRecord) -> str:
         """Fetch the message from its holder; where the holder has gone (its address expired, or it refuses
-        connections) or lost it, encode it again. A slow holder is waited for (`fetch_timeout_s`), then the call
-        fails with UNAVAILABLE: it may answer a retry."""
+        connections) or lost it, say why it must be encoded again instead ("": it is here now). A slow holder is
+        waited for (`fetch_timeout_s`), then the call fails with UNAVAILABLE: it may answer a retry."""
         if rec.replica == self.config.replica:
-            return self._rebuild(rec, "this replica's store evicted it")
+            return "this replica's store evicted it"
         address = self.directory.replica_address(rec.replica)
         if address is None:
-            return self._rebuild(rec, f"replica {rec.replica}, which held it, has gone")
+            return f"replica {rec.replica}, which held it, has gone"
         try:
             got = fetch(address, rec.session_id, rec.message_id, rec.fingerprint, self.config.fetch_timeout_s)
         except HolderGoneError as e:
-            return self._rebuild(rec, f"replica {rec.replica}, which held it, refuses connections ({e})")
+            return f"replica {rec.replica}, which held it, refuses connections ({e})"
         except UnknownMessageError:
-            return self._rebuild(rec, f"replica {rec.replica}, which held it, no longer has it")
+            return f"replica {rec.replica}, which held it, no longer has it"
         self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint, got.parents,
                                    got.parent_offsets, message_id=got.message_id)
         self._hold(rec.session_id, [rec.message_id])
@@ -120,70 +132,134 @@ class Sessions:
             self.directory.relocate(rec.session_id, rec.message_id, self.config.replica)
         except redis.RedisError as e:  # the holder still has it: later moves fetch from there
             log.warning("could not record that %s moved here: %s", rec.message_id, e)
+        return ""
 
-    def _rebuild(self, rec: MessageRecord, why: str) -> None:
-        """Encode a session's message again from its lineage (its parents brought here first, recursively), under
-        its own id, and take over as its holder from the one that lost it (fenced in the directory: two replicas
-        never both become its holder; one that loses the race keeps its copy as a moved message). DATA_LOSS where
-        the lineage cannot give it again."""
-        mid, fingerprint = rec.message_id, rec.fingerprint
-        lineage = self.directory.lineage(rec.session_id, mid)
-        model, _, adapter = fingerprint.partition("+")
-        self.recovery["holder_losses" if rec.replica != self.config.replica else "evictions"] += 1
-        cannot = ("its lineage was not recorded" if lineage is None or not lineage.token_ids and not lineage.unrecorded
-                  else f"its record lacks {lineage.unrecorded}" if lineage.unrecorded
-                  else f"it was encoded by model {model}, and this replica runs {self.engine.fingerprint}"
-                  if model != self.engine.fingerprint
-                  else f"it was encoded with adapter {adapter!r}, which this replica does not load"
-                  if adapter and adapter not in self.engine.adapters else "")
-        for parent in lineage.parents if not cannot else ():
+    def _cannot(self, rec: MessageRecord, lineage: Lineage | None) -> str:
+        """Why the message cannot be encoded again here from its lineage ("": it can)."""
+        model, _, adapter = rec.fingerprint.partition("+")
+        attached = self.engine.calibration
+        digest = attached.record.digest if attached is not None else ""
+        if lineage is None or not lineage.token_ids and not lineage.unrecorded:
+            return "its lineage was not recorded"
+        if lineage.unrecorded:
+            return f"its record lacks {lineage.unrecorded}"
+        if model != self.engine.fingerprint:
+            return f"it was encoded by model {model}, and this replica runs {self.engine.fingerprint}"
+        if adapter and adapter not in self.engine.adapters:
+            return f"it was encoded with adapter {adapter!r}, which this replica does not load"
+        if lineage.synthesis is not None and lineage.synthesis.calibration != digest:
+            return (f"its branches were read through calibration {lineage.synthesis.calibration or 'none'}, and "
+                    f"this replica runs {digest or 'none'}")
+        for parent in lineage.parents:
             try:
                 self.directory.lookup(rec.session_id, parent)
-            except UnknownMessageError:  # (a branch shipped from a worker read the worker's own messages)
-                cannot = f"its parent {parent!r} is not a message of the session"
-                break
-        if cannot:
-            raise DataLossError(f"message {mid!r} of session {rec.session_id!r} is lost ({why}) and cannot be "
-                                f"encoded again: {cannot}. Run the call that made it again")
+            except UnknownMessageError:  # (a message another replica's call read that the session never held)
+                return f"its parent {parent!r} is not a message of the session"
+        return ""
+
+    def _rebuild(self, lost: list[tuple[MessageRecord, str]]) -> None:
+        """Encode messages of a session again from their lineages (none a parent of another; each `why` it was
+        lost), under their own ids, their parents brought here first (fetched, or encoded again in turn, a level of
+        the family at a time), and take over as their holder from the one that lost each (fenced in the directory:
+        two replicas never both become a message's holder; one that loses the race keeps its copy as a moved
+        message). The plain ones, a worker's branch with its prompt before it among them, are one prefill on each
+        set of weights; a cache-path answer replays its synthesis. DATA_LOSS where a lineage cannot give one
+        again."""
+        session_id, why = lost[0][0].session_id, {rec.message_id: why for rec, why in lost}
+        lineages = {}
+        for rec, _ in lost:
+            lineage = self.directory.lineage(session_id, rec.message_id)
+            self.recovery["holder_losses" if rec.replica != self.config.replica else "evictions"] += 1
+            cannot = self._cannot(rec, lineage)
+            if cannot:
+                raise DataLossError(f"message {rec.message_id!r} of session {session_id!r} is lost "
+                                    f"({why[rec.message_id]}) and "
+                                    f"cannot be encoded again: {cannot}. Run the call that made it again")
+            lineages[rec.message_id] = lineage
+        # (a message whose holder seemed alive was lost with its parents: those among `lost` are encoded first)
+        parents = list(dict.fromkeys(p for lin in lineages.values() for p in lin.parents if p not in lineages))
         for attempt in range(3):  # (parents first: moved here, or encoded again; then kept until the prefill runs)
-            for ancestor in self._ancestors_first(rec.session_id, lineage.parents):
-                if ancestor not in self.engine.store:
-                    self._bring_here(self.directory.lookup(rec.session_id, ancestor))
-            self.resolve(rec.session_id, lineage.parents)
+            for level in self._missing_in_levels(session_id, parents):
+                self._bring_here(level)
+            self.resolve(session_id, parents)
             try:
-                held = self.engine.hold(lineage.parents)
+                held = self.engine.hold(parents)
                 break
             except UnknownMessageError:  # (one evicted while another was brought: bring it again)
                 if attempt == 2:
-                    raise UnavailableError(f"message {mid!r}: its parents could not all be kept in this replica's "
-                                           "store at once (it is full); retry the call") from None
+                    raise UnavailableError(f"messages {sorted(lineages)}: their parents could not all be kept in "
+                                           "this replica's store at once (it is full); retry the call") from None
         start = time.perf_counter()
+        # (one brought here meanwhile by a call that did not wait for this one is left as it is)
+        todo = [(rec, lineages[rec.message_id]) for rec, _ in lost if rec.message_id not in self.engine.store]
+        left = dict.fromkeys(rec.message_id for rec, _ in todo)
         try:
-            if mid in self.engine.store:  # (brought here meanwhile by a call that did not wait for this one)
-                return
-            self.engine.prefill([PrefillCall(list(lineage.token_ids), parents=list(lineage.parents),
-                                             offsets=list(lineage.parent_offsets), new_offset=lineage.offset,
-                                             adapter=adapter or None, id=mid)])
+            while left:  # a level at a time: the messages none of whose parents is still to be encoded
+                ready = [(rec, lin) for rec, lin in todo if rec.message_id in left and not set(lin.parents) & set(left)]
+                self._encode_again([(rec, lin) for rec, lin in ready if lin.synthesis is None])
+                for rec, lin in ready:
+                    if lin.synthesis is not None:
+                        self._replay(rec, lin)
+                held += self.engine.hold([rec.message_id for rec, _ in ready])  # (read by the next level)
+                for rec, _ in ready:
+                    del left[rec.message_id]
         finally:
             self.engine.release(held)
-        self._hold(rec.session_id, [mid])
-        self.recovery["messages"] += 1
-        self.recovery["tokens"] += len(lineage.token_ids)
         self.recovery["seconds"] += time.perf_counter() - start
-        took = rec.replica == self.config.replica or self.directory.take_over(rec.session_id, mid, rec.replica,
-                                                                             self.config.replica)
-        log.info("message %s of session %s encoded again here (%s; %d tokens)%s", mid, rec.session_id, why,
-                 len(lineage.token_ids), "" if took else ", a copy: another replica took it over first")
+        for rec, lin in todo:
+            self._hold(session_id, [rec.message_id])
+            self.recovery["messages"] += 1
+            self.recovery["tokens"] += len(lin.token_ids) + len(lin.context)
+            took = rec.replica == self.config.replica or self.directory.take_over(
+                session_id, rec.message_id, rec.replica, self.config.replica)
+            log.info("message %s of session %s encoded again here (%s; %d tokens)%s", rec.message_id, session_id,
+                     why[rec.message_id], len(lin.token_ids), "" if took else ", a copy: another replica took it over "
+                     "first")
 
-    def _ancestors_first(self, session_id: str, ids: Iterable[str]) -> list[str]:
-        """Of `ids` and their ancestors, those missing here whose holder has gone (so that they are encoded again
-        here), parents before children. Walked with a stack of its own, so that a long chain of turns is brought
-        back one message at a time, each finding its parents here, without a recursion as deep as the chain."""
-        order, seen, stack = [], set(), [(mid, False) for mid in reversed(list(ids))]
+    def _encode_again(self, todo: list[tuple[MessageRecord, Lineage]]) -> None:
+        """Plain messages encoded again from their lineages: one prefill per set of weights (as many calls at once as
+        the engine takes), a message's unkept context as an unstored call before it that it reads."""
+        by_adapter: dict[str, list[tuple[MessageRecord, Lineage]]] = {}
+        for rec, lin in todo:
+            by_adapter.setdefault(rec.fingerprint.partition("+")[2], []).append((rec, lin))
+        step = max(1, self.engine.config.max_parallel_calls // 2)  # (a message and its context: two calls)
+        for adapter, group in by_adapter.items():
+            for i in range(0, len(group), step):
+                contexts, calls = [], []
+                for rec, lin in group[i:i + step]:
+                    parents, offsets = list(lin.parents), list(lin.parent_offsets)
+                    if lin.context:
+                        contexts.append(PrefillCall(list(lin.context), parents=list(parents), offsets=list(offsets),
+                                                    new_offset=lin.offset - len(lin.context), store=False))
+                        parents, offsets = [*parents, Sibling(len(contexts) - 1)], [*offsets, None]
+                    calls.append(PrefillCall(list(lin.token_ids), parents=parents, offsets=offsets,
+                                             new_offset=lin.offset, adapter=adapter or None, id=rec.message_id))
+                self.engine.prefill(contexts + calls)
+
+    def _replay(self, rec: MessageRecord, lineage: Lineage) -> None:
+        """A cache-path answer encoded again: its synthesis replayed over its prefix and branches (here now), through
+        the calibration its record names (checked: this replica's)."""
+        record = lineage.synthesis
+        placed = read_at(self.engine, record.prefix, record.branches, record.placement)
+        if tuple(placed) != tuple(lineage.parent_offsets):
+            raise DataLossError(f"message {rec.message_id!r} of session {rec.session_id!r} read its branches at "
+                                f"offsets {list(lineage.parent_offsets)}, and encoding it again would read them at "
+                                f"{placed}: it cannot be encoded again. Run the call that made it again")
+        hooks = self.engine.calibration.hooks if record.calibration else None
+        encode_synthesis_again(self.engine, record, lineage.token_ids, rec.message_id, hooks)
+
+    def _missing_in_levels(self, session_id: str, ids: Iterable[str]) -> list[list[MessageRecord]]:
+        """Of `ids` and their ancestors, those missing here (a moved message's ancestors only where its holder has
+        gone: it is encoded again here), in levels: each level's messages read only messages here or in the levels
+        before it, so each level is brought here together. Walked with a stack of its own, so that a long chain of
+        turns is brought back one message at a time without a recursion as deep as the chain."""
+        order: list[MessageRecord] = []
+        seen, reads = set(), {}
+        stack = [(mid, None) for mid in reversed(list(ids))]  # (id, its record once its parents are pushed)
         while stack:
             mid, ready = stack.pop()
-            if ready:
-                order.append(mid)
+            if ready is not None:
+                order.append(ready)
                 continue
             if mid in seen or mid in self.engine.store:
                 continue
@@ -192,11 +268,19 @@ class Sessions:
                 rec = self.directory.lookup(session_id, mid)
             except UnknownMessageError:  # (not the session's: its child's rebuild says DATA_LOSS)
                 continue
-            stack.append((mid, True))
+            stack.append((mid, rec))
+            reads[mid] = []
             if rec.replica == self.config.replica or self.directory.replica_address(rec.replica) is None:
                 lineage = self.directory.lineage(session_id, mid)
-                stack += [(p, False) for p in reversed(lineage.parents if lineage else ())]
-        return order
+                reads[mid] = list(lineage.parents if lineage else ())
+                stack += [(p, None) for p in reversed(reads[mid])]
+        level: dict[str, int] = {}
+        for rec in order:
+            level[rec.message_id] = 1 + max((level[p] for p in reads[rec.message_id] if p in level), default=-1)
+        levels: list[list[MessageRecord]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+        for rec in order:
+            levels[level[rec.message_id]].append(rec)
+        return levels
 
     def _hold(self, session_id: str, ids: Iterable[str]) -> None:
         with self._held_lock:
@@ -306,10 +390,11 @@ class Sessions:
             log.info("freed %d messages of %d closed or expired sessions", freed, len(gone))
         return freed
 
-    def register(self, session_id: str, ids: list[str]) -> bool:
-        """Record new messages in the directory. Best effort: losing Redis must not lose a running
-        request, so a failure is logged and reported (False); the messages stay in the store. A session
-        gone while the call ran (closed, or lost with a restarted Redis) gets none: they are freed, and
+    def register(self, session_id: str, ids: list[str], lineages: dict[str, Lineage] | None = None) -> bool:
+        """Record new messages in the directory, each with its lineage: as its message records it, or as the
+        caller knows it more fully (`lineages`: a synthesis's branches and answer). Best effort: losing Redis must
+        not lose a running request, so a failure is logged and reported (False); the messages stay in the store. A
+        session gone while the call ran (closed, or lost with a restarted Redis) gets none: they are freed, and
         that is reported the same way; the call still returns what it made."""
         self._hold(session_id, ids)
         try:
@@ -321,7 +406,8 @@ class Sessions:
                     continue
                 self.directory.register(MessageRecord(
                     mid, session_id, self.config.replica, m.fingerprint, m.num_tokens, m.nbytes,
-                    Lineage(m.token_ids, m.offset, m.parents, m.parent_offsets, m.unrecorded)))
+                    (lineages or {}).get(mid) or Lineage(m.token_ids, m.offset, m.parents, m.parent_offsets,
+                                                         m.unrecorded)))
             return True
         except UnknownMessageError as e:
             log.warning("%s", e)

@@ -12,7 +12,15 @@ from braid.kv.connector import ReceivedStream, Transport, stream_name
 from braid.kv.receiver import KVReceiver
 from braid.methods.calibration import served_refresh
 from braid.methods.staircase import BranchFeed, RoundTaken, StaircaseResult, staircase
-from braid.methods.synthesis import Placement, Refresh, SynthesisMode, read_from_text, synthesis_stream
+from braid.methods.synthesis import (
+    Placement,
+    Refresh,
+    SynthesisMode,
+    SynthesisRecord,
+    read_at,
+    read_from_text,
+    synthesis_stream,
+)
 from braid.runtime.messages import (
     AnswerToken,
     KVArrived,
@@ -22,6 +30,7 @@ from braid.runtime.messages import (
     SynthesisRound,
     SynthesizerInfo,
 )
+from braid.runtime.directory import Lineage
 from braid.runtime.sessions import Sessions
 
 log = logging.getLogger(__name__)
@@ -121,6 +130,32 @@ class SynthesisRunner:
             if got.kv is not None:
                 yield KVArrived(j, got.bytes, got.digest, 1e3 * got.tail_seconds, got.transport)
 
+    def _lineages(self, req: SynthesisRequest, prefix: list[str], branches: list[str], answer: str = "",
+                  mode: SynthesisMode | None = None) -> dict[str, Lineage]:
+        """What the branches' and the answer's own messages do not record, for the session's record of them: each
+        branch was decoded after the task (the prefix, encoded here from the same tokens) and its prompt, which
+        the worker freed (its context); a cache-path answer read the branches through its synthesis (placement,
+        refresh, calibration), which is replayed to encode it again. A branch whose prompt does not end where it
+        begins, or an answer read through hooks that are not the calibration's, keeps its message's record."""
+        eng, out = self.engine, {}
+        n = sum(eng.message(p).num_tokens for p in prefix)
+        at = tuple(eng.message(p).offset for p in prefix)
+        for j, mid in enumerate(branches):
+            m = eng.message(mid) if mid else None
+            context = tuple(eng.tokenize(req.branch_prompts[j])) if j < len(req.branch_prompts) else ()
+            if m is not None and context and m.offset == n + len(context):
+                out[mid] = Lineage(m.token_ids, m.offset, tuple(prefix), at, context=context)
+        attached = eng.calibration
+        calibrated = mode is not None and attached is not None and mode.hooks is attached.hooks
+        if answer and mode is not None and not mode.text and all(b in out for b in branches) \
+                and (mode.hooks is None or calibrated):
+            a = eng.message(answer)
+            record = SynthesisRecord(tuple(prefix), tuple(branches), mode.placement, mode.refresh,
+                                     attached.record.digest if calibrated else "")
+            out[answer] = Lineage(a.token_ids, a.offset, (*prefix, *branches),
+                                  tuple(read_at(eng, prefix, branches, mode.placement)), synthesis=record)
+        return out
+
     def run(self, req: SynthesisRequest) -> Iterator[SynthesisOpened | KVArrived | SynthesisRound | AnswerToken
                                                      | SynthesisDone]:
         """Yields where to push KV first; then, in KV modes, one KVArrived per copied branch; the answer's
@@ -144,7 +179,8 @@ class SynthesisRunner:
         for event in stream:
             answer.append(event.text)
             yield AnswerToken(event.token_id, event.text, event.finish_reason or "", event.message_id or "")
-        registered = self.sessions.register(req.session, prefix + branches + stream.ids)
+        registered = self.sessions.register(req.session, prefix + branches + stream.ids,
+                                            self._lineages(req, prefix, branches, stream.ids[0], mode))
         tpot = stream.timings["decode"] / (len(answer) - 1) if len(answer) > 1 else None
         yield SynthesisDone(stream.ids[0], "".join(answer), branches, tpot, registered, text_branches=text_branches)
 
@@ -183,7 +219,9 @@ class SynthesisRunner:
             yield from self._receipts(received)
             for j, got in received.items():  # (one by one: a failure midway frees those already in)
                 stored[j] = self.receiver.import_message(eng, got)
-            registered = self.sessions.register(req.session, prefix + list(stored.values()) + result.message_ids[-1:])
+            registered = self.sessions.register(req.session, prefix + list(stored.values()) + result.message_ids[-1:],
+                                                self._lineages(req, prefix, [stored.get(j, "") for j in
+                                                                             range(req.branches)]))
             done = True
         finally:
             if not done:

@@ -263,6 +263,74 @@ def test_a_session_survives_the_loss_of_its_replica(two_replicas, how):
 
 
 
+@pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
+def test_a_kv_path_session_survives_the_loss_of_its_replica(checkpoint, tmp_path, calibrated):
+    """A RunWorkflow whose synthesizer read the workers' KV (handed over in its store; uncalibrated, or through a
+    calibration's mapper and adapter: tests/cluster has it shipped over gRPC), then its replica A crashes. On B, the answer, its branches and its
+    prefix resolve, encoded again from their lineages: the branches, each after the prompt the worker read before
+    it, in one prefill; then the answer, its synthesis replayed (placement, refresh, the same calibration). Their KV
+    matches A's within batching noise, and a greedy Decode after the (uncalibrated) answer gives the tokens it gave on
+    A."""
+    from test_calibration import make_calibration
+
+    from braid.methods.calibration import load_engine
+
+    ckpt = checkpoint("llama")
+    cal = make_calibration(ckpt, tmp_path / "cal", random=True) if calibrated else "none"
+    redis_server = EmbeddedRedis()
+    servers = [start_in_process(load_engine(EngineConfig(ckpt, calibration=cal)), Directory.connect(redis_server.url),
+                                ServiceConfig(replica=name)) for name in ("A", "B")]
+    channels = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    (a, b), (logic_a, logic_b) = [agent_pb2_grpc.AgentServiceStub(c) for c in channels], [s.sessions for s in servers]
+    try:
+        events = list(a.RunWorkflow(pb.WorkflowRequest(
+            task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5.", "Six"],
+            synthesis_prompt="Synthesizer:", worker_sampling=GREEDY, synthesis_sampling=GREEDY,
+            transport=pb.TRANSPORT_LOCAL)))
+        done = events[-1].done
+        sid, answer, branches = done.session_id, done.answer_message_id, list(done.branch_message_ids)
+        decision, = [e.decision for e in events if e.HasField("decision")]
+        assert len(branches) == 3 and decision.transport == pb.TRANSPORT_LOCAL
+        # (a calibrated answer is stored as its adapter's: no call reads it, so only its KV is compared)
+        after = None if calibrated else [e.token_id for e in decode(a, sid, [answer], header="Q:")]
+        prefix = [p for p in logic_a.engine.message(answer).parents if p not in branches][:1]
+        lineage = logic_a.directory.lineage(sid, answer)
+        assert lineage.synthesis is not None and list(lineage.synthesis.branches) == branches
+        assert lineage.synthesis.calibration == (logic_a.engine.calibration.record.digest if calibrated else "")
+        held = {m: logic_a.engine.message(m) for m in [*prefix, *branches, answer]}
+        logic_a.exporter.stop()  # (a crash: its address still announced, nothing answers there)
+        prefills = []
+        encode = logic_b.engine.prefill
+        logic_b.engine.prefill = lambda calls, transform=None: prefills.append(len(calls)) or encode(calls, transform)
+        info = b.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=answer))
+        assert list(info.token_ids) == list(held[answer].token_ids)
+        # the prefix; the three branches with their prompts (six calls, one prefill); the answer, replayed
+        assert prefills[0] == 1 and prefills[1] == 6 and len(prefills) == 3, prefills
+        for m, original in held.items():
+            again = logic_b.engine.message(m)
+            assert (again.token_ids, again.offset, again.fingerprint) == \
+                (original.token_ids, original.offset, original.fingerprint)
+            torch.testing.assert_close(again.kv.read(), original.kv.read(), atol=1e-5, rtol=1e-4)
+            assert logic_b.directory.lookup(sid, m).replica == "B"
+        if not calibrated:
+            assert [e.token_id for e in decode(b, sid, [answer], header="Q:")] == after
+        assert logic_b.recovery["messages"] == 5 and logic_b.recovery["holder_losses"] == 5
+        # a replica that runs another calibration (or none) cannot give the answer again: DATA_LOSS says why
+        if calibrated:
+            rec = logic_b.directory.lookup(sid, answer)
+            rec.replica, rec.lineage = "gone", replace(lineage, synthesis=replace(lineage.synthesis, calibration="x"))
+            logic_b.directory.register(rec)
+            logic_b.engine.free(answer)
+            got, details = code_of(lambda: b.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=answer)))
+            assert got == grpc.StatusCode.DATA_LOSS and "through calibration x" in details, details
+    finally:
+        for c, s in zip(channels, servers):
+            c.close()
+            s.sessions.stop_upkeep()
+            s.stop()
+        redis_server.stop()
+
+
 def test_a_long_chain_of_turns_comes_back_without_deep_recursion(two_replicas):
     """A session whose every message reads the one before (a long conversation), its holder gone: the chain is
     encoded again ancestors first, one message at a time, past Python's recursion limit in depth."""

@@ -326,6 +326,43 @@ def test_a_message_records_what_shaped_it_beyond_its_parents(llama_engine):
     assert eng.message(plain).unrecorded == ""
 
 
+def test_a_decoded_message_encoded_again_with_its_context_and_transform_matches(llama_engine):
+    """A decode that read an unstored context (a Sibling) and its parents through a KV transform, on an adapter-less
+    engine: one prefill of its tokens, with the same unstored context first and the same transform, encodes the
+    same KV (within the batched-vs-alone tolerance), and a greedy decode after either gives the same tokens. Two
+    such messages encode again in one request. The unstored calls are refused anywhere but first."""
+    from braid.engine.engine import KVTransform, Sibling
+    from braid.engine.errors import BraidError
+
+    eng = llama_engine
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    task = eng.prefill([PrefillCall("User: a task")])
+    halve = KVTransform(frozenset(task), lambda msg, kv: kv * 0.5)  # (a mapper that changes what is read)
+    made = []
+    for notes in ("notes one", "the second notes"):
+        stream = eng.decode_stream([PrefillCall(notes, parents=task, store=False),
+                                    DecodeCall("A:", parents=[*task, Sibling(0)], sampling=greedy)], transform=halve)
+        list(stream)
+        made.append((notes, eng.message(stream.ids[0])))
+    calls = [PrefillCall(notes, parents=task, store=False) for notes, _ in made]
+    calls += [PrefillCall(list(m.token_ids), parents=[*task, Sibling(i)], new_offset=m.offset, id=f"again-{i}")
+              for i, (_, m) in enumerate(made)]
+    assert eng.prefill(calls, transform=halve) == ["again-0", "again-1"]
+    for i, (_, m) in enumerate(made):
+        again = eng.message(f"again-{i}")
+        assert (again.token_ids, again.offset) == (m.token_ids, m.offset)
+        torch.testing.assert_close(again.kv.read(), m.kv.read(), atol=1e-5, rtol=1e-4)
+        after = [eng.decode([DecodeCall("Q:", parents=[mid], sampling=greedy)])[0] for mid in (m.id, again.id)]
+        assert eng.message(after[0]).token_ids == eng.message(after[1]).token_ids
+    unmapped = eng.prefill([calls[0], PrefillCall(list(made[0][1].token_ids), parents=[*task, Sibling(0)],
+                                                  new_offset=made[0][1].offset)])
+    assert not torch.allclose(eng.message(unmapped[0]).kv.read(), made[0][1].kv.read(), atol=1e-3)  # (it mattered)
+    with pytest.raises(BraidError, match="not stored is read by the calls after it"):
+        eng.prefill([PrefillCall("x", parents=task), PrefillCall("y", store=False)])
+    with pytest.raises(BraidError, match="not stored is read by the calls after it"):
+        eng.prefill([PrefillCall("y", store=False)])
+
+
 @pytest.mark.parametrize("home", ["dense", "paged"])
 def test_the_engine_counts_the_kv_it_copies(checkpoint, home):
     """Engine.kv_copied (exported as a metric and in benchmark JSON): with a dense home, a call's KV copied out
