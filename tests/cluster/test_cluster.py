@@ -263,10 +263,25 @@ def test_worker_killed_mid_request_fails_cleanly_and_cluster_recovers(cluster):
 
 
 
-def test_a_workflow_cut_off_by_a_lost_synthesizer_says_so(cluster):
-    """The Synthesizer replica is killed while the workers decode a KV workflow: the client is told that the
-    synthesizer was lost (UNAVAILABLE: retry), not that a worker failed; Serve replaces it and a workflow runs."""
+def test_a_lost_synthesizer_cuts_off_its_workflow_and_its_kv_sessions_come_back(cluster):
+    """The Synthesizer replica is killed (SIGKILL) while the workers decode a KV workflow: the client is told that
+    the synthesizer was lost (UNAVAILABLE: retry), not that a worker failed; Serve replaces it and a workflow runs.
+    A session made before by a workflow over gRPC (its branches shipped from the Worker replica) comes back on the
+    new replica: its answer, branches and prefix resolve, encoded again from their lineages, and a greedy Decode
+    after the answer gives the tokens it gave before."""
     stub, *_ = cluster
+    done = run(stub, task="User: add the partial results.", branch_prompts=["Part 3.", "Part 4 and 5."],
+               synthesis_prompt="Synthesizer:", worker_sampling=GREEDY, synthesis_sampling=GREEDY,
+               transport=pb.TRANSPORT_GRPC)[-1].done
+    sid, ids = done.session_id, [done.answer_message_id, *done.branch_message_ids]
+    assert len(ids) == 3
+
+    def after_answer():
+        return [e.token_id for e in stub.Decode(pb.DecodeRequest(session_id=sid, calls=[pb.DecodeCallSpec(
+            header="Q:", parents=[done.answer_message_id], sampling=GREEDY)]), metadata=METADATA, timeout=60)]
+
+    before = after_answer()
+    infos = [stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=m), metadata=METADATA) for m in ids]
     long = pb.Sampling(max_tokens=400, ignore_eos=True)
     stream = stub.RunWorkflow(pb.WorkflowRequest(task="t", branch_prompts=["a"], synthesis_prompt="s",
                                                  worker_sampling=long, synthesis_sampling=GREEDY,
@@ -283,6 +298,10 @@ def test_a_workflow_cut_off_by_a_lost_synthesizer_says_so(cluster):
         err.value.details()
     assert "worker failed" not in err.value.details()
     assert _next_workflow_completes(stub)
+    for m, info in zip(ids, infos):  # (the answer first: its branches come back with it)
+        again = stub.GetMessage(pb.GetMessageRequest(session_id=sid, message_id=m), metadata=METADATA, timeout=60)
+        assert (list(again.token_ids), again.offset) == (list(info.token_ids), info.offset)
+    assert after_answer() == before
 
 
 def test_losing_redis_does_not_lose_a_running_request(cluster):
