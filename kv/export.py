@@ -11,6 +11,7 @@ same ids, so the call runs as if it had reached the holder. The chunks are the K
 import io
 import logging
 import re
+import time
 import zlib
 from collections.abc import Callable
 from concurrent import futures
@@ -57,10 +58,14 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
     without its session, reads nothing."""
 
     def __init__(self, engine: Engine, check: Callable[[str, str], None], host: str = "127.0.0.1", port: int = 0,
-                 max_chunk_bytes: int = 1 << 20, anchors: Callable[[str], dict] | None = None):
+                 max_chunk_bytes: int = 1 << 20, anchors: Callable[[str], dict] | None = None,
+                 adopt: Callable[[str, str, list[tuple[str, str]], float], tuple[list[str], list[str]]] | None = None):
         """`anchors(session_id)`: the session's KVComm pools as `KVComm.export` gives them, leaving this replica;
-        it raises UnknownMessageError (NOT_FOUND) unless the session is open and has anchors here."""
+        it raises UnknownMessageError (NOT_FOUND) unless the session is open and has anchors here.
+        `adopt(holder, holder_address, [(session, message)], deadline)`: take a draining replica's messages over
+        (fetched from it; by the monotonic `deadline`), returning the ids taken and the skipped ones ("id: why")."""
         self.engine, self.check, self.max_chunk_bytes, self.anchors = engine, check, max_chunk_bytes, anchors
+        self.adopt = adopt
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_LIMITS,
                                    interceptors=peer_check(host))
         kv_pb2_grpc.add_KVExportServicer_to_server(self, self._server)
@@ -86,6 +91,15 @@ class KVExporter(kv_pb2_grpc.KVExportServicer):
                 first = False
             yield chunk
 
+
+    def Adopt(self, request: kv_pb2.AdoptRequest, context):
+        if self.adopt is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica takes no messages over")
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else 60.0)
+        adopted, skipped = self.adopt(request.holder, request.holder_address,
+                                      [(m.session_id, m.message_id) for m in request.messages], deadline)
+        return kv_pb2.AdoptReply(adopted=adopted, skipped=skipped)
 
     def FetchAnchors(self, request: kv_pb2.FetchAnchorsRequest, context):
         try:
@@ -166,3 +180,19 @@ def fetch_many(channel: grpc.Channel, address: str, session_id: str, message_ids
     with futures.ThreadPoolExecutor(min(8, len(message_ids)), thread_name_prefix="kv-fetch") as pool:
         return list(pool.map(lambda mid: fetch(address, session_id, mid, fingerprint, timeout, channel),
                              message_ids))
+
+
+def hand_over(address: str, holder: str, holder_address: str, messages: list[tuple[str, str]],
+              timeout: float) -> tuple[list[str], list[str]]:
+    """Ask the replica at `address` to take over these (session, message) pairs of the draining replica `holder`,
+    which serves them at `holder_address` until it goes: it fetches them and holds them from then on. Returns the
+    ids it took and those it skipped ("id: why"). Raises TransferError if it cannot be reached in `timeout`."""
+    request = kv_pb2.AdoptRequest(holder=holder, holder_address=holder_address,
+                                  messages=[kv_pb2.FetchRequest(session_id=s, message_id=m) for s, m in messages])
+    try:
+        with peer_channel(address, options=GRPC_LIMITS) as channel:
+            reply = kv_pb2_grpc.KVExportStub(channel).Adopt(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise TransferError(f"replica at {address} could not take {len(messages)} messages over: {e.code().name}: "
+                            f"{e.details()}") from None
+    return list(reply.adopted), list(reply.skipped)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -99,6 +99,24 @@ class AnchorsChunk(_message.Message):
     crc32: int
     total_bytes: int
     def __init__(self, payload: _Optional[bytes] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("holder", "holder_address", "messages")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    holder_address: str
+    messages: _containers.RepeatedCompositeFieldContainer[FetchRequest]
+    def __init__(self, holder: _Optional[str] = ..., holder_address: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[FetchRequest, _Mapping]]] = ...) -> None: ...
+
+class AdoptReply(_message.Message):
+    __slots__ = ("adopted", "skipped")
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    adopted: _containers.RepeatedScalarFieldContainer[str]
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adopted: _Optional[_Iterable[str]] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("bytes", "chunks")

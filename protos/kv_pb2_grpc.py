@@ -252,6 +252,11 @@ class KVExportStub:
                 request_serializer=braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.SerializeToString,
                 response_deserializer=braid_dot_protos_dot_kv__pb2.AnchorsChunk.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/braid.v1.KVExport/Adopt',
+                request_serializer=braid_dot_protos_dot_kv__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=braid_dot_protos_dot_kv__pb2.AdoptReply.FromString,
+                _registered_method=True)
 
 
 class KVExportServicer:
@@ -274,6 +279,13 @@ class KVExportServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """A replica that drains hands its messages over: this replica fetches them from it and holds them from now on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVExportServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +298,11 @@ def add_KVExportServicer_to_server(servicer, server):
                     servicer.FetchAnchors,
                     request_deserializer=braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.FromString,
                     response_serializer=braid_dot_protos_dot_kv__pb2.AnchorsChunk.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=braid_dot_protos_dot_kv__pb2.AdoptRequest.FromString,
+                    response_serializer=braid_dot_protos_dot_kv__pb2.AdoptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +360,33 @@ class KVExport:
             '/braid.v1.KVExport/FetchAnchors',
             braid_dot_protos_dot_kv__pb2.FetchAnchorsRequest.SerializeToString,
             braid_dot_protos_dot_kv__pb2.AnchorsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/braid.v1.KVExport/Adopt',
+            braid_dot_protos_dot_kv__pb2.AdoptRequest.SerializeToString,
+            braid_dot_protos_dot_kv__pb2.AdoptReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ Keys are scoped by session, so a call can only ever resolve ids of its own sessi
   braid:owner:{key}:sessions    set   the sessions an API key opened (for its limits)
   braid:owner:{key}:running     int   its workflows running now
   braid:replica:{id}            str   where the replica serves its messages to other replicas (KVExport)
+  braid:pool:{pool}:{id}        str   the same, listed under its pool (its deployment: who takes over its messages)
 Every session key carries the session TTL, renewed on use; a replica's address expires unless renewed.
 """
 
@@ -306,18 +307,28 @@ class Directory:
         took it over first (or the session closed): then that one holds it, and this one never does."""
         return bool(self.r.eval(self._TAKE_OVER, 1, f"braid:msg:{session_id}:{message_id}", gone, replica))
 
-    def forget_replica(self, replica: str) -> None:
+    def forget_replica(self, replica: str, pool: str = "") -> None:
         """`replica` is going away (drained): its address goes at once, so others rebuild what it held at once."""
-        self.r.delete(f"braid:replica:{replica}")
+        self.r.delete(f"braid:replica:{replica}", f"braid:pool:{pool}:{replica}")
 
     def relocate(self, session_id: str, message_id: str, replica: str) -> None:
         """The message now lives on `replica` too (it moved there for a call): later moves fetch it there."""
         # (one step: a session closed meanwhile stays closed, no record outlives it)
         self.r.eval(self._SET_IF_THERE, 1, f"braid:msg:{session_id}:{message_id}", "replica", replica)
 
-    def announce_replica(self, replica: str, address: str, ttl_s: int) -> None:
-        """Where `replica` serves its messages to others, for `ttl_s` seconds unless announced again."""
-        self.r.set(f"braid:replica:{replica}", address, ex=ttl_s)
+    def announce_replica(self, replica: str, address: str, ttl_s: int, pool: str = "") -> None:
+        """Where `replica` serves its messages to others, for `ttl_s` seconds unless announced again; and that it is
+        one of `pool` (its deployment: the replicas that take over from each other)."""
+        pipe = self.r.pipeline()
+        pipe.set(f"braid:replica:{replica}", address, ex=ttl_s)
+        pipe.set(f"braid:pool:{pool}:{replica}", address, ex=ttl_s)
+        pipe.execute()
+
+    def replicas(self, pool: str = "") -> dict[str, str]:
+        """The replicas of `pool` announced now, and where each serves its messages."""
+        keys = list(self.r.scan_iter(match=f"braid:pool:{pool}:*", count=500))
+        keys = [k for k in keys if k.count(":") == pool.count(":") + 3]  # (not a pool whose name starts so)
+        return {k.rsplit(":", 1)[1]: a for k, a in zip(keys, self.r.mget(keys) if keys else []) if a is not None}
 
     def replica_address(self, replica: str) -> str | None:
         """Where `replica` serves its messages; None once it has gone (its announcement expired)."""

@@ -54,11 +54,13 @@ def metrics() -> dict:
         "recompute_seconds": Counter("braid_recompute_seconds", "Seconds spent encoding session messages again."),
         "holder_losses": Counter("braid_holder_losses", "Session messages found lost with the replica that held "
                                  "them."),
+        "adopted_messages": Counter("braid_adopted_messages", "Session messages taken over from a draining replica "
+                                    "(handed over, not encoded again)."),
     }
 
 
 RECOVERY = {"messages": "recomputed_messages", "tokens": "recomputed_tokens", "seconds": "recompute_seconds",
-            "holder_losses": "holder_losses"}  # Sessions.recovery's keys -> their metric
+            "holder_losses": "holder_losses", "adopted": "adopted_messages"}  # Sessions.recovery's keys -> metric
 
 
 def report_engine(engine, every_s: float = 1.0, recovery: dict | None = None) -> threading.Thread:

@@ -7,16 +7,21 @@ never reach another session's messages. Free of Ray and gRPC plumbing; the RPCs 
 import logging
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
 
 from braid.engine import Engine, PrefillCall, Sibling
-from braid.engine.errors import DataLossError, UnavailableError, UnknownMessageError
-from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors
+from braid.engine.errors import BraidError, DataLossError, UnavailableError, UnknownMessageError
+from braid.kv.connector import TransferError
+from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors, hand_over
+from braid.kv.grpc_transport import GRPC_LIMITS
+from braid.kv.peer_auth import peer_channel
 from braid.methods.dag import WaveExecutor
 from braid.methods.kvcomm import KVComm, KVCommConfig
 from braid.methods.staircase import StaircaseSchedule
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServiceConfig:
     replica: str = "local"
+    pool: str = ""  # the replicas that take over each other's messages when one drains (its deployment)
     default_max_tokens: int = 128
     kvcomm: KVCommConfig = KVCommConfig()  # RunAgents' anchor pools (one set per replica, per session)
     limits: KeyLimits = KeyLimits()  # what each API key may hold at once
@@ -37,11 +43,16 @@ class ServiceConfig:
     # sessions' messages
     upkeep_period_s: float = 10.0
     fetch_timeout_s: float = 60.0  # a session's message moving here from the replica that holds it
+    # a draining replica's time to hand its messages over to live peers (Sessions.hand_over; 0: none), within the
+    # 20 s Serve gives a replica's shutdown by default (graceful_shutdown_timeout_s)
+    handover_s: float = 10.0
     staircase: StaircaseSchedule = StaircaseSchedule(strict=False)  # RunGraph's, where a request sets none
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.handover_s < 0:
+            raise ValueError(f"handover_s must be >= 0 (0: no hand-over), got {self.handover_s}")
         if self.upkeep_period_s <= 0 or self.fetch_timeout_s <= 0:
             raise ValueError(f"upkeep_period_s and fetch_timeout_s must be positive, got {self.upkeep_period_s} "
                              f"and {self.fetch_timeout_s}")
@@ -91,16 +102,23 @@ class Sessions:
     def _bring_here(self, recs: list[MessageRecord]) -> None:
         """Bring these messages (of one session; none a parent of another) here: each fetched from its holder, and
         those whose holder has gone or lost them encoded again from their lineages, together."""
-        ids = sorted({r.message_id for r in recs})
-        with self._moving_lock:  # (two calls naming the same message bring it once; other messages in parallel)
-            locks = [self._moving.setdefault(mid, threading.Lock()) for mid in ids]
-        for lock in locks:  # (in one order: two calls bringing overlapping sets never wait on each other)
-            lock.acquire()
-        try:
+        with self._moving_here([r.message_id for r in recs]):
             lost = [(rec, why) for rec in recs if rec.message_id not in self.engine.store
                     for why in [self._fetch(rec)] if why]
             if lost:
                 self._rebuild(lost)
+
+    @contextmanager
+    def _moving_here(self, ids: Iterable[str]):
+        """While it lasts, these messages are being brought here by this thread alone (two calls naming the same
+        message bring it once; other messages move in parallel)."""
+        ids = sorted(set(ids))
+        with self._moving_lock:
+            locks = [self._moving.setdefault(mid, threading.Lock()) for mid in ids]
+        for lock in locks:  # (in one order: two calls bringing overlapping sets never wait on each other)
+            lock.acquire()
+        try:
+            yield
         finally:
             for lock in reversed(locks):
                 lock.release()
@@ -305,6 +323,93 @@ class Sessions:
                 self._lent += Counter()
             self.engine.release(held)
 
+    def hand_over(self, budget_s: float | None = None) -> dict[str, int]:
+        """The replica drains (a scale-down, a rolling update): its session messages go to live peers before it does,
+        within `budget_s` (ServiceConfig.handover_s): each peer fetches its share from here (KVExport) and becomes its
+        holder, a session's messages to one peer. What is not handed over in time stays to be encoded again where a
+        call needs it. Called by the deployment that owns this replica, before stop_upkeep. Returns the counts."""
+        budget = self.config.handover_s if budget_s is None else budget_s
+        start = time.monotonic()
+        with self._held_lock:
+            held = {sid: sorted(ids) for sid, ids in self._held.items()}
+        report = {"held": 0, "handed_over": 0, "left": 0}
+        if self.exporter is None or budget <= 0 or not held:
+            return report
+        try:
+            alive = self.directory.open_sessions(held)
+            mine = [(sid, mid) for sid in sorted(alive) for mid in held[sid]
+                    if mid in self.engine.store and self._holder(sid, mid) == self.config.replica]
+            peers = sorted(a for r, a in self.directory.replicas(self.config.pool).items() if r != self.config.replica)
+        except redis.RedisError as e:
+            log.warning("no hand-over, the control plane is unavailable: %s", e)
+            return report
+        report.update(held=len(mine), left=len(mine))
+        if not mine or not peers:
+            log.info("draining: %d session messages held here, %s", len(mine),
+                     "no live replica to hand them to" if mine else "nothing to hand over")
+            return report
+        shares: dict[str, list[tuple[str, str]]] = {}
+        for sid, mid in mine:
+            shares.setdefault(peers[zlib.crc32(sid.encode()) % len(peers)], []).append((sid, mid))
+
+        def give(peer: str) -> int:
+            try:
+                adopted, skipped = hand_over(peer, self.config.replica, self.exporter.address, shares[peer],
+                                             max(0.1, budget - (time.monotonic() - start)))
+            except TransferError as e:
+                log.warning("draining: %s", e)
+                return 0
+            if skipped:
+                log.info("draining: %d messages not taken by %s (%s)", len(skipped), peer, "; ".join(skipped[:3]))
+            return len(adopted)
+
+        with ThreadPoolExecutor(len(shares), thread_name_prefix="hand-over") as pool:
+            report["handed_over"] = sum(pool.map(give, shares))
+        report["left"] = report["held"] - report["handed_over"]
+        log.info("draining: handed %d of %d session messages over to %d replicas in %.2f s", report["handed_over"],
+                 report["held"], len(shares), time.monotonic() - start)
+        return report
+
+    def _holder(self, session_id: str, message_id: str) -> str:
+        try:
+            return self.directory.lookup(session_id, message_id).replica
+        except UnknownMessageError:
+            return ""
+
+    def adopt(self, holder: str, holder_address: str, messages: list[tuple[str, str]],
+              deadline: float) -> tuple[list[str], list[str]]:
+        """KVExport's Adopt: a draining replica's messages, fetched from it by the monotonic `deadline` and held
+        here from now on; the directory's holder changes from it to this replica (fenced: a message another
+        replica took over meanwhile is skipped). Returns the ids taken and the skipped ones ("id: why")."""
+        adopted, skipped = [], []
+        with peer_channel(holder_address, options=GRPC_LIMITS) as channel:
+            for sid, mid in messages:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    skipped.append(f"{mid}: out of time")
+                    continue
+                try:
+                    with self._moving_here([mid]):
+                        rec = self.directory.lookup(sid, mid)
+                        if rec.replica != holder:
+                            skipped.append(f"{mid}: held by {rec.replica}")
+                            continue
+                        if mid not in self.engine.store:
+                            got = fetch(holder_address, sid, mid, rec.fingerprint, left, channel)
+                            self.engine.import_message(got.token_ids, got.kv, got.offset, got.fingerprint,
+                                                       got.parents, got.parent_offsets, message_id=mid)
+                        self._hold(sid, [mid])
+                        if not self.directory.take_over(sid, mid, holder, self.config.replica):
+                            skipped.append(f"{mid}: another replica took it over first")
+                            continue
+                except (BraidError, redis.RedisError) as e:
+                    skipped.append(f"{mid}: {type(e).__name__}: {e}")
+                    continue
+                adopted.append(mid)
+                self.recovery["adopted"] += 1
+        log.info("took %d messages over from draining replica %s (%d skipped)", len(adopted), holder, len(skipped))
+        return adopted, skipped
+
     def _export_anchors(self, session_id: str) -> dict:
         """KVExport's FetchAnchors: an open session's anchor pools, leaving this replica for the caller's."""
         self.directory.session(session_id)  # (NOT_FOUND once closed or expired)
@@ -344,7 +449,8 @@ class Sessions:
         expired. Returns the address. Called once by the deployment that owns this replica."""
         if self.exporter is not None:
             return self.exporter.address
-        self.exporter = KVExporter(self.engine, self._exportable, host, anchors=self._export_anchors)
+        self.exporter = KVExporter(self.engine, self._exportable, host, anchors=self._export_anchors,
+                                   adopt=self.adopt)
         self._upkeep_round()
         threading.Thread(target=self._upkeep_loop, daemon=True, name="session-upkeep").start()
         return self.exporter.address
@@ -357,7 +463,7 @@ class Sessions:
         if self.exporter is not None:
             self.exporter.stop()
             try:
-                self.directory.forget_replica(self.config.replica)
+                self.directory.forget_replica(self.config.replica, self.config.pool)
             except redis.RedisError as e:  # it expires anyway, in 3 upkeep periods
                 log.warning("could not withdraw replica %s's address: %s", self.config.replica, e)
 
@@ -376,7 +482,7 @@ class Sessions:
         number of messages freed."""
         if self.exporter is not None and not self._stopping.is_set():  # (a draining replica stays withdrawn)
             self.directory.announce_replica(self.config.replica, self.exporter.address,
-                                            int(3 * self.config.upkeep_period_s) + 1)
+                                            int(3 * self.config.upkeep_period_s) + 1, self.config.pool)
         with self._held_lock:
             sessions = list(set(self._held) | self.kvcomm.scopes())
         gone = set(sessions) - self.directory.open_sessions(sessions)

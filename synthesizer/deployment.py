@@ -35,7 +35,9 @@ class Synthesizer:
                  workers: DeploymentHandle | None = None):
         self.engine = load_engine(engine_config)
         serving_thread(self.engine.lm.device)  # (this thread serves requests: engine.threads)
-        replica = serve.get_replica_context().replica_id.unique_id
+        replica_id = serve.get_replica_context().replica_id
+        replica = replica_id.unique_id
+        service.pool = f"{replica_id.deployment_id.app_name}/{replica_id.deployment_id.name}"
         receiver = KVReceiver(self.engine.fingerprint, host=ray.util.get_node_ip_address())
         service.replica = replica
         self.sessions = Sessions(self.engine, Directory.connect(redis_url, session_ttl_s), service)
@@ -56,10 +58,19 @@ class Synthesizer:
                  receiver.address, exports, self.runner.prefill_tokens_per_s)
 
     def __del__(self):
-        """Serve's graceful shutdown of this replica (a scale-down, a rolling update): its session messages are
-        served no more, and its address is withdrawn at once, so the replicas that need them encode them again."""
+        """Serve's graceful shutdown of this replica (a scale-down, a rolling update): its session messages go to
+        live peers, within the service's hand-over budget; then it serves them no more, and its address is
+        withdrawn at once, so the replicas that need one it could not hand over encode it again."""
         if hasattr(self, "sessions"):  # (not when __init__ failed before it made one)
-            self.sessions.stop_upkeep()
+            try:
+                self.sessions.hand_over()
+            finally:
+                self.sessions.stop_upkeep()
+
+    def recovery(self) -> dict:
+        """This replica's id, and the messages it took over from draining ones and encoded again from their lineages
+        (with their tokens and seconds): an operator's probe, as the metrics report them."""
+        return {"replica": self.sessions.config.replica, **self.sessions.recovery}
 
     def info(self):
         return self.runner.info()

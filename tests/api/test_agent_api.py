@@ -331,6 +331,34 @@ def test_a_kv_path_session_survives_the_loss_of_its_replica(checkpoint, tmp_path
         redis_server.stop()
 
 
+def test_a_draining_replica_hands_its_messages_over(two_replicas):
+    """Replica A drains: before it goes, B takes over every message A holds (fetched from A over KVExport, bit for
+    bit; B is their holder in the directory), so that after A has gone nothing is encoded again: B's recovery
+    counts them as adopted, none recomputed, and a greedy Decode gives the tokens it gave on A. A message another
+    replica holds is not A's to hand over; a budget of 0 hands nothing over."""
+    (a, b), (logic_a, logic_b) = two_replicas
+    sessions = [_turns(a), _turns(a)]
+    workflow = list(a.RunWorkflow(pb.WorkflowRequest(
+        task="User: add.", branch_prompts=["a", "b"], synthesis_prompt="S:", worker_sampling=GREEDY,
+        synthesis_sampling=GREEDY, transport=pb.TRANSPORT_LOCAL)))[-1].done
+    sessions.append((workflow.session_id, [*workflow.branch_message_ids, workflow.answer_message_id]))
+    before = [[e.token_id for e in decode(a, sid, ids[-1:], header="Q:")] for sid, ids in sessions]
+    elsewhere = b.Prefill(pb.PrefillRequest(session_id=sessions[0][0], calls=[pb.PrefillCallSpec(text="B's")]))
+    held = {m: logic_a.engine.message(m) for _, ids in sessions for m in ids}
+    assert logic_a.hand_over(0) == {"held": 0, "handed_over": 0, "left": 0}
+    report = logic_a.hand_over()
+    assert report["handed_over"] == report["held"] >= len(held) and report["left"] == 0, report
+    logic_a.stop_upkeep()
+    logic_a.exporter.stop()
+    for sid, ids in sessions:
+        for m in ids:
+            assert logic_b.directory.lookup(sid, m).replica == "B"
+            assert torch.equal(logic_b.engine.message(m).kv.read(), held[m].kv.read())
+    assert logic_b.directory.lookup(sessions[0][0], elsewhere.message_ids[0]).replica == "B"
+    assert [[e.token_id for e in decode(b, sid, ids[-1:], header="Q:")] for sid, ids in sessions] == before
+    assert logic_b.recovery["messages"] == 0 and logic_b.recovery["adopted"] == report["held"]
+
+
 def test_a_long_chain_of_turns_comes_back_without_deep_recursion(two_replicas):
     """A session whose every message reads the one before (a long conversation), its holder gone: the chain is
     encoded again ancestors first, one message at a time, past Python's recursion limit in depth."""

@@ -623,6 +623,54 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
         serve.delete("braid-two")
 
 
+def test_a_rolling_update_hands_sessions_over_instead_of_encoding_them_again(cluster):
+    """Two synthesizer replicas hold sessions (turns, and a workflow's branches and answer); a rolling update (a
+    config change) replaces both through Serve's graceful shutdown. Each replica, before it goes, hands its
+    messages over to a live one: afterwards the directory names a new replica as the holder of every message
+    before any call needed them, no new replica encoded any again, and a greedy Decode after each session's last
+    message gives the tokens it gave before."""
+    from ray import serve
+
+    from braid.cluster.app import build_app
+
+    stub, config, _, _, local = cluster
+    two = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2, grpc_port=config.grpc_port)
+    serve.run(build_app(two, local.redis_url), name="braid-drain", route_prefix="/drain")
+    app = (("application", "braid-drain"),)
+    directory = Directory.connect(local.redis_url)
+    replicas = lambda: {a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa
+                        if a["name"].startswith("SERVE_REPLICA::braid-drain#Synthesizer#")}
+    try:
+        sessions = [_session_turns(stub, app, n) for n in (1, 2, 3)]
+        done = list(stub.RunWorkflow(pb.WorkflowRequest(
+            task="User: add.", branch_prompts=["a", "b"], synthesis_prompt="S:", worker_sampling=GREEDY,
+            synthesis_sampling=GREEDY), metadata=app, timeout=120))[-1].done
+        sessions.append((done.session_id, [*done.branch_message_ids, done.answer_message_id]))
+        before = [_probe(stub, app, sid, ids) for sid, ids in sessions]
+        old = replicas()
+        changed = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2,
+                                grpc_port=config.grpc_port, default_max_tokens=64)
+        serve.run(build_app(changed, local.redis_url), name="braid-drain", route_prefix="/drain")
+        deadline = time.monotonic() + 60
+        while replicas() & old and time.monotonic() < deadline:
+            time.sleep(0.5)
+        new = replicas()
+        assert len(new) == 2 and not new & old, (old, new)
+        holders = {directory.lookup(sid, m).replica for sid, ids in sessions for m in ids}
+        assert holders <= new, (holders, new)  # (handed over: before any call needed them)
+        assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
+        handle, counts = serve.get_deployment_handle("Synthesizer", app_name="braid-drain"), {}
+        for _ in range(40):  # (each call reaches one replica: until both have answered)
+            reply = handle.recovery.remote().result()
+            counts[reply["replica"]] = reply
+            if len(counts) == 2:
+                break
+        assert set(counts) == new and all(c.get("messages", 0) == 0 for c in counts.values()), counts
+        assert sum(c.get("adopted", 0) for c in counts.values()) >= sum(len(ids) for _, ids in sessions), counts
+    finally:
+        serve.delete("braid-drain")
+
+
 def test_fuzzed_requests_through_the_proxy(cluster):
     """The fuzz script's short version through Serve's gRPC proxy: no UNKNOWN/INTERNAL, no hang, and the
     cluster answers a fixed workflow as before."""
