@@ -359,6 +359,27 @@ def open_sessions(address: str, count: int, turns: tuple[int, int] = (2, 4),
     return out
 
 
+def workflow_sessions(address: str, transports: tuple[str, ...], per_transport: int = 2,
+                      metadata=(("application", "braid"),)) -> list[tuple[str, list[str]]]:
+    """Sessions made by RunWorkflow, `per_transport` over each of `transports` (words of the agent API's enum:
+    "grpc", "local", "text"), greedy: each session's id and its ids, the answer first and a branch last (the
+    probe's Decode reads the last: a calibrated answer is stored as its adapter's, which no call reads; in text
+    mode the answer alone, its branches are not stored)."""
+    out = []
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for word in transports:
+            for w in range(per_transport):
+                done = list(stub.RunWorkflow(pb.WorkflowRequest(
+                    task=f"User: add the partial results ({word} {w}).",
+                    branch_prompts=["Part 3.", "Part 4 and 5."], synthesis_prompt="Synthesizer:",
+                    worker_sampling=PROBE, synthesis_sampling=PROBE,
+                    transport=pb.Transport.Value(f"TRANSPORT_{word.upper()}")), metadata=metadata,
+                    timeout=120))[-1].done
+                out.append((done.session_id, [done.answer_message_id, *done.branch_message_ids]))
+    return out
+
+
 def probe(stub, session_id: str, ids: list[str], metadata) -> dict:
     """Every id of the session through GetMessage, then the greedy Decode over its last message: its tokens (None
     when it failed) and what failed ('STATUS: details', by id; the Decode's under "Decode")."""
@@ -500,11 +521,17 @@ def _rebuild_timing(calls: list[SessionCall], sessions: set[str], at: float) -> 
     return {"first_call_after": row(after[0]), "slowest_call_after": row(max(after, key=lambda c: c.end - c.start))}
 
 
-def fault_verdict(result: dict) -> list[str]:
+def fault_verdict(result: dict, max_share_encoded: float | None = None) -> list[str]:
     """Why a session fault's run failed (none: it passed): it must have met calls in flight, hung nothing, failed
     calls only with UNAVAILABLE (a lost replica's, to retry), answered every Decode as before, lost no session (a
-    DATA_LOSS the record explains is not a loss), and served a new workflow afterwards."""
+    DATA_LOSS the record explains is not a loss), served a new workflow afterwards, and (with `max_share_encoded`:
+    a drain, whose replicas hand their messages over) encoded again at most that share of the messages the
+    replaced replicas held."""
     why = []
+    share = result["recompute"].get("share_of_held")
+    if max_share_encoded is not None and share is not None and share > max_share_encoded:
+        why.append(f"{share:.0%} of the {result['recompute']['held_messages']} messages the replaced replicas held "
+                   f"were encoded again (at most {max_share_encoded:.0%}: they hand them over as they drain)")
     if result["in_flight_at_fault"] < 1:
         why.append("tested nothing: no call was in flight at the fault")
     if result["hung"]:
@@ -524,16 +551,23 @@ def fault_verdict(result: dict) -> list[str]:
 def _sessions_under_fault(address: str, redis_url: str, fault: Callable[[list, dict], tuple[set, float, dict]],
                           sessions: int, concurrency: int, after_s: float, settle_s: float,
                           timeout: float, workload: Workload, metrics_url: str | None,
-                          recover_within_s: float, metadata) -> dict:
+                          recover_within_s: float, metadata, transports: tuple[str, ...] = (),
+                          max_share_encoded: float | None = None) -> dict:
     """`sessions` sessions built and their Decodes recorded, then the load (`_mixed_load`) and, `after_s` into it
     (once a call is under way), `fault(sessions, holders)`: it breaks replicas and returns (the replicas it took
     away, the perf_counter clock of the fault, what to report). The load runs on for `settle_s` after it; then
     every session is probed against before. `during_fault`: how the calls under way at any time between the
-    fault's start and its end (a rolling update's span) ended."""
+    fault's start and its end (a rolling update's span) ended. `transports`: sessions made by workflows over these
+    too (workflow_sessions), beside the chat sessions."""
     from braid.runtime.directory import Directory
 
     directory = Directory.connect(redis_url)
     built = open_sessions(address, sessions, metadata=metadata)
+    kinds = {sid: "chat" for sid, _ in built}
+    for word in transports:
+        made = workflow_sessions(address, (word,), metadata=metadata)
+        kinds.update({sid: f"workflow over {word}" for sid, _ in made})
+        built += made
     with grpc.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         first = {sid: probe(stub, sid, ids, metadata) for sid, ids in built}
@@ -565,12 +599,17 @@ def _sessions_under_fault(address: str, redis_url: str, fault: Callable[[list, d
     recompute = {"held_messages": held_ids, **_rebuild_timing(calls, held, at)}
     if metrics_url:
         recompute.update(source="metrics", **_recomputed(metrics_url, baseline, held_ids))
+        recompute["share_of_held"] = recompute["messages"] / held_ids if held_ids else 0.0
     else:
         recompute["source"] = "timings"
     hit = [r for r in records if r.start < at and (r.end is None or r.end > at)]
     met = [r for r in records if r.start < done and (r.end is None or r.end > at)]  # (the update's whole span)
     failed = Counter(_outcome(r) for r in records if not r.ok)
+    lost = session_losses(before, after, gaps)
     result = {"sessions": len(built), "messages": len(holders), "sessions_on_replaced": len(held),
+              "sessions_by_kind": dict(Counter(kinds.values())),
+              "lost_by_kind": dict(Counter(kinds[sid] for sid in lost["lost"])),
+              "on_replaced_by_kind": dict(Counter(kinds[sid] for sid in held)),
               "replaced": sorted(gone), **info, "after_s": after_s,
               "calls": dict(Counter(_kind(r) for r in records)), "calls_failed": dict(failed),
               "hung": failed["DEADLINE_EXCEEDED"] + sum(r.end is None for r in records),
@@ -578,12 +617,12 @@ def _sessions_under_fault(address: str, redis_url: str, fault: Callable[[list, d
               "in_flight_by_kind": {kind: dict(Counter(_outcome(r) for r in hit if _kind(r) == kind))
                                     for kind in sorted({_kind(r) for r in hit})},
               "during_fault": dict(Counter(_outcome(r) for r in met)),
-              "decodes_differing": sum(c.differs for c in calls if c.ok), **session_losses(before, after, gaps),
+              "decodes_differing": sum(c.differs for c in calls if c.ok), **lost,
               # (the holders the directory names now: one encoded again or moved has a new one; one that a live
               # replica held a copy of already is served from that copy, its record left as it was)
               "ids_still_on_replaced": sum(directory.lookup(*key).replica in gone for key in holders),
               "recompute": recompute, "recovered_s": recovered}
-    result["why_failed"] = fault_verdict(result)
+    result["why_failed"] = fault_verdict(result, max_share_encoded)
     result["passed"] = not result["why_failed"]
     return result
 
@@ -598,7 +637,7 @@ def _gap(directory, session_id: str, message_id: str) -> str:
     its KV (a calibrated answer), or a parent that is no message of the session (a branch shipped from a worker)."""
     from braid.engine.errors import UnknownMessageError
 
-    lineage = directory.lookup(session_id, message_id).lineage
+    lineage = directory.lineage(session_id, message_id)
     if lineage is None or lineage.unrecorded:
         return lineage.unrecorded if lineage else ""
     for parent in lineage.parents:
@@ -613,7 +652,7 @@ def kill_synthesizer_under_load(address: str, redis_url: str, sessions: int = 8,
                                 after_s: float = 3.0, settle_s: float = 8.0,
                                 timeout: float = 120.0, workload: Workload = Workload(),
                                 metrics_url: str | None = None, recover_within_s: float = 120.0,
-                                metadata=(("application", "braid"),)) -> dict:
+                                metadata=(("application", "braid"),), transports: tuple[str, ...] = ()) -> dict:
     """Sessions under load while the Synthesizer replica of the Serve app in this process's Ray that holds the
     last message of the most sessions is SIGKILLed (no restart: Serve replaces it), `after_s` into the load."""
     import ray
@@ -630,17 +669,19 @@ def kill_synthesizer_under_load(address: str, redis_url: str, sessions: int = 8,
                               sum(holders[(sid, ids[-1])] == victim for sid, ids in built)}
 
     return _sessions_under_fault(address, redis_url, kill, sessions, concurrency, after_s, settle_s,
-                                 timeout, workload, metrics_url, recover_within_s, metadata)
+                                 timeout, workload, metrics_url, recover_within_s, metadata, transports)
 
 
 def rolling_update_under_load(address: str, redis_url: str, redeploy: Callable[[], None], sessions: int = 8,
                               concurrency: int = 4, after_s: float = 3.0, settle_s: float = 8.0,
                               timeout: float = 120.0, workload: Workload = Workload(),
                               metrics_url: str | None = None, recover_within_s: float = 120.0,
-                              metadata=(("application", "braid"),)) -> dict:
+                              metadata=(("application", "braid"),), transports: tuple[str, ...] = (),
+                              max_share_encoded: float = 0.1) -> dict:
     """Sessions under load while `redeploy()` (serve.run with a changed config) replaces every Synthesizer replica
     of the Serve app in this process's Ray, one at a time, `after_s` into the load. The fault is the whole update:
-    calls in flight as it starts are the ones it met."""
+    calls in flight as it starts are the ones it met. Each replica hands its messages over as it drains, so at most
+    `max_share_encoded` of those the old replicas held may be encoded again."""
     application = dict(metadata)["application"]
 
     def update(built, holders):
@@ -650,7 +691,8 @@ def rolling_update_under_load(address: str, redis_url: str, redeploy: Callable[[
         return replicas, at, {"replicas_before": len(replicas), "update_s": time.monotonic() - start}
 
     return _sessions_under_fault(address, redis_url, update, sessions, concurrency, after_s, settle_s,
-                                 timeout, workload, metrics_url, recover_within_s, metadata)
+                                 timeout, workload, metrics_url, recover_within_s, metadata, transports,
+                                 max_share_encoded)
 
 
 def main(argv=None) -> int:
@@ -677,6 +719,9 @@ def main(argv=None) -> int:
     p.add_argument("--sessions", type=int, default=None,
                    help="kill-synthesizer, rolling-update: sessions built before the load and checked after the "
                         "fault (default: 8)")
+    p.add_argument("--split", action="store_true",
+                   help="kill-synthesizer, rolling-update: a Worker replica apart from the two Synthesizer replicas, "
+                        "its workflows' KV shipped over gRPC (default: colocated, handed over in the store)")
     p.add_argument("--down", type=float, default=1.0, help="redis-restart: seconds Redis stays down (default: 1)")
     p.add_argument("--staircase", choices=["reprefill", "append"], default=None,
                    help="kill-worker: staircase workflows (KV over gRPC), which answer on without a lost branch")
@@ -694,6 +739,8 @@ def main(argv=None) -> int:
         p.error("--workflows and --concurrency must be >= 1, --after and --down >= 0")
     if args.sessions is not None and (args.fault not in SESSION_FAULTS or args.sessions < 1):
         p.error("--sessions (>= 1) goes with kill-synthesizer and rolling-update")
+    if args.split and args.fault not in SESSION_FAULTS:
+        p.error("--split goes with kill-synthesizer and rolling-update")
     if args.workflows is not None and args.fault in SESSION_FAULTS:
         p.error(f"{args.fault} sends workflows until the run ends (--concurrency at a time): no --workflows")
     if (args.staircase or args.graphs) and args.fault != "kill-worker":
@@ -789,11 +836,13 @@ def _sessions_main(args, concurrency: int, after: float) -> int:
     from braid.methods.calibration import fingerprints_at
     from braid.results import write_json
 
-    config = ClusterConfig(args.model, colocate=True, synthesizer_replicas=2, cpu_threads=1,
+    config = ClusterConfig(args.model, colocate=not args.split, synthesizer_replicas=2, cpu_threads=1,
                            grpc_port=free_port(), kv_wait_timeout_s=30)
     local = start_local_cluster(config, metrics_port=free_port())
+    # (sessions made by workflows too: their branches' KV shipped over gRPC from the Worker replica, or handed over
+    # in the colocated replica's store; and their text)
     sizes = {"sessions": args.sessions or 8, "concurrency": concurrency, "after_s": after,
-             "metrics_url": local.metrics_url}
+             "metrics_url": local.metrics_url, "transports": ("grpc" if args.split else "local", "text")}
     try:
         if args.fault == "kill-synthesizer":
             result = kill_synthesizer_under_load(local.address, local.redis_url, **sizes)
@@ -811,7 +860,7 @@ def _sessions_main(args, concurrency: int, after: float) -> int:
           f"their records say) {r['sessions_data_loss']}; recompute {r['recompute']}; a new workflow completed: "
           f"{back}")
     print("PASS" if r["passed"] else "FAIL: " + "; ".join(r["why_failed"]))
-    stem = write_json(args.out, f"chaos_{args.fault.replace('-', '_')}_cpu",
+    stem = write_json(args.out, f"chaos_{args.fault.replace('-', '_')}{'_split' if args.split else ''}_cpu",
                       {"what": f"{args.fault}: {FAULTS[args.fault]}", **r, "config": vars(args)}, device="cpu",
                       **fingerprints_at(EngineConfig(args.model)))
     print(f"wrote {stem}.json")
