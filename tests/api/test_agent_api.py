@@ -266,11 +266,11 @@ def test_a_session_survives_the_loss_of_its_replica(two_replicas, how):
 @pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
 def test_a_kv_path_session_survives_the_loss_of_its_replica(checkpoint, tmp_path, calibrated):
     """A RunWorkflow whose synthesizer read the workers' KV (handed over in its store; uncalibrated, or through a
-    calibration's mapper and adapter: tests/cluster has it shipped over gRPC), then its replica A crashes. On B, the answer, its branches and its
-    prefix resolve, encoded again from their lineages: the branches, each after the prompt the worker read before
-    it, in one prefill; then the answer, its synthesis replayed (placement, refresh, the same calibration). Their KV
-    matches A's within batching noise, and a greedy Decode after the (uncalibrated) answer gives the tokens it gave on
-    A."""
+    calibration's mapper and adapter: tests/cluster has it shipped over gRPC), then its replica A crashes. On B,
+    the answer, its branches and its prefix resolve, encoded again from their lineages: the branches, each after
+    the prompt the worker read before it, in one prefill; then the answer, its synthesis replayed (placement,
+    refresh, the same calibration). Their KV matches A's within batching noise, and a greedy Decode after the
+    (uncalibrated) answer gives the tokens it gave on A."""
     from test_calibration import make_calibration
 
     from braid.methods.calibration import load_engine
