@@ -1945,7 +1945,8 @@ def reliability_page(r: Report) -> str:
                                        reliability_soak(r), reliability_leakage(r), reliability_dashboard(r)])
 
 
-SESSION_FAULTS = ["chaos_kill_synthesizer_cpu", "chaos_rolling_update_cpu"]
+SESSION_FAULTS = ["chaos_kill_synthesizer_cpu", "chaos_rolling_update_cpu", "chaos_kill_synthesizer_split_cpu",
+                  "chaos_rolling_update_split_cpu"]
 
 
 def reliability_sessions(r: Report) -> str:
@@ -1954,22 +1955,29 @@ def reliability_sessions(r: Report) -> str:
         result = r.load(name)
         recompute = result["recompute"]
         slowest = recompute["slowest_call_after"]
-        rows.append([f"`{result['config']['fault']}`", f"{result['sessions']} ({result['messages']} messages)",
+        kinds = ", ".join(f"{n} {kind}" for kind, n in result.get("sessions_by_kind", {"chat": result["sessions"]})
+                          .items())
+        rows.append([f"`{result['config']['fault']}`" + (" `--split`" if result["config"].get("split") else ""),
+                     f"{result['sessions']}: {kinds} ({result['messages']} messages)",
                      str(result["in_flight_at_fault"]),
                      ", ".join(f"{k} {v}" for k, v in sorted(result["in_flight_outcomes"].items())),
                      ", ".join(f"{k} {v}" for k, v in sorted(result["calls_failed"].items())) or "none",
                      str(result["sessions_lost"]), str(result["sessions_data_loss"]),
-                     f"{recompute['messages']:.0f} ({recompute['tokens']:.0f} tokens, {secs(recompute['seconds'])})",
+                     f"{recompute['messages']:.0f} of {recompute['held_messages']} held ({recompute['tokens']:.0f} "
+                     f"tokens, {secs(recompute['seconds'])})",
                      f"{secs(slowest['seconds'])} ({slowest['kind']}; {secs(slowest['same_call_before_s'])} before)",
                      secs(result["recovered_s"]), verdict(result["passed"])])
     return "\n\n".join([
         section(H_SESSIONS, paragraph(
-            "`python -m braid.loadtest.chaos kill-synthesizer` and `rolling-update`: sessions of several turns on two",
-            "Synthesizer replicas, session calls and workflows running; then the replica holding the most sessions",
-            "is killed, or a redeploy replaces both. Afterwards every message id of every session is read and a",
-            "greedy Decode is compared with the one before the fault. A session is lost if any id fails or the",
-            "Decode differs; `DATA_LOSS` that a message's record explains is counted apart. \"Encoded again\" is",
-            "what the replicas' recompute counters rose by (a survivor that already held a copy encodes nothing).")),
+            "`python -m braid.loadtest.chaos kill-synthesizer` and `rolling-update`: sessions of several turns, and",
+            "sessions made by workflows (over `local` and `text`, colocated; with `--split`, a Worker replica apart,",
+            "over `grpc` and `text`), on two Synthesizer replicas, session calls and workflows running; then the",
+            "replica holding the most sessions is killed, or a redeploy replaces both (each handing its messages over",
+            "as it drains). Afterwards every message id of every session is read and a greedy Decode is compared with",
+            "the one before the fault. A session is lost if any id fails or the Decode differs; `DATA_LOSS` that a",
+            "message's record explains is counted apart. \"Encoded again\" is what the replicas' recompute counters",
+            "rose by, against the messages the replaced replicas held (a survivor that already held a copy, or took",
+            "one over, encodes nothing).")),
         r.table(["fault", "sessions", "in flight at the fault", "their outcomes", "calls failed", "sessions lost",
                  "DATA_LOSS", "encoded again", "slowest call after", "a new workflow completes after", "passed"],
                 rows, SESSION_FAULTS),

@@ -560,6 +560,12 @@ def test_session_calls_succeed_on_three_synthesizer_replicas(cluster):
 
 
 
+def _replica_ids(application: str) -> set[str]:
+    """The ids of the application's Synthesizer replicas alive now."""
+    return {a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{application}#Synthesizer#")}
+
+
 def _session_turns(stub, app, n):
     """A session of `n` turns (a prompt, then reply after reply); its ids in order."""
     r = stub.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text=f"User: session {n}")]), metadata=app)
@@ -583,7 +589,9 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
     """Two synthesizer replicas hold sessions of several turns. The replica the directory names as a session's
     holder is killed (SIGKILL): afterwards every id of every session resolves and a greedy Decode gives the
     tokens it gave before, each lost message encoded again from its lineage (the recompute counter rose). Then a
-    rolling update replaces both replicas (a config change through serve.run): every session survives again."""
+    rolling update replaces both replicas (a config change through serve.run), each handing its messages over to
+    a live one as it drains: the directory names a new replica as the holder of every message before any call
+    needed them, no new replica encoded any again, and every session answers as before."""
     import urllib.request
 
     from ray import serve
@@ -614,61 +622,30 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
                 break
             time.sleep(2)
         assert sum(counts) >= 1, text[-2000:]
-        # a rolling update: a changed config replaces every replica, one at a time
+        # a rolling update: a changed config replaces every replica, one at a time, each handing over as it drains
+        old = _replica_ids("braid-two")
         changed = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2,
                                 grpc_port=config.grpc_port, default_max_tokens=64)
         serve.run(build_app(changed, local.redis_url), name="braid-two", route_prefix="/two")
-        assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
-    finally:
-        serve.delete("braid-two")
-
-
-def test_a_rolling_update_hands_sessions_over_instead_of_encoding_them_again(cluster):
-    """Two synthesizer replicas hold sessions (turns, and a workflow's branches and answer); a rolling update (a
-    config change) replaces both through Serve's graceful shutdown. Each replica, before it goes, hands its
-    messages over to a live one: afterwards the directory names a new replica as the holder of every message
-    before any call needed them, no new replica encoded any again, and a greedy Decode after each session's last
-    message gives the tokens it gave before."""
-    from ray import serve
-
-    from braid.cluster.app import build_app
-
-    stub, config, _, _, local = cluster
-    two = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2, grpc_port=config.grpc_port)
-    serve.run(build_app(two, local.redis_url), name="braid-drain", route_prefix="/drain")
-    app = (("application", "braid-drain"),)
-    directory = Directory.connect(local.redis_url)
-    replicas = lambda: {a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa
-                        if a["name"].startswith("SERVE_REPLICA::braid-drain#Synthesizer#")}
-    try:
-        sessions = [_session_turns(stub, app, n) for n in (1, 2, 3)]
-        done = list(stub.RunWorkflow(pb.WorkflowRequest(
-            task="User: add.", branch_prompts=["a", "b"], synthesis_prompt="S:", worker_sampling=GREEDY,
-            synthesis_sampling=GREEDY), metadata=app, timeout=120))[-1].done
-        sessions.append((done.session_id, [*done.branch_message_ids, done.answer_message_id]))
-        before = [_probe(stub, app, sid, ids) for sid, ids in sessions]
-        old = replicas()
-        changed = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2,
-                                grpc_port=config.grpc_port, default_max_tokens=64)
-        serve.run(build_app(changed, local.redis_url), name="braid-drain", route_prefix="/drain")
         deadline = time.monotonic() + 60
-        while replicas() & old and time.monotonic() < deadline:
+        while _replica_ids("braid-two") & old and time.monotonic() < deadline:
             time.sleep(0.5)
-        new = replicas()
+        new = _replica_ids("braid-two")
         assert len(new) == 2 and not new & old, (old, new)
-        holders = {directory.lookup(sid, m).replica for sid, ids in sessions for m in ids}
+        everything = [*sessions, (fresh.session_id, list(fresh.message_ids))]
+        holders = {directory.lookup(sid, m).replica for sid, ids in everything for m in ids}
         assert holders <= new, (holders, new)  # (handed over: before any call needed them)
         assert [_probe(stub, app, sid, ids) for sid, ids in sessions] == before
-        handle, counts = serve.get_deployment_handle("Synthesizer", app_name="braid-drain"), {}
+        handle, counts = serve.get_deployment_handle("Synthesizer", app_name="braid-two"), {}
         for _ in range(40):  # (each call reaches one replica: until both have answered)
             reply = handle.recovery.remote().result()
             counts[reply["replica"]] = reply
             if len(counts) == 2:
                 break
         assert set(counts) == new and all(c.get("messages", 0) == 0 for c in counts.values()), counts
-        assert sum(c.get("adopted", 0) for c in counts.values()) >= sum(len(ids) for _, ids in sessions), counts
+        assert sum(c.get("adopted", 0) for c in counts.values()) >= sum(len(ids) for _, ids in everything), counts
     finally:
-        serve.delete("braid-drain")
+        serve.delete("braid-two")
 
 
 def test_fuzzed_requests_through_the_proxy(cluster):

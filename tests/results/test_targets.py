@@ -489,6 +489,22 @@ def test_issue_47_sessions_survive_the_loss_of_a_replica(name):
     assert set(got["in_flight_outcomes"]) <= {"OK", "UNAVAILABLE"}
 
 
+@pytest.mark.parametrize("name", ["chaos_kill_synthesizer_cpu.json", "chaos_rolling_update_cpu.json",
+                                  "chaos_kill_synthesizer_split_cpu.json", "chaos_rolling_update_split_cpu.json"])
+def test_issue_61_kv_path_sessions_survive_and_a_drain_hands_over(name):
+    """Issue 61: kill-synthesizer and rolling-update with sessions made by RunWorkflow over grpc and local as well
+    as text, work asserted in flight: sessions lost 0; for the drain, messages re-encoded after a rolling update at
+    most 10% of those held."""
+    got = result(name)
+    kinds = set(got["sessions_by_kind"])
+    assert {"chat", "workflow over text"} <= kinds and kinds & {"workflow over local", "workflow over grpc"}
+    assert got["in_flight_at_fault"] >= 1 and got["hung"] == 0 and got["sessions_lost"] == 0
+    assert got["decodes_differing"] == 0 and set(got["in_flight_outcomes"]) <= {"OK", "UNAVAILABLE"}
+    if got["config"]["fault"] == "rolling-update":
+        assert got["recompute"]["held_messages"] >= 1
+        assert got["recompute"]["messages"] <= 0.1 * got["recompute"]["held_messages"]
+
+
 # --- the stamp rule itself ----------------------------------------------------------------------------------------
 
 def test_known_unclean_lists_only_files_a_target_reads():
