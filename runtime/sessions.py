@@ -165,9 +165,9 @@ class Sessions:
             return f"it was encoded by model {model}, and this replica runs {self.engine.fingerprint}"
         if adapter and adapter not in self.engine.adapters:
             return f"it was encoded with adapter {adapter!r}, which this replica does not load"
-        if lineage.synthesis is not None and lineage.synthesis.calibration != digest:
-            return (f"its branches were read through calibration {lineage.synthesis.calibration or 'none'}, and "
-                    f"this replica runs {digest or 'none'}")
+        if lineage.synthesis is not None and lineage.synthesis.calibration not in ("", digest):
+            return (f"its branches were read through calibration {lineage.synthesis.calibration}, and this "
+                    f"replica runs {digest or 'none'}")
         for parent in lineage.parents:
             try:
                 self.directory.lookup(rec.session_id, parent)
