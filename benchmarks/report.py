@@ -1957,7 +1957,7 @@ def reliability_sessions(r: Report) -> str:
         slowest = recompute["slowest_call_after"]
         kinds = ", ".join(f"{n} {kind}" for kind, n in result.get("sessions_by_kind", {"chat": result["sessions"]})
                           .items())
-        rows.append([f"`{result['config']['fault']}`" + (" `--split`" if result["config"].get("split") else ""),
+        rows.append([f"`{fault_name(result)}`",
                      f"{result['sessions']}: {kinds} ({result['messages']} messages)",
                      str(result["in_flight_at_fault"]),
                      ", ".join(f"{k} {v}" for k, v in sorted(result["in_flight_outcomes"].items())),
@@ -2267,9 +2267,10 @@ def headline_rows(r: Report, base: str) -> list[Headline]:
 
 
 def fault_name(result: dict) -> str:
-    """"kill-worker (graphs)", "kill-worker (staircase reprefill)", "redis-restart"."""
+    """"kill-worker (graphs)", "kill-worker (staircase reprefill)", "rolling-update (split)", "redis-restart"."""
     c = result["config"]
-    variant = "graphs" if c.get("graphs") else (f"staircase {c.get('staircase')}" if c.get("staircase") else "")
+    variant = "graphs" if c.get("graphs") else (f"staircase {c.get('staircase')}" if c.get("staircase") else
+                                                "split" if c.get("split") else "")
     return c["fault"] + (f" ({variant})" if variant else "")
 
 
