@@ -528,7 +528,7 @@ def fault_verdict(result: dict, max_share_encoded: float | None = None) -> list[
     a drain, whose replicas hand their messages over) encoded again at most that share of the messages the
     replaced replicas held."""
     why = []
-    share = result["recompute"].get("share_of_held")
+    share = result.get("recompute", {}).get("share_of_held")
     if max_share_encoded is not None and share is not None and share > max_share_encoded:
         why.append(f"{share:.0%} of the {result['recompute']['held_messages']} messages the replaced replicas held "
                    f"were encoded again (at most {max_share_encoded:.0%}: they hand them over as they drain)")

@@ -173,5 +173,10 @@ def test_session_faults_tell_lost_sessions_from_data_loss_their_records_explain(
     why = fault_verdict({**ok, **losses, "calls_failed": {"UNAVAILABLE": 1, "INTERNAL": 1}, "recovered_s": None})
     assert why[0] == "calls failed with {'INTERNAL': 1}" and why[1].startswith("2 of 4 sessions lost")
     assert why[2] == "no new workflow completed"
+    drained = {**ok, "recompute": {"held_messages": 40, "messages": 5.0, "share_of_held": 0.125}}
+    assert fault_verdict(drained) == [] and fault_verdict(drained, max_share_encoded=0.2) == []
+    assert fault_verdict(drained, max_share_encoded=0.1) == [
+        "12% of the 40 messages the replaced replicas held were encoded again (at most 10%: they hand them over as "
+        "they drain)"]
     with pytest.raises(SystemExit):  # (sessions go with the session faults only)
         chaos_main(["kill-worker", "--sessions", "3"])
