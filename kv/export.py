@@ -196,3 +196,16 @@ def hand_over(address: str, holder: str, holder_address: str, messages: list[tup
         raise TransferError(f"replica at {address} could not take {len(messages)} messages over: {e.code().name}: "
                             f"{e.details()}") from None
     return list(reply.adopted), list(reply.skipped)
+
+
+def reachable(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether a replica's KVExport at `address` takes a connection within `timeout_s` (one that has gone refuses
+    it, though its address may still be announced)."""
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()

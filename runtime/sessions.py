@@ -19,7 +19,7 @@ import redis
 from braid.engine import Engine, PrefillCall, Sibling
 from braid.engine.errors import BraidError, DataLossError, UnavailableError, UnknownMessageError
 from braid.kv.connector import TransferError
-from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors, hand_over
+from braid.kv.export import HolderGoneError, KVExporter, fetch, fetch_anchors, hand_over, reachable
 from braid.kv.grpc_transport import GRPC_LIMITS
 from braid.kv.peer_auth import peer_channel
 from braid.methods.dag import WaveExecutor
@@ -176,13 +176,13 @@ class Sessions:
         return ""
 
     def _rebuild(self, lost: list[tuple[MessageRecord, str]]) -> None:
-        """Encode messages of a session again from their lineages (none a parent of another; each `why` it was
-        lost), under their own ids, their parents brought here first (fetched, or encoded again in turn, a level of
-        the family at a time), and take over as their holder from the one that lost each (fenced in the directory:
-        two replicas never both become a message's holder; one that loses the race keeps its copy as a moved
-        message). The plain ones, a worker's branch with its prompt before it among them, are one prefill on each
-        set of weights; a cache-path answer replays its synthesis. DATA_LOSS where a lineage cannot give one
-        again."""
+        """Encode messages of a session again from their lineages (each with why it was lost; one may be another's
+        parent, when its holder seemed alive until the fetch failed), under their own ids, their parents brought
+        here first (fetched, or encoded again in turn, a level of the family at a time), and take over as their
+        holder from the one that lost each (fenced in the directory: two replicas never both become a message's
+        holder; one that loses the race keeps its copy as a moved message). The plain ones, a worker's branch with
+        its prompt before it among them, are one prefill on each set of weights; a cache-path answer replays its
+        synthesis. DATA_LOSS where a lineage cannot give one again."""
         session_id, why = lost[0][0].session_id, {rec.message_id: why for rec, why in lost}
         lineages = {}
         for rec, _ in lost:
@@ -214,6 +214,9 @@ class Sessions:
         try:
             while left:  # a level at a time: the messages none of whose parents is still to be encoded
                 ready = [(rec, lin) for rec, lin in todo if rec.message_id in left and not set(lin.parents) & set(left)]
+                if not ready:  # (lineages that read each other in a circle: no record the engine wrote)
+                    raise DataLossError(f"messages {sorted(left)} of session {session_id!r} name each other as "
+                                        "parents: they cannot be encoded again. Run the calls that made them again")
                 self._encode_again([(rec, lin) for rec, lin in ready if lin.synthesis is None])
                 for rec, lin in ready:
                     if lin.synthesis is not None:
@@ -337,8 +340,12 @@ class Sessions:
             return report
         try:
             alive = self.directory.open_sessions(held)
-            mine = [(sid, mid) for sid in sorted(alive) for mid in held[sid]
-                    if mid in self.engine.store and self._holder(sid, mid) == self.config.replica]
+            here = [(sid, mid, self._holder(sid, mid)) for sid in sorted(alive) for mid in held[sid]
+                    if mid in self.engine.store]
+            gone = {h for h in {h for _, _, h in here} - {"", self.config.replica} if not self._answers(h)}
+            # (a copy whose holder has gone, crashed with its address still announced, is this replica's first)
+            mine = [(sid, mid) for sid, mid, h in here if h == self.config.replica
+                    or h in gone and self.directory.take_over(sid, mid, h, self.config.replica)]
             peers = sorted(a for r, a in self.directory.replicas(self.config.pool).items() if r != self.config.replica)
         except redis.RedisError as e:
             log.warning("no hand-over, the control plane is unavailable: %s", e)
@@ -369,6 +376,11 @@ class Sessions:
         log.info("draining: handed %d of %d session messages over to %d replicas in %.2f s", report["handed_over"],
                  report["held"], len(shares), time.monotonic() - start)
         return report
+
+    def _answers(self, replica: str) -> bool:
+        """Whether `replica` is announced and takes a connection where it serves its messages."""
+        address = self.directory.replica_address(replica)
+        return address is not None and reachable(address)
 
     def _holder(self, session_id: str, message_id: str) -> str:
         try:

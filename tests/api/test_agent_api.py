@@ -359,6 +359,21 @@ def test_a_draining_replica_hands_its_messages_over(two_replicas):
     assert logic_b.recovery["messages"] == 0 and logic_b.recovery["adopted"] == report["held"]
 
 
+def test_a_draining_replica_takes_over_its_copies_of_a_crashed_holders_messages_first(two_replicas):
+    """A message moved from A to B (B its holder, A keeping a copy); then B crashes, its address still announced.
+    When A drains, its copy becomes A's (B refuses connections) before the hand-over, so the directory never names
+    the crashed replica; with no live peer left, it stays for a call to bring it back."""
+    (a, b), (logic_a, logic_b) = two_replicas
+    r = a.Prefill(pb.PrefillRequest(calls=[pb.PrefillCallSpec(text="User: moved")]))
+    sid, mid = r.session_id, r.message_ids[0]
+    decode(b, sid, [mid])  # (moves it to B, which becomes its holder)
+    assert logic_a.directory.lookup(sid, mid).replica == "B" and mid in logic_a.engine.store
+    logic_b.exporter.stop()  # (a crash: its address still announced, nothing answers there)
+    report = logic_a.hand_over(budget_s=5)
+    assert logic_a.directory.lookup(sid, mid).replica == "A"
+    assert report["held"] >= 1 and report["handed_over"] == 0 and report["left"] == report["held"]
+
+
 def test_a_long_chain_of_turns_comes_back_without_deep_recursion(two_replicas):
     """A session whose every message reads the one before (a long conversation), its holder gone: the chain is
     encoded again ancestors first, one message at a time, past Python's recursion limit in depth."""
