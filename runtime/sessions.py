@@ -346,10 +346,12 @@ class Sessions:
             # (a copy whose holder has gone, crashed with its address still announced, is this replica's first)
             mine = [(sid, mid) for sid, mid, h in here if h == self.config.replica
                     or h in gone and self.directory.take_over(sid, mid, h, self.config.replica)]
-            peers = sorted(a for r, a in self.directory.replicas(self.config.pool).items() if r != self.config.replica)
+            announced = self.directory.replicas(self.config.pool)
         except redis.RedisError as e:
             log.warning("no hand-over, the control plane is unavailable: %s", e)
             return report
+        # (live ones only: a crashed replica's address stays announced until it expires)
+        peers = sorted(a for r, a in announced.items() if r != self.config.replica and reachable(a))
         report.update(held=len(mine), left=len(mine))
         if not mine or not peers:
             log.info("draining: %d session messages held here, %s", len(mine),
@@ -359,16 +361,20 @@ class Sessions:
         for sid, mid in mine:
             shares.setdefault(peers[zlib.crc32(sid.encode()) % len(peers)], []).append((sid, mid))
 
-        def give(peer: str) -> int:
-            try:
-                adopted, skipped = hand_over(peer, self.config.replica, self.exporter.address, shares[peer],
-                                             max(0.1, budget - (time.monotonic() - start)))
-            except TransferError as e:
-                log.warning("draining: %s", e)
-                return 0
-            if skipped:
-                log.info("draining: %d messages not taken by %s (%s)", len(skipped), peer, "; ".join(skipped[:3]))
-            return len(adopted)
+        def give(peer: str) -> int:  # (to the next live peer where one fails, while the budget lasts)
+            for to in peers[peers.index(peer):] + peers[:peers.index(peer)]:
+                left = budget - (time.monotonic() - start)
+                if left <= 0:
+                    return 0
+                try:
+                    adopted, skipped = hand_over(to, self.config.replica, self.exporter.address, shares[peer], left)
+                except TransferError as e:
+                    log.warning("draining: %s", e)
+                    continue
+                if skipped:
+                    log.info("draining: %d messages not taken by %s (%s)", len(skipped), to, "; ".join(skipped[:3]))
+                return len(adopted)
+            return 0
 
         with ThreadPoolExecutor(len(shares), thread_name_prefix="hand-over") as pool:
             report["handed_over"] = sum(pool.map(give, shares))
