@@ -489,6 +489,28 @@ def test_issue_47_sessions_survive_the_loss_of_a_replica(name):
     assert set(got["in_flight_outcomes"]) <= {"OK", "UNAVAILABLE"}
 
 
+@pytest.mark.parametrize("mode", ["text", "cache_branch_point", "cache_sequential", "cache_calibrated",
+                                  "cache_refresh", "cache_served", "cache_refresh_apart", "cache_served_apart"])
+def test_issue_59_synthesis_ttft_within_3_percent_of_the_tree_before(mode):
+    """Issue 59: "interleaved A/B against the tree before, >= 5 repeats, ... synthesis TTFT within 3%"
+    (ab_synthesis_ttft_100m_house2_15x.json: the finished second pass against d8d8f99, 15 repeats)."""
+    data = result("ab_synthesis_ttft_100m_house2_15x.json")
+    this, against, repeats = ab_medians(data, f"{mode}@512")
+    assert repeats >= 5 and data["against"].startswith("d8d8f99")
+    assert this <= 1.03 * against
+
+
+@pytest.mark.parametrize("side", ["text", "local"])
+def test_issue_59_serving_c16_within_3_percent_of_the_tree_before(side):
+    """Issue 59: serving c16 within 3% of the tree before (ab_serving_c16_house2_final.json, 9 repeats): throughput
+    no more than 3% lower, median TTFT no more than 3% higher."""
+    data = result("ab_serving_c16_house2_final.json")
+    this, against, repeats = ab_medians(data, f"tok_per_s/{side}@c16")
+    assert repeats >= 5 and this >= 0.97 * against
+    this, against, _ = ab_medians(data, f"median_ttft_ms/{side}@c16")
+    assert this <= 1.03 * against
+
+
 @pytest.mark.parametrize("name", ["chaos_kill_synthesizer_cpu.json", "chaos_rolling_update_cpu.json",
                                   "chaos_kill_synthesizer_split_cpu.json", "chaos_rolling_update_split_cpu.json"])
 def test_issue_61_kv_path_sessions_survive_and_a_drain_hands_over(name):
