@@ -623,7 +623,15 @@ def test_sessions_survive_a_killed_synthesizer_and_a_rolling_update(cluster):
             time.sleep(2)
         assert sum(counts) >= 1, text[-2000:]
         # a rolling update: a changed config replaces every replica, one at a time, each handing over as it drains
-        old = _replica_ids("braid-two")
+        # to a live one. (Once Serve has replaced the killed replica: with one replica left, an update stops it
+        # before its successor starts, so there is no peer to hand over to)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                len(_replica_ids("braid-two") - {victim}) == 2
+                and _replica_ids("braid-two") - {victim} <= set(directory.replicas("braid-two/Synthesizer"))):
+            time.sleep(0.5)
+        old = _replica_ids("braid-two") - {victim}
+        assert len(old) == 2, old
         changed = ClusterConfig(config.model_path, colocate=True, synthesizer_replicas=2,
                                 grpc_port=config.grpc_port, default_max_tokens=64)
         serve.run(build_app(changed, local.redis_url), name="braid-two", route_prefix="/two")
